@@ -1,0 +1,158 @@
+"""Corpora as token streams: the built-in one (this Python's standard library), text, or pre-tokenized binaries.
+
+* ``None`` / ``"builtin"``: the standard library's ``.py`` sources. Files are
+  ordered and split into train and validation by a hash of their relative
+  path, so the split is the same on every machine with the same Python version;
+  ``max_bytes`` caps the size (each split takes files in hash order up to its share).
+* a text file: its last ``val_fraction`` of bytes is validation.
+* a directory of text files: split by a hash of each file's relative path.
+* a ``.bin`` file of uint16 token ids (memory-mapped): its last
+  ``val_fraction`` of tokens is validation; or a directory holding ``train.bin``
+  and ``val.bin``.
+
+Documents are joined with the tokenizer's end-of-text token when it has one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prunus.models.errors import PrunusError
+
+BUILTIN = "builtin"
+DEFAULT_MAX_BYTES = 16 << 20
+VAL_FRACTION = 0.05
+
+
+@dataclass
+class Corpus:
+    name: str
+    train: np.ndarray  # 1-D token ids (uint16 / uint32; possibly a memmap)
+    val: np.ndarray
+    train_bytes: int | None = None  # text bytes behind the streams, when known
+    val_bytes: int | None = None
+
+
+def _path_hash(rel: str) -> float:
+    """A deterministic number in [0, 1) from a relative path."""
+    return int.from_bytes(hashlib.sha1(rel.encode()).digest()[:8], "big") / 2**64
+
+
+def _split_files(root: Path, files: list[Path], max_bytes: int | None, val_fraction: float):
+    """(train_paths, val_paths): a file is validation when its path hash is below ``val_fraction``.
+
+    Each split takes files in hash order up to its share of ``max_bytes``."""
+    keyed = sorted((_path_hash(f.relative_to(root).as_posix()), f) for f in files)
+    split = {"train": [], "val": []}
+    size = {"train": 0, "val": 0}
+    cap = {"train": None, "val": None}
+    if max_bytes is not None:
+        cap = {"train": max_bytes * (1 - val_fraction), "val": max_bytes * val_fraction}
+    for h, f in keyed:
+        name = "val" if h < val_fraction else "train"
+        n = f.stat().st_size
+        if cap[name] is not None and size[name] + n > cap[name]:
+            continue
+        size[name] += n
+        split[name].append(f)
+    return split["train"], split["val"]
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return root, files
+
+
+def _tokenize_docs(paths: list[Path], tokenizer) -> tuple[np.ndarray, int]:
+    parts, n_bytes = [], 0
+    eos = getattr(tokenizer, "eos_id", None)
+    sep = None if eos is None else np.asarray([eos], dtype=np.uint32)
+    for p in paths:
+        data = p.read_bytes()
+        n_bytes += len(data)
+        parts.append(tokenizer.encode_array(data))
+        if sep is not None:
+            parts.append(sep)
+    if not parts:
+        return np.zeros(0, dtype=np.uint16), 0
+    dtype = np.uint16 if tokenizer.n_vocab <= 65536 else np.uint32
+    return np.concatenate(parts).astype(dtype), n_bytes
+
+
+def _text_files(root: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [Path(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+    return files
+
+
+def _memmap(path: Path, vocab_size: int | None) -> np.ndarray:
+    if path.stat().st_size % 2:
+        raise PrunusError(f"{path}: size is not a whole number of uint16 tokens; write token ids as uint16")
+    arr = np.memmap(path, dtype=np.uint16, mode="r")
+    if vocab_size is not None and arr.size and int(arr.max()) >= vocab_size:
+        raise PrunusError(f"{path}: holds token id {int(arr.max())} >= the model's vocab_size {vocab_size}; use a matching tokenizer or model")
+    return arr
+
+
+def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                val_fraction: float = VAL_FRACTION, vocab_size: int | None = None) -> Corpus:
+    """Token streams for ``data`` (see the module docstring). Raises PrunusError on unusable input."""
+    if data is None or str(data) == BUILTIN:
+        root, files = stdlib_files()
+        train_p, val_p = _split_files(root, files, max_bytes, val_fraction)
+        train, nt = _tokenize_docs(train_p, tokenizer)
+        val, nv = _tokenize_docs(val_p, tokenizer)
+        corpus = Corpus(f"builtin (Python {'.'.join(map(str, __import__('sys').version_info[:2]))} stdlib)", train, val, nt, nv)
+    else:
+        path = Path(data)
+        if not path.exists():
+            raise PrunusError(f"data path {path}: does not exist; give a text file, a directory of text files or a .bin token file")
+        if not os.access(path, os.R_OK):
+            raise PrunusError(f"data path {path}: not readable; fix its permissions")
+        if path.is_dir() and (path / "train.bin").is_file():
+            train = _memmap(path / "train.bin", vocab_size)
+            if (path / "val.bin").is_file():
+                val = _memmap(path / "val.bin", vocab_size)
+            else:
+                n_val = int(len(train) * val_fraction)
+                train, val = train[: len(train) - n_val], train[len(train) - n_val :]
+            corpus = Corpus(str(path), train, val)
+        elif path.is_file() and path.suffix == ".bin":
+            tokens = _memmap(path, vocab_size)
+            n_val = int(len(tokens) * val_fraction)
+            corpus = Corpus(str(path), tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :])
+        elif path.is_file():
+            try:
+                data_bytes = path.read_bytes()
+            except OSError as e:
+                raise PrunusError(f"data path {path}: cannot be read ({e.strerror}); fix the path or its permissions") from None
+            if max_bytes is not None:
+                data_bytes = data_bytes[:max_bytes]
+            cut = len(data_bytes) - int(len(data_bytes) * val_fraction)
+            corpus = Corpus(str(path), tokenizer.encode_array(data_bytes[:cut]), tokenizer.encode_array(data_bytes[cut:]),
+                            cut, len(data_bytes) - cut)
+        else:
+            root = path
+            train_p, val_p = _split_files(root, _text_files(root), max_bytes, val_fraction)
+            if train_p and not val_p:  # too few files for the hash split: hold out the last one
+                train_p, val_p = train_p[:-1], train_p[-1:]
+            train, nt = _tokenize_docs(train_p, tokenizer)
+            val, nv = _tokenize_docs(val_p, tokenizer)
+            corpus = Corpus(str(path), train, val, nt, nv)
+    if len(corpus.train) < 2 or len(corpus.val) < 2:
+        raise PrunusError(f"data {corpus.name}: the corpus is empty (train {len(corpus.train)} tokens, validation {len(corpus.val)}); give a larger corpus")
+    if vocab_size is not None and tokenizer.n_vocab > vocab_size:
+        raise PrunusError(f"tokenizer has {tokenizer.n_vocab} tokens but the model's vocab_size is {vocab_size}; use a model with a larger vocabulary")
+    return corpus

@@ -1,0 +1,45 @@
+"""Validation loss and bits per byte on a token stream.
+
+Bits per byte = total negative log-likelihood in bits / UTF-8 bytes of the
+predicted tokens, so models with different tokenizers compare fairly. The model
+may be a module or any ``tokens -> logits`` callable (an ONNX Runtime session, say).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .batches import eval_batches
+
+
+@torch.no_grad()
+def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: int, batch_size: int = 8,
+             max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict:
+    """{"val_loss": nats per token, "val_bpb": bits per byte, "val_tokens": tokens scored}."""
+    seq_len = min(seq_len, len(tokens) - 1)
+    was_training = getattr(model, "training", False)
+    if was_training:
+        model.eval()
+    nll, n_tok, n_bytes = 0.0, 0, 0
+    for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens):
+        logits = model(x.to(device))
+        nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+        n_tok += y.numel()
+        n_bytes += int(token_bytes[y].sum())
+    if was_training:
+        model.train()
+    return {"val_loss": nll / n_tok, "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok}
+
+
+def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch.Tensor) -> float:
+    """The order-0 baseline: val scored by train's token frequencies (add-one smoothed), in bits per byte."""
+    vocab = len(token_bytes)
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float64) + 1.0
+    logp = np.log2(counts / counts.sum())
+    val_ids = np.asarray(val, dtype=np.int64)
+    bits = -logp[val_ids].sum()
+    return float(bits / max(int(token_bytes[torch.from_numpy(val_ids)].sum()), 1))

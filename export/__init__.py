@@ -1,0 +1,1 @@
+"""prunus.export: this stage's API lands with its issue; nothing is exported yet."""

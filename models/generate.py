@@ -1,0 +1,81 @@
+"""Autoregressive generation with a KV cache: prefill the prompt once, then one token per step.
+
+Sampling: temperature (0 is greedy), top-k and nucleus (top-p). The serving
+engine and the compression and export reports (greedy-token agreement) build on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .errors import PrunusError
+from .kv_cache import KVCache
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (batch, vocab) -> next token ids (batch,)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def stream_tokens(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                  eos_id: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next token of every sequence, (batch,), up to ``max_new_tokens`` times.
+
+    ``prompt`` is (batch, prompt_len) token ids. Stops early when every sequence
+    has produced ``eos_id``.
+    """
+    if prompt.ndim == 1:
+        prompt = prompt.unsqueeze(0)
+    if prompt.shape[1] == 0:
+        raise PrunusError("generate: the prompt is empty; give at least one token of prompt")
+    total = prompt.shape[1] + max_new_tokens
+    limit = model.config.max_seq_len
+    if total > limit:
+        raise PrunusError(
+            f"generate: prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq_len {limit}; shorten the prompt or lower --max-new-tokens"
+        )
+    device = next(model.parameters()).device
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache.for_model(model, prompt.shape[0], max_len=total)
+    logits = model(prompt.to(device), cache=cache)[:, -1]
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        yield nxt
+        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            return
+        logits = model(nxt[:, None], cache=cache)[:, -1]
+
+
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """(batch, prompt_len) -> (batch, prompt_len + generated) token ids."""
+    if prompt.ndim == 1:
+        prompt = prompt.unsqueeze(0)
+    new = list(stream_tokens(model, prompt, max_new_tokens, **kwargs))
+    if not new:
+        return prompt
+    return torch.cat([prompt.to(new[0].device), torch.stack(new, dim=1)], dim=1)

@@ -1,0 +1,173 @@
+"""The model dir: ``config.json`` + ``model.safetensors`` + ``prunus.json`` (the manifest).
+
+Every stage reads one and writes one. The manifest records which stage wrote
+the dir, from which parent (path and content hash), the exact command, metrics
+and versions, and the SHA-256 of every file it vouches for; ``load_model``
+checks them, so a changed or truncated file is caught before it is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .atomic import atomic_dir, atomic_write_json
+from .config import ModelConfig
+from .errors import PrunusError
+from .llama import Transformer
+from .tokenizer import load_tokenizer
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+MANIFEST = "prunus.json"
+FORMAT = "prunus-model/1"
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_hash(files: dict[str, str]) -> str:
+    """One content hash for a dir, from the per-file hashes its manifest records."""
+    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+
+
+def versions() -> dict:
+    import prunus
+
+    return {"prunus": prunus.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def state_dict_for_save(model: Transformer) -> dict[str, torch.Tensor]:
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("output.weight", None)  # stored once, as tok_embeddings.weight
+    return sd
+
+
+def save_model(
+    model: Transformer,
+    path: str | Path,
+    *,
+    tokenizer=None,
+    stage: str,
+    parent: str | Path | None = None,
+    metrics: dict | None = None,
+    overwrite: bool = False,
+    command: str | None = None,
+) -> Path:
+    """Write ``model`` as a model dir at ``path``, atomically."""
+    path = Path(path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
+    parent_info = None
+    if parent is not None:
+        parent_manifest = read_manifest(parent)
+        parent_info = {"path": str(Path(parent).resolve()), "hash": dir_hash(parent_manifest["files"])}
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        stored_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        model_cfg = model.config.replace(dtype=stored_dtype).to_dict()
+        config = {"format": FORMAT, "architecture": "llama", "model": model_cfg, "tokenizer": tokenizer.spec()}
+        atomic_write_json(tmp / CONFIG, config)
+        save_file(state_dict_for_save(model), tmp / WEIGHTS, metadata={"format": "pt"})
+        tokenizer.save(tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        n_params = sum(p.numel() for p in model.parameters())
+        manifest = {
+            "format": FORMAT,
+            "stage": stage,
+            "parent": parent_info,
+            "command": command if command is not None else shlex.join(sys.argv),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "files": files,
+            "metrics": {"params": n_params, "bytes_on_disk": sum((tmp / f).stat().st_size for f in files), **(metrics or {})},
+            "versions": versions(),
+        }
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return path
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise PrunusError(f"{path}: no such model dir; give a directory written by prunus train, compress or convert")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise PrunusError(f"{path}: missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)")
+    try:
+        return json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise PrunusError(f"{mpath}: not valid JSON ({e.msg}); re-create the model dir") from None
+
+
+def verify_model_dir(path: str | Path) -> dict:
+    """Check that every file the manifest lists exists and matches its hash; return the manifest."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name in (CONFIG, WEIGHTS):
+        if name not in manifest.get("files", {}):
+            raise PrunusError(f"{path / MANIFEST}: does not list {name}; re-create the model dir")
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise PrunusError(f"{f}: missing from the model dir; restore it or re-create the model dir")
+        if sha256_file(f) != digest:
+            raise PrunusError(f"{f}: content hash does not match {MANIFEST}; the file was changed or corrupted, re-create the model dir")
+    return manifest
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    cpath = Path(path) / CONFIG
+    try:
+        config = json.loads(cpath.read_text())
+    except FileNotFoundError:
+        raise PrunusError(f"{cpath}: missing; re-create the model dir") from None
+    except json.JSONDecodeError as e:
+        raise PrunusError(f"{cpath}: not valid JSON ({e.msg}); re-create the model dir") from None
+    return ModelConfig.from_dict(config["model"], source=str(cpath)), config
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               verify: bool = True) -> Transformer:
+    """Rebuild the module from a model dir. ``verify`` checks file hashes against the manifest."""
+    path = Path(path)
+    if verify:
+        verify_model_dir(path)
+    cfg, _ = read_config(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = load_file(path / WEIGHTS, device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]
+    if missing or unexpected:
+        raise PrunusError(f"{path / WEIGHTS}: weights do not match config.json (missing {missing[:3]}, unexpected {unexpected[:3]}); re-create the model dir")
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.init_buffers(device=torch.device(device))
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def load_model_tokenizer(path: str | Path):
+    _, config = read_config(path)
+    return load_tokenizer(config.get("tokenizer"), base_dir=path)
+
+
+def update_manifest_metrics(path: str | Path, metrics: dict) -> dict:
+    """Merge ``metrics`` into the manifest (prunus eval records its figures here)."""
+    manifest = read_manifest(path)
+    manifest.setdefault("metrics", {}).update(metrics)
+    atomic_write_json(Path(path) / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,1 @@
+"""prunus.serve: this stage's API lands with its issue; nothing is exported yet."""

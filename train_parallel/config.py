@@ -1,0 +1,82 @@
+"""The training run's settings as one value; saved as ``run.json`` in the run dir."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from prunus.models.config import ModelConfig, get_preset
+from prunus.models.errors import PrunusError
+
+# Settings that may change when a run is resumed; every other one defines the run.
+RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress")
+
+
+@dataclass
+class TrainConfig:
+    out: str = "runs/default"
+    preset: str = "small"
+    model: dict = field(default_factory=dict)  # overrides of the preset's fields
+    data: str | None = None  # None: the built-in corpus
+    tokenizer: str | None = None  # a directory holding tokenizer.json; None: bytes
+    max_corpus_bytes: int = 16 << 20
+    seq_len: int | None = None  # None: the model's max_seq_len
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1
+    steps: int = 1000
+    stop_at: int | None = None  # end this invocation after this step (checkpointed); resume later
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    bf16: bool = False
+    eval_every: int = 100
+    eval_tokens: int = 65536
+    ckpt_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    progress: bool = True
+
+    def model_config(self) -> ModelConfig:
+        base = get_preset(self.preset)
+        return base.replace(**self.model) if self.model else base
+
+    def resolved_seq_len(self) -> int:
+        limit = self.model_config().max_seq_len
+        seq_len = self.seq_len or limit
+        if seq_len > limit:
+            raise PrunusError(f"--seq-len {seq_len} is above the model's max_seq_len {limit}; lower it or choose a model with a longer context")
+        return seq_len
+
+    def validate(self) -> None:
+        self.model_config()
+        self.resolved_seq_len()
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "eval_tokens", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise PrunusError(f"--seq-len {self.seq_len} must be at least 1")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise PrunusError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
+        if self.warmup_steps < 0 or self.ckpt_every < 0:
+            raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.resolved_seq_len()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PrunusError(f"training config: unknown setting(s) {', '.join(unknown)}")
+        return cls(**d)
