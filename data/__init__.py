@@ -2,8 +2,8 @@
 
 from .batches import eval_batches, get_batch, step_offsets
 from .corpus import BUILTIN, Corpus, load_corpus
-from .evaluate import evaluate, unigram_bits_per_byte
+from .evaluate import evaluate, evaluate_model_dir, unigram_bits_per_byte
 from .prefetch import Prefetcher
 
 __all__ = ["eval_batches", "get_batch", "step_offsets", "BUILTIN", "Corpus", "load_corpus", "evaluate",
-           "unigram_bits_per_byte", "Prefetcher"]
+           "evaluate_model_dir", "unigram_bits_per_byte", "Prefetcher"]

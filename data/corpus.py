@@ -3,7 +3,7 @@
 * ``None`` / ``"builtin"``: the standard library's ``.py`` sources. Files are
   ordered and split into train and validation by a hash of their relative
   path, so the split is the same on every machine with the same Python version;
-  ``max_bytes`` caps the size (each split takes files in hash order up to its share).
+  ``max_bytes`` caps the training split (files are taken in hash order).
 * a text file: its last ``val_fraction`` of bytes is validation.
 * a directory of text files: split by a hash of each file's relative path.
 * a ``.bin`` file of uint16 token ids (memory-mapped): its last
@@ -47,21 +47,20 @@ def _path_hash(rel: str) -> float:
 def _split_files(root: Path, files: list[Path], max_bytes: int | None, val_fraction: float):
     """(train_paths, val_paths): a file is validation when its path hash is below ``val_fraction``.
 
-    Each split takes files in hash order up to its share of ``max_bytes``."""
+    ``max_bytes`` caps the training split only (files taken in hash order), so
+    every run on a corpus is scored on the same validation files."""
     keyed = sorted((_path_hash(f.relative_to(root).as_posix()), f) for f in files)
-    split = {"train": [], "val": []}
-    size = {"train": 0, "val": 0}
-    cap = {"train": None, "val": None}
-    if max_bytes is not None:
-        cap = {"train": max_bytes * (1 - val_fraction), "val": max_bytes * val_fraction}
+    train, val, size = [], [], 0
     for h, f in keyed:
-        name = "val" if h < val_fraction else "train"
-        n = f.stat().st_size
-        if cap[name] is not None and size[name] + n > cap[name]:
+        if h < val_fraction:
+            val.append(f)
             continue
-        size[name] += n
-        split[name].append(f)
-    return split["train"], split["val"]
+        n = f.stat().st_size
+        if max_bytes is not None and size + n > max_bytes:
+            continue
+        size += n
+        train.append(f)
+    return train, val
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -138,11 +137,10 @@ def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = D
                 data_bytes = path.read_bytes()
             except OSError as e:
                 raise PrunusError(f"data path {path}: cannot be read ({e.strerror}); fix the path or its permissions") from None
-            if max_bytes is not None:
-                data_bytes = data_bytes[:max_bytes]
             cut = len(data_bytes) - int(len(data_bytes) * val_fraction)
-            corpus = Corpus(str(path), tokenizer.encode_array(data_bytes[:cut]), tokenizer.encode_array(data_bytes[cut:]),
-                            cut, len(data_bytes) - cut)
+            train_bytes = data_bytes[: min(cut, max_bytes or cut)]
+            corpus = Corpus(str(path), tokenizer.encode_array(train_bytes), tokenizer.encode_array(data_bytes[cut:]),
+                            len(train_bytes), len(data_bytes) - cut)
         else:
             root = path
             train_p, val_p = _split_files(root, _text_files(root), max_bytes, val_fraction)

@@ -43,3 +43,26 @@ def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch
     val_ids = np.asarray(val, dtype=np.int64)
     bits = -logp[val_ids].sum()
     return float(bits / max(int(token_bytes[torch.from_numpy(val_ids)].sum()), 1))
+
+
+def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_tokens: int | None = 262144,
+                       batch_size: int = 8, max_corpus_bytes: int | None = 16 << 20, record: bool = True) -> dict:
+    """Evaluate a model dir on a corpus (default: the built-in one) and, with ``record``, store the figures in its manifest."""
+    from prunus.models import PrunusError, load_model, load_model_tokenizer, update_manifest_metrics
+
+    from .corpus import load_corpus
+
+    model = load_model(path)
+    tokenizer = load_model_tokenizer(path)
+    limit = model.config.max_seq_len
+    seq_len = seq_len or limit
+    if seq_len > limit:
+        raise PrunusError(f"--seq-len {seq_len} is above the model's max_seq_len {limit}; lower it")
+    corpus = load_corpus(data, tokenizer, max_bytes=max_corpus_bytes, vocab_size=model.config.vocab_size)
+    token_bytes = tokenizer.token_bytes()
+    result = evaluate(model, corpus.val, token_bytes, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    result["unigram_bpb"] = unigram_bits_per_byte(corpus.train, corpus.val, token_bytes)
+    result["eval_corpus"] = corpus.name
+    if record:
+        update_manifest_metrics(path, result)
+    return result

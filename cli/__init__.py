@@ -1,0 +1,1 @@
+"""prunus.cli: the click commands. Parsing and rendering only; the work is in the Python API."""

@@ -1,0 +1,78 @@
+"""prunus info: a model dir's config and manifest, or a run dir's settings and progress, as tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from prunus.models import PrunusError, read_manifest
+from prunus.models.model_dir import read_config
+from prunus.train_parallel import list_checkpoints, read_metrics
+from prunus.train_parallel.run_dir import RUN_CONFIG
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def _table(title: str, rows: dict) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows.items():
+        table.add_row(k, _fmt(v))
+    return table
+
+
+def model_tables(path: Path) -> list[Table]:
+    manifest = read_manifest(path)
+    cfg, config = read_config(path)
+    model_rows = {**cfg.to_dict(), "head_dim": cfg.head_dim, "tokenizer": config.get("tokenizer")}
+    parent = manifest.get("parent") or {}
+    about = {"stage": manifest.get("stage"), "created": manifest.get("created"),
+             "parent": f"{parent.get('path')} ({parent.get('hash', '')[:12]})" if parent else "none",
+             "command": manifest.get("command"), **manifest.get("versions", {})}
+    files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
+    return [_table(f"model {path}", model_rows), _table("manifest", about), _table("metrics", manifest.get("metrics", {})),
+            _table("files (sha256)", files)]
+
+
+def run_tables(path: Path) -> list[Table]:
+    run = json.loads((path / RUN_CONFIG).read_text())
+    records = read_metrics(path)
+    last = records[-1] if records else {}
+    evals = [r for r in records if "val_loss" in r]
+    progress = {"steps done": last.get("step", 0), "steps planned": run["train"]["steps"],
+                "checkpoints": ", ".join(str(s) for s, _ in list_checkpoints(path)) or "none",
+                "last loss": last.get("loss", "-"), "last val loss": evals[-1]["val_loss"] if evals else "-",
+                "last val bits/byte": evals[-1]["val_bpb"] if evals else "-", "corpus": run.get("corpus")}
+    tables = [_table(f"run {path}", progress), _table("settings", run["train"])]
+    if (path / "model" / "prunus.json").is_file():
+        tables += model_tables(path / "model")
+    return tables
+
+
+@click.command("info")
+@click.argument("path", type=click.Path())
+def command(path: str):
+    """Show what PATH (a model dir or a run dir) holds."""
+    p = Path(path)
+    if (p / "prunus.json").is_file():
+        tables = model_tables(p)
+    elif (p / RUN_CONFIG).is_file():
+        tables = run_tables(p)
+    else:
+        raise PrunusError(f"{p}: neither a model dir (prunus.json) nor a run dir ({RUN_CONFIG}); give a dir written by prunus")
+    console = Console()
+    for t in tables:
+        console.print(t)

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny models, small corpora, one trained run reused by the CLI tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prunus.models import Transformer, get_preset
+from prunus.train_parallel import TrainConfig, train
+
+# A tiny run: seconds on 2 CPU cores, on a slice of the built-in corpus.
+TINY_RUN = dict(preset="tiny", seq_len=32, batch_size=4, steps=6, warmup_steps=2, eval_every=3, eval_tokens=2048,
+                ckpt_every=0, max_corpus_bytes=200_000, progress=False)
+
+
+@pytest.fixture
+def tiny_model():
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny"))
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A finished tiny run (read-only for tests: copy before changing it)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    train(TrainConfig(out=str(out), **TINY_RUN))
+    return out
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    return path
