@@ -21,6 +21,12 @@ def tiny_model():
     return model.eval()
 
 
+@pytest.fixture
+def tiny_cfg():
+    """TrainConfig of a tiny run writing to ``out``, with changes."""
+    return lambda out, **changes: TrainConfig(out=str(out), **{**TINY_RUN, **changes})
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A finished tiny run (read-only for tests: copy before changing it)."""
