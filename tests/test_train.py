@@ -54,3 +54,25 @@ def test_lr_schedule():
     assert lr_at(10, **kw) == pytest.approx(1.0) and lr_at(109, **kw) == pytest.approx(0.1)
     values = [lr_at(s, **kw) for s in range(10, 110)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_training_with_a_hugging_face_tokenizer(tmp_path, text_file, tiny_cfg):
+    tokenizers = pytest.importorskip("tokenizers")
+    from prunus.models import HFTokenizer, generate, load_model, load_model_tokenizer
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    tok.train([str(text_file)], trainer)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+
+    r = train(tiny_cfg(tmp_path / "run", data=str(text_file), tokenizer=str(tmp_path / "tok"), steps=3))
+    tokenizer = load_model_tokenizer(r.model_dir)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id == 1
+    assert (r.model_dir / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    ids = torch.tensor([tokenizer.encode("the quick brown")])
+    out = generate(load_model(r.model_dir), ids, 4)
+    assert tokenizer.decode(out[0, : ids.shape[1]].tolist()).strip() == "the quick brown"
+    assert 0 < r.metrics["val_bpb"] < 20

@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make test` and `make demo`. Each creates .venv when it
+# is missing and installs prunus with torch pinned (an unpinned torch pulls gigabytes of CUDA).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.prunus-installed
+DEMO ?= runs/demo
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: test demo bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	@echo "== 1/3 train the 'small' preset on the built-in corpus (this Python's standard library) =="
+	$(BIN)/prunus train --preset small --steps 300 --batch-size 16 --lr 3e-3 --min-lr 3e-4 --warmup-steps 30 \
+		--eval-every 50 --ckpt-every 100 --out $(DEMO) --overwrite
+	@echo "== 2/3 evaluate: validation bits per byte against the unigram baseline =="
+	$(BIN)/prunus eval $(DEMO)/model
+	@echo "== 3/3 generate with the KV cache =="
+	$(BIN)/prunus generate $(DEMO)/model --prompt "def read_config(path):" --max-new-tokens 200 --temperature 0.6 --seed 0
+	@echo
+	@echo "artifacts: run dir $(DEMO) (metrics.jsonl, loss.png, checkpoints/), model dir $(DEMO)/model"
+	@echo "inspect:   $(BIN)/prunus info $(DEMO)/model"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/train_throughput.py
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,89 @@
+"""Training throughput: prunus's trainer beside a minimal hand-written torch loop.
+
+Same model (the ``small`` preset unless --preset), same initial weights, same
+batches, same optimizer settings; both time only the optimizer step (forward,
+backward, clip, AdamW), with batches prepared off the clock. Prints the median
+tokens/s of each and the ratio prunus / hand-written (goal >= 0.95).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/train_throughput.py [--steps 30] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from prunus.data import get_batch, load_corpus  # noqa: E402
+from prunus.models import ByteTokenizer, Transformer  # noqa: E402
+from prunus.train_parallel import TrainConfig, lr_at, read_metrics, train  # noqa: E402
+
+
+def hand_written(cfg: TrainConfig, tokens) -> list[float]:
+    """The loop a person would write in a few minutes: tokens/s of each step."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model_config())
+    model.init_weights()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    seq_len = cfg.resolved_seq_len()
+    batches = [get_batch(tokens, seed=cfg.seed, step=s, micro_batch=cfg.batch_size, seq_len=seq_len) for s in range(cfg.steps)]
+    rates = []
+    for step, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        rates.append(x.numel() / (time.perf_counter() - t0))
+    return rates
+
+
+def prunus_trainer(cfg: TrainConfig) -> list[float]:
+    with tempfile.TemporaryDirectory() as d:
+        cfg.out = d + "/run"
+        train(cfg)
+        return [r["tokens_per_s"] for r in read_metrics(cfg.out)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="alternate the two this many times")
+    ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
+    args = ap.parse_args()
+    cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch_size, warmup_steps=5,
+                      eval_every=10**9, eval_tokens=4096, ckpt_every=0, progress=False, max_corpus_bytes=4 << 20)
+    corpus = load_corpus(None, ByteTokenizer(), max_bytes=cfg.max_corpus_bytes)
+    ours, ref = [], []
+    for _ in range(args.rounds):
+        ref += hand_written(cfg, corpus.train)[args.skip :]
+        ours += prunus_trainer(TrainConfig(**cfg.to_dict()))[args.skip :]
+    m_ours, m_ref = statistics.median(ours), statistics.median(ref)
+    print(f"machine: {os.cpu_count()} CPU threads, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(f"model: {args.preset} ({cfg.model_config().num_params():,} params), batch {cfg.batch_size} x seq "
+          f"{cfg.resolved_seq_len()}, {args.steps} steps x {args.rounds} rounds, median of steps after {args.skip}")
+    print(f"hand-written torch loop: {m_ref:10,.0f} tokens/s")
+    print(f"prunus train:            {m_ours:10,.0f} tokens/s")
+    print(f"ratio prunus / hand-written: {m_ours / m_ref:.3f}  (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
