@@ -22,8 +22,8 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	@echo "== 1/3 train the 'small' preset on the built-in corpus (this Python's standard library) =="
-	$(BIN)/prunus train --preset small --steps 300 --batch-size 16 --lr 3e-3 --min-lr 3e-4 --warmup-steps 30 \
-		--eval-every 50 --ckpt-every 100 --out $(DEMO) --overwrite
+	$(BIN)/prunus train --preset small --steps 240 --batch-size 16 --lr 3e-3 --min-lr 3e-4 --warmup-steps 24 \
+		--eval-every 80 --ckpt-every 80 --out $(DEMO) --overwrite
 	@echo "== 2/3 evaluate: validation bits per byte against the unigram baseline =="
 	$(BIN)/prunus eval $(DEMO)/model
 	@echo "== 3/3 generate with the KV cache =="
