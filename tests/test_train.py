@@ -20,7 +20,7 @@ def test_resumed_run_equals_uninterrupted_run_bit_exactly(tmp_path, tiny_cfg):
 
 def test_gradient_accumulation_matches_one_large_batch(tmp_path, tiny_cfg):
     big = train(tiny_cfg(tmp_path / "big", batch_size=8, steps=4))
-    acc = train(tiny_cfg(tmp_path / "acc", batch_size=4, grad_accum=2, steps=4))
+    acc = train(tiny_cfg(tmp_path / "acc", batch_size=8, grad_accum=2, steps=4))
     torch.testing.assert_close(torch.tensor(acc.losses), torch.tensor(big.losses), atol=1e-5, rtol=0)
 
 

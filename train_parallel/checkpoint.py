@@ -1,10 +1,13 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP).
 
 ``RUN_DIR/checkpoints/step-N/`` holds the model and optimizer state keyed by
-parameter name (DCP's format, reshardable under another layout) and
-``train_state.json`` (step, tokens, elapsed time). A checkpoint is written under
-a temporary name and renamed when complete, so a killed run never leaves one
-that looks complete; only the newest ``keep`` are kept.
+parameter name, the optimizer state flattened (``state.<param>.exp_avg``) so it
+reloads under any layout: saved under FSDP x 2, resumed under TP x 2, PP x 2 or
+one process. ``train_state.json`` holds the step, tokens and elapsed time.
+
+A checkpoint is written under a temporary name and renamed when every rank has
+finished, so a killed run never leaves one that looks complete; only the newest
+``keep`` are kept.
 """
 
 from __future__ import annotations
@@ -18,16 +21,33 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from prunus.models.atomic import atomic_write_json
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 
 
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
 
 
 @contextlib.contextmanager
@@ -46,28 +66,49 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, train_state: dict, keep: int = 2) -> Path:
+def _state(parts, optimizers) -> dict:
+    model, optim = {}, {}
+    for part, opt in zip(parts, optimizers):
+        model.update(get_model_state_dict(part))
+        optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+    return {"model": model, "optim": optim}
+
+
+def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_state: dict, keep: int = 2) -> Path:
+    """Save on every rank (a collective); rank 0 publishes the checkpoint when all are done."""
     root = Path(run_dir) / "checkpoints"
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     with _quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
-    atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        dcp.save(_state(parts, optimizers), checkpoint_id=tmp, no_dist=not _distributed())
+    _barrier()
+    if _is_main():
+        atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer) -> dict:
-    """Load model and optimizer state in place; return the train state."""
+def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
+    """Load model and optimizer state in place, whatever layout saved it; return the train state."""
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state(parts, optimizers)
     with _quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    for part, opt in zip(parts, optimizers):
+        set_model_state_dict(part, state["model"], options=_PARTIAL)
+        set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
     return json.loads((path / TRAIN_STATE).read_text())
+
+
+def load_model_weights(path: str | Path, model) -> None:
+    """Fill a plain (unparallelized) model from a checkpoint, in this process alone."""
+    state = {"model": get_model_state_dict(model)}
+    with _quiet():
+        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+    set_model_state_dict(model, state["model"])

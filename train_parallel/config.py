@@ -9,7 +9,10 @@ from prunus.models.config import ModelConfig, get_preset
 from prunus.models.errors import PrunusError
 
 # Settings that may change when a run is resumed; every other one defines the run.
-RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress")
+# The layout may change on resume too: checkpoints reload under any layout.
+RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress",
+             "nproc", "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches", "zero",
+             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device")
 
 
 @dataclass
@@ -21,8 +24,8 @@ class TrainConfig:
     tokenizer: str | None = None  # a directory holding tokenizer.json; None: bytes
     max_corpus_bytes: int = 16 << 20
     seq_len: int | None = None  # None: the model's max_seq_len
-    batch_size: int = 16  # sequences per micro-batch
-    grad_accum: int = 1
+    batch_size: int = 16  # sequences per optimizer step (the global batch), split over data-parallel ranks
+    grad_accum: int = 1  # micro-steps per optimizer step on each rank
     steps: int = 1000
     stop_at: int | None = None  # end this invocation after this step (checkpointed); resume later
     lr: float = 2e-3
@@ -41,6 +44,18 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+    # parallel layout (see ParallelDims); world size = nproc under --nproc, else torchrun's / Slurm's
+    nproc: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the ranks the other dims leave
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    microbatches: int = 4
+    zero: int | None = None  # None: 3 when sharding over dp_shard > 1, else 0
+    activation_checkpointing: str = "none"
+    cpu_offload: bool = False
+    timeout_s: float = 600.0  # collective timeout: a hang ends with an error naming the rank
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)
@@ -65,10 +80,16 @@ class TrainConfig:
             raise PrunusError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
         if self.warmup_steps < 0 or self.ckpt_every < 0:
             raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        if self.activation_checkpointing not in ("none", "selective", "full"):
+            raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, selective or full")
+        if self.batch_size % self.grad_accum:
+            raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.resolved_seq_len()
+        return self.batch_size * self.resolved_seq_len()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

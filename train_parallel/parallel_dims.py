@@ -73,8 +73,7 @@ class ParallelDims:
 
         names = [n for n in MESH_ORDER if self.shape[n] > 1] or ["dp_shard"]
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device_type, tuple(self.shape[n] for n in names) if names != ["dp_shard"] else (1,),
-                                mesh_dim_names=tuple(names))
+        mesh = init_device_mesh(device_type, tuple(self.shape[n] for n in names), mesh_dim_names=tuple(names))
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names and self.shape[n] > 1)
         if len(dp_names) > 1:
             mesh[dp_names]._flatten("dp")

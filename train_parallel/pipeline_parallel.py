@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 
 from torch.distributed.pipelining import PipelineStage
+import torch
+import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from prunus.models.errors import PrunusError
@@ -100,16 +102,49 @@ def stage_ids(schedule: str, pp_rank: int, pp: int) -> list[int]:
     return [pp_rank, pp_rank + pp]
 
 
+@torch.no_grad()
+def pipeline_score(parts, ids: list[int], n_stages: int, schedule: str, pp_group, x, y, score_fn) -> float:
+    """Forward one evaluation batch through the stages with plain sends and receives; every rank gets the score.
+
+    torch's ``schedule.eval()`` replays the training action list with backward
+    switched off, which fails for V-shaped and zero-bubble schedules; evaluation
+    needs no schedule, only the stages in order.
+    """
+    pp = dist.get_world_size(pp_group)
+    me = dist.get_rank(pp_group)
+    owner = {sid: r for r in range(pp) for sid in stage_ids(schedule, r, pp)}
+    mine = dict(zip(ids, parts))
+    h, result = None, torch.zeros((), dtype=torch.float64)
+    for sid in range(n_stages):
+        if owner[sid] != me:
+            continue
+        if sid > 0 and owner[sid - 1] != me:
+            meta = torch.zeros(3, dtype=torch.int64)
+            dist.recv(meta, src=dist.get_global_rank(pp_group, owner[sid - 1]), group=pp_group)
+            h = torch.empty(*meta.tolist(), device=x.device)
+            dist.recv(h, src=dist.get_global_rank(pp_group, owner[sid - 1]), group=pp_group)
+        h = mine[sid](x if sid == 0 else h)
+        if sid == n_stages - 1:
+            result += score_fn(h, y)
+        elif owner[sid + 1] != me:
+            dst = dist.get_global_rank(pp_group, owner[sid + 1])
+            h = h.float().contiguous()
+            dist.send(torch.tensor(h.shape, dtype=torch.int64), dst=dst, group=pp_group)
+            dist.send(h, dst=dst, group=pp_group)
+    dist.all_reduce(result, group=pp_group)
+    return float(result)
+
+
 def build_pipeline(model, pp_mesh, *, schedule: str, microbatches: int, loss_fn, device, parallelize_part=None):
-    """Split ``model`` for this rank; return (model_parts, schedule, has_first_stage, has_last_stage).
+    """Split ``model`` for this rank; return (model_parts, their stage ids, n_stages, schedule).
 
     ``parallelize_part`` (TP, FSDP, ...) is applied to each stage module before it is wrapped.
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * stages_per_rank(schedule)
     layers = stage_layers(model.config, n_stages)
-    parts, stages = [], []
-    for sid in stage_ids(schedule, pp_rank, pp):
+    parts, stages, ids = [], [], stage_ids(schedule, pp_rank, pp)
+    for sid in ids:
         part = stage_module(model, layers[sid], sid == 0, sid == n_stages - 1)
         if parallelize_part is not None:
             part = parallelize_part(part)
@@ -120,6 +155,4 @@ def build_pipeline(model, pp_mesh, *, schedule: str, microbatches: int, loss_fn,
         sched = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     else:
         sched = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    has_first = any(s.is_first for s in stages)
-    has_last = any(s.is_last for s in stages)
-    return parts, sched, has_first, has_last
+    return parts, ids, n_stages, sched

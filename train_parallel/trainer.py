@@ -1,14 +1,20 @@
-"""Single-process training: the loop the parallel engine extends.
+"""The training loop, one process or many.
 
 AdamW (weight decay on matrices only), warmup + cosine schedule, gradient
-clipping and accumulation, optional bf16 autocast, periodic evaluation
-(validation loss and bits per byte), ``metrics.jsonl``, checkpoints that resume
-bit-exactly, the final model dir at ``RUN_DIR/model`` and ``RUN_DIR/loss.png``.
+clipping and accumulation, bf16 (autocast, or FSDP's mixed precision), periodic
+evaluation (validation loss and bits per byte), ``metrics.jsonl``, checkpoints
+that resume bit-exactly under any layout, the final model dir at
+``RUN_DIR/model`` and ``RUN_DIR/loss.png``.
+
+Every layout sees the same global batch per step (``--batch-size`` sequences,
+split over data-parallel ranks and micro-steps), so any layout trains to the
+same losses as one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shlex
 import sys
 import time
@@ -16,136 +22,227 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.models import Transformer, load_tokenizer, save_model
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import TrainConfig
+from .launch import init_distributed
 from .metrics import MetricsLog, read_metrics
+from .parallel_dims import ParallelDims
+from .pipeline_parallel import pipeline_score
+from .parallelize import cross_entropy, local_value, parallelize, validate_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
 from .run_dir import check_run_dir, init_run_dir
 from .schedule import lr_at
+from .tensor_parallel import loss_context
 
 
 @dataclass
 class TrainResult:
     run_dir: Path
-    model_dir: Path | None  # None when the run stopped early (--stop-at)
+    model_dir: Path | None  # None when the run stopped early (--stop-at), or on ranks other than 0
     step: int
     metrics: dict  # the last record (with the last evaluation's figures)
     losses: list[float]  # training loss of each step run in this invocation
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if zero1_mesh is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_mesh.get_group(),
+                                       lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, launched_device: torch.device) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return launched_device
     return torch.device(name)
+
+
+def clip_grad_norm(parts, max_norm: float, pp_group=None) -> float:
+    """Clip by the norm of all gradients of the whole model, across pipeline stages."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    total = local_value(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+    if pp_group is not None:
+        total = total.pow(2)
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)
+
+
+def _all_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum over pipeline stages (only the last holds the loss), mean over data-parallel ranks."""
+    if dims.pp > 1:
+        dist.all_reduce(value, group=dims.submesh("pp").get_group())
+    if dims.dp > 1:
+        dist.all_reduce(value, group=dims.submesh("dp").get_group())
+        value = value / dims.dp
+    return value
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``; see the module docstring."""
     cfg.validate()
-    resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    rank, world, launched_device = init_distributed(cfg.timeout_s)
+    main = rank == 0
     model_cfg = cfg.model_config()
+    dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
+    if cfg.zero is None:
+        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard > 1 else 0)
+    validate_layout(dims, cfg, model_cfg)
+    resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    if world > 1:
+        dist.barrier()  # every rank has checked the run dir before rank 0 writes to it
     seq_len = cfg.resolved_seq_len()
     tokenizer = load_tokenizer(cfg.tokenizer)
     corpus = load_corpus(cfg.data, tokenizer, max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, launched_device)
     token_bytes = tokenizer.token_bytes()
+    dp_rank = dims.submesh("dp").get_local_rank() if dims.dp > 1 else 0
+    tp_enabled = dims.tp > 1
+    pp_group = dims.submesh("pp").get_group() if dims.pp > 1 else None
 
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg)
     model.init_weights()
     model.to(device).train()
-    optimizer = build_optimizer(model, cfg)
+    par = parallelize(model, dims, cfg, device)
+    fsdp = dims.dp > 1 and cfg.zero in (2, 3)
+    zero1_mesh = dims.submesh("dp") if cfg.zero == 1 and dims.dp > 1 else None
+    optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
 
     run_dir = Path(cfg.out)
     start, train_state = 0, {"tokens": 0, "elapsed_s": 0.0}
     if resume_from is not None:
-        train_state = load_checkpoint(resume_from, model, optimizer)
+        train_state = load_checkpoint(resume_from, par.parts, optimizers)
         start = train_state.pop("step")
-    init_run_dir(cfg, overwrite=overwrite and not resume, extra={
-        "model": model_cfg.to_dict(), "corpus": corpus.name, "train_tokens": len(corpus.train),
-        "val_tokens": len(corpus.val), "command": shlex.join(sys.argv),
-    })
-    log = MetricsLog(run_dir, resume_step=start if resume_from is not None else None)
+    if main:
+        init_run_dir(cfg, overwrite=overwrite and not resume, extra={
+            "model": model_cfg.to_dict(), "corpus": corpus.name, "train_tokens": len(corpus.train),
+            "val_tokens": len(corpus.val), "world_size": world, "command": shlex.join(sys.argv),
+        })
+    if world > 1:
+        dist.barrier()
+    log = MetricsLog(run_dir, resume_step=start if resume_from is not None else None) if main else None
     stop = cfg.stop_at or cfg.steps
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 and not fsdp else contextlib.nullcontext()
+    local_batch = cfg.batch_size // (dims.dp * cfg.grad_accum)
 
     def make_step_batches(step: int):
-        return [get_batch(corpus.train, seed=cfg.seed, step=step, micro_batch=cfg.batch_size, seq_len=seq_len,
-                          grad_accum=cfg.grad_accum, micro=m) for m in range(cfg.grad_accum)]
+        return [get_batch(corpus.train, seed=cfg.seed, step=step, micro_batch=local_batch, seq_len=seq_len,
+                          grad_accum=cfg.grad_accum, micro=m, rank=dp_rank, world=dims.dp) for m in range(cfg.grad_accum)]
+
+    def forward_backward(micro_batches) -> torch.Tensor:
+        if par.schedule is not None:
+            (x, y), losses = micro_batches[0], []
+            with autocast:
+                par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses)
+            if par.has_last:
+                return torch.stack([local_value(l).detach().float() for l in losses]).mean()
+            return torch.zeros((), device=device)
+        total = torch.zeros((), device=device)
+        model_part = par.parts[0]
+        for i, (x, y) in enumerate(micro_batches):
+            sync = not par.ddp or i == len(micro_batches) - 1
+            with (contextlib.nullcontext() if sync else model_part.no_sync()), loss_context(tp_enabled):
+                with autocast:
+                    logits = model_part(x)
+                loss = cross_entropy(logits, y)
+                (loss / cfg.grad_accum).backward()
+            total += local_value(loss).detach().float()
+        return total / cfg.grad_accum
+
+    def score(x, y) -> float:
+        """Summed negative log-likelihood of one evaluation batch, the same on every rank."""
+        def nll(logits, targets):
+            return float(cross_entropy(local_value(logits), targets, reduction="sum"))
+
+        if par.schedule is not None:
+            return pipeline_score(par.parts, par.stage_ids, par.n_stages, cfg.pp_schedule, pp_group, x, y, nll)
+        return nll(par.parts[0](x), y)
 
     def run_eval() -> dict:
-        return evaluate(model, corpus.val, token_bytes, seq_len=seq_len, batch_size=cfg.batch_size,
-                        max_tokens=cfg.eval_tokens, device=device)
+        for p in par.parts:
+            p.eval()
+        result = evaluate(score, corpus.val, token_bytes, seq_len=seq_len, batch_size=local_batch * cfg.grad_accum,
+                          max_tokens=cfg.eval_tokens, device=device)
+        for p in par.parts:
+            p.train()
+        return result
 
     losses: list[float] = []
     record: dict = {}
-    progress = TrainProgress(cfg.steps, start, enabled=cfg.progress, log_every=cfg.log_every)
+    progress = TrainProgress(cfg.steps, start, enabled=cfg.progress and main, log_every=cfg.log_every)
     progress.print(f"training {model_cfg.num_params():,} parameters on {corpus.name}: "
                    f"{len(corpus.train):,} train tokens, steps {start + 1}..{stop} of {cfg.steps}, "
-                   f"{cfg.tokens_per_step:,} tokens per step, {device}")
+                   f"{cfg.tokens_per_step:,} tokens per step, {world} x {device}"
+                   + (f", layout dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} "
+                      f"zero={cfg.zero}" if world > 1 else ""))
     prefetch = Prefetcher(make_step_batches, range(start, stop), device=device)
     try:
         with progress:
             for step, micro_batches in prefetch:
                 t0 = time.perf_counter()
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = 0.0
-                for x, y in micro_batches:
-                    with autocast:
-                        logits = model(x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    (loss / cfg.grad_accum).backward()
-                    loss_sum += loss.item()
+                for opt in optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                loss = forward_backward(micro_batches)
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = clip_grad_norm(par.parts, max_norm, pp_group)
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                loss_val = float(_all_mean(loss, dims)) if world > 1 else float(loss)
                 dt = time.perf_counter() - t0
                 done = step + 1
                 train_state["tokens"] += cfg.tokens_per_step
                 train_state["elapsed_s"] += dt
-                loss_val = loss_sum / cfg.grad_accum
                 losses.append(loss_val)
                 record = {"step": done, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": cfg.tokens_per_step / dt, "elapsed_s": train_state["elapsed_s"],
                           "tokens": train_state["tokens"]}
                 if done % cfg.eval_every == 0 or done == stop:
                     record.update(run_eval())
-                log.write(record)
+                if main:
+                    log.write(record)
                 progress.update(record)
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == stop and stop < cfg.steps):
-                    save_checkpoint(run_dir, done, model, optimizer, train_state, keep=cfg.keep_checkpoints)
+                final_consolidation = world > 1 and done == cfg.steps
+                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == stop and stop < cfg.steps) or final_consolidation:
+                    save_checkpoint(run_dir, done, par.parts, optimizers, train_state, keep=cfg.keep_checkpoints)
     finally:
         prefetch.close()
-        log.close()
+        if log is not None:
+            log.close()
 
-    records = read_metrics(run_dir)
-    plot_loss_curves(records, run_dir / "loss.png", title=f"prunus train ({cfg.preset})")
     model_dir = None
+    if main:
+        plot_loss_curves(read_metrics(run_dir), run_dir / "loss.png", title=f"prunus train ({cfg.preset})")
     if stop == cfg.steps:
         if not record:  # resumed at the very end: evaluate what was loaded
             record = {"step": stop, **run_eval()}
-        model_dir = save_model(
-            model.cpu(), run_dir / "model", tokenizer=tokenizer, stage="train", overwrite=True,
-            metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": stop,
-                     "train_tokens": train_state["tokens"], "corpus": corpus.name},
-        )
-        progress.print(f"model dir: {model_dir}  (val loss {record['val_loss']:.4f}, {record['val_bpb']:.3f} bits/byte)")
+        if main:
+            if world > 1:  # consolidate from the final (sharded) checkpoint in this process
+                model = Transformer(model_cfg)
+                load_model_weights(list_checkpoints(run_dir)[-1][1], model)
+            model_dir = save_model(
+                model.cpu(), run_dir / "model", tokenizer=tokenizer, stage="train", overwrite=True,
+                metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": stop,
+                         "train_tokens": train_state["tokens"], "corpus": corpus.name, "world_size": world},
+            )
+            progress.print(f"model dir: {model_dir}  (val loss {record['val_loss']:.4f}, {record['val_bpb']:.3f} bits/byte)")
     else:
         progress.print(f"stopped at step {stop}; continue with --resume")
+    if world > 1:
+        dist.barrier()
     return TrainResult(run_dir, model_dir, stop, record, losses)

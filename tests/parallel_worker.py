@@ -1,0 +1,38 @@
+"""Run several training layouts in one process group (one spawn serves many checks).
+
+    torchrun --standalone --nproc-per-node N tests/parallel_worker.py SPEC.json OUT.json
+
+SPEC is a list of {"name", "config": TrainConfig fields, "resume": bool}; rank 0
+writes {name: {"losses": [...], "val_loss": ..., "params_local": ...} or {"error": ...}} to OUT.
+"""
+
+import json
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from prunus.train_parallel import TrainConfig, resume_config, train
+
+
+def main(spec_path: str, out_path: str) -> None:
+    results = {}
+    for job in json.loads(open(spec_path).read()):
+        try:
+            if job.get("resume"):
+                cfg = resume_config(job["config"]["out"], **{k: v for k, v in job["config"].items() if k != "out"})
+            else:
+                cfg = TrainConfig(**job["config"])
+            r = train(cfg, resume=job.get("resume", False))
+            results[job["name"]] = {"losses": r.losses, "val_loss": r.metrics.get("val_loss")}
+        except Exception as e:  # recorded, the group goes on with the next layout
+            results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        if not dist.is_initialized() or dist.get_rank() == 0:  # after every layout: a later hang keeps these
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,100 @@
+"""Apply a parallel layout to an unmodified model, in a fixed order:
+pipeline split -> tensor/sequence parallel -> activation checkpointing -> FSDP / DDP.
+
+Returns what the training step needs: the model parts this rank holds, the
+pipeline schedule (or None), and whether this rank holds the first / last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from prunus.models.errors import PrunusError
+
+from .activation_checkpointing import apply_ac
+from .data_parallel import apply_ddp, apply_fsdp
+from .parallel_dims import ParallelDims
+from .pipeline_parallel import build_pipeline, validate_schedule
+from .tensor_parallel import apply_tp, loss_context
+
+
+@dataclass
+class Parallelized:
+    parts: list[torch.nn.Module]
+    schedule: object | None  # a torch.distributed.pipelining schedule under --pp
+    stage_ids: list[int]  # the pipeline stages the parts are
+    n_stages: int
+    ddp: bool
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
+    dims.validate_model(model_cfg)
+    if cfg.zero in (0, 1) and dims.dp_shard > 1 and dims.dp_replicate > 1:
+        raise PrunusError(f"--zero {cfg.zero} replicates over all data-parallel ranks; set --dp-replicate or --dp-shard, not both")
+    if cfg.zero in (0, 1) and (dims.tp > 1 or dims.pp > 1) and dims.dp > 1:
+        raise PrunusError(f"--zero {cfg.zero} (DDP) composes with data parallelism alone; use --zero 2 or 3 with --tp or --pp")
+    if cfg.zero in (2, 3) and dims.dp_shard == 1 and dims.dp_replicate > 1:
+        raise PrunusError(f"--zero {cfg.zero} shards over --dp-shard, which is 1; raise --dp-shard or use --zero 0/1")
+    if cfg.batch_size % (dims.dp * cfg.grad_accum):
+        raise PrunusError(f"--batch-size {cfg.batch_size} is not divisible by data-parallel ranks x --grad-accum = "
+                          f"{dims.dp * cfg.grad_accum}; make it a multiple")
+    if dims.pp > 1:
+        if cfg.grad_accum != 1:
+            raise PrunusError("--grad-accum must be 1 with --pp: the pipeline's --microbatches accumulate instead")
+        if model_cfg.tie_embeddings:
+            raise PrunusError("tied embeddings cannot be split across pipeline stages; use an untied model with --pp")
+        validate_schedule(cfg.pp_schedule, dims.pp, cfg.microbatches, model_cfg.n_layers)
+        local = cfg.batch_size // dims.dp
+        if local % cfg.microbatches:
+            raise PrunusError(f"--microbatches {cfg.microbatches} does not divide the per-rank batch {local}; choose a divisor")
+
+
+def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Parallelized:
+    tp_enabled = dims.tp > 1
+    dp_mesh = dims.submesh("dp")
+    if cfg.zero in (2, 3) and dims.dp_replicate > 1 and dims.dp_shard > 1:
+        dp_mesh = dims.mesh["dp_replicate", "dp_shard"]  # HSDP: replicate x shard
+    fsdp = dp_mesh is not None and cfg.zero in (2, 3)
+
+    def parallelize_part(part):
+        if tp_enabled:
+            apply_tp(part, dims.submesh("tp"))
+        apply_ac(part, cfg.activation_checkpointing)
+        if fsdp:
+            apply_fsdp(part, dp_mesh, zero=cfg.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload)
+        return part
+
+    if dims.pp > 1:
+        def loss_fn(logits, targets):
+            with loss_context(tp_enabled):
+                return cross_entropy(logits, targets)
+
+        parts, ids, n_stages, schedule = build_pipeline(
+            model, dims.submesh("pp"), schedule=cfg.pp_schedule, microbatches=cfg.microbatches, loss_fn=loss_fn,
+            device=device, parallelize_part=parallelize_part)
+        return Parallelized(parts, schedule, ids, n_stages, ddp=False)
+    part = parallelize_part(model)
+    ddp = dp_mesh is not None and not fsdp
+    if ddp:
+        part = apply_ddp(part, dp_mesh)
+    return Parallelized([part], None, [0], 1, ddp)
