@@ -39,8 +39,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (seq, head_dim)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    """x: (batch, heads, seq, head_dim); cos/sin: (>= seq, head_dim), starting at x's first position."""
+    seqlen = x.shape[2]
+    cos, sin = cos[:seqlen].to(x.dtype), sin[:seqlen].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -141,12 +142,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
+        # the tables from the first new position on; attention takes as many rows as it has positions
+        # (under sequence parallelism h holds a slice of the sequence, attention the whole of it)
         start = cache.seq_len if cache is not None else 0
-        cos, sin = self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
+        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache)
         if cache is not None:
-            cache.advance(seqlen)
+            cache.advance(h.shape[1])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc-per-node N tests/parallel_worker.py SPEC.json OUT.json
 
-SPEC is a list of {"name", "config": TrainConfig fields, "resume": bool}; rank 0
+SPEC is a list of {"name", "config": TrainConfig fields, "resume": bool, "copy_from": run dir to
+resume a copy of}; rank 0
 writes {name: {"losses": [...], "val_loss": ..., "params_local": ...} or {"error": ...}} to OUT.
 """
 
 import json
+import shutil
 import sys
 import traceback
 
@@ -19,6 +21,11 @@ def main(spec_path: str, out_path: str) -> None:
     results = {}
     for job in json.loads(open(spec_path).read()):
         try:
+            if job.get("copy_from"):
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    shutil.copytree(job["copy_from"], job["config"]["out"])
+                if dist.is_initialized():
+                    dist.barrier()
             if job.get("resume"):
                 cfg = resume_config(job["config"]["out"], **{k: v for k, v in job["config"].items() if k != "out"})
             else:
@@ -27,6 +34,8 @@ def main(spec_path: str, out_path: str) -> None:
             results[job["name"]] = {"losses": r.losses, "val_loss": r.metrics.get("val_loss")}
         except Exception as e:  # recorded, the group goes on with the next layout
             results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+            print(f"rank {dist.get_rank() if dist.is_initialized() else 0}, {job['name']}: {traceback.format_exc()}",
+                  file=sys.stderr)
         if not dist.is_initialized() or dist.get_rank() == 0:  # after every layout: a later hang keeps these
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)

@@ -66,9 +66,17 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _local(opt):
+    """ZeRO-1's ZeroRedundancyOptimizer holds this rank's shard in a plain optimizer: save that, keyed by
+    parameter name, and the shards of all ranks make the whole state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
 def _state(parts, optimizers) -> dict:
     model, optim = {}, {}
-    for part, opt in zip(parts, optimizers):
+    for part, opt in zip(parts, map(_local, optimizers)):
         model.update(get_model_state_dict(part))
         optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
     return {"model": model, "optim": optim}
@@ -100,7 +108,7 @@ def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
     state = _state(parts, optimizers)
     with _quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-    for part, opt in zip(parts, optimizers):
+    for part, opt in zip(parts, map(_local, optimizers)):
         set_model_state_dict(part, state["model"], options=_PARTIAL)
         set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
     return json.loads((path / TRAIN_STATE).read_text())

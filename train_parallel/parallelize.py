@@ -19,7 +19,7 @@ from .activation_checkpointing import apply_ac
 from .data_parallel import apply_ddp, apply_fsdp
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import build_pipeline, validate_schedule
-from .tensor_parallel import apply_tp, loss_context
+from .tensor_parallel import apply_tp
 
 
 @dataclass
@@ -71,6 +71,7 @@ def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
 
 def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Parallelized:
     tp_enabled = dims.tp > 1
+    loss_parallel = tp_enabled and dims.pp == 1
     dp_mesh = dims.submesh("dp")
     if cfg.zero in (2, 3) and dims.dp_replicate > 1 and dims.dp_shard > 1:
         dp_mesh = dims.mesh["dp_replicate", "dp_shard"]  # HSDP: replicate x shard
@@ -78,7 +79,7 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Paralle
 
     def parallelize_part(part):
         if tp_enabled:
-            apply_tp(part, dims.submesh("tp"))
+            apply_tp(part, dims.submesh("tp"), loss_parallel=loss_parallel)
         apply_ac(part, cfg.activation_checkpointing)
         if fsdp:
             apply_fsdp(part, dp_mesh, zero=cfg.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload)
@@ -86,8 +87,7 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Paralle
 
     if dims.pp > 1:
         def loss_fn(logits, targets):
-            with loss_context(tp_enabled):
-                return cross_entropy(logits, targets)
+            return cross_entropy(logits, targets)
 
         parts, ids, n_stages, schedule = build_pipeline(
             model, dims.submesh("pp"), schedule=cfg.pp_schedule, microbatches=cfg.microbatches, loss_fn=loss_fn,

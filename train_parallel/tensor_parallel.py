@@ -4,7 +4,8 @@
   n_kv_heads/tp key/value heads), wo row-parallel;
 * SwiGLU: w1, w3 column-parallel, w2 row-parallel;
 * vocabulary-parallel embedding (rows) and output (columns), the output left
-  sharded on the vocabulary for loss-parallel cross-entropy;
+  sharded on the vocabulary for loss-parallel cross-entropy (gathered under
+  pipeline parallelism);
 * sequence parallelism: activations between blocks and the norms are sharded on
   the sequence, gathered before attention and the MLP, reduce-scattered after.
 """
@@ -24,16 +25,23 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model, tp_mesh) -> None:
-    parallelize_module(model, tp_mesh, {
+def apply_tp(model, tp_mesh, loss_parallel: bool = True) -> None:
+    """``loss_parallel=False`` gathers the logits (pipeline stages run backward outside the loss-parallel
+    context, where vocabulary-sharded logits cannot meet a plain gradient)."""
+    output = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+              else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+        "output": output,
+    }
+    # a pipeline stage may hold neither the embedding nor the head
+    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

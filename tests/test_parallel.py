@@ -1,0 +1,116 @@
+"""Equivalence of every parallel layout with one process: same losses, same validation loss.
+
+Each spawn (torchrun, gloo, one thread per rank) serves many layouts in one process
+group; the reference runs here, in this process, on the same global batches.
+Tolerance: 1e-5 absolute on every step's loss and on the validation loss.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prunus.train_parallel import TrainConfig, resume_config, train
+
+TOL = 1e-5
+WORKER = Path(__file__).with_name("parallel_worker.py")
+BASE = dict(preset="tiny", model={"n_layers": 4}, seq_len=32, batch_size=8, steps=3, warmup_steps=1, eval_every=3,
+            eval_tokens=1024, ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
+
+
+def spawn(nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
+    spec, out = tmp_path / f"spec{nproc}.json", tmp_path / f"out{nproc}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(WORKER), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def reference(tmp_path: Path, **changes) -> dict:
+    r = train(TrainConfig(**{**BASE, **changes, "out": str(tmp_path / f"ref{len(list(tmp_path.iterdir()))}")}))
+    return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
+
+
+def assert_equivalent(results: dict, ref: dict, names) -> None:
+    for name in names:
+        got = results[name]
+        assert "error" not in got, f"{name}: {got.get('error')}\n{got.get('trace')}"
+        assert len(got["losses"]) == len(ref["losses"]), name
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= TOL, f"{name} step {step + 1}: loss {a} vs {b} in one process"
+        assert abs(got["val_loss"] - ref["val_loss"]) <= TOL, f"{name}: val loss {got['val_loss']} vs {ref['val_loss']}"
+
+
+TWO = {
+    "ddp": dict(zero=0),
+    "zero1": dict(zero=1),
+    "zero2": dict(zero=2),
+    "zero3": dict(zero=3),
+    "zero3_grad_accum": dict(zero=3, grad_accum=2),
+    "ddp_grad_accum": dict(zero=0, grad_accum=2),
+    "fsdp_full_ac": dict(zero=3, activation_checkpointing="full"),
+    "tp_sp": dict(tp=2),
+    "tp_selective_ac": dict(tp=2, activation_checkpointing="selective"),
+    "pp_gpipe": dict(pp=2, pp_schedule="GPipe", microbatches=2),
+    "pp_1f1b": dict(pp=2, pp_schedule="1F1B", microbatches=4),
+    "pp_interleaved_1f1b": dict(pp=2, pp_schedule="Interleaved1F1B", microbatches=4),
+    "pp_looped_bfs": dict(pp=2, pp_schedule="LoopedBFS", microbatches=4),
+    "pp_interleaved_zero_bubble": dict(pp=2, pp_schedule="InterleavedZeroBubble", microbatches=4),
+    "pp_zbv": dict(pp=2, pp_schedule="ZBVZeroBubble", microbatches=4),
+    "pp_dualpipev": dict(pp=2, pp_schedule="DualPipeV", microbatches=4),
+    "pp_full_ac": dict(pp=2, pp_schedule="1F1B", microbatches=2, activation_checkpointing="full"),
+}
+RESUME_UNDER = {
+    "resume_tp": dict(tp=2),
+    "resume_pp": dict(pp=2, pp_schedule="1F1B", microbatches=2),
+    "resume_zero1": dict(zero=1),
+    "resume_ddp": dict(zero=0),
+}
+FOUR = {
+    "fsdp_x_tp": dict(dp_shard=2, tp=2, zero=3),
+    "pp_x_fsdp": dict(pp=2, dp_shard=2, zero=3, pp_schedule="1F1B", microbatches=2),
+    "hsdp": dict(dp_replicate=2, dp_shard=2, zero=3),
+    "pp_x_tp": dict(pp=2, tp=2, pp_schedule="Interleaved1F1B", microbatches=2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    """(results by layout, the dir they ran in)."""
+    tmp = tmp_path_factory.mktemp("two")
+    jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp / n)}} for n, c in TWO.items()]
+    # a 4-step run checkpointed at step 2 under FSDP x 2, resumed under other layouts
+    ckpt = {**BASE, "steps": 4, "eval_every": 4, "stop_at": 2, "zero": 3, "out": str(tmp / "ckpt_fsdp")}
+    jobs.append({"name": "ckpt_fsdp", "config": ckpt})
+    for n, c in RESUME_UNDER.items():
+        jobs.append({"name": n, "copy_from": ckpt["out"], "resume": True, "config": {**c, "out": str(tmp / n)}})
+    return spawn(2, jobs, tmp), tmp
+
+
+def test_two_rank_layouts_match_one_process(two_rank, tmp_path):
+    assert_equivalent(two_rank[0], reference(tmp_path), list(TWO))
+
+
+def test_checkpoint_from_fsdp_resumes_under_other_layouts(two_rank, tmp_path):
+    results, tmp = two_rank
+    ref = reference(tmp_path, steps=4, eval_every=4)
+    assert results["ckpt_fsdp"]["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
+    tail = {"losses": ref["losses"][2:], "val_loss": ref["val_loss"]}
+    assert_equivalent(results, tail, list(RESUME_UNDER))
+    # and in one process, from the same sharded checkpoint
+    shutil.copytree(tmp / "ckpt_fsdp", tmp_path / "one")
+    r = train(resume_config(tmp_path / "one"), resume=True)
+    assert_equivalent({"one": {"losses": r.losses, "val_loss": r.metrics["val_loss"]}}, tail, ["one"])
+
+
+def test_four_rank_layouts_match_one_process(tmp_path):
+    jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp_path / n)}} for n, c in FOUR.items()]
+    results = spawn(4, jobs, tmp_path)
+    (tmp_path / "ref").mkdir()
+    assert_equivalent(results, reference(tmp_path / "ref"), list(FOUR))
