@@ -12,7 +12,7 @@ from prunus.models.errors import PrunusError
 # The layout may change on resume too: checkpoints reload under any layout.
 RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress",
              "nproc", "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches", "zero",
-             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device")
+             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops")
 
 
 @dataclass
@@ -56,6 +56,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     timeout_s: float = 600.0  # collective timeout: a hang ends with an error naming the rank
+    peak_tflops: float | None = None  # per rank, for MFU; known for common GPUs
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)

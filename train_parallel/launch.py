@@ -34,23 +34,22 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
-def env_ranks() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) alone."""
+def env_ranks() -> tuple[int, int, int, str]:
+    """(rank, world_size, local_rank, init_method) from torchrun's or Slurm's environment; alone (0, 1, 0, "")."""
     env = os.environ
     if "WORLD_SIZE" in env and "RANK" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "env://"
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "localhost")))
-        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-        return rank, world, local
-    return 0, 1, 0
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "localhost"))
+        port = env.get("MASTER_PORT") or str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000)
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                f"tcp://{addr}:{port}")
+    return 0, 1, 0, ""
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
     """Join the process group when launched with several processes; return (rank, world, device)."""
-    rank, world, local = env_ranks()
+    rank, world, local, init_method = env_ranks()
     if torch.cuda.is_available():
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -58,7 +57,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world, device
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shlex
 import sys
 import time
@@ -23,13 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
-from prunus.models import Transformer, load_tokenizer, save_model
+from prunus.models import PrunusError, Transformer, load_tokenizer, save_model
 
 from .checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import TrainConfig
-from .launch import init_distributed
+from .flops import flops_per_token, peak_memory_bytes, peak_tflops
+from .launch import env_ranks, init_distributed
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import pipeline_score
@@ -80,6 +83,16 @@ def clip_grad_norm(parts, max_norm: float, pp_group=None) -> float:
     return float(total)
 
 
+def rank_peaks(device: torch.device, world: int) -> list[int]:
+    """Peak memory of every rank (a collective when distributed)."""
+    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    if world == 1:
+        return mine.tolist()
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [int(t) for t in out]
+
+
 def _all_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum over pipeline stages (only the last holds the loss), mean over data-parallel ranks."""
     if dims.pp > 1:
@@ -90,16 +103,37 @@ def _all_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     return value
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
-    """Run (or resume) a training run described by ``cfg``; see the module docstring."""
-    cfg.validate()
-    rank, world, launched_device = init_distributed(cfg.timeout_s)
-    main = rank == 0
-    model_cfg = cfg.model_config()
+def resolve_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, ParallelDims]:
+    """The validated layout for ``world`` ranks, with the ZeRO stage resolved (3 when sharding, else 0)."""
     dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
     if cfg.zero is None:
         cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard > 1 else 0)
-    validate_layout(dims, cfg, model_cfg)
+    validate_layout(dims, cfg, cfg.model_config())
+    return cfg, dims
+
+
+def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
+    """Every check train() makes before it starts, for ``cfg.nproc`` ranks, without starting them."""
+    cfg.validate()
+    resolve_layout(cfg, cfg.nproc)
+    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    model_cfg = cfg.model_config()
+    load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Run (or resume) a training run described by ``cfg``; see the module docstring."""
+    cfg.validate()
+    world = env_ranks()[1]
+    if cfg.nproc > 1 and world != cfg.nproc:
+        raise PrunusError(f"--nproc {cfg.nproc} but the launcher started {world} processes (WORLD_SIZE / SLURM_NTASKS); make them agree")
+    resolve_layout(cfg, world)  # a bad layout fails here, before any process waits on another
+    rank, world, launched_device = init_distributed(cfg.timeout_s)
+    main = rank == 0
+    cfg, dims = resolve_layout(cfg, world)
+    model_cfg = cfg.model_config()
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":  # torchrun restarted the job after a failure
+        resume, overwrite = bool(list_checkpoints(cfg.out)), not list_checkpoints(cfg.out)
     resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
     if world > 1:
         dist.barrier()  # every rank has checked the run dir before rank 0 writes to it
@@ -124,7 +158,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     run_dir = Path(cfg.out)
     start, train_state = 0, {"tokens": 0, "elapsed_s": 0.0}
     if resume_from is not None:
-        train_state = load_checkpoint(resume_from, par.parts, optimizers)
+        try:
+            train_state = load_checkpoint(resume_from, par.parts, optimizers)
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+            cause = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
+            reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
+            raise PrunusError(f"--resume: {resume_from} does not fit this model ({reason}); "
+                              "resume with the model it was written for") from None
         start = train_state.pop("step")
     if main:
         init_run_dir(cfg, overwrite=overwrite and not resume, extra={
@@ -137,6 +177,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     stop = cfg.stop_at or cfg.steps
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 and not fsdp else contextlib.nullcontext()
     local_batch = cfg.batch_size // (dims.dp * cfg.grad_accum)
+    step_flops = flops_per_token(model_cfg, seq_len) * cfg.tokens_per_step
+    peak = peak_tflops(device, cfg.peak_tflops)
 
     def make_step_batches(step: int):
         return [get_batch(corpus.train, seed=cfg.seed, step=step, micro_batch=local_batch, seq_len=seq_len,
@@ -212,6 +254,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
                 record = {"step": done, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": cfg.tokens_per_step / dt, "elapsed_s": train_state["elapsed_s"],
                           "tokens": train_state["tokens"]}
+                if peak:
+                    record["mfu"] = step_flops / dt / (world * peak * 1e12)
+                if done % cfg.log_every == 0 or done == stop:
+                    record["peak_mem_bytes"] = rank_peaks(device, world)
                 if done % cfg.eval_every == 0 or done == stop:
                     record.update(run_eval())
                 if main:

@@ -1,0 +1,58 @@
+"""TOML training configs: ``prunus train --config run.toml``, flags override the file.
+
+Keys are TrainConfig's field names; ``[model]`` holds overrides of the preset::
+
+    preset = "small"
+    steps = 2000
+    tp = 2
+    [model]
+    n_layers = 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from prunus.models.errors import PrunusError
+
+from .config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise PrunusError(f"--config {path}: no such file; give a TOML file of training settings") from None
+    except tomllib.TOMLDecodeError as e:
+        raise PrunusError(f"--config {path}: not valid TOML ({e}); fix the file") from None
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; see prunus train --print-config")
+    return data
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved settings as TOML (settings that are None are left out: they mean 'the default')."""
+    d = cfg.to_dict()
+    model = d.pop("model")
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if v is not None]
+    if model:
+        lines += ["", "[model]"] + [f"{k} = {_toml_value(v)}" for k, v in model.items()]
+    return "\n".join(lines) + "\n"

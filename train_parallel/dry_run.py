@@ -1,0 +1,304 @@
+"""The dry run: per-rank memory of a parallel layout, planned without devices, processes or real tensors.
+
+:func:`memory_plan` builds the model on the meta device, joins torch's *fake*
+process group as one rank of ``world_size`` (collectives do nothing; no other
+process exists), applies the very ``parallelize`` a training run applies
+(pipeline split -> TP/SP -> activation checkpointing -> FSDP / DDP) and the
+very optimizer construction (``build_optimizer``, ZeRO-1 included), then reads
+the shapes of what this rank would hold. Nothing is allocated: any world size
+(1,024 ranks of llama-8b) takes well under a second.
+
+What is counted, in bytes on the planned rank (default rank 0; under --pp the
+rank decides the stage):
+
+* ``params`` (persistent): the local shards of this rank's parameters
+  (``DTensor.to_local()`` under TP / FSDP), summed over its pipeline parts, in
+  the dtype they are stored in (fp32: the trainer builds fp32 weights, also
+  under --bf16). FSDP's padding of the last shard is not counted; rank 0 always
+  holds a full-size shard.
+* ``params_peak``: ``params`` plus the working copies the layout gathers or
+  casts, each in the compute dtype (bf16 under --bf16, else fp32):
+
+  - ZeRO-2 (``reshard_after_forward=False``): after forward every FSDP unit
+    stays gathered until its backward, so the whole tp-local model is held
+    unsharded once more;
+  - ZeRO-3: units are gathered one at a time; counted as the root unit
+    (embedding, final norm, head) plus the two largest blocks (the one
+    computing and the one prefetched / the last block, never resharded);
+  - no FSDP with --bf16: autocast's cache of bf16 copies of the Linear weights.
+* ``grads``: one gradient per local parameter element in the parameter's dtype
+  (fp32; FSDP reduce-scatters into fp32 shards, its reduce dtype).
+* ``ddp_buckets``: DDP (ZeRO-0/1) copies gradients into its all-reduce buckets
+  (``gradient_as_bucket_view=False``): the gradient bytes once more.
+* ``optimizer``: AdamW's ``exp_avg`` and ``exp_avg_sq`` (parameter dtype, fp32)
+  for each parameter this rank's optimizer steps, plus its fp32 ``step``
+  scalar. Under ZeRO-1 that is this rank's partition of
+  ``ZeroRedundancyOptimizer`` (about 1/dp of the parameters, whole tensors).
+* ``buffers``: the rotary tables (one copy per pipeline part).
+* ``activations``: an estimate, below.
+
+``model_state`` = params + grads + optimizer (what a step leaves behind, before
+``zero_grad``); ``total_peak`` adds ``params_peak - params``, DDP buckets,
+buffers and activations: an upper bound, as activations are freed while
+gradients appear. Under --cpu-offload with FSDP the model state lives in host
+memory: it is reported as ``host`` and left out of ``total_peak``, the device's.
+
+The mesh is built on the CPU whatever the machine (the fake process group
+needs no device, and the plan touches none); --cpu-offload is planned, not
+applied, so it can be planned on a machine without a GPU.
+
+Activations (Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022, derived again for this model: SwiGLU, grouped-query
+attention with K/V repeated to all heads, fused SDPA, no dropout). With ``s``
+the sequence length, ``b`` the micro-batch (sequences), ``h`` dim, ``f``
+ffn_dim, ``n`` n_heads, ``t`` tp, ``B`` bytes per activation element (2 under
+--bf16, else 4), autograd keeps for backward, per block and micro-batch::
+
+    block  = s*b*(2*h + (8*h + 4*f)/t) * B  +  s*b*(2 + n/t) * 4
+
+``2h``: the inputs of the q/k/v and w1/w3 projections, gathered over the
+sequence (torch's sequence parallelism saves the gathered tensor, where
+Megatron saves the shard); ``8h/t``: each RMSNorm's input and normalised
+output (sequence-sharded under SP), q, the repeated k and v, the attention
+output (its reshape for wo is a view); ``4f/t``: w1's output, silu's, w3's and
+their product; fp32: the norms' rstd and attention's logsumexp. Fused
+attention (flash / memory-efficient) keeps no ``s^2`` scores, so Megatron's
+``5*a*s^2*b`` term is absent. For comparison, Megatron's GPT block (GeLU MLP
+of 4h, dropout, no SP) is ``s*b*h*(34 + 5*a*s/h)`` bytes with B=2. In fp32 on
+one process this matches what autograd saves exactly (tests/test_dry_run.py);
+under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
+
+* activation checkpointing: a wrapped block keeps only its input,
+  ``s*b*h/t * B`` (``full`` wraps every block, ``selective`` every other one:
+  counted from the wrapped modules), and one block's full activations are
+  added for the recomputation in backward;
+* the rank holding the head adds ``s*b*(2*h/t + h)*B + s*b*4`` (the final
+  norm's input, output and rstd, the head's gathered input) and
+  ``s*b*V/t'*(B + 4)`` (the logits and the fp32 log-softmax cross-entropy
+  saves; ``t' = t`` under loss parallelism, 1 when the logits are gathered
+  under --pp);
+* micro-batches in flight: 1 without --pp; GPipe and LoopedBFS run every
+  micro-batch forward first (``microbatches``); 1F1B holds
+  ``min(microbatches, pp - pp_rank)``; the other schedules (interleaved,
+  zero-bubble, V-shaped) are counted as ``min(microbatches, pp)``. The head's
+  activations are counted for one micro-batch, except under GPipe / LoopedBFS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from prunus.models.errors import PrunusError
+
+from .config import TrainConfig
+from .parallel_dims import ParallelDims
+from .parallelize import parallelize, validate_layout
+
+FORWARD_FIRST = ("GPipe", "LoopedBFS")  # schedules that run every micro-batch forward before any backward
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tp_local_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` on this rank once gathered over data parallelism (still sharded over tp)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
+    factor = 1
+    for i, (name, placement) in enumerate(zip(names, p.placements)):
+        if name == "tp" and not placement.is_replicate() and not placement.is_partial():
+            factor *= mesh.size(i)
+    return -(-p.numel() // factor)
+
+
+def _optimizer_params(opt) -> list[torch.Tensor]:
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer steps its partition with an inner optimizer
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def _in_flight(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> tuple[int, int]:
+    """(micro-batches whose block activations are held at once, those whose head activations are)."""
+    if dims.pp == 1:
+        return 1, 1
+    if cfg.pp_schedule in FORWARD_FIRST:
+        return cfg.microbatches, cfg.microbatches
+    if cfg.pp_schedule == "1F1B":
+        return min(cfg.microbatches, dims.pp - pp_rank), 1
+    return min(cfg.microbatches, dims.pp), 1
+
+
+def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
+    """Per-rank memory of ``cfg``'s layout on ``world_size`` ranks, as seen by ``rank``; see the module docstring.
+
+    Raises PrunusError (one line) for a layout a run would refuse, a rank outside the world, or when a process
+    group is already initialised in this process (the dry run needs its own, fake one).
+    """
+    cfg.validate()
+    model_cfg = cfg.model_config()
+    if not 0 <= rank < world_size:
+        raise PrunusError(f"dry run: rank {rank} is outside the world of {world_size} ranks; choose 0..{world_size - 1}")
+    dims = ParallelDims(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
+    if cfg.zero is None:
+        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard > 1 else 0)
+    validate_layout(dims, cfg, model_cfg)
+    if dist.is_initialized():
+        raise PrunusError("dry run: a process group is already initialised in this process; "
+                          "run the dry run outside a distributed job")
+
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
+
+    from prunus.models import Transformer
+
+    from .trainer import build_optimizer
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_pg.FakeStore())
+    try:
+        with mock.patch("torch.cuda.is_available", return_value=False):
+            dims.mesh  # noqa: B018 (cached: every later use of the mesh gets this CPU one)
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        model.train()
+        # parallelize places nothing (meta stays meta); pipeline stages want a concrete device. DDP cannot wrap
+        # meta tensors (it checks shapes with a collective and broadcasts the weights) and its wrapper changes no
+        # parameter: the part stays unwrapped (par.ddp still says DDP) and its buckets are counted below.
+        with mock.patch.object(sys.modules[parallelize.__module__], "apply_ddp", lambda part, mesh: part):
+            par = parallelize(model, dims, dataclasses.replace(cfg, cpu_offload=False), torch.device("cpu"))
+        zero1_mesh = dims.submesh("dp") if cfg.zero == 1 and dims.dp > 1 else None
+        optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
+        pp_rank = dims.submesh("pp").get_local_rank() if dims.pp > 1 else 0
+        return _plan(cfg, dims, model_cfg, par, optimizers, rank, pp_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank: int, pp_rank: int) -> dict:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    fsdp = dims.dp > 1 and cfg.zero in (2, 3)
+    compute_bytes = 2 if cfg.bf16 else 4
+
+    params = sum(_nbytes(_local(p)) for part in par.parts for p in part.parameters())
+    local_params = sum(_local(p).numel() for part in par.parts for p in part.parameters())
+    buffers = sum(_nbytes(b) for part in par.parts for b in part.buffers())
+    stepped = [p for opt in optimizers for p in _optimizer_params(opt)]
+    optimizer = sum(2 * _nbytes(_local(p)) + 4 for p in stepped)  # exp_avg, exp_avg_sq, fp32 step
+
+    extra = 0  # working copies above the persistent parameters
+    if fsdp and cfg.zero == 2:
+        extra = sum(_tp_local_numel(p) for part in par.parts for p in part.parameters()) * compute_bytes
+    elif fsdp:
+        for part in par.parts:
+            blocks = [sum(_tp_local_numel(p) for p in block.parameters()) for block in part.layers.values()]
+            in_blocks = {id(p) for block in part.layers.values() for p in block.parameters()}
+            root = sum(_tp_local_numel(p) for p in part.parameters() if id(p) not in in_blocks)
+            extra = max(extra, (root + sum(sorted(blocks)[-2:])) * compute_bytes)
+    elif cfg.bf16:
+        extra = 2 * sum(_local(m.weight).numel() for part in par.parts for m in part.modules()
+                        if isinstance(m, torch.nn.Linear))
+
+    # activations (module docstring)
+    s, h, f, n, t, V = cfg.resolved_seq_len(), model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp, model_cfg.vocab_size
+    per_rank_batch = cfg.batch_size // dims.dp
+    b = per_rank_batch // cfg.microbatches if dims.pp > 1 else per_rank_batch // cfg.grad_accum
+    block_full = s * b * (2 * h + (8 * h + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
+    block_input = s * b * h / t * compute_bytes
+    blocks = [blk for part in par.parts for blk in part.layers.values()]
+    n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)
+    per_micro = n_ckpt * block_input + (len(blocks) - n_ckpt) * block_full
+    blocks_in_flight, heads_in_flight = _in_flight(cfg, dims, pp_rank)
+    activations = per_micro * blocks_in_flight + (block_full if n_ckpt else 0)
+    if par.has_last:
+        t_head = t if dims.tp > 1 and dims.pp == 1 else 1  # loss parallelism keeps logits vocabulary-sharded
+        head = s * b * (2 * h / t + h) * compute_bytes + s * b * 4 + s * b * V / t_head * (compute_bytes + 4)
+        activations += head * heads_in_flight
+    activations = int(activations)
+
+    grads = params
+    ddp_buckets = grads if par.ddp else 0
+    model_state = params + grads + optimizer
+    host = model_state if fsdp and cfg.cpu_offload else 0  # FSDP's CPUOffloadPolicy keeps the shards on the host
+    return {
+        "world_size": dims.world_size,
+        "rank": rank,
+        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp,
+                   "zero": cfg.zero, "fsdp": fsdp, "ddp": par.ddp, "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
+                   "microbatches": cfg.microbatches if dims.pp > 1 else None,
+                   "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
+                   "cpu_offload": fsdp and cfg.cpu_offload},
+        "model_params": model_cfg.num_params(),
+        "local_params": local_params,
+        "stage_ids": list(par.stage_ids),
+        "blocks": len(blocks),
+        "checkpointed_blocks": n_ckpt,
+        "seq_len": s,
+        "micro_batch": b,
+        "in_flight": blocks_in_flight,
+        "bytes": {
+            "params": params,
+            "params_peak": params + extra,
+            "grads": grads,
+            "optimizer": optimizer,
+            "ddp_buckets": ddp_buckets,
+            "buffers": buffers,
+            "activations": activations,
+            "model_state": model_state,
+            "host": host,
+            "total_peak": model_state - host + extra + ddp_buckets + buffers + activations,
+        },
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+ROWS = (
+    ("params", "parameters (persistent, local shards)"),
+    ("params_peak", "parameters at peak (+ gathered / cast copies)"),
+    ("grads", "gradients (fp32)"),
+    ("optimizer", "optimizer state (AdamW)"),
+    ("ddp_buckets", "DDP all-reduce buckets"),
+    ("buffers", "buffers (rotary tables)"),
+    ("activations", "activations (estimate)"),
+    ("model_state", "model state (params + grads + optimizer)"),
+    ("host", "held in host memory (--cpu-offload)"),
+    ("total_peak", "peak total on the device (upper bound)"),
+)
+
+
+def render_plan(plan: dict):
+    """The plan as one rich Table: layout in the title, one row per figure (bytes and GiB/MiB)."""
+    from rich.table import Table
+
+    lay = plan["layout"]
+    title = (f"dry run: rank {plan['rank']:,} of {plan['world_size']:,} ranks, dp_replicate={lay['dp_replicate']} "
+             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}"
+             + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
+             + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
+             + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] else ""))
+    caption = (f"{plan['model_params']:,} model parameters, {plan['local_params']:,} on this rank "
+               f"(stages {plan['stage_ids']}, {plan['blocks']} blocks); activations for micro-batch "
+               f"{plan['micro_batch']} x {plan['seq_len']} tokens, {plan['in_flight']} in flight")
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("per rank")
+    table.add_column("bytes", justify="right")
+    table.add_column("size", justify="right")
+    for key, label in ROWS:
+        value = plan["bytes"][key]
+        if key in ("ddp_buckets", "host") and not value:
+            continue
+        style = "bold" if key in ("model_state", "total_peak") else None
+        table.add_row(label, f"{value:,}", _gib(value), style=style)
+    return table
