@@ -18,20 +18,19 @@ from .batches import eval_batches
 
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: int, batch_size: int = 8,
-             max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict:
+             max_tokens: int | None = None, device: str | torch.device = "cpu", score=None) -> dict:
     """{"val_loss": nats per token, "val_bpb": bits per byte, "val_tokens": tokens scored}.
 
-    ``model`` is a module or a ``tokens -> logits`` callable; a callable taking two
-    arguments ``(tokens, targets) -> summed nll`` (a pipeline, say) is used as is."""
+    ``model`` is a module or a ``tokens -> logits`` callable. ``score``, when given,
+    replaces it: ``(tokens, targets) -> summed nll`` (a pipeline, say)."""
     seq_len = min(seq_len, len(tokens) - 1)
     was_training = getattr(model, "training", False)
     if was_training:
         model.eval()
-    takes_targets = not isinstance(model, torch.nn.Module) and _n_args(model) == 2
     nll, n_tok, n_bytes = 0.0, 0, 0
     for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens):
-        if takes_targets:
-            nll += model(x.to(device), y.to(device))
+        if score is not None:
+            nll += score(x.to(device), y.to(device))
         else:
             logits = model(x.to(device))
             nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
@@ -40,15 +39,6 @@ def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: i
     if was_training:
         model.train()
     return {"val_loss": nll / n_tok, "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok}
-
-
-def _n_args(fn) -> int:
-    import inspect
-
-    try:
-        return len(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return 1
 
 
 def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch.Tensor) -> float:

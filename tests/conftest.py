@@ -40,3 +40,18 @@ def text_file(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     return path
+
+
+def _assert_user_error(result, *needles):
+    """A CLI result that is a user's mistake: exit code 2, one ``Error:`` line holding every needle."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.fixture
+def assert_user_error():
+    return _assert_user_error

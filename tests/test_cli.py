@@ -18,15 +18,6 @@ def run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def assert_user_error(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-
-
 def test_train_eval_generate_info(tmp_path, trained_run):
     model = tmp_path / "model"
     shutil.copytree(trained_run / "model", model)
@@ -67,12 +58,12 @@ def test_convert_round_trip_via_cli(tmp_path, trained_run):
 # --- bad input ---------------------------------------------------------------------------------
 
 
-def test_missing_data_path(tmp_path):
+def test_missing_data_path(tmp_path, assert_user_error):
     assert_user_error(run("train", *TINY, "--data", tmp_path / "nope.txt", "--out", tmp_path / "o"), "nope.txt", "does not exist")
     assert not (tmp_path / "o").exists()
 
 
-def test_unreadable_data_path(tmp_path, text_file, monkeypatch):
+def test_unreadable_data_path(tmp_path, text_file, monkeypatch, assert_user_error):
     text_file.chmod(0)
     if os.geteuid() == 0:  # root reads whatever the permissions: make the check see what a user would
         monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(text_file))
@@ -80,24 +71,24 @@ def test_unreadable_data_path(tmp_path, text_file, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
-def test_empty_corpus(tmp_path):
+def test_empty_corpus(tmp_path, assert_user_error):
     (tmp_path / "empty").mkdir()
     assert_user_error(run("train", *TINY, "--data", tmp_path / "empty", "--out", tmp_path / "o"), "corpus is empty")
     assert not (tmp_path / "o").exists()
 
 
-def test_sequence_length_above_the_model_maximum(tmp_path):
+def test_sequence_length_above_the_model_maximum(tmp_path, assert_user_error):
     r = run("train", *TINY[:2], "--seq-len", 4096, "--out", tmp_path / "o")
     assert_user_error(r, "--seq-len 4096", "max_seq_len 128")
     assert not (tmp_path / "o").exists()
 
 
-def test_unknown_preset(tmp_path):
+def test_unknown_preset(tmp_path, assert_user_error):
     assert_user_error(run("train", "--preset", "gigantic", "--out", tmp_path / "o"), "unknown preset 'gigantic'", "tiny")
     assert not (tmp_path / "o").exists()
 
 
-def test_model_dir_with_missing_file_or_hash_mismatch(tmp_path, trained_run):
+def test_model_dir_with_missing_file_or_hash_mismatch(tmp_path, trained_run, assert_user_error):
     model = tmp_path / "model"
     shutil.copytree(trained_run / "model", model)
     with open(model / "config.json", "a") as f:
@@ -110,7 +101,7 @@ def test_model_dir_with_missing_file_or_hash_mismatch(tmp_path, trained_run):
     assert_user_error(run("eval", tmp_path / "absent"), "no such model dir")
 
 
-def test_hugging_face_dir_that_is_not_llama(tmp_path):
+def test_hugging_face_dir_that_is_not_llama(tmp_path, assert_user_error):
     hf = tmp_path / "gpt2"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
@@ -118,14 +109,14 @@ def test_hugging_face_dir_that_is_not_llama(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_resume_without_checkpoint(tmp_path):
+def test_resume_without_checkpoint(tmp_path, assert_user_error):
     assert_user_error(run("train", "--resume", "--out", tmp_path / "none"), "--resume", "no checkpoint")
     r = run("train", *TINY, "--steps", 2, "--out", tmp_path / "done")  # finished, checkpoint-free run
     assert r.exit_code == 0
     assert_user_error(run("train", "--resume", "--out", tmp_path / "done"), "no checkpoint")
 
 
-def test_output_dir_holding_another_run(tmp_path, trained_run):
+def test_output_dir_holding_another_run(tmp_path, trained_run, assert_user_error):
     out = tmp_path / "run"
     shutil.copytree(trained_run, out)
     before = sorted(p.name for p in out.rglob("*"))
@@ -136,11 +127,11 @@ def test_output_dir_holding_another_run(tmp_path, trained_run):
     assert json.loads((out / "run.json").read_text())["train"]["steps"] == 2
 
 
-def test_resume_with_a_different_run_defining_setting(tmp_path):
+def test_resume_with_a_different_run_defining_setting(tmp_path, assert_user_error):
     out = tmp_path / "run"
     assert run("train", *TINY, "--steps", 4, "--stop-at", 2, "--out", out).exit_code == 0
     assert_user_error(run("train", "--resume", "--out", out, "--lr", 0.5), "lr", "another --out")
 
 
-def test_convert_needs_exactly_one_direction(tmp_path):
+def test_convert_needs_exactly_one_direction(tmp_path, assert_user_error):
     assert_user_error(run("convert", "--out", tmp_path / "o"), "exactly one")

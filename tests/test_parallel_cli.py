@@ -21,14 +21,6 @@ def run(*args, env=None):
     return CliRunner(env=env).invoke(cli, [str(a) for a in args])
 
 
-def assert_user_error(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("args, needles", [
     (["--nproc", 2, "--tp", 2, "--pp", 2], ["world size 2"]),
     (["--nproc", 4, "--dp-shard", 1, "--tp", 2], ["= 2 but the world size is 4"]),
@@ -38,13 +30,13 @@ def assert_user_error(result, *needles):
     (["--nproc", 2, "--pp", 2, "--pp-schedule", "Nope"], ["--pp-schedule Nope: unknown"]),
     (["--nproc", 4, "--tp", 2, "--zero", 0], ["--zero 0 (DDP) composes with data parallelism alone"]),
 ])
-def test_bad_layouts_fail_before_starting(tmp_path, args, needles):
+def test_bad_layouts_fail_before_starting(tmp_path, args, needles, assert_user_error):
     t0 = time.time()
     assert_user_error(run("train", *TINY, *args, "--out", tmp_path / "o"), *needles)
     assert not (tmp_path / "o").exists() and time.time() - t0 < 30
 
 
-def test_slurm_environment_that_disagrees_with_the_flags(tmp_path):
+def test_slurm_environment_that_disagrees_with_the_flags(tmp_path, assert_user_error):
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "gpu[01-02]"}
     for k in ("WORLD_SIZE", "RANK"):
         os.environ.pop(k, None)
@@ -53,7 +45,7 @@ def test_slurm_environment_that_disagrees_with_the_flags(tmp_path):
     assert first_slurm_host("gpu[01-02,7],cpu3") == "gpu01" and first_slurm_host("node5") == "node5"
 
 
-def test_resuming_from_a_checkpoint_of_another_model(tmp_path):
+def test_resuming_from_a_checkpoint_of_another_model(tmp_path, assert_user_error):
     a, b = tmp_path / "a", tmp_path / "b"
     assert run("train", *TINY, "--steps", 4, "--stop-at", 2, "--out", a).exit_code == 0
     assert run("train", *TINY, "--seq-len", 16, "--preset", "small", "--steps", 4, "--stop-at", 2, "--out", b,
@@ -66,7 +58,7 @@ def test_resuming_from_a_checkpoint_of_another_model(tmp_path):
     assert_user_error(run("train", "--resume", "--out", b), "does not fit this model")
 
 
-def test_print_config_and_config_file(tmp_path):
+def test_print_config_and_config_file(tmp_path, assert_user_error):
     r = run("train", *TINY, "--tp", 2, "--print-config")
     assert r.exit_code == 0 and 'preset = "tiny"' in r.stdout and "tp = 2" in r.stdout
     (tmp_path / "run.toml").write_text(r.stdout + "\n[model]\nn_layers = 3\n")

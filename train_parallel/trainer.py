@@ -216,8 +216,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     def run_eval() -> dict:
         for p in par.parts:
             p.eval()
-        result = evaluate(score, corpus.val, token_bytes, seq_len=seq_len, batch_size=local_batch * cfg.grad_accum,
-                          max_tokens=cfg.eval_tokens, device=device)
+        result = evaluate(None, corpus.val, token_bytes, seq_len=seq_len, batch_size=local_batch * cfg.grad_accum,
+                          max_tokens=cfg.eval_tokens, device=device, score=score)
         for p in par.parts:
             p.train()
         return result
