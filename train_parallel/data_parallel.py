@@ -8,6 +8,7 @@
 | 3 | optimizer states, gradients, parameters | fully_shard(reshard_after_forward=True) |
 
 FSDP shards over ``dp_shard`` and replicates over ``dp_replicate`` (HSDP) when the mesh has both.
+ZeRO-1's optimizer is built with the others, in ``trainer.build_optimizer``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,3 @@ def apply_fsdp(model, dp_mesh, *, zero: int, bf16: bool = False, cpu_offload: bo
         # the last block is gathered again right away for backward: keep it unsharded
         fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
-
-
-def zero1_optimizer(groups: list[dict], dp_mesh, **adamw_kwargs):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    params = [p for g in groups for p in g["params"]]
-    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(),
-                                  weight_decay=groups[0]["weight_decay"], **adamw_kwargs)
-    return opt
