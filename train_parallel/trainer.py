@@ -127,13 +127,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     world = env_ranks()[1]
     if cfg.nproc > 1 and world != cfg.nproc:
         raise PrunusError(f"--nproc {cfg.nproc} but the launcher started {world} processes (WORLD_SIZE / SLURM_NTASKS); make them agree")
-    resolve_layout(cfg, world)  # a bad layout fails here, before any process waits on another
+    cfg, dims = resolve_layout(cfg, world)  # a bad layout fails here, before any process waits on another
     rank, world, launched_device = init_distributed(cfg.timeout_s)
     main = rank == 0
-    cfg, dims = resolve_layout(cfg, world)
     model_cfg = cfg.model_config()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":  # torchrun restarted the job after a failure
-        resume, overwrite = bool(list_checkpoints(cfg.out)), not list_checkpoints(cfg.out)
+        resume = bool(list_checkpoints(cfg.out))
+        overwrite = not resume
     resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
     if world > 1:
         dist.barrier()  # every rank has checked the run dir before rank 0 writes to it
