@@ -29,6 +29,7 @@ class Parallelized:
     stage_ids: list[int]  # the pipeline stages the parts are
     n_stages: int
     ddp: bool
+    loss_parallel: bool  # logits stay vocabulary-sharded: compute the loss under loss_parallel()
 
     @property
     def has_first(self) -> bool:
@@ -92,9 +93,9 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Paralle
         parts, ids, n_stages, schedule = build_pipeline(
             model, dims.submesh("pp"), schedule=cfg.pp_schedule, microbatches=cfg.microbatches, loss_fn=loss_fn,
             device=device, parallelize_part=parallelize_part)
-        return Parallelized(parts, schedule, ids, n_stages, ddp=False)
+        return Parallelized(parts, schedule, ids, n_stages, ddp=False, loss_parallel=loss_parallel)
     part = parallelize_part(model)
     ddp = dp_mesh is not None and not fsdp
     if ddp:
         part = apply_ddp(part, dp_mesh)
-    return Parallelized([part], None, [0], 1, ddp)
+    return Parallelized([part], None, [0], 1, ddp, loss_parallel)

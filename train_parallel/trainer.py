@@ -143,7 +143,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     device = resolve_device(cfg.device, launched_device)
     token_bytes = tokenizer.token_bytes()
     dp_rank = dims.submesh("dp").get_local_rank() if dims.dp > 1 else 0
-    loss_parallel = dims.tp > 1 and dims.pp == 1
     pp_group = dims.submesh("pp").get_group() if dims.pp > 1 else None
 
     torch.manual_seed(cfg.seed)
@@ -196,7 +195,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         model_part = par.parts[0]
         for i, (x, y) in enumerate(micro_batches):
             sync = not par.ddp or i == len(micro_batches) - 1
-            with (contextlib.nullcontext() if sync else model_part.no_sync()), loss_context(loss_parallel):
+            with (contextlib.nullcontext() if sync else model_part.no_sync()), loss_context(par.loss_parallel):
                 with autocast:
                     logits = model_part(x)
                 loss = cross_entropy(logits, y)
