@@ -40,6 +40,11 @@ class KVCache:
         cv[:, :, start:end] = v
         return ck[:, :, :end], cv[:, :, :end]
 
+    def attn_mask(self, q_len: int, k_len: int) -> torch.Tensor | None:
+        """Every sequence has the same length, so the default causal mask (last query at the
+        last key) is right. A cache holding ragged sequences returns a boolean mask instead."""
+        return None
+
     def advance(self, n: int) -> None:
         self.seq_len += n
 

@@ -39,10 +39,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (>= seq, head_dim), starting at x's first position."""
-    seqlen = x.shape[2]
-    cos, sin = cos[:seqlen].to(x.dtype), sin[:seqlen].to(x.dtype)
+    """x: (batch, heads, seq, head_dim).
+
+    cos/sin are either (>= seq, head_dim), the table from x's first position on, or
+    (batch, seq, head_dim), gathered at each token's own position.
+    """
+    if cos.ndim == 3:
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    else:
+        seqlen = x.shape[2]
+        cos, sin = cos[:seqlen].to(x.dtype), sin[:seqlen].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask; no parameters.
+
+    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim), heads
+    already repeated for grouped-query attention. Without ``mask`` the last query
+    sits at the last key (a prompt, a decode step, or a chunk after a cached
+    prefix); a cache with ragged sequences passes its own boolean ``mask``. Context
+    parallelism replaces this module; the projections around it stay as they are.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q_len, k_len = q.shape[2], k.shape[2]
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if q_len == k_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if q_len == 1:  # one new token attends to the whole cache
+            return F.scaled_dot_product_attention(q, k, v)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -54,6 +83,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -62,20 +92,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
+            mask = cache.attn_mask(q.shape[2], k.shape[2])
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        q_len, k_len = q.shape[2], k.shape[2]
-        if q_len == k_len:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif q_len == 1:  # one new token attends to the whole cache
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:  # a chunk after a cached prefix: causal, aligned to the end
-            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
@@ -140,12 +165,20 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` (seq,) or (batch, seq): each token's absolute position, for sequences
+        that are not one contiguous run from the cache's length (context-parallel chunks,
+        ragged batches in serving). Without it, positions count on from the cache."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # the tables from the first new position on; attention takes as many rows as it has positions
-        # (under sequence parallelism h holds a slice of the sequence, attention the whole of it)
-        start = cache.seq_len if cache is not None else 0
-        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
+        if positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if cos.ndim == 2:
+                cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        else:
+            # the tables from the first new position on; attention takes as many rows as it has positions
+            # (under sequence parallelism h holds a slice of the sequence, attention the whole of it)
+            start = cache.seq_len if cache is not None else 0
+            cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache)
         if cache is not None:

@@ -95,3 +95,14 @@ def test_model_config_validation(bad, match):
 def test_unknown_preset():
     with pytest.raises(PrunusError, match="unknown preset 'huge'; choose one of: tiny"):
         get_preset("huge")
+
+
+def test_explicit_positions_match_implicit(tiny_model):
+    """Positions given per token (context-parallel chunks, ragged serving batches) rotate
+    exactly as the contiguous default does, whether given as (seq,) or (batch, seq)."""
+    tokens = torch.randint(0, tiny_model.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        ref = tiny_model(tokens)
+        pos = torch.arange(24)
+        torch.testing.assert_close(tiny_model(tokens, positions=pos), ref, rtol=0, atol=0)
+        torch.testing.assert_close(tiny_model(tokens, positions=pos.expand(2, 24)), ref, rtol=0, atol=0)
