@@ -34,9 +34,9 @@ def cli():
 
 
 def _register() -> None:
-    from . import convert, eval, generate, info, train  # noqa: A004
+    from . import compress, convert, eval, export, generate, info, train  # noqa: A004
 
-    for module in (train, eval, generate, convert, info):
+    for module in (train, eval, generate, convert, info, compress, export):
         cli.add_command(module.command)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import click
@@ -11,6 +12,9 @@ from prunus.train_parallel import TrainConfig, resume_config, train
 from prunus.train_parallel.config_file import read_config_file, to_toml
 
 D = TrainConfig()
+# model flags: overrides of the preset's fields (TrainConfig.model), by option name
+MODEL_FLAGS = {"n_experts": "n_experts", "top_k": "top_k", "capacity_factor": "capacity_factor",
+               "moe_aux_coef": "moe_aux_loss_coef", "n_shared_experts": "n_shared_experts", "moe_ffn_dim": "moe_ffn_dim"}
 SCHEDULES = "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
 
 
@@ -63,9 +67,22 @@ def command_line(ctx: click.Context, given: dict, config_file, resume: bool, ove
 @click.option("--dp-shard", type=int, default=D.dp_shard, show_default=True, help="-1: the ranks the other dims leave.")
 @click.option("--tp", type=int, default=D.tp, show_default=True, help="Tensor (+ sequence) parallel degree.")
 @click.option("--pp", type=int, default=D.pp, show_default=True, help="Pipeline stages (ranks).")
+@click.option("--cp", type=int, default=D.cp, show_default=True,
+              help="Context parallel degree: every sequence split over this many ranks (--seq-len a multiple of 2 x cp).")
+@click.option("--cp-impl", default=D.cp_impl, show_default=True,
+              help="ring: key/value blocks passed round the ranks; ulysses: all-to-all over heads (heads divisible by cp).")
+@click.option("--ep", type=int, default=D.ep, show_default=True,
+              help="Expert parallel degree: MoE experts split over this many of the --dp-shard ranks.")
+@click.option("--n-experts", type=int, default=None, help="Mixture of experts: routed experts per block (0: dense).")
+@click.option("--top-k", type=int, default=None, help="MoE: experts per token (default 2).")
+@click.option("--capacity-factor", type=float, default=None,
+              help="MoE: tokens per expert and sequence = ceil(factor * seq * top_k / experts); extra ones are dropped. Default: none dropped.")
+@click.option("--moe-aux-coef", type=float, default=None, help="MoE: load-balancing loss coefficient (default 0.01).")
+@click.option("--n-shared-experts", type=int, default=None, help="MoE: experts every token goes through (default 0).")
+@click.option("--moe-ffn-dim", type=int, default=None, help="MoE: hidden size of each expert (default: the preset's ffn_dim).")
 @click.option("--pp-schedule", default=D.pp_schedule, show_default=True, help=SCHEDULES)
 @click.option("--microbatches", type=int, default=D.microbatches, show_default=True, help="Pipeline micro-batches per step.")
-@click.option("--zero", type=click.IntRange(0, 3), default=None, help="0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard > 1, else 0.")
+@click.option("--zero", type=click.IntRange(0, 3), default=None, help="0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0.")
 @click.option("--activation-checkpointing", default=D.activation_checkpointing, show_default=True, help="none, selective or full.")
 @click.option("--cpu-offload", is_flag=True, help="FSDP CPU offload of parameters and optimizer states (GPU only).")
 @click.option("--timeout", "timeout_s", type=float, default=D.timeout_s, show_default=True, help="Collective timeout, seconds.")
@@ -83,11 +100,16 @@ def command(ctx: click.Context, config_file: str | None, print_config: bool, dry
             plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, resume: bool, overwrite: bool, **options):
     """Train a model; the final model dir is OUT/model."""
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    model_flags = {MODEL_FLAGS[k]: v for k, v in given.items() if k in MODEL_FLAGS}
+    options = {k: v for k, v in options.items() if k not in MODEL_FLAGS}
+    settings = {k: v for k, v in given.items() if k not in MODEL_FLAGS}
     if resume:
-        cfg = resume_config(options["out"], **given)
+        cfg = resume_config(options["out"], **settings)
     else:
         base = read_config_file(config_file) if config_file else {}
-        cfg = TrainConfig(**{**options, **base, **given})
+        cfg = TrainConfig(**{**options, **base, **settings})
+    if model_flags:
+        cfg = dataclasses.replace(cfg, model={**cfg.model, **model_flags})
     if print_config:
         click.echo(to_toml(cfg), nl=False)
         return

@@ -124,7 +124,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg, layer_id)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        if cfg.n_experts:
+            from .moe import MoE
+
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cache)
@@ -160,7 +165,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.ndim == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared.w2.weight")):
                 nn.init.normal_(p, 0.0, depth_std)
             else:
                 nn.init.normal_(p, 0.0, std)

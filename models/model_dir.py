@@ -23,6 +23,7 @@ from .atomic import atomic_dir, atomic_write_json
 from .config import ModelConfig
 from .errors import PrunusError
 from .llama import Transformer
+from .quantized import count_params, quantized_layout
 from .tokenizer import load_tokenizer
 
 CONFIG = "config.json"
@@ -67,8 +68,13 @@ def save_model(
     metrics: dict | None = None,
     overwrite: bool = False,
     command: str | None = None,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write ``model`` as a model dir at ``path``, atomically."""
+    """Write ``model`` as a model dir at ``path``, atomically.
+
+    ``model.compression`` (quantized modules, sparsity, passes), when set, goes into
+    config.json; ``extra_files`` (name -> bytes: a recipe, a report) are written
+    alongside and covered by the manifest's hashes."""
     path = Path(path)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     parent_info = None
@@ -79,11 +85,15 @@ def save_model(
         stored_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         model_cfg = model.config.replace(dtype=stored_dtype).to_dict()
         config = {"format": FORMAT, "architecture": "llama", "model": model_cfg, "tokenizer": tokenizer.spec()}
+        if getattr(model, "compression", None):
+            config["compression"] = model.compression
         atomic_write_json(tmp / CONFIG, config)
         save_file(state_dict_for_save(model), tmp / WEIGHTS, metadata={"format": "pt"})
         tokenizer.save(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = count_params(model)
         manifest = {
             "format": FORMAT,
             "stage": stage,
@@ -144,9 +154,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     path = Path(path)
     if verify:
         verify_model_dir(path)
-    cfg, _ = read_config(path)
+    cfg, config = read_config(path)
+    compression = config.get("compression")
     with torch.device("meta"):
         model = Transformer(cfg)
+        if compression and compression.get("quantization"):
+            quantized_layout(model, compression["quantization"]["modules"])
     state = load_file(path / WEIGHTS, device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]
@@ -155,6 +168,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_buffers(device=torch.device(device))
+    if compression:
+        model.compression = compression
     if dtype is not None:
         model.to(dtype)
     return model.eval()

@@ -1,1 +1,7 @@
-"""prunus.serve: this stage's API lands with its issue; nothing is exported yet."""
+"""prunus.serve: the Engine API over PyTorch, ONNX Runtime and TensorRT; continuous batching; TP workers; HTTP."""
+
+from .engine import Engine
+from .request import GenerationResult, SamplingParams, StreamToken
+from .scheduler import QueueFull
+
+__all__ = ["Engine", "GenerationResult", "SamplingParams", "StreamToken", "QueueFull"]

@@ -3,11 +3,13 @@
     torchrun --standalone --nproc-per-node N tests/parallel_worker.py SPEC.json OUT.json
 
 SPEC is a list of {"name", "config": TrainConfig fields, "resume": bool, "copy_from": run dir to
-resume a copy of}; rank 0
+resume a copy of}, or of {"name", "distill": {"model_dir", "context", "student", "args"}} (a
+distillation run of prunus.compress.distill across the group); rank 0
 writes {name: {"losses": [...], "val_loss": ..., "params_local": ...} or {"error": ...}} to OUT.
 """
 
 import json
+import os
 import shutil
 import sys
 import traceback
@@ -15,6 +17,15 @@ import traceback
 import torch.distributed as dist
 
 from prunus.train_parallel import TrainConfig, resume_config, train
+
+
+def run_distill(model_dir: str, context: dict, student, args: dict):
+    from prunus.compress.context import build_context
+    from prunus.compress.distill import distill
+    from prunus.compress.student import make_student
+
+    ctx = build_context(model_dir, **context)
+    return distill(make_student(ctx.teacher, student), ctx, nproc=int(os.environ["WORLD_SIZE"]), progress=False, **args)
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -26,11 +37,12 @@ def main(spec_path: str, out_path: str) -> None:
                     shutil.copytree(job["copy_from"], job["config"]["out"])
                 if dist.is_initialized():
                     dist.barrier()
-            if job.get("resume"):
-                cfg = resume_config(job["config"]["out"], **{k: v for k, v in job["config"].items() if k != "out"})
+            if job.get("distill"):
+                r = run_distill(**job["distill"])
             else:
-                cfg = TrainConfig(**job["config"])
-            r = train(cfg, resume=job.get("resume", False))
+                cfg = (resume_config(job["config"]["out"], **{k: v for k, v in job["config"].items() if k != "out"})
+                       if job.get("resume") else TrainConfig(**job["config"]))
+                r = train(cfg, resume=job.get("resume", False))
             results[job["name"]] = {"losses": r.losses, "val_loss": r.metrics.get("val_loss")}
         except Exception as e:  # recorded, the group goes on with the next layout
             results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}

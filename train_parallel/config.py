@@ -11,7 +11,7 @@ from prunus.models.errors import PrunusError
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
 RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress",
-             "nproc", "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches", "zero",
+             "nproc", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
              "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops")
 
 
@@ -50,9 +50,12 @@ class TrainConfig:
     dp_shard: int = -1  # -1: the ranks the other dims leave
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: every sequence split over this many ranks (they share the batch)
+    cp_impl: str = "ring"  # ring attention (point-to-point, load-balanced) or ulysses (all-to-all over heads)
+    ep: int = 1  # expert parallel: ranks the experts of each MoE layer are split over (borrowed from dp_shard)
     pp_schedule: str = "1F1B"
     microbatches: int = 4
-    zero: int | None = None  # None: 3 when sharding over dp_shard > 1, else 0
+    zero: int | None = None  # None: 3 when sharding over dp_shard x cp > 1, else 0
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     timeout_s: float = 600.0  # collective timeout: a hang ends with an error naming the rank
@@ -83,6 +86,8 @@ class TrainConfig:
             raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        if self.cp_impl not in ("ring", "ulysses"):
+            raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
         if self.activation_checkpointing not in ("none", "selective", "full"):
             raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, selective or full")
         if self.batch_size % self.grad_accum:

@@ -24,11 +24,13 @@ def apply_ddp(model, dp_mesh):
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(), bucket_cap_mb=25)
 
 
-def apply_fsdp(model, dp_mesh, *, zero: int, bf16: bool = False, cpu_offload: bool = False) -> None:
+def apply_fsdp(model, dp_mesh, *, zero: int, bf16: bool = False, cpu_offload: bool = False, ignored_params=None) -> None:
+    """``ignored_params``: left unsharded (expert parallelism's experts, sharded over ep and reduced by it)."""
     if cpu_offload and not torch.cuda.is_available():
         raise PrunusError("--cpu-offload needs a GPU: torch's CPUOffloadPolicy refuses to run without an accelerator")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    kw = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else None)
+    kw = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+              ignored_params=set(ignored_params) if ignored_params else None)
     kw = {k: v for k, v in kw.items() if v is not None}
     reshard = zero == 3
     blocks = list(model.layers.values())

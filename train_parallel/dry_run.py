@@ -37,6 +37,16 @@ rank decides the stage):
 * ``buffers``: the rotary tables (one copy per pipeline part).
 * ``activations``: an estimate, below.
 
+Mixture of experts: under ``--ep`` each rank holds ``n_experts / ep`` experts
+of every MoE layer (DTensor shards over ``ep``, left out of FSDP: ``params``,
+``grads`` and ``optimizer`` count exactly that share, replicated over the
+``dp / ep`` ranks holding the same experts); they are never gathered, so
+``params_peak`` adds their local share once as a working copy (an upper bound:
+in fp32 none is made). A MoE block's activations replace the ``4f`` of the
+SwiGLU by ``4 * moe_ffn_dim * (top_k + n_shared_experts)`` and add the
+``2 * top_k * h`` gathered expert inputs and outputs, plus the fp32 router
+logits and probabilities (``2 * n_experts``), assuming balanced routing.
+
 ``model_state`` = params + grads + optimizer (what a step leaves behind, before
 ``zero_grad``); ``total_peak`` adds ``params_peak - params``, DDP buckets,
 buffers and activations: an upper bound, as activations are freed while
@@ -82,6 +92,11 @@ under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
   ``min(microbatches, pp - pp_rank)``; the other schedules (interleaved,
   zero-bubble, V-shaped) are counted as ``min(microbatches, pp)``. The head's
   activations are counted for one micro-batch, except under GPipe / LoopedBFS.
+* context parallelism (``--cp``): every term above is per token and each rank
+  holds ``s/cp`` tokens of every sequence, so ``s`` is ``s/cp`` throughout (ring
+  attention saves what fused SDPA saves, for the local queries; Ulysses' SDPA saves
+  head-sharded whole sequences, the same bytes), plus the rotary tables gathered at
+  the rank's positions, ``2 * s/cp * head_dim * 4`` per micro-batch.
 """
 
 from __future__ import annotations
@@ -118,7 +133,7 @@ def _tp_local_numel(p: torch.Tensor) -> int:
     mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
     factor = 1
     for i, (name, placement) in enumerate(zip(names, p.placements)):
-        if name == "tp" and not placement.is_replicate() and not placement.is_partial():
+        if name in ("tp", "ep") and not placement.is_replicate() and not placement.is_partial():
             factor *= mesh.size(i)
     return -(-p.numel() // factor)
 
@@ -149,9 +164,10 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     model_cfg = cfg.model_config()
     if not 0 <= rank < world_size:
         raise PrunusError(f"dry run: rank {rank} is outside the world of {world_size} ranks; choose 0..{world_size - 1}")
-    dims = ParallelDims(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
+    dims = ParallelDims(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
+                       ep=cfg.ep, cp=cfg.cp)
     if cfg.zero is None:
-        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard > 1 else 0)
+        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard * dims.cp > 1 else 0)
     validate_layout(dims, cfg, model_cfg)
     if dist.is_initialized():
         raise PrunusError("dry run: a process group is already initialised in this process; "
@@ -175,7 +191,7 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         # parameter: the part stays unwrapped (par.ddp still says DDP) and its buckets are counted below.
         with mock.patch.object(sys.modules[parallelize.__module__], "apply_ddp", lambda part, mesh: part):
             par = parallelize(model, dims, dataclasses.replace(cfg, cpu_offload=False), torch.device("cpu"))
-        zero1_mesh = dims.submesh("dp") if cfg.zero == 1 and dims.dp > 1 else None
+        zero1_mesh = dims.submesh("dp_cp") if cfg.zero == 1 and dims.dp * dims.cp > 1 else None
         optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
         pp_rank = dims.submesh("pp").get_local_rank() if dims.pp > 1 else 0
         return _plan(cfg, dims, model_cfg, par, optimizers, rank, pp_rank)
@@ -186,7 +202,7 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
 def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank: int, pp_rank: int) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    fsdp = dims.dp > 1 and cfg.zero in (2, 3)
+    fsdp = dims.dp * dims.cp > 1 and cfg.zero in (2, 3)
     compute_bytes = 2 if cfg.bf16 else 4
 
     params = sum(_nbytes(_local(p)) for part in par.parts for p in part.parameters())
@@ -209,16 +225,23 @@ def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank
                         if isinstance(m, torch.nn.Linear))
 
     # activations (module docstring)
-    s, h, f, n, t, V = cfg.resolved_seq_len(), model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp, model_cfg.vocab_size
+    # s: the tokens of each sequence on this rank (all of them but under context parallelism)
+    s, h, f, n, t, V = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp, model_cfg.vocab_size
     per_rank_batch = cfg.batch_size // dims.dp
     b = per_rank_batch // cfg.microbatches if dims.pp > 1 else per_rank_batch // cfg.grad_accum
     block_full = s * b * (2 * h + (8 * h + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
+    if model_cfg.n_experts:  # mixture of experts: the routed and shared experts' hidden, gathered inputs, router
+        k, f_moe, e = model_cfg.top_k, model_cfg.moe_ffn_dim, model_cfg.n_experts
+        block_full += s * b * (4 * f_moe * (k + model_cfg.n_shared_experts) - 4 * f + 2 * k * h) * compute_bytes
+        block_full += s * b * 2 * e * 4
     block_input = s * b * h / t * compute_bytes
     blocks = [blk for part in par.parts for blk in part.layers.values()]
     n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)
     per_micro = n_ckpt * block_input + (len(blocks) - n_ckpt) * block_full
     blocks_in_flight, heads_in_flight = _in_flight(cfg, dims, pp_rank)
     activations = per_micro * blocks_in_flight + (block_full if n_ckpt else 0)
+    if dims.cp > 1:  # the rotary tables gathered at this rank's positions
+        activations += 2 * s * model_cfg.head_dim * 4
     if par.has_last:
         t_head = t if dims.tp > 1 and dims.pp == 1 else 1  # loss parallelism keeps logits vocabulary-sharded
         head = s * b * (2 * h / t + h) * compute_bytes + s * b * 4 + s * b * V / t_head * (compute_bytes + 4)
@@ -232,7 +255,7 @@ def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank
     return {
         "world_size": dims.world_size,
         "rank": rank,
-        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp,
+        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "cp_impl": cfg.cp_impl, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
                    "zero": cfg.zero, "fsdp": fsdp, "ddp": par.ddp, "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
                    "microbatches": cfg.microbatches if dims.pp > 1 else None,
                    "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
@@ -242,7 +265,8 @@ def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank
         "stage_ids": list(par.stage_ids),
         "blocks": len(blocks),
         "checkpointed_blocks": n_ckpt,
-        "seq_len": s,
+        "seq_len": s * dims.cp,
+        "local_seq_len": s,
         "micro_batch": b,
         "in_flight": blocks_in_flight,
         "bytes": {
@@ -284,13 +308,14 @@ def render_plan(plan: dict):
 
     lay = plan["layout"]
     title = (f"dry run: rank {plan['rank']:,} of {plan['world_size']:,} ranks, dp_replicate={lay['dp_replicate']} "
-             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}"
+             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']}" + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
+             + (f" cp={lay['cp']} ({lay['cp_impl']})" if lay.get("cp", 1) > 1 else "") + f" zero={lay['zero']}"
              + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
              + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
              + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] else ""))
     caption = (f"{plan['model_params']:,} model parameters, {plan['local_params']:,} on this rank "
                f"(stages {plan['stage_ids']}, {plan['blocks']} blocks); activations for micro-batch "
-               f"{plan['micro_batch']} x {plan['seq_len']} tokens, {plan['in_flight']} in flight")
+               f"{plan['micro_batch']} x {plan['local_seq_len']} tokens, {plan['in_flight']} in flight")
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     table.add_column("per rank")
     table.add_column("bytes", justify="right")

@@ -57,10 +57,26 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_safe_store(timeout)
+        dist.init_process_group(backend, init_method=None if store else init_method, store=store, rank=rank,
+                                world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
     return rank, world, device
+
+
+def restart_safe_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's shared store, with keys scoped to this restart attempt; None when not under torchrun's agent.
+
+    torchrun (2.x) hosts one TCPStore in its agent for the whole job and hands it to
+    every attempt's workers without a per-attempt prefix. After a restart, the new
+    workers can read the dead attempt's Gloo addresses from it and fail with
+    "connectFullMesh failed ... Connection refused". A prefix per attempt avoids it.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"prunus/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:

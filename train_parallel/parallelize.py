@@ -1,5 +1,6 @@
 """Apply a parallel layout to an unmodified model, in a fixed order:
-pipeline split -> tensor/sequence parallel -> activation checkpointing -> FSDP / DDP.
+pipeline split -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing
+-> FSDP / DDP.
 
 Returns what the training step needs: the model parts this rank holds, the
 pipeline schedule (or None), and whether this rank holds the first / last stage.
@@ -16,7 +17,9 @@ from torch.distributed.tensor import DTensor
 from prunus.models.errors import PrunusError
 
 from .activation_checkpointing import apply_ac
+from .context_parallel import apply_cp, validate_cp
 from .data_parallel import apply_ddp, apply_fsdp
+from .expert_parallel import apply_ep
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import build_pipeline, validate_schedule
 from .tensor_parallel import apply_tp
@@ -50,11 +53,15 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
     dims.validate_model(model_cfg)
+    validate_cp(dims.cp, cfg.cp_impl, cfg.resolved_seq_len(), model_cfg.n_heads, dims.tp, dims.pp,
+                moe=bool(getattr(model_cfg, "n_experts", 0)) or dims.ep > 1)
+    if dims.ep > 1 and (cfg.zero not in (2, 3) or dims.dp_replicate > 1):
+        raise PrunusError(f"--ep {dims.ep} composes with FSDP over --dp-shard: use --zero 2 or 3 and --dp-replicate 1")
     if cfg.zero in (0, 1) and dims.dp_shard > 1 and dims.dp_replicate > 1:
         raise PrunusError(f"--zero {cfg.zero} replicates over all data-parallel ranks; set --dp-replicate or --dp-shard, not both")
-    if cfg.zero in (0, 1) and (dims.tp > 1 or dims.pp > 1) and dims.dp > 1:
+    if cfg.zero in (0, 1) and (dims.tp > 1 or dims.pp > 1) and dims.dp * dims.cp > 1:
         raise PrunusError(f"--zero {cfg.zero} (DDP) composes with data parallelism alone; use --zero 2 or 3 with --tp or --pp")
-    if cfg.zero in (2, 3) and dims.dp_shard == 1 and dims.dp_replicate > 1:
+    if cfg.zero in (2, 3) and dims.dp_shard * dims.cp == 1 and dims.dp_replicate > 1:
         raise PrunusError(f"--zero {cfg.zero} shards over --dp-shard, which is 1; raise --dp-shard or use --zero 0/1")
     if cfg.batch_size % (dims.dp * cfg.grad_accum):
         raise PrunusError(f"--batch-size {cfg.batch_size} is not divisible by data-parallel ranks x --grad-accum = "
@@ -73,17 +80,23 @@ def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
 def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Parallelized:
     tp_enabled = dims.tp > 1
     loss_parallel = tp_enabled and dims.pp == 1
-    dp_mesh = dims.submesh("dp")
-    if cfg.zero in (2, 3) and dims.dp_replicate > 1 and dims.dp_shard > 1:
-        dp_mesh = dims.mesh["dp_replicate", "dp_shard"]  # HSDP: replicate x shard
+    dp_mesh = dims.submesh("dp_cp")  # parameters are replicated over data- and context-parallel ranks
+    if cfg.zero in (2, 3) and dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1:
+        dp_mesh = dims.submesh("hsdp")  # HSDP: replicate x shard (dp_shard x cp)
     fsdp = dp_mesh is not None and cfg.zero in (2, 3)
 
     def parallelize_part(part):
         if tp_enabled:
             apply_tp(part, dims.submesh("tp"), loss_parallel=loss_parallel)
+        if dims.cp > 1:
+            apply_cp(part, dims.submesh("cp"), cfg.cp_impl)
+        experts = []
+        if dims.ep > 1:
+            replicas = dims.submesh("dp_shard_mod_ep")
+            experts = apply_ep(part, dims.submesh("ep"), replicas.get_group() if replicas is not None else None, dims.dp)
         apply_ac(part, cfg.activation_checkpointing)
         if fsdp:
-            apply_fsdp(part, dp_mesh, zero=cfg.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload)
+            apply_fsdp(part, dp_mesh, zero=cfg.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload, ignored_params=experts)
         return part
 
     if dims.pp > 1:

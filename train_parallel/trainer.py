@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.models import PrunusError, Transformer, load_tokenizer, save_model
+from prunus.models.moe import moe_aux_loss, moe_dropped
 
 from .checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import TrainConfig
@@ -36,6 +37,7 @@ from .launch import env_ranks, init_distributed
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import pipeline_score
+from .context_parallel import cp_sum, shard_batch
 from .parallelize import cross_entropy, local_value, parallelize, validate_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
@@ -74,12 +76,21 @@ def resolve_device(name: str, launched_device: torch.device) -> torch.device:
 def clip_grad_norm(parts, max_norm: float, pp_group=None) -> float:
     """Clip by the norm of all gradients of the whole model, across pipeline stages."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    total = local_value(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+    # DTensor gradients on different meshes (FSDP's dp, expert parallelism's ep) are reduced mesh by mesh
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    norms = [local_value(torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)) for group in by_mesh.values()]
+    if len(norms) == 1:
+        total = norms[0]
+    else:
+        total = torch.stack(norms).norm() if norms else torch.nn.utils.get_total_norm([], foreach=True)
     if pp_group is not None:
         total = total.pow(2)
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return float(total)
 
 
@@ -94,20 +105,30 @@ def rank_peaks(device: torch.device, world: int) -> list[int]:
 
 
 def _all_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """Sum over pipeline stages (only the last holds the loss), mean over data-parallel ranks."""
+    """Sum over pipeline stages (only the last holds the loss), mean over data- and context-parallel ranks
+    (context-parallel ranks hold equal shares of the tokens: the mean of their means is the token mean)."""
     if dims.pp > 1:
         dist.all_reduce(value, group=dims.submesh("pp").get_group())
-    if dims.dp > 1:
-        dist.all_reduce(value, group=dims.submesh("dp").get_group())
-        value = value / dims.dp
+    if dims.dp * dims.cp > 1:
+        dist.all_reduce(value, group=dims.submesh("dp_cp").get_group())
+        value = value / (dims.dp * dims.cp)
     return value
+
+
+def _moe_metrics(step: dict, dims: ParallelDims) -> dict:
+    """The step's load-balancing loss (mean over data-parallel ranks) and dropped routed choices (their sum)."""
+    stats = torch.tensor([step["aux"], step["dropped"]], dtype=torch.float64)
+    if dims.dp > 1:
+        dist.all_reduce(stats, group=dims.submesh("dp").get_group())
+    return {"moe_aux_loss": float(stats[0]) / dims.dp, "moe_dropped": int(stats[1])}
 
 
 def resolve_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, ParallelDims]:
     """The validated layout for ``world`` ranks, with the ZeRO stage resolved (3 when sharding, else 0)."""
-    dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
-    if cfg.zero is None:
-        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard > 1 else 0)
+    dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
+                       ep=cfg.ep, cp=cfg.cp)
+    if cfg.zero is None:  # FSDP shards over dp_shard x cp
+        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard * dims.cp > 1 else 0)
     validate_layout(dims, cfg, cfg.model_config())
     return cfg, dims
 
@@ -121,13 +142,25 @@ def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
-    """Run (or resume) a training run described by ``cfg``; see the module docstring."""
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
+          objective=None) -> TrainResult:
+    """Run (or resume) a training run described by ``cfg``; see the module docstring.
+
+    ``model``: start from these weights (its config must be ``cfg.model_config()``) instead of
+    a fresh initialisation. ``objective``: replaces cross-entropy as ``objective(logits, x, y)
+    -> loss`` (distillation, say; any frozen teacher it holds stays on every rank). Modules it
+    trains, ``objective.modules() -> {name: module}``, are attached to the model for the run, so
+    every data-parallel layout synchronises, shards and checkpoints them like the model's own;
+    they are not part of the model dir written at the end."""
     cfg.validate()
     world = env_ranks()[1]
     if cfg.nproc > 1 and world != cfg.nproc:
         raise PrunusError(f"--nproc {cfg.nproc} but the launcher started {world} processes (WORLD_SIZE / SLURM_NTASKS); make them agree")
     cfg, dims = resolve_layout(cfg, world)  # a bad layout fails here, before any process waits on another
+    if objective is not None and (dims.tp > 1 or dims.pp > 1):
+        raise PrunusError("a training objective other than cross-entropy runs on data-parallel layouts only; set --tp 1 --pp 1")
+    if objective is not None and dims.cp > 1:
+        raise PrunusError("a training objective other than cross-entropy sees whole sequences; set --cp 1")
     rank, world, launched_device = init_distributed(cfg.timeout_s)
     main = rank == 0
     model_cfg = cfg.model_config()
@@ -144,14 +177,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     token_bytes = tokenizer.token_bytes()
     dp_rank = dims.submesh("dp").get_local_rank() if dims.dp > 1 else 0
     pp_group = dims.submesh("pp").get_group() if dims.pp > 1 else None
+    cp_mesh = dims.submesh("cp")  # None without context parallelism
 
     torch.manual_seed(cfg.seed)
-    model = Transformer(model_cfg)
-    model.init_weights()
+    if model is None:
+        model = Transformer(model_cfg)
+        model.init_weights()
+    elif model.config != model_cfg:
+        raise ValueError(f"train(model=...): its config {model.config} is not the run's {model_cfg}")
+    extras = dict(objective.modules()) if objective is not None else {}
+    for name, module in extras.items():
+        model.add_module(name, module)
     model.to(device).train()
     par = parallelize(model, dims, cfg, device)
-    fsdp = dims.dp > 1 and cfg.zero in (2, 3)
-    zero1_mesh = dims.submesh("dp") if cfg.zero == 1 and dims.dp > 1 else None
+    fsdp = dims.dp * dims.cp > 1 and cfg.zero in (2, 3)
+    zero1_mesh = dims.submesh("dp_cp") if cfg.zero == 1 and dims.dp * dims.cp > 1 else None
     optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
 
     run_dir = Path(cfg.out)
@@ -183,6 +223,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         return [get_batch(corpus.train, seed=cfg.seed, step=step, micro_batch=local_batch, seq_len=seq_len,
                           grad_accum=cfg.grad_accum, micro=m, rank=dp_rank, world=dims.dp) for m in range(cfg.grad_accum)]
 
+    moe_step = {"aux": 0.0, "dropped": 0}  # this step's load-balancing loss and dropped routed choices, on this rank
+
     def forward_backward(micro_batches) -> torch.Tensor:
         if par.schedule is not None:
             (x, y), losses = micro_batches[0], []
@@ -193,14 +235,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
             return torch.zeros((), device=device)
         total = torch.zeros((), device=device)
         model_part = par.parts[0]
+        moe_step.update(aux=0.0, dropped=0)
         for i, (x, y) in enumerate(micro_batches):
+            x, y, positions = shard_batch(x, y, cp_mesh)  # context parallel: this rank's chunks of the sequences
             sync = not par.ddp or i == len(micro_batches) - 1
             with (contextlib.nullcontext() if sync else model_part.no_sync()), loss_context(par.loss_parallel):
                 with autocast:
-                    logits = model_part(x)
-                loss = cross_entropy(logits, y)
-                (loss / cfg.grad_accum).backward()
+                    logits = model_part(x, positions=positions)
+                loss = cross_entropy(logits, y) if objective is None else objective(logits, x, y)
+                aux = moe_aux_loss(model_part)  # mixture of experts: the load-balancing loss joins the gradient
+                ((loss if aux is None else loss + aux) / cfg.grad_accum).backward()
             total += local_value(loss).detach().float()
+            if aux is not None:
+                moe_step["aux"] += float(aux.detach()) / cfg.grad_accum
+            moe_step["dropped"] += moe_dropped(model_part)
         return total / cfg.grad_accum
 
     def score(x, y) -> float:
@@ -210,7 +258,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
 
         if par.schedule is not None:
             return pipeline_score(par.parts, par.stage_ids, par.n_stages, cfg.pp_schedule, pp_group, x, y, nll)
-        return nll(par.parts[0](x), y)
+        x, y, positions = shard_batch(x, y, cp_mesh)
+        return cp_sum(nll(par.parts[0](x, positions=positions), y), cp_mesh)
 
     def run_eval() -> dict:
         for p in par.parts:
@@ -227,7 +276,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     progress.print(f"training {model_cfg.num_params():,} parameters on {corpus.name}: "
                    f"{len(corpus.train):,} train tokens, steps {start + 1}..{stop} of {cfg.steps}, "
                    f"{cfg.tokens_per_step:,} tokens per step, {world} x {device}"
-                   + (f", layout dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} "
+                   + (f", layout dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} pp={dims.pp} "
                       f"zero={cfg.zero}" if world > 1 else ""))
     prefetch = Prefetcher(make_step_batches, range(start, stop), device=device)
     try:
@@ -253,6 +302,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
                 record = {"step": done, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": cfg.tokens_per_step / dt, "elapsed_s": train_state["elapsed_s"],
                           "tokens": train_state["tokens"]}
+                if model_cfg.n_experts:
+                    record.update(_moe_metrics(moe_step, dims))
                 if peak:
                     record["mfu"] = step_flops / dt / (world * peak * 1e12)
                 if done % cfg.log_every == 0 or done == stop:
@@ -269,6 +320,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         prefetch.close()
         if log is not None:
             log.close()
+    for name in extras:  # the objective's modules belong to the run, not to the model
+        delattr(model, name)
 
     model_dir = None
     if main:

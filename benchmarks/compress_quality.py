@@ -1,0 +1,137 @@
+"""Compression quality on the demo model: each family beside the float model it came from, in one run.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compress_quality.py [--model runs/demo/model]
+
+One section per family; each prints bits per byte, its change against fp32, greedy
+agreement, the size of model.safetensors and CPU latency, with the ratios against the
+fp32 model measured in the same run, and whether the family meets its quality target.
+A section is a function ``(bench) -> None``; add yours to SECTIONS.
+Nothing here fails on a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from prunus.compress.context import build_context  # noqa: E402
+from prunus.compress.quantize import quantize_pass  # noqa: E402
+from prunus.compress.report import greedy, prompts_from, report_row  # noqa: E402
+from prunus.compress.smoothquant import smoothquant_pass  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+console = Console(width=150)
+
+
+class Bench:
+    """The fp32 model, its context and its report row, shared by every section."""
+
+    def __init__(self, model_dir: Path, eval_tokens: int):
+        self.ctx = build_context(model_dir, eval_tokens=eval_tokens)
+        self.prompts = prompts_from(self.ctx, self.ctx.teacher)
+        self.reference = greedy(self.ctx.teacher, self.prompts)
+        self.base = self.row("fp32", self.ctx.teacher)
+
+    def fresh(self):
+        """A float copy of the input model, for a section to compress."""
+        return copy.deepcopy(self.ctx.teacher)
+
+    def row(self, name: str, model) -> dict:
+        return report_row(name, model, self.ctx, reference=self.reference, prompts=self.prompts,
+                          base=getattr(self, "base", None))
+
+    def table(self, title: str, rows: list[dict], target: tuple[str, float] | None = None) -> None:
+        """Print rows beside fp32; ``target`` (row name, max relative bpb increase) is checked and shown."""
+        t = Table(title=title, title_justify="left")
+        for col in ("variant", "bits/byte", "Δ bpb vs fp32", "greedy agree", "MB", "size ratio", "prefill ratio",
+                    "decode ratio"):
+            t.add_column(col, justify="left" if col == "variant" else "right")
+        b = self.base
+        for r in [b, *rows]:
+            t.add_row(r["pass"], f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.3f}%", f"{100 * r['agreement']:.1f}%",
+                      f"{r['bytes'] / 1e6:.3f}", f"{r['bytes'] / b['bytes']:.3f}x",
+                      f"{r['prefill_ms'] / b['prefill_ms']:.2f}x", f"{r['decode_ms'] / b['decode_ms']:.2f}x")
+        console.print(t)
+        if target is not None:
+            name, limit = target
+            row = next(r for r in rows if r["pass"] == name)
+            ok = "meets" if row["bpb_change"] <= limit else "MISSES"
+            console.print(f"  {name}: {100 * row['bpb_change']:+.3f}% bits per byte, {ok} the +{100 * limit:g}% target\n")
+
+
+def section_int8_weight_only(bench: Bench) -> None:
+    rows = [bench.row(f"int8 weight-only {g}", quantize_pass(bench.fresh(), bench.ctx, scheme="int8-weight-only",
+                                                             granularity=g, group_size=gs))
+            for g, gs in (("per_channel", None), ("per_group", 32), ("per_tensor", None))]
+    bench.table("int8 weight-only (target: within +0.5% bits per byte of fp32)", rows,
+                target=("int8 weight-only per_channel", 0.005))
+
+
+def section_w8a8(bench: Bench) -> None:
+    rows = []
+    for smooth in (False, True):
+        for scheme, calibration in (("w8a8-dynamic", "minmax"), ("w8a8-static", "minmax"), ("w8a8-static", "percentile")):
+            model = bench.fresh()
+            if smooth:
+                model = smoothquant_pass(model, bench.ctx, alpha=0.5)
+            model = quantize_pass(model, bench.ctx, scheme=scheme, calibration=calibration)
+            name = ("smoothquant + " if smooth else "") + scheme + (f" {calibration}" if scheme == "w8a8-static" else "")
+            rows.append(bench.row(name, model))
+    bench.table("W8A8 int8 weights and activations, without and with SmoothQuant (alpha 0.5) "
+                "(target: SmoothQuant + static within +1.5%)", rows,
+                target=("smoothquant + w8a8-static percentile", 0.015))
+
+
+def section_fp8(bench: Bench) -> None:
+    rows = [bench.row(f"{scheme} {g}", quantize_pass(bench.fresh(), bench.ctx, scheme=scheme, granularity=g))
+            for scheme, g in (("fp8-weight-only", "per_channel"), ("fp8-weight-only", "per_tensor"),
+                              ("fp8-w8a8", "per_channel"))]
+    bench.table("fp8 e4m3, emulated on CPU (target: weight-only within +1%)", rows,
+                target=("fp8-weight-only per_channel", 0.01))
+
+
+SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8]
+
+
+def ensure_demo_model(model_dir: Path) -> None:
+    """Train the demo model (as ``make demo`` does) when it is missing."""
+    if (model_dir / "prunus.json").is_file():
+        return
+    run_dir = model_dir.parent
+    console.print(f"{model_dir} is missing: training the demo model into {run_dir}")
+    subprocess.run([sys.executable, "-m", "prunus.cli.main", "train", "--preset", "small", "--steps", "240",
+                    "--batch-size", "16", "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "24", "--eval-every", "80",
+                    "--ckpt-every", "80", "--out", str(run_dir), "--overwrite"], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "model")
+    parser.add_argument("--eval-tokens", type=int, default=262144, help="held-out tokens scored per variant")
+    parser.add_argument("--only", nargs="*", help="run only the sections whose name contains one of these")
+    args = parser.parse_args()
+    ensure_demo_model(args.model)
+    torch.manual_seed(0)
+    bench = Bench(args.model, args.eval_tokens)
+    console.print(f"model {args.model}: {bench.base['params']:,} parameters, fp32 {bench.base['val_bpb']:.4f} bits per byte "
+                  f"on {args.eval_tokens:,} held-out tokens; latency: batch 1, prefill {bench.base['prefill_tokens']} "
+                  f"tokens and one decode step, {torch.get_num_threads()} threads, "
+                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n")
+    for section in SECTIONS:
+        if args.only and not any(s in section.__name__ for s in args.only):
+            continue
+        section(bench)
+
+
+if __name__ == "__main__":
+    main()

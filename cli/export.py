@@ -1,0 +1,56 @@
+"""prunus export: a model dir -> ONNX Runtime or TensorRT export dir, with a parity report."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from prunus.export import FORMATS, PRECISIONS, ParityFailed, export_model
+
+
+def _table(title: str, report: dict) -> Table:
+    table = Table(title=title)
+    for col in ("check", "value", "limit", ""):
+        table.add_column(col)
+    tol = report["tolerances"]
+    rows = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
+            ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}")]
+    for label, key, fmt in rows:
+        limit = tol.get(key)
+        ok = "[red]FAIL" if key in report["failed"] else ("[green]ok" if limit is not None else "")
+        table.add_row(label, fmt.format(report[key]), "-" if limit is None else str(limit), ok)
+    table.add_row("bits/byte torch / onnx", f"{report['bpb_torch']:.4f} / {report['bpb_onnx']:.4f}", "", "")
+    return table
+
+
+@click.command("export")
+@click.argument("model_dir", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="onnx", show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Export dir to write.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Default: the model's own (fp32, or int8 / fp8 for a compressed dir).")
+@click.option("--opset", type=int, default=None, help="ONNX opset. Default: 18, or what the quantization needs.")
+@click.option("--no-verify", is_flag=True, help="Keep the export even if the parity check fails.")
+@click.option("--data", default=None, help="Held-out text for the parity check. Default: the built-in corpus.")
+@click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite):
+    """Export MODEL_DIR to ONNX Runtime or TensorRT and check it against PyTorch."""
+    console = Console()
+    try:
+        result = export_model(model_dir, out, format=fmt, precision=precision, opset=opset, verify=not no_verify,
+                              data=data, overwrite=overwrite, external_data=external_data or None,
+                              command=shlex.join(["prunus", *sys.argv[1:]]))
+    except ParityFailed as e:
+        console.print(_table(f"parity {model_dir} ({e.report['precision']})", e.report))
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
+    exp = result.config["export"]
+    console.print(_table(f"parity {out} ({exp['format']}, {exp['precision']})", result.parity))
+    if not result.parity["passed"]:
+        console.print("[yellow]parity check failed; kept because of --no-verify")
+    console.print(f"wrote {out}: {', '.join(exp['graphs'][k] for k in ('prefill', 'decode'))}, parity.json")

@@ -1,0 +1,229 @@
+"""Knowledge distillation, trained by the parallel engine (``prunus.train_parallel.train``).
+
+``distill_pass(model, ctx, student=...)`` derives a student from ``model`` (see
+``compress/student.py``; ``None`` fine-tunes ``model`` itself, e.g. to recover after
+pruning) and trains it against ``ctx.teacher`` with ``DistillObjective`` (``distill_loss.py``)
+on the context's training tokens, with the engine's AdamW, warmup + cosine schedule
+(warmup: a tenth of the steps, down to lr / 10), gradient clipping and progress display.
+
+* ``nproc=1``: in this process.
+* under torchrun / Slurm with ``nproc`` ranks (or inside their process group): every rank
+  calls it, the engine runs data-parallel across them (its default layout: FSDP; DDP when
+  pruned weights must stay zero), every rank returns the consolidated student.
+* ``nproc > 1`` otherwise: teacher, student and tokens are written to a temporary dir and
+  ``torchrun --standalone`` runs ``python -m prunus.compress.distill SPEC`` on ``nproc``
+  processes; the consolidated student is read back.
+
+The projections of the hidden-state loss are trained with the student and dropped at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.train_parallel import TrainConfig, train
+from prunus.train_parallel.launch import LAUNCHED, env_ranks, init_distributed
+
+from .distill_loss import DistillObjective
+from .student import make_student
+
+
+@dataclass
+class DistillResult:
+    model: Transformer  # the trained student, eval mode, on the context's device
+    losses: list[float]  # the training loss of every step
+    metrics: dict  # the engine's last record: val_loss, val_bpb of the student, ...
+
+
+def _check_args(steps, batch_size, lr, temperature, kd_weight, reverse_kl, hidden_weight, nproc) -> None:
+    checks = [(steps >= 1, f"steps={steps} must be at least 1"), (batch_size >= 1, f"batch_size={batch_size} must be at least 1"),
+              (lr > 0, f"lr={lr} must be positive"), (temperature > 0, f"temperature={temperature} must be positive"),
+              (0 <= kd_weight <= 1, f"kd_weight={kd_weight} must be between 0 and 1"),
+              (0 <= reverse_kl <= 1, f"reverse_kl={reverse_kl} must be between 0 and 1"),
+              (hidden_weight >= 0, f"hidden_weight={hidden_weight} must not be negative"),
+              (nproc >= 1, f"nproc={nproc} must be at least 1"),
+              (batch_size % nproc == 0, f"batch_size={batch_size} must be a multiple of nproc={nproc}")]
+    for ok, msg in checks:
+        if not ok:
+            raise PrunusError(f"distill: {msg}")
+
+
+def _write_corpus(ctx, root: Path) -> str | None:
+    """The context's token streams as train.bin / val.bin (exactly its tokens); None when ids exceed uint16."""
+    if max(int(ctx.train_tokens.max()), int(ctx.val_tokens.max())) > np.iinfo(np.uint16).max:
+        return None
+    root.mkdir(parents=True)
+    np.asarray(ctx.train_tokens, dtype=np.uint16).tofile(root / "train.bin")
+    np.asarray(ctx.val_tokens, dtype=np.uint16).tofile(root / "val.bin")
+    return str(root)
+
+
+def _train_config(ctx, student: Transformer, work: Path, *, steps, batch_size, seq_len, lr, seed, nproc, zero,
+                  progress) -> TrainConfig:
+    data = _write_corpus(ctx, work / "corpus") if not (work / "corpus").exists() else str(work / "corpus")
+    tokenizer = None
+    if ctx.tokenizer.spec().get("kind") != "byte":
+        (work / "tokenizer").mkdir(exist_ok=True)
+        ctx.tokenizer.save(work / "tokenizer")
+        tokenizer = str(work / "tokenizer")
+    seq_len = min(seq_len or ctx.seq_len, student.config.max_seq_len, ctx.teacher.config.max_seq_len)
+    return TrainConfig(
+        out=str(work / "run"), preset="tiny", model=student.config.to_dict(), data=data if data else ctx.data,
+        tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, min_lr=lr / 10,
+        warmup_steps=steps // 10, eval_every=steps, eval_tokens=ctx.eval_tokens, ckpt_every=0, keep_checkpoints=1,
+        log_every=max(1, steps // 20), seed=seed, device=str(ctx.device), progress=progress, nproc=nproc, zero=zero)
+
+
+def _has_zeros_to_keep(model) -> bool:
+    return bool((getattr(model, "compression", None) or {}).get("sparsity"))
+
+
+def distill(student: Transformer, ctx, *, steps: int = 200, batch_size: int = 16, seq_len: int | None = None,
+            lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9, reverse_kl: float = 0.0,
+            hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0, zero: int | None = None,
+            progress: bool = True, run_dir: str | Path | None = None) -> DistillResult:
+    """Train ``student`` against ``ctx.teacher`` (see the module docstring). ``run_dir``: keep the
+    engine's run dir (metrics.jsonl, loss.png) there; by default it is temporary."""
+    _check_args(steps, batch_size, lr, temperature, kd_weight, reverse_kl, hidden_weight, nproc)
+    if student.config.vocab_size != ctx.teacher.config.vocab_size:
+        raise PrunusError(f"distill: the student's vocab_size {student.config.vocab_size} differs from the teacher's "
+                          f"{ctx.teacher.config.vocab_size}; logits must share the vocabulary")
+    if env_ranks()[1] > 1:  # launched by torchrun / Slurm: join (or reuse) the process group
+        init_distributed()
+    in_group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    world = dist.get_world_size() if in_group else 1
+    if in_group and world != nproc:
+        raise PrunusError(f"distill: nproc={nproc} but this process group has {world} ranks; make them agree")
+    student.train()
+    for p in student.parameters():
+        p.requires_grad_(True)
+    keep_zeros = _has_zeros_to_keep(student)
+    projections = hidden_weight > 0 and student.config.dim != ctx.teacher.config.dim
+    if (keep_zeros or projections) and nproc > 1:
+        # gradient masks act on whole parameters, and the projections run outside the model's
+        # forward, where FSDP has resharded them: DDP keeps both whole on every rank
+        zero = 0
+    loss_args = dict(temperature=temperature, kd_weight=kd_weight, reverse_kl=reverse_kl, hidden_weight=hidden_weight,
+                     keep_zeros=keep_zeros, seed=seed)
+    channels = getattr(student, "width_channels", None)
+    rank0 = not in_group or dist.get_rank() == 0
+
+    work = None
+    if rank0:
+        work = Path(tempfile.mkdtemp(prefix="prunus-distill-"))
+    if in_group:  # every rank runs in the same dir
+        box = [str(work) if work else None]
+        dist.broadcast_object_list(box, src=0)
+        work = Path(box[0])
+    try:
+        if rank0:
+            cfg = _train_config(ctx, student, work, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                                nproc=nproc, zero=zero, progress=progress)
+            if run_dir is not None:
+                cfg = dataclasses.replace(cfg, out=str(run_dir))
+        if in_group:
+            box = [cfg.to_dict() if rank0 else None]
+            dist.broadcast_object_list(box, src=0)
+            cfg = TrainConfig.from_dict(box[0])
+        if nproc == 1 or in_group:
+            objective = DistillObjective(ctx.teacher, student, channels=channels, **loss_args)
+            try:
+                r = train(cfg, model=student, objective=objective, overwrite=run_dir is not None)
+            finally:
+                objective.close()
+            model = student if world == 1 else load_model(Path(cfg.out) / "model", device=ctx.device)
+            result = DistillResult(model.eval(), r.losses, r.metrics)
+        else:
+            result = _spawn(ctx, student, cfg, work, loss_args, channels, nproc)
+        if in_group:
+            dist.barrier()  # every rank has read the consolidated model before the dir goes
+        return result
+    finally:
+        if rank0:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _spawn(ctx, student, cfg: TrainConfig, work: Path, loss_args: dict, channels, nproc: int) -> DistillResult:
+    save_model(ctx.teacher, work / "teacher", tokenizer=ctx.tokenizer, stage="distill-teacher")
+    save_model(student, work / "student", tokenizer=ctx.tokenizer, stage="distill-student")
+    spec = {"teacher": str(work / "teacher"), "student": str(work / "student"), "config": cfg.to_dict(),
+            "loss": loss_args, "channels": channels.tolist() if channels is not None else None,
+            "result": str(work / "result.json")}
+    (work / "spec.json").write_text(json.dumps(spec))
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "prunus.compress.distill", str(work / "spec.json")]
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0 or not (work / "result.json").is_file():
+        raise PrunusError(f"distill: the {nproc}-process run failed (exit code {rc}); its output above says why")
+    out = json.loads((work / "result.json").read_text())
+    model = load_model(Path(cfg.out) / "model", device=ctx.device)
+    return DistillResult(model.eval(), out["losses"], out["metrics"])
+
+
+def run_spec(spec_path: str) -> None:
+    """One rank of a spawned distillation run (``python -m prunus.compress.distill SPEC`` under torchrun)."""
+    spec = json.loads(Path(spec_path).read_text())
+    teacher = load_model(spec["teacher"])
+    student = load_model(spec["student"]).train()
+    channels = torch.tensor(spec["channels"]) if spec["channels"] is not None else None
+    objective = DistillObjective(teacher, student, channels=channels, **spec["loss"])
+    r = train(TrainConfig.from_dict(spec["config"]), model=student, objective=objective)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(spec["result"]).write_text(json.dumps({"losses": r.losses, "metrics": r.metrics}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def distill_pass(model: Transformer, ctx, *, student=None, steps: int = 200, batch_size: int = 16,
+                 seq_len: int | None = None, lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9,
+                 reverse_kl: float = 0.0, hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0,
+                 progress: bool = True) -> Transformer:
+    """The compression pass: ``model`` (or the student derived from it) distilled from ``ctx.teacher``.
+
+    ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"width:F"``, a
+    preset name or a dict of model config fields (see ``compress/student.py``). Returns the
+    student in eval mode; ``model.compression["distillation"]`` records what was done."""
+    if student is None:
+        if any(not p.is_floating_point() for p in model.state_dict().values() if p.ndim >= 2):
+            raise PrunusError("distill: the model holds quantized weights; distill before quantizing "
+                              "(put the distill pass ahead of quantize in the recipe)")
+        teacher_storage = {p.data_ptr() for p in ctx.teacher.parameters()}
+        shared = any(p.data_ptr() in teacher_storage for p in model.parameters())
+        learner = copy.deepcopy(model) if shared else model  # never train the teacher itself
+    else:
+        learner = make_student(model, student, seed=seed)
+        if getattr(model, "compression", None):  # a derived student keeps no quantization, and no sparsity
+            learner.compression = {k: v for k, v in model.compression.items() if k not in ("quantization", "sparsity")}
+    teacher_params = sum(p.numel() for p in ctx.teacher.parameters())
+    result = distill(learner, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature,
+                     kd_weight=kd_weight, reverse_kl=reverse_kl, hidden_weight=hidden_weight, nproc=nproc, seed=seed,
+                     progress=progress)
+    out = result.model
+    out.compression = dict(getattr(learner, "compression", None) or {})
+    out.compression["distillation"] = {
+        "student": student, "steps": steps, "batch_size": batch_size, "lr": lr, "temperature": temperature,
+        "kd_weight": kd_weight, "reverse_kl": reverse_kl, "hidden_weight": hidden_weight, "nproc": nproc,
+        "teacher_params": teacher_params, "student_params": sum(p.numel() for p in out.parameters()),
+        "final_loss": result.losses[-1], "val_loss": result.metrics.get("val_loss"), "val_bpb": result.metrics.get("val_bpb"),
+    }
+    return out
+
+
+if __name__ == "__main__":
+    run_spec(sys.argv[1])

@@ -1,0 +1,198 @@
+"""Recipes: which passes run, in which order, with which arguments.
+
+A recipe is YAML::
+
+    passes:
+      - smoothquant: {alpha: 0.5}
+      - quantize: {scheme: w8a8-static, calibration: percentile}
+
+Each entry names a pass of the registry below (a bare name runs it with its
+defaults). A recipe is checked whole before any pass runs: an unknown pass, an
+unknown or missing argument or a bad value is one PrunusError naming the entry.
+Recipes shipped with prunus live in ``compress/recipes/`` and can be named without
+a path (``--recipe int8-weight-only``). The CLI shortcuts (``--quantize``, ``--prune``,
+``--distill``) build the same list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import yaml
+
+from prunus.models import PrunusError
+from prunus.models.quantized import GRANULARITIES, SCHEMES
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+# name -> "module:function"; imported when a recipe uses it
+PASSES = {
+    "quantize": "prunus.compress.quantize:quantize_pass",
+    "smoothquant": "prunus.compress.smoothquant:smoothquant_pass",
+    "prune": "prunus.compress.prune:prune_pass",
+    "prune_structured": "prunus.compress.prune_structured:prune_structured_pass",
+    "distill": "prunus.compress.distill:distill_pass",
+}
+
+PRUNE_METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
+STRUCTURED_TARGETS = ("heads", "channels", "blocks")
+
+
+def _fraction(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1
+
+
+def _positive_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _amount(v):  # a fraction, or for blocks an int count
+    return _fraction(v) or _positive_int(v)
+
+
+# (pass, argument) -> (check, what a good value is)
+VALUE_CHECKS = {
+    ("quantize", "scheme"): (lambda v: v in SCHEMES, f"one of {', '.join(SCHEMES)}"),
+    ("quantize", "granularity"): (lambda v: v in GRANULARITIES, f"one of {', '.join(GRANULARITIES)}"),
+    ("quantize", "group_size"): (lambda v: v is None or _positive_int(v), "a positive integer"),
+    ("quantize", "calibration"): (lambda v: v in ("minmax", "percentile"), "minmax or percentile"),
+    ("quantize", "percentile"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100, "a number in (0, 100]"),
+    ("quantize", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
+    ("smoothquant", "alpha"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1, "a number in [0, 1]"),
+    ("prune", "method"): (lambda v: v in PRUNE_METHODS, f"one of {', '.join(PRUNE_METHODS)}"),
+    ("prune", "sparsity"): (_fraction, "a fraction in [0, 1)"),
+    ("prune", "scope"): (lambda v: v in ("layer", "global"), "layer or global"),
+    ("prune", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
+    ("prune_structured", "target"): (lambda v: v in STRUCTURED_TARGETS, f"one of {', '.join(STRUCTURED_TARGETS)}"),
+    ("prune_structured", "amount"): (_amount, "a fraction in [0, 1) (or for blocks a count)"),
+    ("distill", "steps"): (_positive_int, "a positive integer"),
+    ("distill", "batch_size"): (_positive_int, "a positive integer"),
+    ("distill", "nproc"): (_positive_int, "a positive integer"),
+    ("distill", "lr"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
+    ("distill", "temperature"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
+    ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, width:F, a preset name or a mapping of model fields"),
+}
+for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
+    VALUE_CHECKS[(_p, "n_calib")] = (_positive_int, "a positive integer")
+
+
+def get_pass(name: str, where: str = "recipe"):
+    """The function registered as ``name``."""
+    if name not in PASSES:
+        raise PrunusError(f"{where}: unknown pass {name!r}; known passes: {', '.join(PASSES)}")
+    module, func = PASSES[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise PrunusError(f"{where}: pass {name!r} is not available in this install ({module} is missing)") from None
+
+
+def check_pass(name: str, args: dict, where: str = "recipe") -> None:
+    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value."""
+    if not isinstance(args, dict):
+        raise PrunusError(f"{where}: the arguments of {name!r} must be a mapping (name: value), not {type(args).__name__}")
+    params = inspect.signature(get_pass(name, where)).parameters
+    known = [p for p in list(params)[2:]]  # after (model, ctx)
+    for key in args:
+        if key not in known:
+            raise PrunusError(f"{where}: pass {name!r} has no argument {key!r}; its arguments: {', '.join(known)}")
+    missing = [k for k in known if params[k].default is inspect.Parameter.empty and k not in args]
+    if missing:
+        raise PrunusError(f"{where}: pass {name!r} needs {', '.join(missing)}")
+    for key, value in args.items():
+        check = VALUE_CHECKS.get((name, key))
+        if check is not None and not check[0](value):
+            raise PrunusError(f"{where}: {name}.{key}={value!r} is not valid; use {check[1]}")
+
+
+def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
+    """A parsed YAML document (or its text) -> [(pass name, arguments)], checked."""
+    if isinstance(data, str):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as e:
+            raise PrunusError(f"{source}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict) or not isinstance(data.get("passes"), list) or not data["passes"]:
+        raise PrunusError(f"{source}: needs a non-empty 'passes:' list (e.g. passes: [{{quantize: {{scheme: int8-weight-only}}}}])")
+    extra = sorted(set(data) - {"passes", "description"})
+    if extra:
+        raise PrunusError(f"{source}: unknown key(s) {', '.join(extra)}; a recipe has 'passes' and optionally 'description'")
+    passes = []
+    for i, entry in enumerate(data["passes"], 1):
+        where = f"{source}: pass {i}"
+        if isinstance(entry, str):
+            name, args = entry, {}
+        elif isinstance(entry, dict) and len(entry) == 1:
+            name, args = next(iter(entry.items()))
+            args = {} if args is None else args
+        else:
+            raise PrunusError(f"{where}: write each pass as 'name' or 'name: {{argument: value}}'")
+        check_pass(name, args, where)
+        passes.append((name, dict(args)))
+    return passes
+
+
+def recipe_path(recipe: str | Path) -> Path:
+    """A recipe file, or the name of a recipe shipped with prunus."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    shipped = RECIPES_DIR / f"{recipe}.yaml"
+    if path.suffix == "" and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+    raise PrunusError(f"recipe {recipe}: no such file; give a YAML file or one of the shipped recipes: {names}")
+
+
+def load_recipe(recipe: str | Path) -> tuple[list[tuple[str, dict]], str]:
+    """(checked passes, the recipe's text) from a file or a shipped recipe's name."""
+    path = recipe_path(recipe)
+    text = path.read_text()
+    return parse_recipe(text, source=str(path)), text
+
+
+def shortcut_passes(*, quantize: str | None = None, prune: str | None = None, distill: str | None = None) -> list[tuple[str, dict]]:
+    """The CLI shortcuts as passes, in pipeline order: distill, prune, quantize.
+
+    ``--prune METHOD[:AMOUNT]``: magnitude / wanda with a sparsity (default 0.5), 2:4 or
+    2:4-magnitude, or a structured target heads / channels (a fraction) or blocks (a count).
+    """
+    passes = []
+    if distill is not None:
+        passes.append(("distill", {"student": distill}))
+    if prune is not None:
+        passes.append(_prune_shortcut(prune))
+    if quantize is not None:
+        passes.append(("quantize", {"scheme": quantize}))
+    for name, args in passes:
+        check_pass(name, args, where=f"--{name.split('_')[0]}")
+    return passes
+
+
+def _prune_shortcut(spec: str) -> tuple[str, dict]:
+    if spec in ("2:4", "2:4-magnitude"):
+        return "prune", {"method": spec}
+    method, _, amount = spec.partition(":")
+    value = None
+    if amount:
+        try:
+            value = int(amount) if method == "blocks" else float(amount)
+        except ValueError:
+            raise PrunusError(f"--prune {spec}: {amount!r} is not a number; write METHOD[:AMOUNT], e.g. wanda:0.5") from None
+    if method in STRUCTURED_TARGETS:
+        if value is None:
+            raise PrunusError(f"--prune {spec}: give how much to remove, e.g. {method}:{1 if method == 'blocks' else 0.25}")
+        return "prune_structured", {"target": method, "amount": value}
+    if method in ("magnitude", "wanda"):
+        return "prune", {"method": method, **({"sparsity": value} if value is not None else {})}
+    raise PrunusError(f"--prune {spec}: unknown method; use magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, "
+                      f"heads:F, channels:F or blocks:N")
+
+
+def recipe_yaml(passes: list[tuple[str, dict]]) -> str:
+    """The passes written back as a recipe (what ran, for the output dir)."""
+    return yaml.safe_dump({"passes": [{name: args} for name, args in passes]}, sort_keys=False)

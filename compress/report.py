@@ -1,0 +1,143 @@
+"""The compression report: one row for the input model, then one after each pass.
+
+Each row holds quality (validation loss, bits per byte, its change against the
+input, greedy-token agreement with the input model), size (parameters, non-zero
+parameters, exact bytes of model.safetensors) and CPU latency (prefill of up to 128
+tokens, one decode step with the KV cache; median of a few runs). Written as
+``report.json``, ``report.md`` and ``report.png`` (bits per byte against size).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import time
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from prunus.models import KVCache, generate
+from prunus.models.model_dir import state_dict_for_save
+from prunus.models.quantized import QuantizedLinear, count_params
+
+N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
+PREFILL_LEN, LATENCY_RUNS = 128, 5
+
+
+def bytes_on_disk(model) -> int:
+    """The exact size model.safetensors will have (serialised the way save_model writes it)."""
+    return len(safetensors_bytes(state_dict_for_save(model), metadata={"format": "pt"}))
+
+
+def nonzero_params(model) -> int:
+    n = sum(int(torch.count_nonzero(p)) for p in model.parameters())
+    return n + sum(int(torch.count_nonzero(m.weight.float())) for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
+def prompts_from(ctx, model) -> torch.Tensor:
+    """N_PROMPTS held-out prompts of equal length, spread over the validation split."""
+    length = min(PROMPT_LEN, model.config.max_seq_len - NEW_TOKENS)
+    val = torch.from_numpy(ctx.val_tokens.astype("int64"))
+    step = max(1, (len(val) - length) // N_PROMPTS)
+    return torch.stack([val[i * step: i * step + length] for i in range(N_PROMPTS)])
+
+
+def greedy(model, prompts: torch.Tensor) -> torch.Tensor:
+    return generate(model, prompts, NEW_TOKENS, temperature=0.0)[:, prompts.shape[1]:]
+
+
+@torch.inference_mode()
+def latency_ms(model, ctx) -> dict:
+    """Median milliseconds of a prefill and of one decode step after it (batch 1)."""
+    length = min(PREFILL_LEN, model.config.max_seq_len - 1, len(ctx.val_tokens))
+    tokens = torch.from_numpy(ctx.val_tokens[:length].astype("int64"))[None]
+    prefill, decode = [], []
+    for i in range(LATENCY_RUNS + 1):
+        cache = KVCache.for_model(model, 1, max_len=length + 1)
+        t0 = time.perf_counter()
+        logits = model(tokens, cache=cache)
+        t1 = time.perf_counter()
+        model(logits[:, -1:].argmax(-1), cache=cache)
+        t2 = time.perf_counter()
+        if i:  # the first run warms up
+            prefill.append(t1 - t0)
+            decode.append(t2 - t1)
+    return {"prefill_ms": 1e3 * statistics.median(prefill), "decode_ms": 1e3 * statistics.median(decode),
+            "prefill_tokens": length}
+
+
+def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch.Tensor, base: dict | None = None,
+               latency: bool = True) -> dict:
+    """One row of the report; ``reference`` is the input model's greedy continuation of ``prompts``."""
+    model.eval()
+    quality = ctx.evaluate(model)
+    tokens = greedy(model, prompts)
+    row = {
+        "pass": name,
+        "val_loss": quality["val_loss"],
+        "val_bpb": quality["val_bpb"],
+        "bpb_change": 0.0 if base is None else quality["val_bpb"] / base["val_bpb"] - 1,
+        "agreement": float((tokens == reference).float().mean()),
+        "params": count_params(model),
+        "nonzero_params": nonzero_params(model),
+        "bytes": bytes_on_disk(model),
+    }
+    if latency:
+        row.update(latency_ms(model, ctx))
+    return row
+
+
+def render_markdown(report: dict) -> str:
+    rows = report["rows"]
+    has_latency = "prefill_ms" in rows[0]
+    head = ["#", "pass", "val loss", "bits/byte", "Δ bpb", "greedy agree", "params", "non-zero", "MB on disk"]
+    if has_latency:
+        head += [f"prefill {rows[0]['prefill_tokens']} (ms)", "decode (ms)"]
+    lines = [f"# Compression report: {report['source']}", "",
+             f"eval: {report['eval_tokens']:,} held-out tokens; agreement: {N_PROMPTS} prompts x {NEW_TOKENS} greedy tokens; "
+             f"latency: batch 1, median of {LATENCY_RUNS} (OMP_WAIT_POLICY={report.get('omp_wait_policy')}, {report.get('threads')} threads)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(rows):
+        cells = [str(i), r["pass"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.2f}%",
+                 f"{100 * r['agreement']:.1f}%", f"{r['params']:,}", f"{r['nonzero_params']:,}", f"{r['bytes'] / 1e6:.3f}"]
+        if has_latency:
+            cells += [f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(report: dict) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    mb = [r["bytes"] / 1e6 for r in rows]
+    bpb = [r["val_bpb"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    ax.plot(mb, bpb, "-o", color="tab:blue")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{i}: {r['pass']}", (mb[i], bpb[i]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("model.safetensors (MB)")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("quality against size over the passes")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def report_files(report: dict) -> dict[str, bytes]:
+    return {"report.json": (json.dumps(report, indent=2) + "\n").encode(),
+            "report.md": render_markdown(report).encode(),
+            "report.png": render_png(report)}
+
+
+def report_header(ctx) -> dict:
+    return {"source": str(ctx.source), "eval_tokens": ctx.eval_tokens, "seed": ctx.seed,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}

@@ -1,0 +1,102 @@
+"""``prunus compress``: read a model dir, run passes in order, write a model dir with its report.
+
+The input model is scored first (row 0 of the report), then each pass runs on a
+copy of it and is scored. With ``max_quality_drop`` a pass that raises bits per
+byte by more than that fraction of the input's stops the run (QualityDropError)
+and nothing is written. The output dir holds the model, ``recipe.yaml`` (the passes
+that ran) and the report; the manifest's hashes cover them all.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from prunus.models import PrunusError, save_model
+
+from .context import build_context
+from .recipe import check_pass, get_pass, recipe_yaml
+from .report import greedy, prompts_from, report_files, report_header, report_row
+
+
+class QualityDropError(Exception):
+    """A pass lost more quality than allowed; the command exits 1 and writes nothing."""
+
+
+def pass_label(name: str, args: dict) -> str:
+    if not args:
+        return name
+    return f"{name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
+
+
+def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
+             max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
+             seq_len: int | None = None, eval_tokens: int = 65536, max_corpus_bytes: int | None = 16 << 20,
+             latency: bool = True, progress: bool = True, recipe_text: str | None = None,
+             command: str | None = None) -> dict:
+    """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report."""
+    model_dir, out = Path(model_dir), Path(out)
+    if not passes:
+        raise PrunusError("compress: no pass given; pass --recipe, --quantize, --prune or --distill")
+    for i, (name, args) in enumerate(passes, 1):
+        check_pass(name, args, where=f"pass {i}")
+    if max_quality_drop is not None and (isinstance(max_quality_drop, bool) or not max_quality_drop >= 0):
+        raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
+    if out.exists() and not overwrite:
+        raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
+    if out.resolve() == model_dir.resolve():
+        raise PrunusError(f"{out}: is the input model dir; write the compressed model to another path")
+    ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
+                        eval_tokens=eval_tokens)
+    teacher = ctx.teacher
+    prompts = prompts_from(ctx, teacher)
+    reference = greedy(teacher, prompts)
+    console = Console(stderr=True)
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, disable=not progress, transient=True) as bar:
+        task = bar.add_task("score the input model", total=2 * len(passes) + 1)
+        rows.append(report_row("input", teacher, ctx, reference=reference, prompts=prompts, latency=latency))
+        bar.advance(task)
+        model = copy.deepcopy(teacher)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.compression = copy.deepcopy(getattr(teacher, "compression", None) or {})
+        model.compression.setdefault("passes", [])
+        torch.manual_seed(seed)
+        for name, args in passes:
+            label = pass_label(name, args)
+            fn = get_pass(name)
+            extra = {"progress": False} if not progress and "progress" in inspect.signature(fn).parameters else {}
+            bar.stop()  # a pass may show its own progress (distillation trains)
+            if progress:
+                console.print(f"[bold]pass {label}[/bold]")
+            model = fn(model, ctx, **args, **extra)
+            bar.start()
+            if getattr(model, "compression", None) is None:
+                model.compression = {"passes": []}
+            model.compression.setdefault("passes", []).append({"name": name, "args": args})
+            bar.advance(task)
+            bar.update(task, description=f"score {label}")
+            row = report_row(label, model, ctx, reference=reference, prompts=prompts, base=rows[0], latency=latency)
+            rows.append(row)
+            bar.advance(task)
+            if max_quality_drop is not None and row["bpb_change"] > max_quality_drop:
+                raise QualityDropError(
+                    f"{label}: bits per byte rose {100 * row['bpb_change']:.2f}% over the input "
+                    f"({rows[0]['val_bpb']:.4f} -> {row['val_bpb']:.4f}), above --max-quality-drop "
+                    f"{100 * max_quality_drop:g}%; nothing was written")
+    report = {**report_header(ctx), "out": str(out), "passes": [{"name": n, "args": a} for n, a in passes], "rows": rows}
+    final = rows[-1]
+    save_model(model, out, tokenizer=ctx.tokenizer, stage="compress", parent=model_dir, overwrite=overwrite,
+               command=command if command is not None else shlex.join(sys.argv),
+               metrics={"val_loss": final["val_loss"], "val_bpb": final["val_bpb"], "agreement": final["agreement"]},
+               extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+    return report

@@ -1,0 +1,177 @@
+"""Students for distillation, derived from a teacher.
+
+``make_student(teacher, spec)``:
+
+* ``"keep-every:K"``: blocks 0, K, 2K, ... of the teacher, renumbered 0, 1, 2, ...; every
+  other weight (embedding, final norm, head) copied.
+* ``"width:F"``: dim, ffn_dim and the attention heads narrowed by F, weights taken from the
+  teacher: the residual channels with the largest weight norms summed over every matrix that
+  reads or writes them (embedding, q/k/v/w1/w3 columns, wo/w2 rows, head columns), whole
+  key/value groups (with their query heads) ranked by the norms of their q/k/v rows and wo
+  columns, and per block the SwiGLU units with the largest ``|w1_j| |w3_j| |w2_j|``. Head width
+  is kept, so rotary embeddings are unchanged.
+* a preset name or a dict of ``ModelConfig`` fields (over the teacher's): a fresh student,
+  initialised like a new model, then every tensor whose name and shape match the teacher's
+  copied. The vocabulary is always the teacher's: the losses compare logits token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from prunus.models import PrunusError, Transformer, get_preset
+from prunus.models.config import ModelConfig
+
+
+def _new(cfg: ModelConfig, seed: int, like: Transformer) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    model.init_weights()
+    dtype = next(like.parameters()).dtype
+    return model.to(device=like.tok_embeddings.weight.device, dtype=dtype)
+
+
+def _check_float(model: Transformer) -> None:
+    if any(not p.is_floating_point() for p in model.state_dict().values() if p.ndim >= 2):
+        raise PrunusError("distill: the model holds quantized weights; distill before quantizing "
+                          "(put the distill pass ahead of quantize in the recipe)")
+
+
+def keep_every(teacher: Transformer, k: int) -> Transformer:
+    """Blocks 0, k, 2k, ... of ``teacher`` (renumbered), everything else copied."""
+    n = teacher.config.n_layers
+    if not 1 <= k <= n:
+        raise PrunusError(f"distill: keep-every:{k} must be between 1 and the model's {n} blocks")
+    kept = list(teacher.layers.keys())[::k]
+    student = _new(teacher.config.replace(n_layers=len(kept)), 0, teacher)
+    src = teacher.state_dict()
+    state = {}
+    for name in student.state_dict():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            state[name] = src[f"layers.{kept[int(i)]}.{rest}"]
+        else:
+            state[name] = src[name]
+    student.load_state_dict(state)
+    return student
+
+
+def _sq(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Squared norm of each row (dim=1 reduced) or column (dim=0 reduced)."""
+    return w.float().pow(2).sum(dim)
+
+
+def width(teacher: Transformer, factor: float) -> Transformer:
+    """dim, ffn_dim, n_heads and n_kv_heads divided by ``factor``, the most important channels kept."""
+    cfg = teacher.config
+    if getattr(cfg, "n_experts", 0):
+        raise PrunusError("distill: width students of mixture-of-experts models are not supported; use keep-every:K or a config")
+    if factor < 1:
+        raise PrunusError(f"distill: width:{factor} must be at least 1 (it divides the width)")
+    n_kv = round(cfg.n_kv_heads / factor)
+    if n_kv < 1:
+        raise PrunusError(f"distill: width:{factor} leaves no key/value head of {cfg.n_kv_heads}; use a factor up to {cfg.n_kv_heads}")
+    rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    n_heads = n_kv * rep
+    dim = round(cfg.dim / factor)
+    ffn = max(1, round(cfg.ffn_dim / factor))
+    changes = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn)
+    if "head_dim" in {f.name for f in dataclasses.fields(cfg)}:
+        changes["head_dim"] = hd
+    elif dim != n_heads * hd:
+        raise PrunusError(f"distill: width:{factor} gives dim {dim} that is not {n_heads} heads x {hd}; choose a factor dividing n_kv_heads")
+    student = _new(cfg.replace(**changes), 0, teacher)
+
+    src = teacher.state_dict()
+    blocks = list(teacher.layers.keys())
+    # residual channels: everything that reads (columns) or writes (rows) the residual stream
+    score = _sq(src["tok_embeddings.weight"], 0) + _sq(src["output.weight"], 0)
+    for b in blocks:
+        p = f"layers.{b}."
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            score = score + _sq(src[p + name + ".weight"], 0)
+        for name in ("attention.wo", "feed_forward.w2"):
+            score = score + _sq(src[p + name + ".weight"], 1)
+    ch = score.topk(dim).indices.sort().values
+
+    state = {"tok_embeddings.weight": src["tok_embeddings.weight"][:, ch], "norm.weight": src["norm.weight"][ch],
+             "output.weight": src["output.weight"][:, ch]}
+    for i, b in enumerate(blocks):
+        p, q = f"layers.{b}.", f"layers.{i}."
+        wq, wk, wv, wo = (src[p + f"attention.{n}.weight"] for n in ("wq", "wk", "wv", "wo"))
+        # key/value groups: the group's k/v rows, its query heads' q rows and wo columns
+        g_score = (_sq(wk, 1).view(cfg.n_kv_heads, hd).sum(1) + _sq(wv, 1).view(cfg.n_kv_heads, hd).sum(1)
+                   + _sq(wq, 1).view(cfg.n_kv_heads, rep * hd).sum(1) + _sq(wo, 0).view(cfg.n_kv_heads, rep * hd).sum(1))
+        groups = g_score.topk(n_kv).indices.sort().values
+        kv_rows = (groups[:, None] * hd + torch.arange(hd)).flatten()
+        q_rows = (groups[:, None] * rep * hd + torch.arange(rep * hd)).flatten()
+        w1, w2, w3 = (src[p + f"feed_forward.{n}.weight"] for n in ("w1", "w2", "w3"))
+        units = (_sq(w1, 1).sqrt() * _sq(w3, 1).sqrt() * _sq(w2, 0).sqrt()).topk(ffn).indices.sort().values
+        state.update({
+            q + "attention_norm.weight": src[p + "attention_norm.weight"][ch],
+            q + "ffn_norm.weight": src[p + "ffn_norm.weight"][ch],
+            q + "attention.wq.weight": wq[q_rows][:, ch],
+            q + "attention.wk.weight": wk[kv_rows][:, ch],
+            q + "attention.wv.weight": wv[kv_rows][:, ch],
+            q + "attention.wo.weight": wo[ch][:, q_rows],
+            q + "feed_forward.w1.weight": w1[units][:, ch],
+            q + "feed_forward.w3.weight": w3[units][:, ch],
+            q + "feed_forward.w2.weight": w2[ch][:, units],
+        })
+    if cfg.tie_embeddings:
+        state.pop("output.weight")
+    student.load_state_dict(state, strict=not cfg.tie_embeddings)
+    student.width_channels = ch  # which teacher channels the student's residual stream holds
+    return student
+
+
+def from_config(teacher: Transformer, cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A fresh ``cfg`` model; tensors whose name and shape match the teacher's are copied."""
+    student = _new(cfg, seed, teacher)
+    src = teacher.state_dict()
+    state = student.state_dict()
+    with torch.no_grad():
+        for name, t in state.items():
+            if name in src and src[name].shape == t.shape:
+                t.copy_(src[name])
+    return student
+
+
+def parse_factor(text: str, spec: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise PrunusError(f"distill: student {spec!r}: {text!r} is not a number") from None
+
+
+def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
+    """The student ``spec`` describes (see the module docstring), in train mode."""
+    _check_float(teacher)
+    if isinstance(spec, str) and spec.startswith("keep-every:"):
+        k = parse_factor(spec.split(":", 1)[1], spec)
+        if k != int(k):
+            raise PrunusError(f"distill: student {spec!r}: K must be a whole number of blocks")
+        student = keep_every(teacher, int(k))
+    elif isinstance(spec, str) and spec.startswith("width:"):
+        student = width(teacher, parse_factor(spec.split(":", 1)[1], spec))
+    elif isinstance(spec, str):
+        try:
+            cfg = get_preset(spec)
+        except PrunusError:
+            raise PrunusError(f"distill: unknown student {spec!r}; give keep-every:K, width:F, a preset name or a dict "
+                              "of model config fields") from None
+        student = from_config(teacher, cfg.replace(vocab_size=teacher.config.vocab_size), seed)
+    elif isinstance(spec, dict):
+        if "vocab_size" in spec and spec["vocab_size"] != teacher.config.vocab_size:
+            raise PrunusError(f"distill: student vocab_size {spec['vocab_size']} differs from the teacher's "
+                              f"{teacher.config.vocab_size}; logits must share the vocabulary")
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise PrunusError(f"distill: student config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        student = from_config(teacher, teacher.config.replace(**spec), seed)
+    else:
+        raise PrunusError(f"distill: student {spec!r}: give keep-every:K, width:F, a preset name or a dict of model config fields")
+    return student.train()

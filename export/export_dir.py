@@ -1,0 +1,228 @@
+"""``export_model``: a model dir -> an export dir (ONNX Runtime or TensorRT), checked for parity.
+
+The export dir holds ``config.json`` (the model dir's config plus an ``"export"`` key),
+the tokenizer files, ``prefill.onnx`` / ``decode.onnx`` (+ ``.data`` files for large
+models; ``prefill.plan`` / ``decode.plan`` too for TensorRT), ``parity.json`` and
+``prunus.json`` (manifest: stage "export", parent path and hash, command, file hashes,
+metrics). It is written into a temporary dir and renamed: a failed parity check or any
+error leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from prunus.models.atomic import atomic_dir, atomic_write_json
+from prunus.models.errors import PrunusError
+from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
+                                     sha256_file, verify_model_dir, versions)
+from prunus.models.quantized import QuantizedLinear
+
+from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
+from .ort_graphs import OrtGraphs
+from .parity import ParityFailed, check_parity
+from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
+
+FORMAT = "prunus-export/1"
+FORMATS = ("onnx", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "int8", "fp8")
+EXPORT_GRAPHS = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
+ENGINE_GRAPHS = {"prefill": "prefill.plan", "decode": "decode.plan"}
+PARITY = "parity.json"
+EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data files
+# ONNX Runtime CPU ran both int8 forms of a stored-int8 model; the fused integer operator was faster
+# (benchmarks/export_latency.py). TensorRT always gets QDQ.
+ONNX_INT8_STYLE = "integer"
+MAX_OPSET = 23
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    config: dict
+    parity: dict
+
+
+def _stored_precision(modules: dict[str, QuantizedLinear]) -> str | None:
+    kinds = {"fp8" if m.scheme.startswith("fp8") else "int8" for m in modules.values()}
+    if len(kinds) > 1:
+        raise PrunusError("export: the model mixes int8 and fp8 modules; export needs one of them (re-compress)")
+    return kinds.pop() if kinds else None
+
+
+def _check_request(fmt: str, precision: str | None, stored: str | None, model_dir: Path) -> str:
+    if fmt not in FORMATS:
+        raise PrunusError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if precision is not None and precision not in PRECISIONS:
+        raise PrunusError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if stored is not None:
+        if precision not in (None, stored):
+            raise PrunusError(f"{model_dir}: holds {stored} weights; export it at --precision {stored} "
+                              f"(or export its uncompressed parent at {precision})")
+        return stored
+    precision = precision or "fp32"
+    if fmt == "onnx" and precision == "fp16":
+        raise PrunusError("--precision fp16 is for --format tensorrt (GPU): ONNX Runtime's CPU provider has no float16 "
+                          "kernels for this graph; use fp32 or int8 with --format onnx")
+    if fmt == "tensorrt" and precision == "int8":
+        raise PrunusError(f"--format tensorrt --precision int8 takes int8 scales from the graph: compress {model_dir} "
+                          "to int8 first (prunus compress) and export the compressed dir")
+    return precision
+
+
+def _fp8_modules(model) -> dict[str, QuantizedLinear]:
+    """fp8 weights for every Linear (per channel, e4m3), for an fp32 model exported at --precision fp8."""
+    return {name: QuantizedLinear.from_linear(m, "fp8-weight-only", "per_channel")
+            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def load_export(path: str | Path):
+    """(config dict, tokenizer) of an export dir."""
+    from prunus.models.tokenizer import load_tokenizer
+
+    path = Path(path)
+    cpath = path / CONFIG
+    if not cpath.is_file():
+        raise PrunusError(f"{path}: no {CONFIG}; give a directory written by prunus export")
+    config = json.loads(cpath.read_text())
+    if "export" not in config:
+        raise PrunusError(f"{cpath}: has no 'export' key; this is a model dir, not an export dir (run prunus export)")
+    return config, load_tokenizer(config.get("tokenizer"), base_dir=path)
+
+
+def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx", precision: str | None = None,
+                 opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
+                 external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int = 8192,
+                 command: str | None = None, progress: bool = True, timing_cache: str | Path | None = None) -> ExportResult:
+    """Export ``model_dir`` to ``out`` and check it against the PyTorch model.
+
+    ``precision`` None keeps the model's own (fp32, or the int8 / fp8 of a compressed dir).
+    ``verify`` False keeps an export whose parity check failed (the report still says so).
+    Raises PrunusError on bad input and :class:`ParityFailed` when the check fails."""
+    model_dir, out = Path(model_dir), Path(out)
+    if format not in FORMATS:
+        raise PrunusError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+    if out.exists() and not overwrite:
+        raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
+    manifest = verify_model_dir(model_dir)
+    _, src_config = read_config(model_dir)
+    model = load_model(model_dir, verify=False).float()
+    stored_modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    precision = _check_request(format, precision, _stored_precision(stored_modules), model_dir)
+    if format == "tensorrt":
+        from .tensorrt_build import check_tensorrt
+
+        check_tensorrt()
+    modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})
+    need = required_opset(modules) if modules else MIN_OPSET
+    opset = opset or max(DEFAULT_OPSET, need)
+    if not need <= opset <= MAX_OPSET:
+        raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
+    style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
+    tokenizer = load_model_tokenizer(model_dir)
+    cfg = model.config
+    console = Console(stderr=True, quiet=not progress)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    external = external_data if external_data is not None else weight_bytes > EXTERNAL_DATA_BYTES
+
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        with console.status("") as status:
+            plain = dequantized_copy(model, modules)
+            graphs = {}
+            for kind, fn in (("prefill", export_prefill), ("decode", export_decode)):
+                status.update(f"export: {kind} graph (torch.onnx.export, opset {opset})")
+                proto = fn(plain, opset)
+                path = tmp / EXPORT_GRAPHS[kind]
+                if modules:
+                    status.update(f"export: {kind} graph, stored {precision} weights ({style})")
+                    apply_stored_quantization(proto, modules, style)
+                if precision == "int8" and not modules:
+                    status.update(f"export: {kind} graph, onnxruntime quantize_dynamic (int8)")
+                    fp32_path = tmp / f".{kind}.fp32.onnx"
+                    save_graph(proto, fp32_path, external)
+                    quantize_fp32_graph(fp32_path, path, external)
+                    for f in tmp.glob(f".{kind}.fp32.onnx*"):
+                        f.unlink()
+                    import onnx
+
+                    onnx.checker.check_model(str(path))
+                else:
+                    save_graph(proto, path, external)
+                graphs[kind] = path
+            status.update("parity: ONNX Runtime against PyTorch on held-out text")
+            report = _parity(model, graphs, tokenizer, cfg, precision, data, eval_tokens)
+        if not report["passed"] and verify:
+            raise ParityFailed(report)
+        atomic_write_json(tmp / PARITY, report)
+        tokenizer.save(tmp)
+        export = {"format": format, "precision": precision, "opset": opset,
+                  "graphs": dict(EXPORT_GRAPHS), "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
+                  "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+                  "int8_style": style if precision == "int8" else None, "external_data": external}
+        if format == "tensorrt":
+            export["graphs"] = {**ENGINE_GRAPHS, "onnx": dict(EXPORT_GRAPHS)}
+            export["engines"] = _build_engines(tmp, precision, cfg, len(model.layers), timing_cache, console)
+        config = {**src_config, "export": export}
+        atomic_write_json(tmp / CONFIG, config)
+        _write_manifest(tmp, model_dir, manifest, report, command)
+    console.print(f"[green]export written to {out}")
+    return ExportResult(out, config, report)
+
+
+def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int) -> dict:
+    from prunus.data.corpus import load_corpus
+
+    corpus = load_corpus(data, tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
+    ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count())
+    report = check_parity(model, ort, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=eval_tokens)
+    report["corpus"] = corpus.name
+    return report
+
+
+def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, console) -> dict:
+    from .tensorrt_build import build_engine, profile_shapes
+
+    cache = Path(timing_cache) if timing_cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prunus" / "tensorrt.timing"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for kind in ("prefill", "decode"):
+        console.print(f"tensorrt: building {ENGINE_GRAPHS[kind]} ({precision})")
+        shapes = profile_shapes(kind, n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len)
+        built[kind] = build_engine(tmp / EXPORT_GRAPHS[kind], tmp / ENGINE_GRAPHS[kind], precision, shapes, cache)
+    shutil.copyfile(cache, tmp / "tensorrt.timing")
+    return built
+
+
+def _write_manifest(tmp: Path, model_dir: Path, parent_manifest: dict, report: dict, command: str | None) -> None:
+    files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+    metrics = {k: report[k] for k in ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
+                                      "greedy_agreement", "passed")}
+    metrics["bytes_on_disk"] = sum((tmp / f).stat().st_size for f in files)
+    metrics["graph_bytes"] = sum((tmp / f).stat().st_size for f in files if ".onnx" in f)
+    atomic_write_json(tmp / MANIFEST, {
+        "format": FORMAT,
+        "stage": "export",
+        "parent": {"path": str(model_dir.resolve()), "hash": dir_hash(parent_manifest["files"])},
+        "command": command if command is not None else shlex.join(sys.argv),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "metrics": metrics,
+        "versions": {**versions(), **_onnx_versions()},
+    })
+
+
+def _onnx_versions() -> dict:
+    import onnx
+    import onnxruntime
+
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

@@ -1,0 +1,104 @@
+"""The prefill and decode graphs through ``torch.onnx.export`` (the dynamo exporter).
+
+The TorchScript exporter (``dynamo=False``) is not an option for this model: it has no
+symbolic for ``aten::rms_norm`` ("Exporting the operator 'aten::rms_norm' to ONNX opset
+version 17 is not supported"), and tracing would freeze the mask's shapes. The dynamo
+exporter takes ``torch.export`` dynamic shapes: batch, seq / new and past (>= 1) are
+symbolic, so one graph serves every batch size and length.
+
+A model holding ``QuantizedLinear`` modules is exported with their dequantized weights
+in plain ``nn.Linear`` modules; :mod:`prunus.export.quantize_onnx` then puts the stored
+int8 / float8 values and scales back into the graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from prunus.models.quantized import QuantizedLinear
+
+from .graphs import DecodeGraph, PrefillGraph, graph_names
+
+DEFAULT_OPSET = 18  # the dynamo exporter's native opset; higher ones are converted from it
+MIN_OPSET = 18
+
+
+def dequantized_copy(model: nn.Module, modules: dict[str, QuantizedLinear] | None = None) -> nn.Module:
+    """``model`` with each QuantizedLinear (those in it, or ``modules`` by name) as an nn.Linear of its
+    dequantized weight; ``model`` itself when there is none."""
+    if modules is None:
+        modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not modules:
+        return model
+    plain = copy.deepcopy(model)
+    for name, q in modules.items():
+        lin = nn.Linear(q.in_features, q.out_features, bias=False)
+        lin.weight = nn.Parameter(q.dequantize(), requires_grad=False)
+        plain.set_submodule(name, lin)
+    return plain
+
+
+def _example(model: nn.Module, decode: bool):
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    b, s, past = 2, 3, 4
+    ids = torch.zeros(b, s, dtype=torch.long)
+    total = past + s if decode else s
+    pos = torch.arange(total - s, total).expand(b, s).contiguous()
+    mask = torch.ones(b, total, dtype=torch.long)
+    if not decode:
+        return ids, pos, mask
+    kv = tuple(torch.zeros(b, cfg.n_kv_heads, past, cfg.head_dim, dtype=dtype) for _ in range(2 * len(model.layers)))
+    return ids, pos, mask, kv
+
+
+def _export(module: nn.Module, args, input_names, output_names, dynamic_shapes, opset: int) -> onnx.ModelProto:
+    # the exporter logs progress lines and warnings we do not act on
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, None, input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset,
+                                    external_data=False, verbose=False)
+    return program.model_proto
+
+
+def export_prefill(model: nn.Module, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+    names = graph_names(len(model.layers))
+    batch, seq = Dim("batch"), Dim("seq")
+    shapes = ({0: batch, 1: seq},) * 3
+    return _export(PrefillGraph(model).eval(), _example(model, False), names["prefill_inputs"], names["outputs"],
+                   shapes, opset)
+
+
+def export_decode(model: nn.Module, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+    names = graph_names(len(model.layers))
+    batch, new, past, total = Dim("batch"), Dim("new"), Dim("past", min=1), Dim("total")
+    kv = tuple({0: batch, 2: past} for _ in range(2 * len(model.layers)))
+    shapes = ({0: batch, 1: new}, {0: batch, 1: new}, {0: batch, 1: total}, kv)
+    ids, pos, mask, past_kv = _example(model, True)
+    return _export(DecodeGraph(model).eval(), (ids, pos, mask, *past_kv), names["decode_inputs"], names["outputs"],
+                   (*shapes[:3], kv), opset)
+
+
+def save_graph(model: onnx.ModelProto, path: Path, external_data: bool) -> list[Path]:
+    """Write the graph (and its external data file when asked); check it by path. Returns the files written."""
+    path = Path(path)
+    if external_data:
+        data = path.name + ".data"
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data, size_threshold=1024)
+        files = [path, path.with_name(data)]
+    else:
+        onnx.save_model(model, str(path))
+        files = [path]
+    onnx.checker.check_model(str(path))  # by path: works past protobuf's 2 GB limit
+    return files

@@ -1,0 +1,229 @@
+"""Graph-level quantization of an exported ONNX graph.
+
+Two sources of quantized weights:
+
+* a compressed model dir (``QuantizedLinear`` modules): every MatMul whose weight is a
+  module's dequantized weight gets that module's own int8 / float8 values and scales
+  back, unchanged (:func:`apply_stored_quantization`). int8 becomes either ONNX Runtime's
+  fused integer operator ``com.microsoft.DynamicQuantizeMatMul`` (``style="integer"``)
+  or a QDQ graph, ``DequantizeLinear`` on the int8 weight with per-axis or per-block
+  scales (``style="qdq"``, the form TensorRT consumes). float8 is always QDQ with
+  FLOAT8E4M3FN weights. Activation quantization of w8a8 schemes is written out in the
+  graph as the PyTorch module computes it (per-token absmax, or the calibrated scale).
+* an fp32 graph (``--precision int8``): ONNX Runtime's ``quantize_dynamic`` (signed int8
+  weights, per channel, MatMul only), after :func:`untie_weights` gives a tied output
+  head its own initializer (``quantize_dynamic`` leaves a weight reached through a
+  Transpose of the embedding in fp32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from prunus.models.errors import PrunusError
+
+MS_DOMAIN = "com.microsoft"
+INT8_STYLES = ("integer", "qdq")
+
+
+def _tensor(name: str, t: torch.Tensor) -> TensorProto:
+    """A TensorProto holding ``t`` bit for bit (int8, float8_e4m3fn, float32, int64)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.float8_e4m3fn:
+        proto = TensorProto()
+        proto.name, proto.data_type = name, TensorProto.FLOAT8E4M3FN
+        proto.dims.extend(t.shape)
+        proto.raw_data = t.view(torch.uint8).numpy().tobytes()
+        return proto
+    return numpy_helper.from_array(t.numpy(), name)
+
+
+def _weight_key(w: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(w, dtype=np.float32).tobytes()).hexdigest() + str(w.shape)
+
+
+def untie_weights(model: onnx.ModelProto) -> int:
+    """Give every MatMul weight reached as Transpose(initializer) its own transposed initializer.
+
+    Returns how many were untied (a tied output head is one)."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    count = 0
+    for node in list(g.node):
+        if node.op_type != "MatMul":
+            continue
+        tr = producers.get(node.input[1])
+        if tr is None or tr.op_type != "Transpose" or tr.input[0] not in inits:
+            continue
+        w = numpy_helper.to_array(inits[tr.input[0]])
+        perm = next((list(a.ints) for a in tr.attribute if a.name == "perm"), None)
+        name = f"{tr.input[0]}.untied_t{count}"
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.transpose(perm)), name))
+        node.input[1] = name
+        count += 1
+    _prune_unused(g)
+    return count
+
+
+def _prune_unused(g: onnx.GraphProto) -> None:
+    """Drop nodes and initializers whose outputs nothing reads (a Transpose left behind)."""
+    while True:
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
+    used = {i for n in g.node for i in n.input}
+    for init in [i for i in g.initializer if i.name not in used]:
+        g.initializer.remove(init)
+
+
+def _activation_nodes(a: str, prefix: str, module) -> tuple[list, list, str]:
+    """Nodes that quantize-dequantize activation ``a`` as the module does; returns (nodes, initializers, output)."""
+    scheme = module.scheme
+    if scheme in ("int8-weight-only", "fp8-weight-only"):
+        return [], [], a
+    out = f"{prefix}.input_qdq"
+    if scheme == "w8a8-static":
+        scale = module.input_scale.reshape(()).float()
+        inits = [_tensor(f"{prefix}.input_scale", scale), _tensor(f"{prefix}.input_zero_point", torch.zeros((), dtype=torch.int8))]
+        nodes = [
+            helper.make_node("QuantizeLinear", [a, inits[0].name, inits[1].name], [f"{prefix}.input_q"]),
+            helper.make_node("DequantizeLinear", [f"{prefix}.input_q", inits[0].name, inits[1].name], [out]),
+        ]
+        return nodes, inits, out
+    # dynamic: one absmax scale per token, as QuantizedLinear computes it
+    fp8 = scheme.startswith("fp8")
+    qmax = 448.0 if fp8 else 127.0
+    c = lambda n, v: _tensor(f"{prefix}.{n}", torch.tensor(v, dtype=torch.float32))  # noqa: E731
+    inits = [c("qmax", qmax), c("neg_qmax", -qmax), c("eps", 1e-12), _tensor(f"{prefix}.last_axis", torch.tensor([-1]))]
+    p = prefix
+    nodes = [
+        helper.make_node("Abs", [a], [f"{p}.abs"]),
+        helper.make_node("ReduceMax", [f"{p}.abs", f"{p}.last_axis"], [f"{p}.amax"], keepdims=1),
+        helper.make_node("Max", [f"{p}.amax", f"{p}.eps"], [f"{p}.amax_eps"]),
+        helper.make_node("Div", [f"{p}.amax_eps", f"{p}.qmax"], [f"{p}.act_scale"]),
+        helper.make_node("Div", [a, f"{p}.act_scale"], [f"{p}.scaled"]),
+    ]
+    if fp8:
+        nodes += [
+            helper.make_node("Clip", [f"{p}.scaled", f"{p}.neg_qmax", f"{p}.qmax"], [f"{p}.clipped"]),
+            helper.make_node("Cast", [f"{p}.clipped"], [f"{p}.f8"], to=TensorProto.FLOAT8E4M3FN),
+            helper.make_node("Cast", [f"{p}.f8"], [f"{p}.q"], to=TensorProto.FLOAT),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Round", [f"{p}.scaled"], [f"{p}.rounded"]),
+            helper.make_node("Clip", [f"{p}.rounded", f"{p}.neg_qmax", f"{p}.qmax"], [f"{p}.q"]),
+        ]
+    nodes.append(helper.make_node("Mul", [f"{p}.q", f"{p}.act_scale"], [out]))
+    return nodes, inits, out
+
+
+def _weight_dq(prefix: str, module) -> tuple[list, list, str]:
+    """DequantizeLinear of the module's stored weight, transposed to MatMul's (in, out) layout."""
+    wq = module.weight.t().contiguous()  # (in, out): the same values, laid out for MatMul
+    scale = module.weight_scale.float()
+    attrs = {}
+    if module.granularity == "per_channel":
+        s, attrs = scale.reshape(-1), {"axis": 1}
+    elif module.granularity == "per_group":
+        s, attrs = scale.t().contiguous(), {"axis": 0, "block_size": int(module.group_size)}
+    else:
+        s = scale.reshape(())
+    inits = [_tensor(f"{prefix}.weight_q", wq), _tensor(f"{prefix}.weight_scale", s)]
+    node = helper.make_node("DequantizeLinear", [inits[0].name, inits[1].name], [f"{prefix}.weight_dq"], **attrs)
+    return [node], inits, node.output[0]
+
+
+def required_opset(modules: dict) -> int:
+    """The lowest opset the stored quantization needs: 21 for per-block scales, 19 for float8."""
+    if any(m.granularity == "per_group" for m in modules.values()):
+        return 21
+    if any(m.scheme.startswith("fp8") for m in modules.values()):
+        return 19
+    return 18
+
+
+def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str = "integer") -> int:
+    """Replace the float weights of ``modules`` (name -> QuantizedLinear) by their stored values and scales.
+
+    MatMul weights are matched to modules by value (the exporter renames folded initializers).
+    Returns the number of MatMuls rewritten; every module must be found."""
+    if style not in INT8_STYLES:
+        raise PrunusError(f"int8 style {style!r}: choose one of {', '.join(INT8_STYLES)}")
+    untie_weights(model)
+    g = model.graph
+    by_key: dict[str, list[str]] = {}
+    for name, m in modules.items():
+        by_key.setdefault(_weight_key(m.dequantize().t().numpy()), []).append(name)
+    inits = {i.name: i for i in g.initializer}
+    found = set()
+    new_nodes, new_inits = [], []
+    for node in g.node:
+        w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        names = by_key.get(_weight_key(numpy_helper.to_array(w))) if w is not None and len(w.dims) == 2 else None
+        if not names:
+            new_nodes.append(node)
+            continue
+        name = names.pop(0) if len(names) > 1 else names[0]
+        found.add(name)
+        m, prefix = modules[name], name
+        if style == "integer" and not m.scheme.startswith("fp8") and m.granularity != "per_group" \
+                and m.scheme != "w8a8-static":
+            wq = m.weight.t().contiguous()
+            s = m.weight_scale.float().reshape(-1)
+            ins = [_tensor(f"{prefix}.weight_q", wq), _tensor(f"{prefix}.weight_scale", s),
+                   _tensor(f"{prefix}.weight_zero_point", torch.zeros(s.shape, dtype=torch.int8))]
+            new_inits += ins
+            new_nodes.append(helper.make_node("DynamicQuantizeMatMul", [node.input[0], *(i.name for i in ins)],
+                                              list(node.output), domain=MS_DOMAIN, name=f"{prefix}.matmul"))
+            continue
+        a_nodes, a_inits, a = _activation_nodes(node.input[0], prefix, m)
+        w_nodes, w_inits, wf = _weight_dq(prefix, m)
+        new_nodes += a_nodes + w_nodes + [helper.make_node("MatMul", [a, wf], list(node.output), name=f"{prefix}.matmul")]
+        new_inits += a_inits + w_inits
+    missing = sorted(set(modules) - found)
+    if missing:
+        raise PrunusError(f"export: quantized module(s) {', '.join(missing[:3])} not found in the exported graph; "
+                          "re-create the compressed model dir")
+    del g.node[:]
+    g.node.extend(new_nodes)
+    g.initializer.extend(new_inits)
+    _prune_unused(g)
+    if style == "integer" and any(n.domain == MS_DOMAIN for n in g.node):
+        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return len(found)
+
+
+def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> None:
+    """ONNX Runtime's dynamic quantization of an fp32 graph: QInt8 weights, per channel, MatMul only.
+
+    A tied output head is untied first so it is quantized too."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = onnx.load(str(src))
+    untie_weights(model)
+    untied = dst.with_name(dst.stem + ".untied.onnx")
+    _save(model, untied, external_data)
+    quantize_dynamic(untied, dst, weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul"],
+                     use_external_data_format=external_data)
+    for f in untied.parent.glob(untied.name + "*"):
+        f.unlink()
+
+
+def _save(model: onnx.ModelProto, path: Path, external_data: bool) -> None:
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))

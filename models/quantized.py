@@ -1,0 +1,213 @@
+"""QuantizedLinear: int8 / float8 weights stored as plain tensors plus float32 scales.
+
+One module covers every scheme prunus writes:
+
+* ``int8-weight-only``: int8 weights, per-tensor, per-channel or per-group scales;
+  the forward pass converts them to the activation dtype and multiplies (the scale is
+  applied to the output when it is per channel, so the weight is never rescaled).
+* ``w8a8-dynamic``: int8 weights and int8 activations with one scale per token,
+  computed on the fly; int8 x int8 -> int32 products.
+* ``w8a8-static``: the same with one calibrated activation scale (``input_scale``).
+* ``fp8-weight-only``: float8 e4m3 weights with per-tensor or per-channel scales.
+* ``fp8-w8a8``: float8 e4m3 weights and activations (dynamic per-token scales).
+
+Integer products run on ``torch._int_mm`` on CUDA (where cuBLAS takes the shapes);
+on CPU they are computed exactly on the int8 values in float32 (``_int_mm`` is exact
+there too but ~35x slower than the float32 matmul at these sizes). The float32 sums are
+exact while in_features * 127^2 < 2^24 (in_features <= 1040); beyond that each sum is
+rounded to float32 (relative 6e-8), far below the quantization error itself. float8
+products run on ``torch._scaled_mm`` on GPUs with compute capability >= 8.9; elsewhere
+the float8 values are upcast and multiplied, which gives the same numbers up to the
+float32 summation order.
+
+The buffers are the storage format: ``weight`` (out, in) int8 or float8_e4m3fn,
+``weight_scale`` float32 (out, 1) per channel, (out, in // group_size) per group or
+(1, 1) per tensor, and for static schemes ``input_scale`` (a float32 scalar). Tensor
+parallelism shards them by slicing ``weight`` and ``weight_scale`` along out or in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import PrunusError
+
+SCHEMES = ("int8-weight-only", "w8a8-dynamic", "w8a8-static", "fp8-weight-only", "fp8-w8a8")
+GRANULARITIES = ("per_tensor", "per_channel", "per_group")
+INT8_MAX = 127.0
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+_EPS = 1e-12
+
+
+def storage_dtype(scheme: str) -> torch.dtype:
+    return torch.float8_e4m3fn if scheme.startswith("fp8") else torch.int8
+
+
+def check_scheme(scheme: str, granularity: str, group_size: int | None, in_features: int | None = None,
+                 where: str = "quantize") -> None:
+    """Raise a PrunusError naming what is wrong with this combination."""
+    if scheme not in SCHEMES:
+        raise PrunusError(f"{where}: unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
+    if granularity not in GRANULARITIES:
+        raise PrunusError(f"{where}: unknown granularity {granularity!r}; choose one of: {', '.join(GRANULARITIES)}")
+    if granularity == "per_group":
+        if scheme != "int8-weight-only":
+            raise PrunusError(f"{where}: per_group scales are for int8-weight-only; use per_channel or per_tensor with {scheme}")
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+            raise PrunusError(f"{where}: per_group needs group_size, a positive integer (e.g. 32)")
+        if in_features is not None and in_features % group_size:
+            raise PrunusError(f"{where}: group_size {group_size} does not divide in_features {in_features}; choose a divisor")
+    elif group_size is not None:
+        raise PrunusError(f"{where}: group_size is only used with granularity per_group; drop it or set per_group")
+
+
+def scale_shape(out_features: int, in_features: int, granularity: str, group_size: int | None) -> tuple[int, int]:
+    if granularity == "per_tensor":
+        return (1, 1)
+    if granularity == "per_channel":
+        return (out_features, 1)
+    return (out_features, in_features // group_size)
+
+
+def _expand(scale: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A (out, n_groups) scale repeated to (out, in); (out, 1) and (1, 1) broadcast already."""
+    if scale.shape[1] in (1, in_features):
+        return scale
+    return scale.repeat_interleave(in_features // scale.shape[1], dim=1)
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, granularity: str = "per_channel",
+                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight (out, in) -> (int8 or float8 values, float32 scale) with symmetric absmax scales."""
+    out_f, in_f = w.shape
+    w = w.detach().float()
+    if granularity == "per_tensor":
+        amax = w.abs().amax().reshape(1, 1)
+    elif granularity == "per_channel":
+        amax = w.abs().amax(dim=1, keepdim=True)
+    else:
+        amax = w.abs().reshape(out_f, in_f // group_size, group_size).amax(dim=2)
+    qmax = FP8_MAX if scheme.startswith("fp8") else INT8_MAX
+    scale = amax.clamp(min=_EPS) / qmax
+    scaled = w / _expand(scale, in_f)
+    if scheme.startswith("fp8"):
+        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    else:
+        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.float()
+
+
+def quantize_activation(x: torch.Tensor, scheme: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., in) float -> (quantized values kept in float32, float32 scale (..., 1) or scalar).
+
+    Without ``scale`` each token gets its own absmax scale (dynamic schemes)."""
+    x = x.float()
+    qmax = FP8_MAX if scheme.startswith("fp8") else INT8_MAX
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / qmax
+    scaled = x / scale
+    if scheme.startswith("fp8"):
+        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        q = scaled.round().clamp(-INT8_MAX, INT8_MAX)
+    return q, scale
+
+
+def _int_mm_fits(x2d: torch.Tensor, w: torch.Tensor) -> bool:
+    return x2d.is_cuda and x2d.shape[0] > 16 and x2d.shape[1] % 8 == 0 and w.shape[0] % 8 == 0
+
+
+def _scaled_mm_fits(x2d: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device) >= (8, 9)
+            and x2d.shape[0] % 16 == 0 and x2d.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free Linear whose weight is stored quantized; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, granularity: str = "per_channel",
+                 group_size: int | None = None, device=None):
+        super().__init__()
+        check_scheme(scheme, granularity, group_size, in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.granularity, self.group_size = scheme, granularity, group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=storage_dtype(scheme), device=device))
+        shape = scale_shape(out_features, in_features, granularity, group_size)
+        self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
+        if scheme == "w8a8-static":
+            self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+        else:
+            self.input_scale = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
+                    input_scale: float | torch.Tensor | None = None) -> "QuantizedLinear":
+        if linear.bias is not None:
+            raise PrunusError("quantize: Linear layers with a bias are not supported; prunus models have none")
+        q = cls(linear.in_features, linear.out_features, scheme, granularity, group_size, device=linear.weight.device)
+        q.weight, q.weight_scale = quantize_weight(linear.weight, scheme, granularity, group_size)
+        if scheme == "w8a8-static":
+            if input_scale is None:
+                raise PrunusError("quantize: w8a8-static needs a calibrated input_scale")
+            q.input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=q.weight.device).reshape(())
+        return q
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (out, in) these values and scales stand for."""
+        return self.weight.float() * _expand(self.weight_scale, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme in ("int8-weight-only", "fp8-weight-only"):
+            if self.granularity == "per_group":
+                return F.linear(x, self.dequantize().to(x.dtype))
+            return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.t().to(x.dtype)
+        shape = x.shape
+        x2d = x.reshape(-1, self.in_features)
+        xq, xs = quantize_activation(x2d, self.scheme, self.input_scale)
+        if self.scheme.startswith("fp8"):
+            if _scaled_mm_fits(x2d, self.weight):
+                y = torch._scaled_mm(xq.to(torch.float8_e4m3fn), self.weight.t(), scale_a=xs.float(),
+                                     scale_b=self.weight_scale.t().expand(1, self.out_features).contiguous(),
+                                     out_dtype=torch.bfloat16).float()
+            else:
+                y = F.linear(xq, self.weight.float()) * xs * self.weight_scale.t()
+        elif _int_mm_fits(x2d, self.weight):
+            y = torch._int_mm(xq.to(torch.int8), self.weight.t()).float() * xs * self.weight_scale.t()
+        else:
+            y = F.linear(xq, self.weight.float()) * xs * self.weight_scale.t()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) moves the buffers; .to(dtype) / .half() must not touch the stored values or scales
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+        return self
+
+    def spec(self) -> dict:
+        return {"scheme": self.scheme, "granularity": self.granularity, "group_size": self.group_size}
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, granularity={self.granularity}{group}"
+
+
+def quantized_layout(model: nn.Module, modules: dict[str, dict]) -> None:
+    """Swap the listed Linear modules of ``model`` for empty QuantizedLinear ones (before loading a state dict)."""
+    for name, spec in modules.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise PrunusError(f"config.json: quantized module {name!r} is not in the model; re-create the model dir") from None
+        q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
+                            spec.get("group_size"), device=linear.weight.device)
+        model.set_submodule(name, q)
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters plus quantized weights (which are buffers), so quantizing does not change the count."""
+    extra = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
+    return sum(p.numel() for p in model.parameters()) + extra

@@ -1,0 +1,176 @@
+"""The serving API: ``Engine.load(path)`` → ``generate`` / ``stream`` / ``submit`` → ``close``.
+
+    from prunus.serve import Engine
+    with Engine.load("runs/demo/model", tp=2) as engine:
+        for r in engine.generate(["def f(", "import "], max_new_tokens=64):
+            print(r.text, r.time_to_first_token_s, r.decode_tokens_per_s)
+        for tok in engine.stream("class A", max_new_tokens=32):
+            print(tok.text, end="", flush=True)
+
+One API over every backend (torch in this process, torch in ``tp`` worker processes,
+ONNX Runtime, TensorRT): requests go through one continuous-batching scheduler that
+holds up to ``max_batch`` sequences of up to ``max_len`` tokens in a preallocated
+KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from prunus.models import PrunusError, load_model, load_model_tokenizer, load_tokenizer
+
+from .artifact import resolve_backend
+from .request import GenerationResult, Request, SamplingParams, StreamToken
+from .scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.max_len = backend.max_len
+        self.info = info or {}
+        self.scheduler = Scheduler(backend, max_queue=max_queue)
+        self._closed = False
+
+    @classmethod
+    def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
+             max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
+             dtype: str | None = None) -> "Engine":
+        """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs."""
+        path = Path(path)
+        backend, config = resolve_backend(path, backend)
+        if not isinstance(tp, int) or tp < 1:
+            raise PrunusError(f"tp={tp!r} must be a positive integer")
+        if tp > 1 and backend != "torch":
+            raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise PrunusError(f"max_batch={max_batch!r} must be a positive integer")
+        if dtype is not None and dtype not in DTYPES:
+            raise PrunusError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        limit = (config.get("export") or config["model"]).get("max_seq_len") or config["model"]["max_seq_len"]
+        max_len = limit if max_len is None else max_len
+        if not 1 < max_len <= limit:
+            raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
+        info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len}
+        if backend == "torch" and tp > 1:
+            from .tp_workers import TPBackend
+
+            impl = TPBackend(path, tp, n_slots=max_batch, max_len=max_len, device=device, dtype=dtype)
+            tokenizer = load_model_tokenizer(path)
+        elif backend == "torch":
+            from .backend_torch import TorchBackend
+
+            model = load_model(path, device=device, dtype=DTYPES[dtype] if dtype else None)
+            impl = TorchBackend(model, max_batch, max_len)
+            tokenizer = load_model_tokenizer(path)
+        else:
+            tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)
+            if backend == "onnxruntime":
+                from .backend_onnxruntime import load_onnxruntime_backend
+
+                impl = load_onnxruntime_backend(path, config, max_batch, max_len)
+            else:
+                from .backend_tensorrt import load_tensorrt_backend
+
+                impl = load_tensorrt_backend(path, config, max_batch, max_len, device=device)
+            info["precision"] = config["export"].get("precision")
+        return cls(impl, tokenizer, max_queue=max_queue, info=info)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               stop: str | list[str] | None = None, ignore_eos: bool = False) -> Request:
+        """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`."""
+        if self._closed:
+            raise PrunusError("the engine is closed; load it again")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos).check()
+        ids = self.encode(prompt)
+        if len(ids) + max_new_tokens > self.max_len:
+            raise PrunusError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                f"{self.max_len} tokens; shorten the prompt or lower max_new_tokens")
+        eos = None if ignore_eos else getattr(self.tokenizer, "eos_id", None)
+        return self.scheduler.submit(Request(ids, params, self.tokenizer, eos_id=eos))
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.backend.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise PrunusError(f"prompt token ids must lie in [0, {vocab})")
+        else:
+            raise PrunusError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        if not ids:
+            raise PrunusError("the prompt is empty; give at least one token of prompt")
+        return ids
+
+    @staticmethod
+    def wait(request: Request) -> GenerationResult:
+        while True:
+            event = request.events.get()
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, GenerationResult):
+                return event
+
+    def generate(self, prompts, max_new_tokens: int = 128, **sampling) -> GenerationResult | list[GenerationResult]:
+        """One result per prompt (a list for a list of prompts). All prompts run in one continuous batch."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise PrunusError("no prompts given")
+        requests = []
+        try:
+            for p in batch:
+                requests.append(self.submit(p, max_new_tokens, **sampling))
+            results = [self.wait(r) for r in requests]
+        except BaseException:
+            for r in requests:
+                r.cancelled.set()
+            raise
+        return results[0] if single else results
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **sampling) -> Iterator[StreamToken]:
+        """Yield each token (id and text piece) as it is made; closing the iterator cancels the request."""
+        request = self.submit(prompt, max_new_tokens, **sampling)
+        try:
+            while True:
+                event = request.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, GenerationResult):
+                    return
+                yield event
+        finally:
+            request.cancelled.set()
+
+    # --- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+        self.backend.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,141 @@
+"""Continuous batching: one thread runs the backend; requests join and leave between steps.
+
+Each step the scheduler (1) admits waiting requests into free cache rows and runs
+their prefill together in one pass, sampling each one's first token, then (2) runs
+one decode pass over every active row. A request that finishes (its length, end of
+text, a stop string) or is cancelled (a client went away) leaves the batch and frees
+its row before the next step, so a new request never waits for a whole batch to end.
+
+Sampling is per request (``prunus.models.sample_next`` with the request's own
+settings and generator), so a request's tokens do not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from prunus.models import PrunusError, sample_next
+
+from .request import Request
+
+
+class QueueFull(PrunusError):
+    """The bounded wait queue is full (the HTTP server answers 429)."""
+
+
+class Scheduler:
+    def __init__(self, backend, max_queue: int | None = None):
+        self.backend = backend
+        self.max_queue = max_queue
+        self.free = list(range(backend.n_slots))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: dict[int, Request] = {}
+        self.tokens_generated = 0
+        self.steps = 0
+        self._cond = threading.Condition()
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="prunus-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def n_active(self) -> int:
+        return len(self.active)
+
+    def submit(self, request: Request) -> Request:
+        with self._cond:
+            if not self._running:
+                raise PrunusError("the engine is closed; load it again")
+            if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self.waiting.append(request)
+            self._cond.notify()
+        return request
+
+    def close(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        closed = PrunusError("the engine was closed before this request finished")
+        for r in list(self.waiting) + list(self.active.values()):
+            r.fail(closed)
+        self.waiting.clear()
+        self.active.clear()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self.waiting and not self.active:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                joining = []
+                while self.waiting and self.free:
+                    r = self.waiting.popleft()
+                    if r.cancelled.is_set():
+                        r.finish()
+                        continue
+                    self.free.sort()
+                    r.slot = self.free.pop(0)
+                    joining.append(r)
+            try:
+                if joining:
+                    self._prefill(joining)
+                if self.active:
+                    self._decode()
+            except Exception as e:  # a failed pass fails the requests in it; the loop serves the next ones
+                for r in joining + list(self.active.values()):
+                    if not r.done:
+                        r.fail(e)
+                    if r.slot is not None and r.slot not in self.free:
+                        self.free.append(r.slot)
+                self.active.clear()
+
+    def _prefill(self, joining: list[Request]) -> None:
+        logits = self.backend.prefill([r.slot for r in joining], [r.prompt_ids for r in joining])
+        self._sample(joining, logits)
+        for r in joining:
+            self.active[r.slot] = r
+        self._retire(joining)
+
+    def _decode(self) -> None:
+        rows = sorted(self.active)
+        reqs = [self.active[s] for s in rows]
+        logits = self.backend.decode(rows, [r.last_token for r in reqs])
+        self.steps += 1
+        self._sample(reqs, logits)
+        self._retire(reqs)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        greedy = [i for i, r in enumerate(reqs) if r.generator is None]
+        tokens = [0] * len(reqs)
+        if greedy:
+            for i, t in zip(greedy, sample_next(logits[greedy]).tolist()):
+                tokens[i] = t
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                p = r.params
+                tokens[i] = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, r.generator)[0])
+        for r, t in zip(reqs, tokens):
+            r.last_token = t
+            r.add_token(t)
+        self.tokens_generated += len(reqs)
+
+    def _retire(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.done or r.cancelled.is_set():
+                if not r.done:
+                    r.finish_reason = "cancelled"
+                del self.active[r.slot]
+                self.free.append(r.slot)
+                r.finish()

@@ -1,0 +1,90 @@
+"""Shard a loaded model for tensor-parallel inference: plain tensors, gpt-fast style.
+
+Megatron's split of each block: wq, wk, wv, w1, w3 column-parallel (a rank keeps
+its slice of the output features: n_heads/tp query heads, n_kv_heads/tp key/value
+heads, ffn_dim/tp hidden units), wo and w2 row-parallel (its slice of the input
+features); then one all-reduce sums the partial outputs of attention and one those
+of the MLP. Embedding, norms and the output head stay whole on every rank.
+
+Why plain tensors and not DTensor's ``parallelize_module``: its Colwise/Rowwise plans
+handle ``nn.Linear`` and ``nn.Embedding`` only, while a compressed model holds
+``QuantizedLinear`` modules (int8 / float8 weights + scales as buffers). Slicing the
+tensors at load works for both, keeps the forward pass free of DTensor dispatch (it
+matters for decode steps of a few milliseconds), and makes the communication explicit:
+exactly the two all-reduces per block. Quantized weights are sliced with their scales:
+per-channel and per-group scales follow the output rows of a column-parallel layer;
+per-group scales follow the input groups of a row-parallel layer; per-channel scales of
+a row-parallel layer and per-tensor scales are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prunus.models import PrunusError
+
+COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROW = ("attention.wo", "feed_forward.w2")
+
+
+def check_tp(cfg, tp: int, source: str = "the model") -> None:
+    """One clear error when ``tp`` cannot split the heads or the MLP evenly."""
+    for name, value in (("n_kv_heads", cfg.n_kv_heads), ("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim)):
+        if value % tp:
+            choices = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_kv_heads % d == 0
+                       and cfg.n_heads % d == 0 and cfg.ffn_dim % d == 0]
+            raise PrunusError(f"tp={tp} does not divide {source}'s {name}={value}; choose tp from {', '.join(map(str, choices))}")
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    value = value.clone().contiguous()
+    if isinstance(old, nn.Parameter):
+        setattr(module, name, nn.Parameter(value, requires_grad=False))
+    else:
+        setattr(module, name, value)  # a registered buffer stays a buffer
+
+
+def shard_linear(module: nn.Module, style: str, rank: int, world: int) -> None:
+    """Keep this rank's slice of a Linear or QuantizedLinear: ``style`` "column" (outputs) or "row" (inputs)."""
+    weight = module.weight
+    out_f, in_f = weight.shape
+    scale = getattr(module, "weight_scale", None)
+    if style == "column":
+        n = out_f // world
+        _set_tensor(module, "weight", weight[rank * n:(rank + 1) * n])
+        if scale is not None and scale.shape[0] == out_f and out_f > 1:
+            _set_tensor(module, "weight_scale", scale[rank * n:(rank + 1) * n])
+        module.out_features = n
+    else:
+        n = in_f // world
+        _set_tensor(module, "weight", weight[:, rank * n:(rank + 1) * n])
+        if scale is not None and scale.ndim == 2 and scale.shape[1] > 1:  # per-group scales along the input
+            group = in_f // scale.shape[1]
+            if n % group:
+                raise PrunusError(f"tp={world} splits {in_f} inputs into {n} per rank, not a multiple of the "
+                                  f"quantization group size {group}; choose a smaller tp")
+            g = n // group
+            _set_tensor(module, "weight_scale", scale[:, rank * g:(rank + 1) * g])
+        module.in_features = n
+
+
+def _all_reduce_output(module, inputs, output):
+    dist.all_reduce(output)
+    return output
+
+
+def shard_model(model, rank: int, world: int, keep_output: bool = True):
+    """Shard every block in place and add the two all-reduces per block; ``keep_output=False``
+    drops the output head (only the rank that samples needs logits)."""
+    check_tp(model.config, world)
+    for block in model.layers.values():
+        for name in COLUMN + ROW:
+            shard_linear(block.get_submodule(name), "column" if name in COLUMN else "row", rank, world)
+        block.attention.register_forward_hook(_all_reduce_output)
+        block.feed_forward.register_forward_hook(_all_reduce_output)
+    if not keep_output:
+        model.output = None
+    return model

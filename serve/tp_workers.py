@@ -1,0 +1,274 @@
+"""Tensor-parallel inference in ``tp`` worker processes over torch.distributed (gloo on CPU, NCCL on GPU).
+
+The serving process keeps the scheduler and talks to rank 0 over a local socket:
+each step it sends (rows, tokens) and receives rank 0's logits. Rank 0 broadcasts
+the step to the other ranks, every rank runs the same :class:`TorchBackend` pass over
+its shard (two all-reduces per block, :mod:`prunus.serve.tp_shard`), and rank 0
+answers. The scheduler samples, so rank 0 holds the only logits and the tokens every
+rank sees next step come from that one place.
+
+No orphans: workers ignore Ctrl-C (the serving process closes them), exit on ``close()``
+(a stop step), and exit when the serving process dies: every worker holds a connection
+to it and leaves on its end-of-file; on Linux the kernel also kills them with the parent
+(``PR_SET_PDEATHSIG``).
+
+    python -m prunus.serve.tp_workers ADDRESS RANK WORLD STORE SPEC_JSON   (started by TPBackend)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import torch
+
+from prunus.models import PrunusError
+from prunus.models.model_dir import read_config
+
+from .tp_shard import check_tp
+
+OP_STOP, OP_PREFILL, OP_DECODE = 0, 1, 2
+READY_TIMEOUT_S = 300.0
+
+
+class TPBackend:
+    """The serving process's side: the same prefill/decode calls as :class:`TorchBackend`."""
+
+    name = "torch"
+
+    def __init__(self, path: str | Path, tp: int, *, n_slots: int, max_len: int, device: str = "cpu",
+                 dtype: str | None = None):
+        cfg, _ = read_config(path)
+        check_tp(cfg, tp, source=str(path))
+        if device.startswith("cuda") and (not torch.cuda.is_available() or torch.cuda.device_count() < tp):
+            raise PrunusError(f"tp={tp} on {device} needs {tp} CUDA devices; found "
+                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        self.tp, self.n_slots, self.max_len, self.vocab_size = tp, n_slots, max_len, cfg.vocab_size
+        self.procs: list[subprocess.Popen] = []
+        self.conns = []
+        self._lock = threading.Lock()
+        self._tmp = Path(tempfile.mkdtemp(prefix="prunus-tp-"))
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(str(self._tmp / "sock"), family="AF_UNIX", authkey=authkey)
+        spec = json.dumps({"path": str(Path(path).resolve()), "n_slots": n_slots, "max_len": max_len,
+                           "device": device, "dtype": dtype})
+        env = {**os.environ, "PRUNUS_TP_AUTHKEY": authkey.hex()}
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // tp))
+        atexit.register(self.close)
+        try:
+            for rank in range(tp):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "prunus.serve.tp_workers", str(self._tmp / "sock"), str(rank), str(tp),
+                     str(self._tmp / "store"), spec],
+                    env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno() if _has_fileno() else None,
+                    start_new_session=False))
+            self._accept_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept_all(self) -> None:
+        conns: dict[int, object] = {}
+        errors: list[str] = []
+
+        def accept():
+            try:
+                pending = []
+                while len(pending) < self.tp:  # every worker says hello as soon as it connects
+                    conn = self._listener.accept()
+                    pending.append((conn.recv()[1], conn))
+                for rank, conn in sorted(pending, key=lambda rc: rc[0]):
+                    kind, _, detail = conn.recv()
+                    if kind == "error":
+                        errors.append(detail)
+                        return
+                    conns[rank] = conn
+            except (OSError, EOFError):
+                pass
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while t.is_alive() and time.monotonic() < deadline:
+            t.join(0.1)
+            dead = [p for p in self.procs if p.poll() is not None]
+            if errors or (dead and t.is_alive()):
+                break
+        self.conns = [conns[r] for r in sorted(conns)]
+        if errors:
+            raise PrunusError(f"tensor-parallel worker failed to load: {errors[0]}")
+        if len(self.conns) < self.tp:
+            raise PrunusError(f"tensor-parallel workers did not start ({len(self.conns)} of {self.tp} ready); "
+                              "see their messages above")
+
+    def _call(self, message) -> torch.Tensor:
+        with self._lock:
+            try:
+                self.conns[0].send(message)
+                kind, payload = self.conns[0].recv()
+            except (EOFError, OSError, IndexError):
+                raise PrunusError("a tensor-parallel worker exited; see its messages above and load the engine again") from None
+        if kind == "error":
+            raise PrunusError(payload)
+        return payload
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        return self._call((OP_PREFILL, rows, prompts))
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        return self._call((OP_DECODE, rows, tokens))
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self.close)
+        if self.conns:
+            try:
+                with self._lock:
+                    self.conns[0].send((OP_STOP, [], []))
+            except (OSError, EOFError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for c in self.conns:
+            c.close()
+        self.conns, self.procs = [], []
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _has_fileno() -> bool:
+    try:
+        sys.stderr.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# --- the worker process ----------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the serving process, which closes us
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _watch_parent(conn) -> None:
+    """Ranks other than 0 hear nothing from the parent: a recv that ends means it is gone."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def _broadcast_step(op: int, rows: list[int], data: list, device) -> tuple[int, list[int], list]:
+    """Rank 0 sends (op, rows, tokens or prompts); the others receive it. Two small int64 broadcasts."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        width = max((len(p) for p in data), default=1) if op == OP_PREFILL else 1
+        header = torch.tensor([op, len(rows), width], dtype=torch.long, device=device)
+    else:
+        header = torch.zeros(3, dtype=torch.long, device=device)
+    dist.broadcast(header, 0)
+    op, n, width = header.tolist()
+    if op == OP_STOP:
+        return op, [], []
+    if dist.get_rank() == 0:
+        body = torch.zeros(n, 2 + width, dtype=torch.long)
+        for i, (r, d) in enumerate(zip(rows, data)):
+            seq = d if op == OP_PREFILL else [d]
+            body[i, 0], body[i, 1] = r, len(seq)
+            body[i, 2:2 + len(seq)] = torch.tensor(seq, dtype=torch.long)
+        body = body.to(device)
+    else:
+        body = torch.zeros(n, 2 + width, dtype=torch.long, device=device)
+    dist.broadcast(body, 0)
+    body = body.cpu()
+    rows = body[:, 0].tolist()
+    seqs = [body[i, 2:2 + int(body[i, 1])].tolist() for i in range(n)]
+    return op, rows, seqs if op == OP_PREFILL else [s[0] for s in seqs]
+
+
+def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> None:
+    _die_with_parent()
+    import torch.distributed as dist
+
+    from prunus.models import load_model
+
+    from .backend_torch import TorchBackend
+    from .tp_shard import shard_model
+
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ["PRUNUS_TP_AUTHKEY"]))
+    conn.send(("hello", rank, None))
+    try:
+        device = spec["device"]
+        if device.startswith("cuda"):
+            device = f"cuda:{rank}"
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"file://{store}",
+                                rank=rank, world_size=world)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec["dtype"])
+        model = load_model(spec["path"], device=device, dtype=dtype)
+        shard_model(model, rank, world, keep_output=rank == 0)
+        backend = TorchBackend(model, spec["n_slots"], spec["max_len"])
+        dist.barrier()
+    except Exception as e:  # the serving process shows it as one line
+        conn.send(("error", rank, f"rank {rank}: {type(e).__name__}: {e}"))
+        os._exit(1)
+    conn.send(("ready", rank, None))
+    if rank != 0:
+        threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
+    while True:
+        if rank == 0:
+            try:
+                op, rows, data = conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # the serving process is gone; the others see their connections end too
+        else:
+            op, rows, data = None, None, None
+        op, rows, data = _broadcast_step(op, rows, data, device)
+        if op == OP_STOP:
+            break
+        try:
+            out = backend.prefill(rows, data) if op == OP_PREFILL else backend.decode(rows, data)
+            reply = ("ok", out)
+        except PrunusError as e:  # raised the same way on every rank, before any collective
+            reply = ("error", str(e))
+        if rank == 0:
+            conn.send(reply)
+    dist.destroy_process_group()
+    conn.close()
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))

@@ -1,0 +1,160 @@
+"""Context parallelism (ring attention, Ulysses) is exact: against causal SDPA on the whole sequence, against the
+model on the whole batch, and trained against one process; bad layouts fail before any process starts.
+
+Two spawns (2 and 4 ranks, torchrun, gloo, one thread per rank) serve every multi-rank check through
+tests/cp_worker.py. Tolerance: 1e-5 absolute on attention outputs and dq/dk/dv, on losses, validation
+losses and gradients.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from prunus.cli.main import cli
+from prunus.models import PrunusError
+from prunus.train_parallel import TrainConfig, train
+from prunus.train_parallel.context_parallel import load_balanced_positions, validate_cp
+from prunus.train_parallel.dry_run import memory_plan
+
+TOL = 1e-5
+SEQ = 512
+WORKER = Path(__file__).with_name("cp_worker.py")
+# the tiny model with a 512-token context; two sequences of 512 per step
+BASE = dict(preset="tiny", model={"max_seq_len": SEQ}, seq_len=SEQ, batch_size=2, steps=3, warmup_steps=1, eval_every=3,
+            eval_tokens=2048, ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
+ATTENTION = dict(kind="attention", batch=2, heads=4, seq=SEQ, head_dim=16)
+DRY = dict(preset="tiny", seq_len=64, batch_size=8)  # the dry run's activation check, as in tests/test_dry_run.py
+
+TWO_TRAIN = {
+    "ring_fsdp": dict(cp=2, cp_impl="ring"),  # FSDP (ZeRO-3) over the 2 cp ranks: the default
+    "ulysses_fsdp": dict(cp=2, cp_impl="ulysses"),
+    "ring_ddp": dict(cp=2, cp_impl="ring", zero=0),  # DDP averages the cp ranks' gradients
+}
+FOUR_TRAIN = {
+    "ring_x_fsdp": dict(cp=2, dp_shard=2, cp_impl="ring"),  # FSDP over dp_shard x cp = 4
+    "ulysses_x_fsdp": dict(cp=2, dp_shard=2, cp_impl="ulysses"),
+    "ring_x_tp": dict(cp=2, tp=2, cp_impl="ring"),  # each tp rank's heads on its own ring
+    "ulysses_x_tp": dict(cp=2, tp=2, cp_impl="ulysses"),
+    "ring_hsdp": dict(cp=2, dp_replicate=2, cp_impl="ring"),  # replicate x (shard over cp)
+    "ring_cp4": dict(cp=4, cp_impl="ring"),
+}
+
+
+def spawn(nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
+    spec, out = tmp_path / f"spec{nproc}.json", tmp_path / f"out{nproc}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(WORKER), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name, got in results.items():
+        assert "error" not in got, f"{name}: {got['error']}\n{got.get('trace')}"
+    assert len(results) == len(jobs), proc.stderr[-3000:]
+    return results
+
+
+def train_jobs(layouts: dict, tmp: Path) -> list[dict]:
+    return [{"name": n, "kind": "train", "config": {**BASE, **c, "out": str(tmp / n)}} for n, c in layouts.items()]
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp2")
+    jobs = [{"name": f"attn_{impl}", "impl": impl, "cp": 2, **ATTENTION} for impl in ("ring", "ulysses")]
+    jobs += [{"name": f"model_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": SEQ, "batch": 2}
+             for impl in ("ring", "ulysses")]
+    jobs += [{"name": f"saved_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": DRY["seq_len"],
+              "batch": DRY["batch_size"]} for impl in ("ring", "ulysses")]
+    return spawn(2, jobs + train_jobs(TWO_TRAIN, tmp), tmp)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same training run in this one process."""
+    r = train(TrainConfig(**{**BASE, "out": str(tmp_path_factory.mktemp("ref") / "run")}))
+    return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
+
+
+def assert_trains_like(results: dict, ref: dict, names) -> None:
+    for name in names:
+        got = results[name]
+        assert len(got["losses"]) == len(ref["losses"]), name
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= TOL, f"{name} step {step + 1}: loss {a} vs {b} in one process"
+        assert abs(got["val_loss"] - ref["val_loss"]) <= TOL, f"{name}: val loss {got['val_loss']} vs {ref['val_loss']}"
+
+
+def assert_attention_exact(results: dict, names) -> None:
+    for name in names:
+        for what in ("out", "dq", "dk", "dv"):
+            assert results[name][what] <= TOL, f"{name}: max |{what} - SDPA's| = {results[name][what]}"
+
+
+def test_attention_matches_sdpa_forward_and_backward(two_rank):
+    assert_attention_exact(two_rank, ["attn_ring", "attn_ulysses"])
+
+
+def test_model_loss_and_gradients_match_the_whole_batch(two_rank):
+    for impl in ("ring", "ulysses"):
+        got = two_rank[f"model_{impl}"]
+        assert abs(got["loss"] - got["ref_loss"]) <= TOL, (impl, got)
+        assert got["grad_diff"] <= TOL and got["grad_diff"] <= 1e-4 * got["grad_scale"], (impl, got)
+
+
+def test_training_with_cp2_matches_one_process(two_rank, reference):
+    assert_trains_like(two_rank, reference, list(TWO_TRAIN))
+
+
+def test_dry_run_activations_match_what_autograd_saves(two_rank):
+    """Per rank, each implementation saves what the dry run plans for --cp 2: half of one process's tokens."""
+    one = memory_plan(TrainConfig(**DRY), 1)["bytes"]["activations"]
+    for impl in ("ring", "ulysses"):
+        plan = memory_plan(TrainConfig(**DRY, cp=2, cp_impl=impl), 2)
+        assert plan["layout"]["cp"] == 2 and plan["local_seq_len"] == 32 and plan["seq_len"] == 64
+        planned, measured = plan["bytes"]["activations"], two_rank[f"saved_{impl}"]["saved_bytes"]
+        assert abs(planned / measured - 1) < 0.05, (impl, planned, measured)
+        assert 0.45 < planned / one < 0.55
+
+
+def test_four_ranks_cp_with_fsdp_tp_hsdp_and_cp4(tmp_path, reference):
+    jobs = [{"name": f"attn4_{impl}", "impl": impl, "cp": 4, **ATTENTION} for impl in ("ring", "ulysses")]
+    results = spawn(4, jobs + train_jobs(FOUR_TRAIN, tmp_path), tmp_path)
+    assert_attention_exact(results, ["attn4_ring", "attn4_ulysses"])
+    assert_trains_like(results, reference, list(FOUR_TRAIN))
+
+
+def test_load_balanced_layout():
+    """Rank r holds chunks r and 2cp-1-r: together the ranks cover the sequence once, each with equal causal work."""
+    cp, seq = 4, 64
+    parts = [load_balanced_positions(seq, r, cp) for r in range(cp)]
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq))
+    assert parts[1].tolist() == [*range(8, 16), *range(48, 56)]
+    assert len({int((p + 1).sum()) for p in parts}) == 1  # keys attended to, summed over each rank's queries
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--nproc", 2, "--cp", 2, "--seq-len", 30], ["--seq-len 30 is not divisible by 2 x --cp = 4"]),
+    (["--nproc", 3, "--cp", 3, "--cp-impl", "ulysses", "--seq-len", 36], ["4 attention heads", "not divisible by --cp"]),
+    (["--nproc", 4, "--cp", 2, "--pp", 2, "--seq-len", 32], ["--cp 2 with --pp 2"]),
+    (["--nproc", 2, "--cp", 2, "--cp-impl", "stripes", "--seq-len", 32], ["--cp-impl stripes: choose ring or ulysses"]),
+])
+def test_bad_cp_input_fails_before_starting(tmp_path, args, needles, assert_user_error):
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli, ["train", "--preset", "tiny", "--batch-size", "8", "--no-progress", *map(str, args),
+                                 "--out", str(out)])
+    assert_user_error(r, *needles)
+    assert not out.exists()
+
+
+def test_ulysses_heads_per_tensor_parallel_rank():
+    validate_cp(2, "ulysses", 64, n_heads=8, tp=4)  # 2 heads per tp rank over 2 cp ranks
+    with pytest.raises(PrunusError, match="the 2 attention heads per tensor-parallel rank are not divisible"):
+        validate_cp(4, "ulysses", 64, n_heads=8, tp=4)
+    validate_cp(4, "ring", 64, n_heads=8, tp=4)  # ring attention splits the sequence, not the heads
