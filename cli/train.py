@@ -58,6 +58,8 @@ def command_line(ctx: click.Context, given: dict, config_file, resume: bool, ove
 @click.option("--eval-tokens", type=int, default=D.eval_tokens, show_default=True)
 @click.option("--ckpt-every", type=int, default=D.ckpt_every, show_default=True, help="0: only when stopping early.")
 @click.option("--keep-checkpoints", type=int, default=D.keep_checkpoints, show_default=True)
+@click.option("--async-checkpoint/--sync-checkpoint", default=D.async_checkpoint, show_default=True,
+              help="Write checkpoints in the background while training goes on (torch.distributed.checkpoint.async_save).")
 @click.option("--log-every", type=int, default=D.log_every, show_default=True)
 @click.option("--seed", type=int, default=D.seed, show_default=True)
 @click.option("--device", default=D.device, show_default=True, help="auto, cpu or cuda.")

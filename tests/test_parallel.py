@@ -90,6 +90,11 @@ def two_rank(tmp_path_factory):
     jobs.append({"name": "ckpt_fsdp", "config": ckpt})
     for n, c in RESUME_UNDER.items():
         jobs.append({"name": n, "copy_from": ckpt["out"], "resume": True, "config": {**c, "out": str(tmp / n)}})
+    # the same with checkpoints written in the background at every step, resumed under TP x 2
+    ckpt_async = {**ckpt, "async_checkpoint": True, "ckpt_every": 1, "out": str(tmp / "ckpt_async")}
+    jobs.append({"name": "ckpt_async", "config": ckpt_async})
+    jobs.append({"name": "resume_async", "copy_from": ckpt_async["out"], "resume": True,
+                 "config": {"tp": 2, "async_checkpoint": True, "out": str(tmp / "resume_async")}})
     return spawn(2, jobs, tmp), tmp
 
 
@@ -101,8 +106,10 @@ def test_checkpoint_from_fsdp_resumes_under_other_layouts(two_rank, tmp_path):
     results, tmp = two_rank
     ref = reference(tmp_path, steps=4, eval_every=4)
     assert results["ckpt_fsdp"]["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
+    assert results["ckpt_async"]["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
     tail = {"losses": ref["losses"][2:], "val_loss": ref["val_loss"]}
-    assert_equivalent(results, tail, list(RESUME_UNDER))
+    assert_equivalent(results, tail, [*RESUME_UNDER, "resume_async"])
+    assert sorted(p.name for p in (tmp / "ckpt_async" / "checkpoints").iterdir()) == ["step-1", "step-2"]
     # and in one process, from the same sharded checkpoint
     shutil.copytree(tmp / "ckpt_fsdp", tmp_path / "one")
     r = train(resume_config(tmp_path / "one"), resume=True)

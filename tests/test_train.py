@@ -76,3 +76,13 @@ def test_training_with_a_hugging_face_tokenizer(tmp_path, text_file, tiny_cfg):
     out = generate(load_model(r.model_dir), ids, 4)
     assert tokenizer.decode(out[0, : ids.shape[1]].tolist()).strip() == "the quick brown"
     assert 0 < r.metrics["val_bpb"] < 20
+
+
+def test_async_checkpoints_resume_like_sync_ones(tmp_path, tiny_cfg):
+    sync = train(tiny_cfg(tmp_path / "sync", steps=6, stop_at=4, ckpt_every=2))
+    bg = train(tiny_cfg(tmp_path / "bg", steps=6, stop_at=4, ckpt_every=2, async_checkpoint=True))
+    assert bg.losses == sync.losses
+    assert sorted(p.name for p in (tmp_path / "bg" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    rest = train(resume_config(tmp_path / "bg"), resume=True)
+    full = train(tiny_cfg(tmp_path / "full", steps=6))
+    assert bg.losses + rest.losses == full.losses

@@ -7,7 +7,9 @@ one process. ``train_state.json`` holds the step, tokens and elapsed time.
 
 A checkpoint is written under a temporary name and renamed when every rank has
 finished, so a killed run never leaves one that looks complete; only the newest
-``keep`` are kept.
+``keep`` are kept. :class:`Checkpointer` can write asynchronously
+(``dcp.async_save``): the state is staged to memory, written by a background
+thread while training goes on, and published at the next save or at the end.
 """
 
 from __future__ import annotations
@@ -82,15 +84,17 @@ def _state(parts, optimizers) -> dict:
     return {"model": model, "optim": optim}
 
 
-def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_state: dict, keep: int = 2) -> Path:
-    """Save on every rank (a collective); rank 0 publishes the checkpoint when all are done."""
+def _paths(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+    tmp = root / f".step-{step}.tmp"
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    with _quiet():
-        dcp.save(_state(parts, optimizers), checkpoint_id=tmp, no_dist=not _distributed())
+    return root / f"step-{step}", tmp
+
+
+def _publish(run_dir: str | Path, step: int, tmp: Path, final: Path, train_state: dict, keep: int) -> Path:
+    """Once every rank has written its shards: rank 0 adds the train state and renames."""
     _barrier()
     if _is_main():
         atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
@@ -100,6 +104,49 @@ def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_sta
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_state: dict, keep: int = 2) -> Path:
+    """Save on every rank (a collective); rank 0 publishes the checkpoint when all are done."""
+    final, tmp = _paths(run_dir, step)
+    with _quiet():
+        dcp.save(_state(parts, optimizers), checkpoint_id=tmp, no_dist=not _distributed())
+    return _publish(run_dir, step, tmp, final, train_state, keep)
+
+
+class Checkpointer:
+    """Checkpoints of one run, written synchronously or, with ``use_async``, in the background.
+
+    An async save stages the state to memory (training may then change the
+    parameters), writes it from a thread over its own Gloo group (so its
+    collectives never interleave with training's), and is published, renamed to
+    ``step-N``, by :meth:`wait`, which the next save and the end of the run call.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int = 2, use_async: bool = False):
+        self.run_dir, self.keep, self.use_async = Path(run_dir), keep, use_async
+        self._group = dist.new_group(backend="gloo") if use_async and _distributed() else None
+        self._pending = None
+
+    def save(self, step: int, parts, optimizers, train_state: dict) -> None:
+        self.wait()
+        if not self.use_async:
+            save_checkpoint(self.run_dir, step, parts, optimizers, train_state, self.keep)
+            return
+        final, tmp = _paths(self.run_dir, step)
+        with _quiet():
+            future = dcp.async_save(_state(parts, optimizers), checkpoint_id=tmp, process_group=self._group,
+                                    no_dist=not _distributed())
+        self._pending = (step, tmp, final, dict(train_state), future)
+
+    def wait(self) -> Path | None:
+        """Finish and publish the checkpoint in flight, if any; return its path."""
+        if self._pending is None:
+            return None
+        step, tmp, final, train_state, future = self._pending
+        self._pending = None
+        future.result()
+        return _publish(self.run_dir, step, tmp, final, train_state, self.keep)
 
 
 def load_checkpoint(path: str | Path, parts, optimizers) -> dict:

@@ -10,7 +10,7 @@ from prunus.models.errors import PrunusError
 
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
-RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "log_every", "progress",
+RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "async_checkpoint", "log_every", "progress",
              "nproc", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
              "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops")
 
@@ -40,6 +40,7 @@ class TrainConfig:
     eval_tokens: int = 65536
     ckpt_every: int = 200
     keep_checkpoints: int = 2
+    async_checkpoint: bool = False  # write checkpoints from a background thread (dcp.async_save)
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
