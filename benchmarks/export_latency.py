@@ -12,7 +12,7 @@ parameters, for latency at size), at 2 threads:
   decode latency and bits per byte on held-out text.
 
 Medians over alternating repetitions; ratios are what count. Never fails on time.
-Usage: python benchmarks/export_latency.py [--models demo,base] [--reps 30] [--out runs/bench/export]
+Usage: python benchmarks/export_latency.py [--models demo,base] [--reps 20] [--out runs/bench/export]
 """
 
 from __future__ import annotations
@@ -28,16 +28,21 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+import onnx  # noqa: E402
 import torch  # noqa: E402
 
 from prunus.compress.quantize import quantize_pass  # noqa: E402
 from prunus.data.corpus import load_corpus  # noqa: E402
 from prunus.data.evaluate import evaluate  # noqa: E402
 from prunus.export import OrtGraphs, export_model  # noqa: E402
+from prunus.export.onnx_export import dequantized_copy, export_decode, export_prefill, save_graph  # noqa: E402
 from prunus.export.parity import _nll_score  # noqa: E402
+from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph  # noqa: E402
 from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model  # noqa: E402
+from prunus.models.quantized import QuantizedLinear  # noqa: E402
 
 THREADS = 2
+OURS, PEER = "int8 (export --precision int8)", "peer: quantize_dynamic(fp32 export)"
 CTX = 128
 
 
@@ -94,7 +99,8 @@ def peer_quantize(fp32_dir: Path, out: Path) -> Path:
     return out
 
 
-def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarray, token_bytes, eval_tokens: int):
+def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarray, token_bytes, eval_tokens: int,
+                trained: bool):
     model = load_model(model_dir)
     n_layers = len(model.layers)
     n_params = sum(p.numel() for p in model.parameters())
@@ -102,15 +108,23 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarr
     dirs = {"fp32": work / f"{name}-fp32", "int8 (export --precision int8)": work / f"{name}-int8"}
     t0 = time.perf_counter()
     export_model(model_dir, dirs["fp32"], overwrite=True, progress=False, verify=False)
-    export_model(model_dir, dirs["int8 (export --precision int8)"], precision="int8", overwrite=True, progress=False, verify=False)
-    compressed = work / f"{name}-w8a8"
+    # what export --precision int8 does after exporting these same fp32 graphs: untie, quantize_dynamic
+    dirs["int8 (export --precision int8)"].mkdir(parents=True, exist_ok=True)
+    for f in ("prefill.onnx", "decode.onnx"):
+        quantize_fp32_graph(dirs["fp32"] / f, dirs["int8 (export --precision int8)"] / f)
+    # a compressed dir (w8a8-dynamic, per channel, head included) with its own int8 weights, in both forms
     qmodel = load_model(model_dir)
     quantize_pass(qmodel, None, scheme="w8a8-dynamic", exclude=())
-    save_model(qmodel, compressed, stage="compress", parent=model_dir, overwrite=True, command="benchmark")
+    modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
+    protos = {"prefill.onnx": export_prefill(dequantized_copy(qmodel)), "decode.onnx": export_decode(dequantized_copy(qmodel))}
     for style in ("integer", "qdq"):
         key = f"int8 (compressed dir, {style})"
         dirs[key] = work / f"{name}-w8a8-{style}"
-        export_model(compressed, dirs[key], int8_style=style, overwrite=True, progress=False, verify=False)
+        dirs[key].mkdir(parents=True, exist_ok=True)
+        for f, proto in protos.items():
+            proto = onnx.ModelProto.FromString(proto.SerializeToString())
+            apply_stored_quantization(proto, modules, style)
+            save_graph(proto, dirs[key] / f, external_data=False)
     dirs["peer: quantize_dynamic(fp32 export)"] = peer_quantize(dirs["fp32"], work / f"{name}-peer")
     print(f"exports: {time.perf_counter() - t0:.0f} s", flush=True)
     g = {k: graphs(d, n_layers) for k, d in dirs.items()}
@@ -139,6 +153,12 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarr
         results[f"{k} size"] = (d / "decode.onnx").stat().st_size / size32
         print(f"  size {k:40s} {(d / 'decode.onnx').stat().st_size / 1e6:8.2f} MB  ratio vs fp32 {results[f'{k} size']:.3f}")
 
+    for k in (OURS, "int8 (compressed dir, integer)", "int8 (compressed dir, qdq)"):
+        print(f"decode latency {k} / peer: b1 {results[f'{k} decode b1'] / results[f'{PEER} decode b1']:.3f}, "
+              f"b8 {results[f'{k} decode b8'] / results[f'{PEER} decode b8']:.3f}", flush=True)
+    if not trained:
+        print("\n(bits per byte skipped: random weights)")
+        return results
     seq = min(model.config.max_seq_len, 256)
     print(f"\nbits per byte on {eval_tokens:,} held-out tokens (seq {seq})")
     with torch.inference_mode():
@@ -148,10 +168,7 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarr
     for k, v in bpb.items():
         results[f"{k} bpb"] = v
         print(f"  {k:40s} {v:.4f}")
-    ours, peer = "int8 (export --precision int8)", "peer: quantize_dynamic(fp32 export)"
-    print(f"\nours / peer: decode b1 {results[f'{ours} decode b1'] / results[f'{peer} decode b1']:.3f}, "
-          f"b8 {results[f'{ours} decode b8'] / results[f'{peer} decode b8']:.3f}; "
-          f"bpb ours - peer {bpb[ours] - bpb[peer]:+.4f}", flush=True)
+    print(f"\nbits per byte, ours - peer: {bpb[OURS] - bpb[PEER]:+.4f}", flush=True)
     return results
 
 
@@ -184,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="demo,base")
     ap.add_argument("--demo-dir", default="runs/demo/model")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--out", default="runs/bench/export")
     args = ap.parse_args()
@@ -203,7 +220,8 @@ def main() -> None:
             m.init_weights()
             model_dir = work / f"{name}-model"
             save_model(m, model_dir, stage="train", overwrite=True, command="benchmark")
-        results[name] = bench_model(name, model_dir, work, args.reps, corpus.val, tok.token_bytes(), args.eval_tokens)
+        results[name] = bench_model(name, model_dir, work, args.reps, corpus.val, tok.token_bytes(), args.eval_tokens,
+                                    trained=name == "demo")
     plot(results, work / "export_latency.png")
     shutil.rmtree(work / "base-model", ignore_errors=True)
 

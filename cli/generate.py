@@ -1,14 +1,13 @@
-"""prunus generate: sample a continuation of a prompt, with the KV cache."""
+"""prunus generate: sample a continuation of a prompt, with the KV cache, on the serving Engine."""
 
 from __future__ import annotations
 
 import sys
-import time
 
 import click
-import torch
 
-from prunus.models import PrunusError, load_model, load_model_tokenizer, stream_tokens
+from prunus.models import PrunusError
+from prunus.serve import Engine
 
 
 @click.command("generate")
@@ -19,17 +18,18 @@ from prunus.models import PrunusError, load_model, load_model_tokenizer, stream_
 @click.option("--top-k", type=int, default=None)
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
-def command(model_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed):
-    """Continue PROMPT with the model in MODEL_DIR."""
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
+              help="Default: torch for a model dir, the export's runtime for an export dir.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
+def command(model_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, tp):
+    """Continue PROMPT with the model in MODEL_DIR (or an export dir)."""
     if max_new_tokens < 1:
         raise PrunusError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    model = load_model(model_dir)
-    tokenizer = load_model_tokenizer(model_dir)
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
-    t0 = time.perf_counter()
-    new = [int(t[0]) for t in stream_tokens(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                            top_p=top_p, seed=seed, eos_id=tokenizer.eos_id)]
-    dt = time.perf_counter() - t0
-    click.echo(prompt + tokenizer.decode(new))
-    click.echo(f"[{len(new)} tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s]", err=True)
+    with Engine.load(model_dir, backend, tp=tp, max_batch=1) as engine:
+        r = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed)
+    click.echo(prompt + r.text)
+    n = len(r.token_ids)
+    click.echo(f"[{n} tokens in {r.total_s:.2f} s, {n / r.total_s if r.total_s else 0:.1f} tokens/s; first token "
+               f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_tokens_per_s:.1f} tokens/s]", err=True)
     sys.stdout.flush()

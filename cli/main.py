@@ -34,9 +34,9 @@ def cli():
 
 
 def _register() -> None:
-    from . import compress, convert, eval, export, generate, info, train  # noqa: A004
+    from . import compress, convert, eval, export, generate, info, serve, train  # noqa: A004
 
-    for module in (train, eval, generate, convert, info, compress, export):
+    for module in (train, eval, generate, convert, info, compress, export, serve):
         cli.add_command(module.command)
 
 

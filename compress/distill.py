@@ -14,7 +14,10 @@ on the context's training tokens, with the engine's AdamW, warmup + cosine sched
   ``torchrun --standalone`` runs ``python -m prunus.compress.distill SPEC`` on ``nproc``
   processes; the consolidated student is read back.
 
-The projections of the hidden-state loss are trained with the student and dropped at the end.
+The engine reads the context's exact training and validation tokens from a temporary
+``train.bin`` / ``val.bin`` (for vocabularies above 65,536 ids: ``ctx.data`` is loaded again, with
+the engine's default corpus size). The projections of the hidden-state loss are trained with
+the student and dropped at the end.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _write_corpus(ctx, root: Path) -> str | None:
 
 def _train_config(ctx, student: Transformer, work: Path, *, steps, batch_size, seq_len, lr, seed, nproc, zero,
                   progress) -> TrainConfig:
-    data = _write_corpus(ctx, work / "corpus") if not (work / "corpus").exists() else str(work / "corpus")
+    data = _write_corpus(ctx, work / "corpus")
     tokenizer = None
     if ctx.tokenizer.spec().get("kind") != "byte":
         (work / "tokenizer").mkdir(exist_ok=True)

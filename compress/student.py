@@ -10,6 +10,7 @@
   key/value groups (with their query heads) ranked by the norms of their q/k/v rows and wo
   columns, and per block the SwiGLU units with the largest ``|w1_j| |w3_j| |w2_j|``. Head width
   is kept, so rotary embeddings are unchanged.
+* several of the above joined by commas apply left to right: ``"keep-every:2,width:1.25"``.
 * a preset name or a dict of ``ModelConfig`` fields (over the teacher's): a fresh student,
   initialised like a new model, then every tensor whose name and shape match the teacher's
   copied. The vocabulary is always the teacher's: the losses compare logits token for token.
@@ -149,6 +150,11 @@ def parse_factor(text: str, spec: str) -> float:
 def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
     """The student ``spec`` describes (see the module docstring), in train mode."""
     _check_float(teacher)
+    if isinstance(spec, str) and "," in spec:  # several derivations, left to right
+        student = teacher
+        for part in spec.split(","):
+            student = make_student(student, part.strip(), seed)
+        return student
     if isinstance(spec, str) and spec.startswith("keep-every:"):
         k = parse_factor(spec.split(":", 1)[1], spec)
         if k != int(k):

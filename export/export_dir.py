@@ -10,6 +10,7 @@ error leaves nothing behind.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -19,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import torch
 from rich.console import Console
 
@@ -71,9 +73,6 @@ def _check_request(fmt: str, precision: str | None, stored: str | None, model_di
                               f"(or export its uncompressed parent at {precision})")
         return stored
     precision = precision or "fp32"
-    if fmt == "onnx" and precision == "fp16":
-        raise PrunusError("--precision fp16 is for --format tensorrt (GPU): ONNX Runtime's CPU provider has no float16 "
-                          "kernels for this graph; use fp32 or int8 with --format onnx")
     if fmt == "tensorrt" and precision == "int8":
         raise PrunusError(f"--format tensorrt --precision int8 takes int8 scales from the graph: compress {model_dir} "
                           "to int8 first (prunus compress) and export the compressed dir")
@@ -138,6 +137,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     with atomic_dir(out, overwrite=overwrite) as tmp:
         with console.status("") as status:
             plain = dequantized_copy(model, modules)
+            if precision == "fp16":  # a half model: float16 weights, past/present and logits
+                plain = copy.deepcopy(model).half()
             graphs = {}
             for kind, fn in (("prefill", export_prefill), ("decode", export_decode)):
                 status.update(f"export: {kind} graph (torch.onnx.export, opset {opset})")
@@ -153,8 +154,6 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                     quantize_fp32_graph(fp32_path, path, external)
                     for f in tmp.glob(f".{kind}.fp32.onnx*"):
                         f.unlink()
-                    import onnx
-
                     onnx.checker.check_model(str(path))
                 else:
                     save_graph(proto, path, external)

@@ -68,7 +68,11 @@ def _export(module: nn.Module, args, input_names, output_names, dynamic_shapes, 
         program = torch.onnx.export(module, args, None, input_names=input_names, output_names=output_names,
                                     dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset,
                                     external_data=False, verbose=False)
-    return program.model_proto
+    proto = program.model_proto
+    for node in proto.graph.node:  # the exporter's per-node stack traces: debug text, often larger than the weights
+        del node.metadata_props[:]
+        node.doc_string = ""
+    return proto
 
 
 def export_prefill(model: nn.Module, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:

@@ -156,6 +156,9 @@ def to_hf(model_dir: str | Path, out: str | Path, *, overwrite: bool = False) ->
     model = load_model(model_dir)  # verifies the manifest's hashes
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
+    if cfg.n_experts:
+        raise PrunusError(f"{model_dir}: a mixture-of-experts model ({cfg.n_experts} experts) has no Hugging Face "
+                          "Llama equivalent; convert a dense model")
     inv_top, inv_layer = {v: k for k, v in TOP.items()}, {v: k for k, v in LAYER.items()}
     state = {_rename(k, inv_top, inv_layer, "layers.", "model.layers."): v for k, v in state_dict_for_save(model).items()}
     hf = {

@@ -124,7 +124,7 @@ class TPBackend:
                 raise PrunusError("a tensor-parallel worker exited; see its messages above and load the engine again") from None
         if kind == "error":
             raise PrunusError(payload)
-        return payload
+        return torch.from_numpy(payload)
 
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         return self._call((OP_PREFILL, rows, prompts))
@@ -261,7 +261,7 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
             break
         try:
             out = backend.prefill(rows, data) if op == OP_PREFILL else backend.decode(rows, data)
-            reply = ("ok", out)
+            reply = ("ok", out.numpy())  # numpy: a torch tensor would travel as a shared-memory handle
         except PrunusError as e:  # raised the same way on every rank, before any collective
             reply = ("error", str(e))
         if rank == 0:

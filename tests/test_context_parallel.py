@@ -35,12 +35,11 @@ TWO_TRAIN = {
     "ring_fsdp": dict(cp=2, cp_impl="ring"),  # FSDP (ZeRO-3) over the 2 cp ranks: the default
     "ulysses_fsdp": dict(cp=2, cp_impl="ulysses"),
     "ring_ddp": dict(cp=2, cp_impl="ring", zero=0),  # DDP averages the cp ranks' gradients
+    "ulysses_full_ac": dict(cp=2, cp_impl="ulysses", activation_checkpointing="full"),  # recomputed in backward
 }
 FOUR_TRAIN = {
     "ring_x_fsdp": dict(cp=2, dp_shard=2, cp_impl="ring"),  # FSDP over dp_shard x cp = 4
-    "ulysses_x_fsdp": dict(cp=2, dp_shard=2, cp_impl="ulysses"),
-    "ring_x_tp": dict(cp=2, tp=2, cp_impl="ring"),  # each tp rank's heads on its own ring
-    "ulysses_x_tp": dict(cp=2, tp=2, cp_impl="ulysses"),
+    "ulysses_x_tp": dict(cp=2, tp=2, cp_impl="ulysses"),  # each tp rank's 2 heads split over its 2 cp ranks
     "ring_hsdp": dict(cp=2, dp_replicate=2, cp_impl="ring"),  # replicate x (shard over cp)
     "ring_cp4": dict(cp=4, cp_impl="ring"),
 }
@@ -119,7 +118,7 @@ def test_dry_run_activations_match_what_autograd_saves(two_rank):
         plan = memory_plan(TrainConfig(**DRY, cp=2, cp_impl=impl), 2)
         assert plan["layout"]["cp"] == 2 and plan["local_seq_len"] == 32 and plan["seq_len"] == 64
         planned, measured = plan["bytes"]["activations"], two_rank[f"saved_{impl}"]["saved_bytes"]
-        assert abs(planned / measured - 1) < 0.05, (impl, planned, measured)
+        assert abs(planned / measured - 1) < 0.01, (impl, planned, measured)
         assert 0.45 < planned / one < 0.55
 
 
@@ -158,3 +157,37 @@ def test_ulysses_heads_per_tensor_parallel_rank():
     with pytest.raises(PrunusError, match="the 2 attention heads per tensor-parallel rank are not divisible"):
         validate_cp(4, "ulysses", 64, n_heads=8, tp=4)
     validate_cp(4, "ring", 64, n_heads=8, tp=4)  # ring attention splits the sequence, not the heads
+
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA's memory-efficient attention kernel needs a GPU; none here"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_merged_by_log_sum_exp_match_sdpa(device):
+    """Ring attention's arithmetic in one process: the second half of the queries attends to the first half of the
+    keys (a full block) and to the second (a causal block); outputs merged by log-sum-exp, each block's gradients
+    computed from the merged output and log-sum-exp, and summed, equal causal SDPA's."""
+    from prunus.train_parallel.ring_attention import block_attention, block_attention_backward, merge_block
+
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, 128, 16, device=device) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    first, second = slice(0, 64), slice(64, 128)
+    blocks = [(first, first, True), (second, first, False), (second, second, True)]  # (queries, keys, causal)
+    out = torch.zeros(q.shape, device=device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=device)
+    for qs, ks, causal in blocks:
+        merge_block(out[:, :, qs], lse[:, :, qs], *block_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal))
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for qs, ks, causal in blocks:
+        dq, dk, dv = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                              lse[:, :, qs], causal)
+        grads[0][:, :, qs] += dq
+        grads[1][:, :, ks] += dk
+        grads[2][:, :, ks] += dv
+    assert (out - ref.detach()).abs().max() <= TOL
+    for mine, theirs in zip(grads, full):
+        assert (mine - theirs.grad).abs().max() <= TOL

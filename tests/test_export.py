@@ -17,7 +17,7 @@ from prunus.export import EXPORT_GRAPHS, OrtGraphs, export_model, load_export
 from prunus.export import parity as parity_mod
 from prunus.export.onnx_export import dequantized_copy, export_prefill
 from prunus.export.ort_graphs import ort_session
-from prunus.export.quantize_onnx import apply_stored_quantization, untie_weights
+from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph
 from prunus.models import generate, load_model, save_model
 from prunus.models.model_dir import sha256_file
 from prunus.models.quantized import QuantizedLinear
@@ -124,16 +124,10 @@ def test_greedy_64_tokens_identical_to_torch(ort_graphs, torch_model):
     assert torch.equal(ort_graphs.greedy(prompts, 64), want)
 
 
-def test_int8_export_quantizes_every_matmul_and_fails_parity_cleanly(trained_run, tmp_path, monkeypatch):
+def test_int8_export_quantizes_every_matmul(trained_run, tmp_path):
     out = tmp_path / "int8"
-    monkeypatch.setitem(parity_mod.TOLERANCES, "int8", {**parity_mod.TOLERANCES["int8"], "top1_agreement": 1.01})
-    failed = run("export", trained_run / "model", "--out", out, "--precision", "int8")
-    assert failed.exit_code == 1, failed.output
-    assert "parity check failed: top1_agreement" in failed.stderr and not out.exists()
-    assert not list(tmp_path.iterdir())  # no temp dir left either
-    monkeypatch.undo()
-    ok = run("export", trained_run / "model", "--out", out, "--precision", "int8", "--no-verify")
-    assert ok.exit_code == 0, ok.output
+    result = run("export", trained_run / "model", "--out", out, "--precision", "int8", "--no-verify")
+    assert result.exit_code == 0, result.output
     parity = json.loads((out / "parity.json").read_text())
     assert PARITY_FIELDS <= set(parity) and parity["precision"] == "int8"
     assert parity["bpb_increase"] < 0.05 and parity["top1_agreement"] > 0.8
@@ -145,26 +139,32 @@ def test_int8_export_quantizes_every_matmul_and_fails_parity_cleanly(trained_run
     assert (out / "decode.onnx").stat().st_size < 0.5 * (trained_run / "model" / "model.safetensors").stat().st_size
 
 
-def test_tied_head_is_untied_before_quantizing(tmp_path):
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def test_failed_parity_exits_1_and_writes_nothing(int8_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "int8"
+    monkeypatch.setitem(parity_mod.TOLERANCES, "int8", {**parity_mod.TOLERANCES["int8"], "top1_agreement": 1.01})
+    result = run("export", int8_model_dir, "--out", out)
+    assert result.exit_code == 1, result.output
+    assert "parity check failed:" in result.stderr and "top1_agreement" in result.stderr
+    assert not list(tmp_path.iterdir())  # neither the dir nor its temporary sibling
 
-    emb = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
+
+def test_tied_head_is_untied_before_quantizing(tmp_path):
+    emb = np.random.default_rng(0).standard_normal((50, 32)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("Gather", ["emb", "ids"], ["h"]),
          helper.make_node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
          helper.make_node("MatMul", ["h", "emb_t"], ["logits"])],
         "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])], [numpy_helper.from_array(emb, "emb")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    assert untie_weights(model) == 1
-    onnx.save(model, tmp_path / "untied.onnx")
-    quantize_dynamic(tmp_path / "untied.onnx", tmp_path / "q.onnx", weight_type=QuantType.QInt8, per_channel=True,
-                     op_types_to_quantize=["MatMul"])
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 50])], [numpy_helper.from_array(emb, "emb")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), tmp_path / "tied.onnx")
+    quantize_fp32_graph(tmp_path / "tied.onnx", tmp_path / "q.onnx")
     q = onnx.load(str(tmp_path / "q.onnx"))
-    assert not any(n.op_type == "MatMul" for n in q.graph.node)
-    ids = np.array([1, 7])
+    assert not any(n.op_type == "MatMul" for n in q.graph.node)  # the head is quantized too
+    assert any(i.data_type == TensorProto.INT8 and list(i.dims) == [32, 50] for i in q.graph.initializer)
+    ids = np.array([1, 7, 3, 9])
+    ref = emb[ids] @ emb.T
     got = ort_session(tmp_path / "q.onnx").run(None, {"ids": ids})[0]
-    assert np.abs(got - emb[ids] @ emb.T).max() < 0.05 * np.abs(emb[ids] @ emb.T).max()
+    assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
 
 
 @pytest.fixture(scope="session")
@@ -177,40 +177,42 @@ def int8_model_dir(trained_run, tmp_path_factory):
     return out
 
 
-def test_compressed_int8_dir_exports_its_own_weights(int8_model_dir, tmp_path):
-    out = tmp_path / "onnx"
-    result = export_model(int8_model_dir, out, progress=False)
-    assert result.config["export"]["precision"] == "int8" and result.parity["passed"]
-    model = load_model(int8_model_dir)
-    graph = onnx.load(str(out / "prefill.onnx")).graph
-    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):  # the stored values and scales, unchanged
-            assert np.array_equal(inits[f"{name}.weight_q"], m.weight.t().numpy())
-            assert np.array_equal(inits[f"{name}.weight_scale"], m.weight_scale.reshape(-1).numpy())
-    assert sum(n.op_type == "DynamicQuantizeMatMul" for n in graph.node) == 15
-
-
-@pytest.mark.parametrize("scheme,granularity,group_size", [("fp8-w8a8", "per_channel", None),
-                                                           ("int8-weight-only", "per_group", 16)])
-def test_qdq_graphs_compute_what_the_module_computes(trained_run, scheme, granularity, group_size):
+@pytest.mark.parametrize("scheme,granularity,group_size,style", [
+    ("w8a8-dynamic", "per_channel", None, "integer"),
+    ("fp8-w8a8", "per_channel", None, "qdq"),
+    ("int8-weight-only", "per_group", 16, "qdq"),
+])
+def test_quantized_graphs_hold_the_stored_weights(trained_run, scheme, granularity, group_size, style):
     model = load_model(trained_run / "model")
     quantize_pass(model, None, scheme=scheme, granularity=granularity, group_size=group_size, exclude=())
     modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     proto = export_prefill(dequantized_copy(model), opset=21)
-    assert apply_stored_quantization(proto, modules, style="qdq") == len(modules)
-    dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
-    wtype = TensorProto.FLOAT8E4M3FN if scheme.startswith("fp8") else TensorProto.INT8
-    inits = {i.name: i for i in proto.graph.initializer}
-    assert len(dq) == len(modules) and all(inits[n.input[0]].data_type == wtype for n in dq)
+    assert apply_stored_quantization(proto, modules, style=style) == len(modules) == 15
     onnx.checker.check_model(proto)
-    session = ort_session_from_proto(proto)
+    inits = {i.name: i for i in proto.graph.initializer}
+    for name, m in modules.items():  # the stored values and scales, unchanged
+        w = inits[f"{name}.weight_q"]
+        if scheme.startswith("fp8"):
+            assert w.data_type == TensorProto.FLOAT8E4M3FN and w.raw_data == m.weight.t().contiguous().view(torch.uint8).numpy().tobytes()
+        else:
+            assert np.array_equal(numpy_helper.to_array(w), m.weight.t().numpy())
+        stored = m.weight_scale.t() if granularity == "per_group" else m.weight_scale.reshape(-1)
+        assert np.array_equal(numpy_helper.to_array(inits[f"{name}.weight_scale"]), stored.numpy())
+    op = "DynamicQuantizeMatMul" if style == "integer" else "DequantizeLinear"
+    assert sum(n.op_type == op for n in proto.graph.node) == 15
     tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(4))
     feeds = {"input_ids": tokens.numpy(), "position_ids": torch.arange(24).expand(2, 24).numpy(),
              "attention_mask": np.ones((2, 24), dtype=np.int64)}
     with torch.no_grad():
-        ref = model(tokens)
-    assert np.abs(session.run(["logits"], feeds)[0] - ref.numpy()).max() < 1e-3
+        ref = model(tokens).numpy()
+    got = ort_session_from_proto(proto).run(["logits"], feeds)[0]
+    # a weight-only QDQ graph computes what the module computes; where activations are quantized a float
+    # rounding difference may move one activation by a step
+    if style == "qdq":
+        assert np.abs(got - ref).max() < (1e-3 if scheme.endswith("weight-only") else 0.05 * np.abs(ref).max())
+    else:  # ORT's kernel quantizes activations per tensor (uint8, asymmetric), the module per token (int8, symmetric)
+        assert np.abs(got - ref).max() < 0.25 * np.abs(ref).max()
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
 def ort_session_from_proto(proto):
@@ -228,7 +230,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(trained_run, int8_model_dir, 
     out = tmp_path / "x"
     assert_user_error(run("export", tmp_path, "--out", out), "prunus.json", "not a prunus model dir")
     assert_user_error(run("export", model, "--out", fp32_export), "already exists", "--overwrite")
-    assert_user_error(run("export", model, "--out", out, "--precision", "fp16"), "fp16", "tensorrt")
+    assert_user_error(run("export", model, "--out", out, "--format", "tensorrt", "--precision", "int8"), "int8", "compress")
     assert_user_error(run("export", int8_model_dir, "--out", out, "--precision", "fp32"), "int8")
     assert_user_error(run("export", model, "--out", out, "--opset", "12"), "--opset 12")
     assert_user_error(run("export", model, "--out", out, "--format", "tensorrt"), "tensorrt")

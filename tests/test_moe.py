@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from prunus.cli.main import cli
-from prunus.models import ByteTokenizer, ModelConfig, PrunusError, Transformer, get_preset, load_model, save_model
+from prunus.models import ByteTokenizer, ModelConfig, PrunusError, Transformer, generate, get_preset, load_model, save_model
 from prunus.models.llama import FeedForward
 from prunus.models.moe import MoE, moe_aux_loss, moe_dropped
 from prunus.train_parallel import TrainConfig, resume_config, train
@@ -136,7 +136,7 @@ def test_loss_and_gradients_do_not_depend_on_how_the_batch_is_split():
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
 
-def test_param_counts_and_model_dir_round_trip(tmp_path):
+def test_param_counts_and_model_dir_round_trip(tmp_path, assert_user_error):
     model = moe_model(capacity_factor=1.25)
     cfg = model.config
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
@@ -147,6 +147,14 @@ def test_param_counts_and_model_dir_round_trip(tmp_path):
     assert loaded.config == cfg
     tokens = torch.randint(0, 320, (2, 16))
     assert torch.equal(loaded.eval()(tokens), model.eval()(tokens))
+    # greedy decoding with the KV cache gives the tokens of full forward passes (eval: nothing dropped)
+    ids, full = generate(loaded, tokens[:, :5], max_new_tokens=6, temperature=0), tokens[:, :5]
+    for _ in range(6):
+        full = torch.cat([full, loaded(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(ids, full)
+    # no Hugging Face Llama holds experts: refused, nothing written
+    assert_user_error(run_cli("convert", "--to-hf", tmp_path / "m", "--out", tmp_path / "hf"), "mixture-of-experts")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_bad_moe_configs_and_layouts():

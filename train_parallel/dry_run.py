@@ -94,9 +94,11 @@ under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
   activations are counted for one micro-batch, except under GPipe / LoopedBFS.
 * context parallelism (``--cp``): every term above is per token and each rank
   holds ``s/cp`` tokens of every sequence, so ``s`` is ``s/cp`` throughout (ring
-  attention saves what fused SDPA saves, for the local queries; Ulysses' SDPA saves
-  head-sharded whole sequences, the same bytes), plus the rotary tables gathered at
-  the rank's positions, ``2 * s/cp * head_dim * 4`` per micro-batch.
+  attention saves what fused SDPA saves, for the local queries), plus the rotary
+  tables gathered at the rank's positions, ``2 * s/cp * head_dim * 4`` per
+  micro-batch. Ulysses' SDPA saves head-sharded whole sequences (the same bytes as
+  q, k, v) and its own output, which is no longer the tensor wo keeps: one more
+  ``s/cp*b*h/t * B`` per block.
 """
 
 from __future__ import annotations
@@ -234,6 +236,8 @@ def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank
         k, f_moe, e = model_cfg.top_k, model_cfg.moe_ffn_dim, model_cfg.n_experts
         block_full += s * b * (4 * f_moe * (k + model_cfg.n_shared_experts) - 4 * f + 2 * k * h) * compute_bytes
         block_full += s * b * 2 * e * 4
+    if dims.cp > 1 and cfg.cp_impl == "ulysses":  # SDPA's head-sharded output is kept apart from wo's input
+        block_full += s * b * h / t * compute_bytes
     block_input = s * b * h / t * compute_bytes
     blocks = [blk for part in par.parts for blk in part.layers.values()]
     n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)

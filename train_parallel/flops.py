@@ -22,7 +22,8 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    matmul_params = cfg.num_params(include_embedding=False) - cfg.dim * (2 * cfg.n_layers + 1)
+    # mixture of experts: the parameters a token computes with (top_k of the routed experts)
+    matmul_params = cfg.num_active_params(include_embedding=False) - cfg.dim * (2 * cfg.n_layers + 1)
     if cfg.tie_embeddings:
         matmul_params += cfg.vocab_size * cfg.dim  # the tied head is still a matmul
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len

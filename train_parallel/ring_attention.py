@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from prunus.models.errors import PrunusError
@@ -45,14 +46,15 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def block_attention_backward(dout, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, given the *merged* output and log-sum-exp of the rows of q."""
     if q.is_cuda:
-        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
+        no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: unused without dropout
+        lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's log-sum-exp rows come padded to a multiple of 32
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0, [True, True, True, False], causal)
         return dq, dk, dv
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's softmax into the running one, in place: out (.., s, d) and lse (.., s), fp32."""
     new = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
@@ -97,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group):
         ring = Ring(group)
         half = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros_like(q, dtype=torch.float32)  # q's memory layout: the model's reshape for wo is then a view
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # one message per hop
         for step in range(ring.size):
@@ -105,7 +107,7 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, reqs = ring.shift(kv)  # in flight while this block is computed
             qs, ks, causal = _block(step, ring.rank, ring.size, half)
             block_out, block_lse = block_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
-            _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            merge_block(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if step + 1 < ring.size:
                 ring.wait(reqs)
                 kv = next_kv

@@ -30,7 +30,7 @@ from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.models import PrunusError, Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
 
-from .checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .config import TrainConfig
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
 from .launch import env_ranks, init_distributed
@@ -195,6 +195,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
     optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
 
     run_dir = Path(cfg.out)
+    checkpointer = Checkpointer(run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
     start, train_state = 0, {"tokens": 0, "elapsed_s": 0.0}
     if resume_from is not None:
         try:
@@ -277,7 +278,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
                    f"{len(corpus.train):,} train tokens, steps {start + 1}..{stop} of {cfg.steps}, "
                    f"{cfg.tokens_per_step:,} tokens per step, {world} x {device}"
                    + (f", layout dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} pp={dims.pp} "
-                      f"zero={cfg.zero}" if world > 1 else ""))
+                      f"zero={cfg.zero}" + (f" ep={dims.ep}" if dims.ep > 1 else "") if world > 1 else ""))
     prefetch = Prefetcher(make_step_batches, range(start, stop), device=device)
     try:
         with progress:
@@ -315,7 +316,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
                 progress.update(record)
                 final_consolidation = world > 1 and done == cfg.steps
                 if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == stop and stop < cfg.steps) or final_consolidation:
-                    save_checkpoint(run_dir, done, par.parts, optimizers, train_state, keep=cfg.keep_checkpoints)
+                    checkpointer.save(done, par.parts, optimizers, train_state)
+        checkpointer.wait()  # the last checkpoint is published before the model dir is made from it
     finally:
         prefetch.close()
         if log is not None:

@@ -50,7 +50,8 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     x = x.view(b, h, 2 * n, s // 2, d)
     pairs = torch.stack([x[:, :, :n], x[:, :, n:].flip(2)], dim=3)  # (b, h, n, 2, s/2, d): rank j's two chunks
     x = _exchange(pairs.permute(2, 0, 1, 3, 4, 5), group).view(n, b, h, s, d)  # [j]: head group j of my chunks
-    return x.transpose(0, 1).reshape(b, n * h, s, d)
+    # laid out as (b, s, H, d), so the model's transpose and reshape for wo is a view, not a copy
+    return x.permute(1, 3, 0, 2, 4).reshape(b, s, n * h, d).transpose(1, 2)
 
 
 class UlyssesAttention(nn.Module):

@@ -1,0 +1,213 @@
+"""Serving throughput, side by side in one run; prints ratios (never fails on a timing).
+
+1. generation tokens/s at batch 1 and 8 (greedy, fixed length, short prompts, prefill
+   included): the prunus torch Engine vs Hugging Face ``LlamaForCausalLM.generate()`` on
+   the same weights (``prunus.models.hf_convert.to_hf``); goal >= 2x;
+2. the ONNX Runtime backend (each export dir given or found under runs/) vs the torch backend;
+3. tensor parallel: tp=2 (two worker processes, one thread each) vs tp=1 (one process,
+   two threads) on the same cores; goal >= 0.8x;
+4. an HTTP load test against ``prunus serve`` in its own process: concurrent clients,
+   p50 / p99 latency, requests/s, failed requests.
+
+Rounds alternate the contenders and the median is reported. Writes a PNG of the figures.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--model runs/demo/model] [--export DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from prunus.serve import Engine  # noqa: E402
+
+PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
+           "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
+
+
+def prompts(batch: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+
+
+def engine_tps(engine: Engine, batch: int, n: int) -> float:
+    t = time.perf_counter()
+    results = engine.generate(prompts(batch), max_new_tokens=n, ignore_eos=True)
+    dt = time.perf_counter() - t
+    return sum(len(r.token_ids) for r in results) / dt
+
+
+def hf_tps(model, tok, batch: int, n: int) -> float:
+    enc = [tok.encode(p) for p in prompts(batch)]
+    width = max(map(len, enc))
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for i, e in enumerate(enc):  # left padding, as Hugging Face decoders expect
+        ids[i, width - len(e):] = torch.tensor(e)
+        mask[i, width - len(e):] = 1
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    dt = time.perf_counter() - t
+    return (out.shape[1] - width) * batch / dt
+
+
+def median_pair(fa, fb, rounds: int) -> tuple[float, float]:
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(fa())
+        b.append(fb())
+    return statistics.median(a), statistics.median(b)
+
+
+def find_exports(root: Path) -> list[Path]:
+    found = []
+    for cfg in sorted(root.glob("**/config.json")):
+        try:
+            if json.loads(cfg.read_text()).get("export", {}).get("format") == "onnx":
+                found.append(cfg.parent)
+        except (json.JSONDecodeError, OSError):
+            continue
+    return found
+
+
+def http_load(model: str, clients: int, per_client: int, n: int) -> dict:
+    proc = subprocess.Popen([sys.executable, "-m", "prunus.cli.main", "serve", model, "--port", "0", "--max-batch",
+                             str(clients), "--max-queue", str(4 * clients)], stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        if url is None:
+            raise RuntimeError("prunus serve did not start")
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+        latencies, failures = [], []
+
+        def client(i):
+            for j in range(per_client):
+                body = json.dumps({"prompt": PROMPTS[(i + j) % len(PROMPTS)], "max_tokens": n, "temperature": 0}).encode()
+                req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+                t = time.perf_counter()
+                try:
+                    with urllib.request.urlopen(req, timeout=300) as r:
+                        r.read()
+                        ok = r.status == 200
+                except Exception as e:  # counted, the load test goes on
+                    ok, _ = False, e
+                latencies.append(time.perf_counter() - t) if ok else failures.append(i)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        lat = sorted(latencies)
+        return {"clients": clients, "requests": len(lat) + len(failures), "failed": len(failures),
+                "req_per_s": len(lat) / wall, "p50_s": lat[len(lat) // 2] if lat else float("nan"),
+                "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
+                "tokens_per_s": len(lat) * n / wall}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def plot(rows: list[tuple[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
+    ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="tab:green")
+    for i, (_, v) in enumerate(rows[::-1]):
+        ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_xlabel("generated tokens/s")
+    ax.set_title("prunus serving throughput (one run, same machine)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="runs/demo/model")
+    ap.add_argument("--export", action="append", default=None, help="an ONNX export dir (repeatable); default: those under runs/")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
+    args = ap.parse_args()
+    n, rounds, figures = args.tokens, args.rounds, []
+    print(f"model {args.model}, {n} tokens per sequence, median of {rounds} alternating rounds, "
+          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+
+    from transformers import LlamaForCausalLM
+
+    from prunus.models import load_model_tokenizer
+    from prunus.models.hf_convert import to_hf
+
+    tok = load_model_tokenizer(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = to_hf(args.model, Path(tmp) / "hf")
+        hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    print("\n1. prunus torch Engine vs Hugging Face generate() (same weights, greedy, prefill included)")
+    with Engine.load(args.model, max_batch=8) as engine:
+        engine_tps(engine, 1, 8), hf_tps(hf, tok, 1, 8)  # warm-up
+        torch_tps = {}
+        for b in (1, 8):
+            p, h = median_pair(lambda: engine_tps(engine, b, n), lambda: hf_tps(hf, tok, b, n), rounds)
+            torch_tps[b] = p
+            print(f"   batch {b}: prunus {p:8.1f} tokens/s   HF {h:8.1f} tokens/s   ratio {p / h:5.2f}x (goal >= 2)")
+            figures += [(f"prunus torch, batch {b}", p), (f"HF generate, batch {b}", h)]
+
+        exports = [Path(e) for e in args.export] if args.export else find_exports(Path("runs"))
+        print("\n2. ONNX Runtime backend vs torch backend" + ("" if exports else ": no export dir given or found, skipped"))
+        for e in exports:
+            with Engine.load(e, max_batch=8) as ort:
+                engine_tps(ort, 1, 8)
+                for b in (1, 8):
+                    o, p = median_pair(lambda: engine_tps(ort, b, n), lambda: engine_tps(engine, b, n), rounds)
+                    prec = ort.info.get("precision")
+                    print(f"   {e} ({prec}) batch {b}: onnxruntime {o:8.1f}   torch {p:8.1f} tokens/s   ratio {o / p:5.2f}x")
+                    figures.append((f"onnxruntime {prec}, batch {b}", o))
+
+        print("\n3. tensor parallel: tp=2 (2 processes x 1 thread) vs tp=1 (1 process x 2 threads)")
+        with Engine.load(args.model, tp=2, max_batch=8) as tp2:
+            engine_tps(tp2, 1, 8)
+            for b in (1, 8):
+                t2, t1 = median_pair(lambda: engine_tps(tp2, b, n), lambda: engine_tps(engine, b, n), rounds)
+                print(f"   batch {b}: tp=2 {t2:8.1f}   tp=1 {t1:8.1f} tokens/s   ratio {t2 / t1:5.2f}x (goal >= 0.8)")
+                figures.append((f"prunus tp=2, batch {b}", t2))
+
+    print(f"\n4. HTTP load test: prunus serve, {args.clients} concurrent clients x {args.requests_per_client} requests "
+          f"of {n} tokens")
+    r = http_load(args.model, args.clients, args.requests_per_client, n)
+    print(f"   {r['requests']} requests, {r['failed']} failed, {r['req_per_s']:.2f} requests/s, "
+          f"p50 {r['p50_s'] * 1000:.0f} ms, p99 {r['p99_s'] * 1000:.0f} ms, {r['tokens_per_s']:.1f} tokens/s")
+    figures.append((f"HTTP, {args.clients} clients", r["tokens_per_s"]))
+    plot(figures, Path(args.plot))
+    print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

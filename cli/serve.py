@@ -1,0 +1,45 @@
+"""prunus serve: an OpenAI-compatible HTTP endpoint over a model dir or an export dir."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from prunus.serve import Engine
+from prunus.serve.http_server import CompletionServer
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.command("serve")
+@click.argument("path", type=click.Path())
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
+              help="Default: torch for a model dir, the export's runtime for an export dir.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Sequences decoded together (cache rows).")
+@click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests before answering 429.")
+@click.option("--max-len", type=int, default=None, help="Tokens per sequence (prompt + output). Default: the model's.")
+def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len):
+    """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
+    if max_queue < 0:
+        raise click.BadParameter(f"{max_queue} must be >= 0", param_hint="--max-queue")
+    # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
+    signal.signal(signal.SIGTERM, _interrupt)
+    with Engine.load(path, backend, tp=tp, device=device, max_batch=max_batch, max_len=max_len,
+                     max_queue=max_queue) as engine:
+        server = CompletionServer(engine, host, port)
+        info = engine.info
+        click.echo(f"prunus serve: {info['path']} on {info['backend']} (tp={info['tp']}, max batch {info['max_batch']}, "
+                   f"context {info['max_len']}) listening on {server.url}", err=True)
+        try:
+            server.serve_forever(poll_interval=0.2)
+        except KeyboardInterrupt:
+            click.echo("prunus serve: shutting down", err=True)
+        finally:
+            server.server_close()

@@ -1,0 +1,81 @@
+"""Serving an export dir's prefill and decode graphs, with continuous batching.
+
+The graphs (see the export dir contract in ``prunus.export.graphs``) take the past
+keys/values as inputs and return them with the new ones appended, masked by
+``attention_mask`` (1 = real token) and causal within the new tokens. This backend
+keeps its own preallocated cache of ``n_slots`` rows × ``max_len`` positions, each
+row its own length, and per pass:
+
+* prefill: the prompts right-padded into one (batch, width) pass, ``position_ids``
+  from 0, padding masked out; each row's real keys/values are copied into its slot;
+* decode: the rows' pasts gathered to the longest one (batch, heads, k_max, head_dim),
+  the gap after a shorter row masked out, each row's own position in ``position_ids``;
+  the one new key/value per row (at index k_max of ``present``) is copied to the row's
+  own next position.
+
+So the ONNX Runtime and TensorRT backends batch exactly like the torch one. A runner
+does the graph calls: ``run(graph, feeds, outputs) -> list of torch tensors``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GraphBackend:
+    def __init__(self, runner, *, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
+                 max_len: int, dtype=torch.float32, device="cpu", name: str = "onnxruntime"):
+        self.runner, self.name = runner, name
+        self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
+        self.device = torch.device(device)
+        shape = (n_slots, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lengths = torch.zeros(n_slots, dtype=torch.long)
+        self.outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+    def _long(self, x) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.long).to(self.device)
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            mask[i, :len(p)] = 1
+        positions = torch.arange(width).expand(len(prompts), width)
+        feeds = {"input_ids": self._long(ids), "position_ids": self._long(positions), "attention_mask": self._long(mask)}
+        logits, *present = self.runner.run("prefill", feeds, self.outputs)
+        for i in range(self.n_layers):
+            pk, pv = present[2 * i], present[2 * i + 1]
+            for b, (slot, n) in enumerate(zip(rows, lengths)):
+                self.k[i][slot, :, :n] = pk[b, :, :n]
+                self.v[i][slot, :, :n] = pv[b, :, :n]
+        self.lengths[rows] = torch.tensor(lengths)
+        last = torch.tensor(lengths) - 1
+        return logits[torch.arange(len(prompts)), last.to(logits.device)].float().cpu()
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        lens = self.lengths[rows_t]
+        k_max = int(lens.max())
+        mask = torch.cat([(torch.arange(k_max)[None, :] < lens[:, None]).long(), torch.ones(len(rows), 1, dtype=torch.long)], 1)
+        feeds = {"input_ids": self._long(tokens)[:, None], "position_ids": self._long(lens)[:, None],
+                 "attention_mask": self._long(mask)}
+        idx = rows_t.to(self.device)
+        for i in range(self.n_layers):
+            feeds[f"past.{i}.key"] = self.k[i][idx, :, :k_max]
+            feeds[f"past.{i}.value"] = self.v[i][idx, :, :k_max]
+        logits, *present = self.runner.run("decode", feeds, self.outputs)
+        pos = lens.to(self.device)
+        for i in range(self.n_layers):
+            # advanced indices (batch,) and (batch,) around a slice: (batch, heads, head_dim)
+            self.k[i][idx, :, pos] = present[2 * i][:, :, k_max].to(self.k[i].dtype)
+            self.v[i][idx, :, pos] = present[2 * i + 1][:, :, k_max].to(self.v[i].dtype)
+        self.lengths[rows_t] += 1
+        return logits[:, -1].float().cpu()
+
+    def close(self) -> None:
+        self.runner.close()

@@ -1,0 +1,63 @@
+"""The ONNX Runtime backend: an export dir's prefill/decode graphs in two CPU sessions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prunus.models import PrunusError
+
+from .backend_graph import GraphBackend
+
+PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.float32, "fp16": torch.float16}
+
+
+class OrtRunner:
+    def __init__(self, graphs: dict[str, Path], threads: int | None = None):
+        try:
+            from prunus.export.ort_graphs import ort_session
+        except ImportError as e:
+            raise PrunusError(f"the onnxruntime backend needs onnxruntime ({e}); pip install onnxruntime") from None
+        self.sessions = {}
+        for kind, path in graphs.items():
+            try:
+                self.sessions[kind] = ort_session(path, threads)
+            except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
+                raise PrunusError(f"{path}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                                  "re-create the export dir with prunus export") from None
+
+    def run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
+        arrays = {k: np.ascontiguousarray(v.numpy()) for k, v in feeds.items()}
+        return [torch.from_numpy(o) for o in self.sessions[graph].run(outputs, arrays)]
+
+    def close(self) -> None:
+        self.sessions.clear()
+
+
+def export_graph_paths(path: Path, export: dict, names: tuple[str, ...] = ("prefill", "decode"), nested: str | None = None) -> dict[str, Path]:
+    graphs = export.get("graphs") or {}
+    if nested:
+        graphs = graphs.get(nested) or {}
+    paths = {}
+    for kind in names:
+        if kind not in graphs:
+            raise PrunusError(f"{path}/config.json: export.graphs has no {kind!r} entry; re-create the export dir")
+        paths[kind] = path / graphs[kind]
+        if not paths[kind].is_file():
+            raise PrunusError(f"{paths[kind]}: missing from the export dir; re-create it with prunus export")
+    return paths
+
+
+def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None) -> GraphBackend:
+    export = config["export"]
+    graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
+    try:
+        dims = {k: int(export[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    except (KeyError, TypeError, ValueError):
+        raise PrunusError(f"{path}/config.json: export needs n_layers, n_kv_heads, head_dim and vocab_size; "
+                          "re-create the export dir") from None
+    dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)
+    return GraphBackend(OrtRunner(graphs, threads), **dims, n_slots=n_slots, max_len=max_len, dtype=dtype,
+                        name="onnxruntime")

@@ -1,0 +1,254 @@
+"""prunus serve as a real server process on 127.0.0.1 (a free port), with two tensor-parallel workers:
+completions equal to prunus.models greedy tokens, concurrent clients, streaming, 400 / 404 / 429 answers
+after which it keeps serving, a client leaving mid-stream frees its slot, /health and /metrics, and
+killing the server ends its workers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from prunus.cli.main import cli
+from prunus.models import Transformer, get_preset, load_model, load_model_tokenizer, save_model, stream_tokens
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    def ", "for i in range(", "x = {"]
+LINUX = sys.platform.startswith("linux")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(max_seq_len=1024))  # room for long streams
+    model.init_weights()
+    return save_model(model.eval(), tmp_path_factory.mktemp("http") / "model", stage="test")
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dir):
+    model, tok = load_model(model_dir), load_model_tokenizer(model_dir)
+
+    def text(prompt: str, n: int) -> str:
+        ids = [int(t[0]) for t in stream_tokens(model, torch.tensor([tok.encode(prompt)]), n, eos_id=tok.eos_id)]
+        return tok.decode(ids)
+    return text
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "prunus.cli.main", "serve", str(model_dir), "--port", "0",
+                             "--tp", "2", "--max-batch", "2", "--max-queue", "4"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines, url = [], None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            url = m.group(1)
+            break
+    if url is None:
+        proc.kill()
+        pytest.fail("the server did not start:\n" + "".join(lines))
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep its pipe drained
+    yield proc, url
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def call(url: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict | str]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, text, ctype = r.status, r.read().decode(), r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        status, text, ctype = e.code, e.read().decode(), e.headers.get("Content-Type", "")
+    return status, json.loads(text) if ctype.startswith("application/json") else text
+
+
+def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def read_events(resp) -> list:
+    events = []
+    for line in resp:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            payload = line[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+            if payload == "[DONE]":
+                break
+    return events
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def test_health_and_greedy_completions(server, greedy):
+    _, url = server
+    status, health = call(url, "/health")
+    assert status == 200 and health["status"] == "ok" and health["backend"] == "torch" and health["tp"] == 2
+    status, r = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0})
+    assert status == 200 and r["object"] == "text_completion"
+    assert r["choices"][0]["text"] == greedy(PROMPTS[0], 20)
+    assert r["usage"]["prompt_tokens"] == len(PROMPTS[0]) and r["usage"]["total_tokens"] == len(PROMPTS[0]) + r["usage"]["completion_tokens"]
+    status, r = call(url, "/v1/completions", {"prompt": PROMPTS[:2], "max_tokens": 12, "temperature": 0, "top_k": 5})
+    assert status == 200 and [c["index"] for c in r["choices"]] == [0, 1]
+    assert [c["text"] for c in r["choices"]] == [greedy(p, 12) for p in PROMPTS[:2]]
+    seeded = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    assert call(url, "/v1/completions", seeded)[1]["choices"] == call(url, "/v1/completions", seeded)[1]["choices"]
+
+
+def test_concurrent_clients(server, greedy):
+    _, url = server
+    answers = [None] * 4
+
+    def client(i):
+        answers[i] = call(url, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 16, "temperature": 0})
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a[0] for a in answers] == [200] * 4
+    assert [a[1]["choices"][0]["text"] for a in answers] == [greedy(p, 16) for p in PROMPTS[:4]]
+
+
+def test_streaming_matches_the_plain_answer(server):
+    _, url = server
+    body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}
+    conn, resp = open_stream(url, body)
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events = read_events(resp)
+    conn.close()
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == call(url, "/v1/completions", body)[1]["choices"][0]["text"]
+
+
+def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
+    _, url = server
+    cases = [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (json.dumps({"max_tokens": 4}).encode(), "'prompt'"),
+        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_new_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "exceeds the context"),
+        (json.dumps({"prompt": "x" * 2000, "max_tokens": 1}).encode(), "exceeds the context"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "'stream'"),
+        (json.dumps({"prompt": "x", "bogus": 1}).encode(), "unknown field"),
+    ]
+    for raw, needle in cases:
+        status, body = call(url, "/v1/completions", raw=raw)
+        assert status == 400, (raw, body)
+        assert body["error"]["type"] == "invalid_request_error" and needle in body["error"]["message"], body
+    assert call(url, "/nowhere")[0] == 404
+    assert call(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})[0] == 200
+
+
+def test_full_queue_gets_429_and_a_client_leaving_frees_its_slot(server):
+    _, url = server
+    # two long streams hold both batch rows
+    streams = [open_stream(url, {"prompt": p, "max_tokens": 1000, "temperature": 0}) for p in PROMPTS[:2]]
+    for _, resp in streams:
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    # four short requests wait for a row: the queue (4) is full
+    waiting = [None] * 4
+
+    def client(i):
+        waiting[i] = call(url, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 4, "temperature": 0})
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while call(url, "/health")[1]["queue_depth"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, body = call(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 429 and body["error"]["type"] == "rate_limit_error" and "queue is full" in body["error"]["message"]
+    # the stream clients go away: their rows free up and the queued requests run
+    for conn, resp in streams:
+        resp.close()
+        conn.close()
+    for t in threads:
+        t.join(60)
+    assert [w[0] for w in waiting] == [200] * 4
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = call(url, "/health")[1]
+        if health["active"] == 0 and health["queue_depth"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["active"] == 0 and health["queue_depth"] == 0
+    metrics = call(url, "/metrics")[1]
+    tokens = int(re.search(r"^prunus_tokens_generated_total (\d+)$", metrics, re.M).group(1))
+    assert tokens < 1500, "the abandoned streams ran on to their 1000 tokens each"
+
+
+def test_metrics_in_prometheus_text(server):
+    _, url = server
+    status, text = call(url, "/metrics")
+    assert status == 200
+    for needle in ('prunus_requests_total{status="200"}', 'prunus_requests_total{status="400"}',
+                   'prunus_requests_total{status="429"} 1', "# TYPE prunus_request_latency_seconds histogram",
+                   'prunus_request_latency_seconds_bucket{le="+Inf"}', "prunus_queue_depth 0",
+                   "prunus_active_requests 0", "prunus_tokens_generated_total"):
+        assert needle in text, needle
+    count = int(re.search(r"^prunus_request_latency_seconds_count (\d+)$", text, re.M).group(1))
+    ok = int(re.search(r'^prunus_requests_total\{status="200"\} (\d+)$', text, re.M).group(1))
+    assert count == ok >= 10
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc to find the worker processes")
+def test_killing_the_server_ends_its_workers(server):
+    proc, _ = server
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+        time.sleep(0.1)
+    assert not alive, f"workers {alive} outlived the killed server"
+
+
+def test_serve_cli_bad_input(tmp_path, model_dir, assert_user_error):
+    runner = CliRunner()
+    assert_user_error(runner.invoke(cli, ["serve", str(tmp_path / "absent")]), "no such directory")
+    assert_user_error(runner.invoke(cli, ["serve", str(model_dir), "--tp", "3"]), "tp=3", "n_kv_heads=2")
+    assert_user_error(runner.invoke(cli, ["serve", str(model_dir), "--backend", "onnxruntime"]), "cannot load a model dir")
