@@ -130,7 +130,7 @@ def ensure_demo_model(model_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "model")
-    parser.add_argument("--eval-tokens", type=int, default=262144, help="held-out tokens scored per variant")
+    parser.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens scored per variant")
     parser.add_argument("--only", nargs="*", help="run only the sections whose name contains one of these")
     args = parser.parse_args()
     ensure_demo_model(args.model)

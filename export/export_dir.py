@@ -191,7 +191,8 @@ def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_toke
 def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, console) -> dict:
     from .tensorrt_build import build_engine, profile_shapes
 
-    cache = Path(timing_cache) if timing_cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prunus" / "tensorrt.timing"
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cache = Path(timing_cache) if timing_cache else cache_home / "prunus" / "tensorrt.timing"
     cache.parent.mkdir(parents=True, exist_ok=True)
     built = {}
     for kind in ("prefill", "decode"):

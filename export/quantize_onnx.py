@@ -95,7 +95,8 @@ def _activation_nodes(a: str, prefix: str, module) -> tuple[list, list, str]:
     out = f"{prefix}.input_qdq"
     if scheme == "w8a8-static":
         scale = module.input_scale.reshape(()).float()
-        inits = [_tensor(f"{prefix}.input_scale", scale), _tensor(f"{prefix}.input_zero_point", torch.zeros((), dtype=torch.int8))]
+        inits = [_tensor(f"{prefix}.input_scale", scale),
+                 _tensor(f"{prefix}.input_zero_point", torch.zeros((), dtype=torch.int8))]
         nodes = [
             helper.make_node("QuantizeLinear", [a, inits[0].name, inits[1].name], [f"{prefix}.input_q"]),
             helper.make_node("DequantizeLinear", [f"{prefix}.input_q", inits[0].name, inits[1].name], [out]),
@@ -221,7 +222,8 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> No
     _save(model, untied, external_data)
     root = logging.getLogger()
     level = root.level
-    root.setLevel(logging.ERROR)  # quantize_dynamic advises pre-processing, which fails on these graphs ("Incomplete symbolic shape inference")
+    # quantize_dynamic advises pre-processing, which fails on these graphs ("Incomplete symbolic shape inference")
+    root.setLevel(logging.ERROR)
     try:
         quantize_dynamic(untied, dst, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"], use_external_data_format=external_data)

@@ -190,33 +190,38 @@ def _watch_parent(conn) -> None:
     os._exit(0)
 
 
-def _broadcast_step(op: int, rows: list[int], data: list, device) -> tuple[int, list[int], list]:
-    """Rank 0 sends (op, rows, tokens or prompts); the others receive it. Two small int64 broadcasts."""
+def _broadcast_step(op: int, rows: list[int], data: list, n_slots: int, device) -> tuple[int, list[int], list]:
+    """Rank 0 sends (op, rows, tokens or prompts); the others receive it.
+
+    A decode step fits in one fixed-size int64 broadcast [op, n, width, rows.., tokens..];
+    a prefill adds a second one with the padded prompts."""
     import torch.distributed as dist
 
+    header = torch.zeros(3 + 2 * n_slots, dtype=torch.long)
     if dist.get_rank() == 0:
         width = max((len(p) for p in data), default=1) if op == OP_PREFILL else 1
-        header = torch.tensor([op, len(rows), width], dtype=torch.long, device=device)
-    else:
-        header = torch.zeros(3, dtype=torch.long, device=device)
+        header[:3] = torch.tensor([op, len(rows), width])
+        header[3:3 + len(rows)] = torch.tensor(rows, dtype=torch.long)
+        if op == OP_DECODE:
+            header[3 + n_slots:3 + n_slots + len(rows)] = torch.tensor(data, dtype=torch.long)
+    header = header.to(device)
     dist.broadcast(header, 0)
-    op, n, width = header.tolist()
-    if op == OP_STOP:
-        return op, [], []
+    header = header.cpu()
+    op, n, width = header[:3].tolist()
+    rows = header[3:3 + n].tolist()
+    if op != OP_PREFILL:
+        return op, rows, header[3 + n_slots:3 + n_slots + n].tolist()
     if dist.get_rank() == 0:
-        body = torch.zeros(n, 2 + width, dtype=torch.long)
-        for i, (r, d) in enumerate(zip(rows, data)):
-            seq = d if op == OP_PREFILL else [d]
-            body[i, 0], body[i, 1] = r, len(seq)
-            body[i, 2:2 + len(seq)] = torch.tensor(seq, dtype=torch.long)
+        body = torch.zeros(n, 1 + width, dtype=torch.long)
+        for i, seq in enumerate(data):
+            body[i, 0] = len(seq)
+            body[i, 1:1 + len(seq)] = torch.tensor(seq, dtype=torch.long)
         body = body.to(device)
     else:
-        body = torch.zeros(n, 2 + width, dtype=torch.long, device=device)
+        body = torch.zeros(n, 1 + width, dtype=torch.long, device=device)
     dist.broadcast(body, 0)
     body = body.cpu()
-    rows = body[:, 0].tolist()
-    seqs = [body[i, 2:2 + int(body[i, 1])].tolist() for i in range(n)]
-    return op, rows, seqs if op == OP_PREFILL else [s[0] for s in seqs]
+    return op, rows, [body[i, 1:1 + int(body[i, 0])].tolist() for i in range(n)]
 
 
 def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> None:
@@ -256,7 +261,7 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
                 os._exit(0)  # the serving process is gone; the others see their connections end too
         else:
             op, rows, data = None, None, None
-        op, rows, data = _broadcast_step(op, rows, data, device)
+        op, rows, data = _broadcast_step(op, rows, data, spec["n_slots"], device)
         if op == OP_STOP:
             break
         try:

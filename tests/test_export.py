@@ -32,9 +32,9 @@ def run(*args):
 
 @pytest.fixture(scope="session")
 def fp32_export(trained_run, tmp_path_factory):
-    """The tiny trained model exported once at fp32 (read-only for tests)."""
+    """The tiny trained model exported once at fp32, weights in external data files (read-only for tests)."""
     out = tmp_path_factory.mktemp("export") / "fp32"
-    export_model(trained_run / "model", out, progress=False)
+    export_model(trained_run / "model", out, progress=False, external_data=True)
     return out
 
 
@@ -59,9 +59,12 @@ def test_export_dir_follows_the_contract(fp32_export, trained_run):
     assert (exp["n_layers"], exp["n_kv_heads"], exp["head_dim"], exp["vocab_size"]) == (2, 2, 16, 320)
     assert tokenizer.decode(tokenizer.encode("def f():")) == "def f():"
     names = {"prefill": ["input_ids", "position_ids", "attention_mask"],
-             "decode": ["input_ids", "position_ids", "attention_mask"] + [f"past.{i}.{t}" for i in range(2) for t in ("key", "value")]}
+             "decode": ["input_ids", "position_ids", "attention_mask"]
+             + [f"past.{i}.{t}" for i in range(2) for t in ("key", "value")]}
     outputs = ["logits"] + [f"present.{i}.{t}" for i in range(2) for t in ("key", "value")]
+    assert exp["external_data"]
     for kind, file in EXPORT_GRAPHS.items():
+        assert (fp32_export / f"{file}.data").stat().st_size > (fp32_export / file).stat().st_size
         onnx.checker.check_model(str(fp32_export / file))
         graph = onnx.load(str(fp32_export / file)).graph
         assert [i.name for i in graph.input] == names[kind]
@@ -193,7 +196,8 @@ def test_quantized_graphs_hold_the_stored_weights(trained_run, scheme, granulari
     for name, m in modules.items():  # the stored values and scales, unchanged
         w = inits[f"{name}.weight_q"]
         if scheme.startswith("fp8"):
-            assert w.data_type == TensorProto.FLOAT8E4M3FN and w.raw_data == m.weight.t().contiguous().view(torch.uint8).numpy().tobytes()
+            assert w.data_type == TensorProto.FLOAT8E4M3FN
+            assert w.raw_data == m.weight.t().contiguous().view(torch.uint8).numpy().tobytes()
         else:
             assert np.array_equal(numpy_helper.to_array(w), m.weight.t().numpy())
         stored = m.weight_scale.t() if granularity == "per_group" else m.weight_scale.reshape(-1)
