@@ -5,6 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.prunus-installed
 DEMO ?= runs/demo
+SERVE_PORT ?= 8765
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: test demo bench install clean
@@ -21,20 +22,27 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	@echo "== 1/5 train the 'small' preset on the built-in corpus (this Python's standard library) =="
+	@echo "== 1/6 train the 'small' preset on the built-in corpus (this Python's standard library) =="
 	$(BIN)/prunus train --preset small --steps 240 --batch-size 16 --lr 3e-3 --min-lr 3e-4 --warmup-steps 24 \
 		--eval-every 80 --ckpt-every 80 --out $(DEMO) --overwrite
-	@echo "== 2/5 evaluate: validation bits per byte against the unigram baseline =="
+	@echo "== 2/6 evaluate: validation bits per byte against the unigram baseline =="
 	$(BIN)/prunus eval $(DEMO)/model
-	@echo "== 3/5 generate with the KV cache =="
+	@echo "== 3/6 generate with the KV cache =="
 	$(BIN)/prunus generate $(DEMO)/model --prompt "def read_config(path):" --max-new-tokens 200 --temperature 0.6 --seed 0
-	@echo "== 4/5 compress: int8 weight-only, with its report (quality, size, latency) =="
+	@echo "== 4/6 compress: int8 weight-only, with its report (quality, size, latency) =="
 	$(BIN)/prunus compress $(DEMO)/model --recipe int8-weight-only --out $(DEMO)/int8 --overwrite
-	@echo "== 5/5 export to ONNX Runtime, fp32 and int8, each checked against PyTorch (parity) =="
+	@echo "== 5/6 export to ONNX Runtime, fp32 and int8, each checked against PyTorch (parity) =="
 	$(BIN)/prunus export $(DEMO)/model --format onnx --out $(DEMO)/onnx-fp32 --overwrite
 	$(BIN)/prunus export $(DEMO)/model --format onnx --precision int8 --out $(DEMO)/onnx-int8 --overwrite
+	@echo "== 6/6 serve the int8 export over HTTP (prunus serve) and ask it for a completion =="
+	@$(BIN)/prunus serve $(DEMO)/onnx-int8 --port $(SERVE_PORT) & pid=$$!; \
+	for i in $$(seq 1 240); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 0.5; done; \
+	curl -sf http://127.0.0.1:$(SERVE_PORT)/v1/completions -H 'Content-Type: application/json' \
+		-d '{"prompt": "def read_config(path):", "max_tokens": 160, "temperature": 0.6, "seed": 0}' \
+		| $(BIN)/python -c 'import json, sys; r = json.load(sys.stdin); print("def read_config(path):" + r["choices"][0]["text"]); print(r["usage"])'; \
+	rc=$$?; kill $$pid; wait $$pid; exit $$rc
 	@echo
-	@echo "artifacts: run dir $(DEMO) (metrics.jsonl, loss.png, checkpoints/), model dir $(DEMO)/model, compressed $(DEMO)/int8 (report.md, report.png), exports $(DEMO)/onnx-fp32 $(DEMO)/onnx-int8 (parity.json)"
+	@echo "artifacts: run dir $(DEMO) (metrics.jsonl, loss.png, checkpoints/), model dir $(DEMO)/model, compressed $(DEMO)/int8 (report.md, report.png), exports $(DEMO)/onnx-fp32 $(DEMO)/onnx-int8 (parity.json); serve one: $(BIN)/prunus serve $(DEMO)/onnx-int8"
 	@echo "inspect:   $(BIN)/prunus info $(DEMO)/model"
 
 bench: $(STAMP)

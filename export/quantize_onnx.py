@@ -10,7 +10,7 @@ Two sources of quantized weights:
   scales (``style="qdq"``, the form TensorRT consumes). float8 is always QDQ with
   FLOAT8E4M3FN weights. Activation quantization of w8a8 schemes is written out in the
   graph as the PyTorch module computes it (per-token absmax, or the calibrated scale).
-* an fp32 graph (``--precision int8``): ONNX Runtime's ``quantize_dynamic`` (signed 7-bit
+* an fp32 graph (``--precision int8``): ONNX Runtime's ``quantize_dynamic`` (signed int8
   weights, per channel, MatMul only), after :func:`untie_weights` gives a tied output
   head its own initializer (``quantize_dynamic`` leaves a weight reached through a
   Transpose of the embedding in fp32).
@@ -210,10 +210,10 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
 def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> None:
     """ONNX Runtime's dynamic quantization of an fp32 graph: QInt8 weights, per channel, MatMul only.
 
-    A tied output head is untied first so it is quantized too. Weights use 7 bits (``reduce_range``):
-    ONNX Runtime's CPU kernel multiplies uint8 activations by int8 weights with saturating 16-bit pair
-    sums, and full-range per-channel weights (every column reaching +-127) overflowed them here:
-    logits 6-60% off on small test graphs, 0.4% with 7-bit weights."""
+    A tied output head is untied first so it is quantized too. Full-range weights (no ``reduce_range``):
+    on single MatMuls ONNX Runtime's uint8 x int8 kernel was up to 4-20% off with them (saturation) and
+    ~1.5% with 7-bit weights, but on the demo model 7-bit weights scored 0.0034 bits/byte worse
+    (benchmarks/export_latency.py), so the end-to-end measurement decides."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(src))
@@ -225,8 +225,8 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> No
     # quantize_dynamic advises pre-processing, which fails on these graphs ("Incomplete symbolic shape inference")
     root.setLevel(logging.ERROR)
     try:
-        quantize_dynamic(untied, dst, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=external_data)
+        quantize_dynamic(untied, dst, weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul"],
+                         use_external_data_format=external_data)
     finally:
         root.setLevel(level)
     for f in untied.parent.glob(untied.name + "*"):

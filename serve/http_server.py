@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 

@@ -8,6 +8,7 @@ losses and gradients.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from click.testing import CliRunner
 
 from prunus.cli.main import cli
 from prunus.models import PrunusError
-from prunus.train_parallel import TrainConfig, train
+from prunus.train_parallel import TrainConfig, resume_config, train
 from prunus.train_parallel.context_parallel import load_balanced_positions, validate_cp
 from prunus.train_parallel.dry_run import memory_plan
 
@@ -71,7 +72,10 @@ def two_rank(tmp_path_factory):
              for impl in ("ring", "ulysses")]
     jobs += [{"name": f"saved_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": DRY["seq_len"],
               "batch": DRY["batch_size"]} for impl in ("ring", "ulysses")]
-    return spawn(2, jobs + train_jobs(TWO_TRAIN, tmp), tmp)
+    # stopped (checkpointed) at step 2 of 3 under --cp 2, resumed in one process by the test below
+    jobs.append({"name": "ckpt_ring", "kind": "train", "config": {**BASE, **TWO_TRAIN["ring_fsdp"], "stop_at": 2,
+                                                                  "out": str(tmp / "ckpt_ring")}})
+    return spawn(2, jobs + train_jobs(TWO_TRAIN, tmp), tmp), tmp
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +101,27 @@ def assert_attention_exact(results: dict, names) -> None:
 
 
 def test_attention_matches_sdpa_forward_and_backward(two_rank):
-    assert_attention_exact(two_rank, ["attn_ring", "attn_ulysses"])
+    assert_attention_exact(two_rank[0], ["attn_ring", "attn_ulysses"])
 
 
 def test_model_loss_and_gradients_match_the_whole_batch(two_rank):
     for impl in ("ring", "ulysses"):
-        got = two_rank[f"model_{impl}"]
+        got = two_rank[0][f"model_{impl}"]
         assert abs(got["loss"] - got["ref_loss"]) <= TOL, (impl, got)
         assert got["grad_diff"] <= TOL and got["grad_diff"] <= 1e-4 * got["grad_scale"], (impl, got)
 
 
 def test_training_with_cp2_matches_one_process(two_rank, reference):
-    assert_trains_like(two_rank, reference, list(TWO_TRAIN))
+    assert_trains_like(two_rank[0], reference, list(TWO_TRAIN))
+
+
+def test_checkpoint_under_cp_resumes_in_one_process(two_rank, reference, tmp_path):
+    results, tmp = two_rank
+    assert results["ckpt_ring"]["losses"] == pytest.approx(reference["losses"][:2], abs=TOL)
+    shutil.copytree(tmp / "ckpt_ring", tmp_path / "one")
+    r = train(resume_config(tmp_path / "one", cp=1), resume=True)
+    tail = {"losses": reference["losses"][2:], "val_loss": reference["val_loss"]}
+    assert_trains_like({"one": {"losses": r.losses, "val_loss": r.metrics["val_loss"]}}, tail, ["one"])
 
 
 def test_dry_run_activations_match_what_autograd_saves(two_rank):
@@ -117,7 +130,7 @@ def test_dry_run_activations_match_what_autograd_saves(two_rank):
     for impl in ("ring", "ulysses"):
         plan = memory_plan(TrainConfig(**DRY, cp=2, cp_impl=impl), 2)
         assert plan["layout"]["cp"] == 2 and plan["local_seq_len"] == 32 and plan["seq_len"] == 64
-        planned, measured = plan["bytes"]["activations"], two_rank[f"saved_{impl}"]["saved_bytes"]
+        planned, measured = plan["bytes"]["activations"], two_rank[0][f"saved_{impl}"]["saved_bytes"]
         assert abs(planned / measured - 1) < 0.01, (impl, planned, measured)
         assert 0.45 < planned / one < 0.55
 
