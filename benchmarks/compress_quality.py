@@ -115,6 +115,10 @@ def section_fp8(bench: Bench) -> None:
 
 SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8]
 
+from compress_quality_distill import section_distill  # noqa: E402  (this folder is on sys.path)
+
+SECTIONS.append(section_distill)
+
 
 def ensure_demo_model(model_dir: Path) -> None:
     """Train the demo model (as ``make demo`` does) when it is missing."""

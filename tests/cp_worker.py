@@ -90,7 +90,7 @@ def model_job(job) -> dict:
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     grad_diff = 0.0
-    for (name, p), p_ref in zip(cp_model.named_parameters(), model.parameters()):
+    for p, p_ref in zip(cp_model.parameters(), model.parameters()):
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         grad_diff = max(grad_diff, float((g / cp - p_ref.grad).abs().max()))

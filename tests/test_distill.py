@@ -109,6 +109,9 @@ def test_config_students_copy_what_fits(ctx):
     s = make_student(t, {"dim": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64})
     assert s.config.dim == 32 and s.tok_embeddings.weight.shape == (320, 32)
     assert make_student(t, "tiny").config.vocab_size == t.config.vocab_size
+    both = make_student(t, "keep-every:2,width:2")  # left to right: blocks 0 and 2, then half width
+    half = make_student(make_student(t, "keep-every:2"), "width:2")
+    assert both.config == half.config and both.config.n_layers == 2 and both.config.dim == 32 and blocks_equal(both, half)
     for bad, needle in (("huge", "unknown student"), ({"vocab_size": 512}, "vocabulary"), ({"depth": 2}, "unknown field"), (3, "student")):
         with pytest.raises(PrunusError, match=needle):
             make_student(t, bad)
