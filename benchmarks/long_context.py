@@ -244,8 +244,16 @@ def plot(result: dict, path: Path, seq_len: int) -> None:
 
 
 # The sections this benchmark runs, in order. Each takes the parsed arguments and prints its own tables.
-# MoE dispatch overhead: its section function is added to this list.
-SECTIONS = [long_context_section]
+
+def moe_dispatch_section(args) -> dict:
+    """MoE dispatch overhead against a dense MLP of equal active parameters (benchmarks/moe_dispatch.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import moe_dispatch
+
+    return moe_dispatch.main([])
+
+
+SECTIONS = [long_context_section, moe_dispatch_section]
 
 
 def main() -> None:
