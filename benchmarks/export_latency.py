@@ -185,9 +185,9 @@ def plot(all_results: dict, path: Path) -> None:
     for j, (name, r) in enumerate(all_results.items()):
         vals = [r[f"{k} decode b1"] for k in keys] + [r[f"{k} decode b8"] for k in keys]
         ax.bar(np.arange(len(vals)) + j * width, vals, width, label=name)
-    ax.set_xticks(np.arange(2 * len(keys)) + 0.4 - width / 2,
-                  [f"{k.split(' (')[0] if 'peer' in k else k.replace('int8 ', '')}\nb{b}" for b in (1, 8) for k in keys],
-                  fontsize=6)
+    short = ["export int8", "stored, integer", "stored, qdq", "peer"]
+    ax.set_xticks(np.arange(2 * len(keys)) + 0.4 - width / 2, [f"{k}\nbatch {b}" for b in (1, 8) for k in short],
+                  fontsize=8)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_ylabel("decode latency / ORT fp32")
     ax.legend()
