@@ -52,11 +52,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys and values repeated to ``n_heads`` heads (dim 1), for code that needs one per query head."""
+    n_rep = n_heads // k.shape[1]
+    if n_rep == 1:
+        return k, v
+    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+
+
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask; no parameters.
 
-    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim), heads
-    already repeated for grouped-query attention. Without ``mask`` the last query
+    q: (batch, heads, q_len, head_dim); k, v: (batch, kv_heads, k_len, head_dim): under
+    grouped-query attention each kv head serves heads // kv_heads query heads, and SDPA
+    reads them in place (``enable_gqa``) instead of copying the cache. Without ``mask`` the last query
     sits at the last key (a prompt, a decode step, or a chunk after a cached
     prefix); a cache with ragged sequences passes its own boolean ``mask``. Context
     parallelism replaces this module; the projections around it stay as they are.
@@ -64,14 +73,15 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         q_len, k_len = q.shape[2], k.shape[2]
+        gqa = q.shape[1] != k.shape[1]
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if q_len == k_len:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if q_len == 1:  # one new token attends to the whole cache
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -96,10 +106,6 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
             mask = cache.attn_mask(q.shape[2], k.shape[2])
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
         out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)

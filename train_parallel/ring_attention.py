@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunus.models.errors import PrunusError
+from prunus.models.llama import repeat_kv
 
 aten = torch.ops.aten
 
@@ -166,4 +167,5 @@ class RingAttention(nn.Module):
     def forward(self, q, k, v, mask=None):
         if mask is not None:
             raise PrunusError("ring attention trains on whole sequences: it takes no KV cache or mask")
+        k, v = repeat_kv(k, v, q.shape[1])
         return ring_attention(q, k, v, self.group)

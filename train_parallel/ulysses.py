@@ -24,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from prunus.models.errors import PrunusError
-from prunus.models.llama import CausalAttention
+from prunus.models.llama import CausalAttention, repeat_kv
 
 
 def _exchange(x: torch.Tensor, group) -> torch.Tensor:
@@ -68,6 +68,7 @@ class UlyssesAttention(nn.Module):
         n = dist.get_world_size(self.group)
         if n == 1:
             return self.inner(q, k, v)
+        k, v = repeat_kv(k, v, q.shape[1])
         if q.shape[1] % n or k.shape[1] % n:
             raise PrunusError(f"Ulysses attention: {q.shape[1]} local heads are not divisible by --cp {n}; "
                               "choose a --cp that divides the heads (per tensor-parallel rank) or --cp-impl ring")
