@@ -16,18 +16,17 @@ from prunus.models.errors import PrunusError
 WORKSPACE_BYTES = 4 << 30
 
 
-def check_tensorrt():
-    """The ``tensorrt`` module, or a PrunusError naming what is missing."""
+def check_tensorrt(what: str = "--format tensorrt", instead: str = "use --format onnx on this machine"):
+    """The ``tensorrt`` module, or a PrunusError naming what is missing (``what`` needs it; do ``instead``)."""
     try:
         import tensorrt as trt
     except ImportError:
-        raise PrunusError("--format tensorrt needs the tensorrt package (pip install tensorrt, from NVIDIA's index) "
-                          "and a CUDA GPU; use --format onnx on this machine") from None
+        raise PrunusError(f"{what} needs the tensorrt package (pip install tensorrt, from NVIDIA's index) "
+                          f"and a CUDA GPU; {instead}") from None
     import torch
 
     if not torch.cuda.is_available():
-        raise PrunusError("--format tensorrt needs a CUDA GPU and none is visible; build the engine on a GPU machine "
-                          "or use --format onnx")
+        raise PrunusError(f"{what} needs a CUDA GPU and none is visible; {instead}")
     return trt
 
 

@@ -15,21 +15,16 @@ import torch
 
 from prunus.models import PrunusError
 
+from prunus.export.tensorrt_build import check_tensorrt as export_check_tensorrt
+
 from .backend_graph import GraphBackend
 from .backend_onnxruntime import export_graph_paths
 
 
 def check_tensorrt():
     """The ``tensorrt`` module, or a PrunusError naming what is missing."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise PrunusError("the tensorrt backend needs the tensorrt package (from NVIDIA's index) and a CUDA GPU; "
-                          "serve an ONNX export with --backend onnxruntime on this machine") from None
-    if not torch.cuda.is_available():
-        raise PrunusError("the tensorrt backend needs a CUDA GPU and none is visible; "
-                          "serve an ONNX export with --backend onnxruntime on this machine")
-    return trt
+    return export_check_tensorrt("the tensorrt backend",
+                                 "serve an ONNX export with --backend onnxruntime on this machine")
 
 
 class TrtRunner:

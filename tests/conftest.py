@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,3 +57,22 @@ def _assert_user_error(result, *needles):
 @pytest.fixture
 def assert_user_error():
     return _assert_user_error
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (Linux /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+@pytest.fixture
+def children():
+    return _child_pids

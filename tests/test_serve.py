@@ -44,19 +44,6 @@ def engine(model_dir):
         yield e
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids
-
-
 def test_greedy_equals_models_generate_alone_and_batched(engine, reference):
     # five prompts of different lengths through four slots: a batch, then a row freed and reused
     batched = engine.generate(PROMPTS, max_new_tokens=N_NEW)
@@ -183,7 +170,7 @@ def mixed_model_dir(tmp_path_factory):
     return save_model(model, tmp_path_factory.mktemp("serve") / "mixed", stage="test")
 
 
-def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_dir):
+def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_dir, children):
     model, tok = load_model(mixed_model_dir), load_model_tokenizer(mixed_model_dir)
     assert type(model.layers["0"].attention.wo).__name__ == "QuantizedLinear"
     reference = {}
@@ -193,7 +180,7 @@ def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_di
     kw = dict(max_new_tokens=12, temperature=0.9, top_k=40, seed=3)
     with Engine.load(mixed_model_dir, max_batch=4) as one:
         sampled = [r.token_ids for r in one.generate(PROMPTS[:2], **kw)]
-    before = set(_children(os.getpid())) if sys.platform.startswith("linux") else set()
+    before = set(children(os.getpid())) if sys.platform.startswith("linux") else set()
     tp = Engine.load(mixed_model_dir, tp=2, max_batch=4)
     try:
         pids = tp.backend.worker_pids()
@@ -217,7 +204,7 @@ def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_di
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} still running after close()"
     if sys.platform.startswith("linux"):
-        assert set(_children(os.getpid())) <= before
+        assert set(children(os.getpid())) <= before
 
 
 # --- sharding quantized layers -----------------------------------------------------------------------

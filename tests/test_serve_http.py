@@ -104,19 +104,6 @@ def read_events(resp) -> list:
     return events
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids
-
-
 def test_health_and_greedy_completions(server, greedy):
     _, url = server
     status, health = call(url, "/health")
@@ -233,9 +220,9 @@ def test_metrics_in_prometheus_text(server):
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc to find the worker processes")
-def test_killing_the_server_ends_its_workers(server):
+def test_killing_the_server_ends_its_workers(server, children):
     proc, _ = server
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
     proc.wait(10)
