@@ -31,9 +31,9 @@ demo: $(STAMP)
 	$(BIN)/prunus generate $(DEMO)/model --prompt "def read_config(path):" --max-new-tokens 200 --temperature 0.6 --seed 0
 	@echo "== 4/6 compress: int8 weight-only, with its report (quality, size, latency) =="
 	$(BIN)/prunus compress $(DEMO)/model --recipe int8-weight-only --out $(DEMO)/int8 --overwrite
-	@echo "== 5/6 export to ONNX Runtime, fp32 and int8, each checked against PyTorch (parity) =="
+	@echo "== 5/6 export to ONNX Runtime: the fp32 model, and the int8 dir with its own int8 weights; each checked against PyTorch (parity) =="
 	$(BIN)/prunus export $(DEMO)/model --format onnx --out $(DEMO)/onnx-fp32 --overwrite
-	$(BIN)/prunus export $(DEMO)/model --format onnx --precision int8 --out $(DEMO)/onnx-int8 --overwrite
+	$(BIN)/prunus export $(DEMO)/int8 --format onnx --out $(DEMO)/onnx-int8 --overwrite
 	@echo "== 6/6 serve the int8 export over HTTP (prunus serve) and ask it for a completion =="
 	@$(BIN)/prunus serve $(DEMO)/onnx-int8 --port $(SERVE_PORT) & pid=$$!; \
 	for i in $$(seq 1 240); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 0.5; done; \
