@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,20 @@ def _child_pids(pid: int) -> list[int]:
 @pytest.fixture
 def children():
     return _child_pids
+
+
+def _spawn_jobs(worker, nproc: int, jobs: list[dict], tmp_path) -> dict:
+    """Run ``jobs`` in one torchrun process group of ``nproc`` ranks (one thread each) with the
+    ``worker`` script; return what its rank 0 wrote, by job name."""
+    spec, out = Path(tmp_path) / f"spec{nproc}.json", Path(tmp_path) / f"out{nproc}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(worker), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def spawn_jobs():
+    return _spawn_jobs

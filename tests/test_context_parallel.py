@@ -6,11 +6,7 @@ tests/cp_worker.py. Tolerance: 1e-5 absolute on attention outputs and dq/dk/dv, 
 losses and gradients.
 """
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,17 +42,11 @@ FOUR_TRAIN = {
 }
 
 
-def spawn(nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
-    spec, out = tmp_path / f"spec{nproc}.json", tmp_path / f"out{nproc}.json"
-    spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(WORKER), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.exists(), proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+def spawn(spawn_jobs, nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
+    results = spawn_jobs(WORKER, nproc, jobs, tmp_path)
     for name, got in results.items():
         assert "error" not in got, f"{name}: {got['error']}\n{got.get('trace')}"
-    assert len(results) == len(jobs), proc.stderr[-3000:]
+    assert sorted(results) == sorted(j["name"] for j in jobs)
     return results
 
 
@@ -65,7 +55,7 @@ def train_jobs(layouts: dict, tmp: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
+def two_rank(tmp_path_factory, spawn_jobs):
     tmp = tmp_path_factory.mktemp("cp2")
     jobs = [{"name": f"attn_{impl}", "impl": impl, "cp": 2, **ATTENTION} for impl in ("ring", "ulysses")]
     jobs += [{"name": f"model_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": SEQ, "batch": 2}
@@ -75,7 +65,7 @@ def two_rank(tmp_path_factory):
     # stopped (checkpointed) at step 2 of 3 under --cp 2, resumed in one process by the test below
     jobs.append({"name": "ckpt_ring", "kind": "train", "config": {**BASE, **TWO_TRAIN["ring_fsdp"], "stop_at": 2,
                                                                   "out": str(tmp / "ckpt_ring")}})
-    return spawn(2, jobs + train_jobs(TWO_TRAIN, tmp), tmp), tmp
+    return spawn(spawn_jobs, 2, jobs + train_jobs(TWO_TRAIN, tmp), tmp), tmp
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +125,9 @@ def test_dry_run_activations_match_what_autograd_saves(two_rank):
         assert 0.45 < planned / one < 0.55
 
 
-def test_four_ranks_cp_with_fsdp_tp_hsdp_and_cp4(tmp_path, reference):
+def test_four_ranks_cp_with_fsdp_tp_hsdp_and_cp4(tmp_path, reference, spawn_jobs):
     jobs = [{"name": f"attn4_{impl}", "impl": impl, "cp": 4, **ATTENTION} for impl in ("ring", "ulysses")]
-    results = spawn(4, jobs + train_jobs(FOUR_TRAIN, tmp_path), tmp_path)
+    results = spawn(spawn_jobs, 4, jobs + train_jobs(FOUR_TRAIN, tmp_path), tmp_path)
     assert_attention_exact(results, ["attn4_ring", "attn4_ulysses"])
     assert_trains_like(results, reference, list(FOUR_TRAIN))
 

@@ -6,11 +6,7 @@ steps on 32-token windows. Two ranks (DDP and FSDP, one spawn; and the torchrun 
 """
 
 import copy
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -198,19 +194,13 @@ def assert_close_runs(got: dict, ref: dict, name: str) -> None:
     assert abs(got["val_loss"] - ref["val_loss"]) <= TOL, name
 
 
-def test_two_ranks_distill_like_one_process(ctx, teacher_dir, tmp_path):
+def test_two_ranks_distill_like_one_process(ctx, teacher_dir, tmp_path, spawn_jobs):
     args = dict(steps=3, batch_size=4, seq_len=32, hidden_weight=0.5, reverse_kl=0.25)
     # DDP with hidden-state projections (width:2), FSDP with same-width hidden states (keep-every:2)
     jobs = [{"name": name, "distill": {"model_dir": str(teacher_dir), "context": CONTEXT, "student": student,
                                         "args": {**args, "zero": zero}}}
             for name, student, zero in (("ddp", "width:2", 0), ("fsdp", "keep-every:2", 3))]
-    (tmp_path / "spec.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKER), str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert (tmp_path / "out.json").exists(), proc.stderr[-3000:]
-    results = json.loads((tmp_path / "out.json").read_text())
+    results = spawn_jobs(WORKER, 2, jobs, tmp_path)
     assert_close_runs(results["ddp"], reference_losses(ctx, "width:2", args), "ddp")
     assert_close_runs(results["fsdp"], reference_losses(ctx, "keep-every:2", args), "fsdp")
     # distill(nproc=2) from a plain process launches torchrun itself

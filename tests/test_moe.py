@@ -9,10 +9,7 @@ validation loss within 1e-5, the final weights within 1e-5, the same dropped-tok
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -218,15 +215,9 @@ def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_expert_parallel_matches_one_process(tmp_path):
+def test_expert_parallel_matches_one_process(tmp_path, spawn_jobs):
     jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp_path / n)}} for n, c in FOUR.items()]
-    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(Path(__file__).with_name("parallel_worker.py")), str(spec), str(out)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert out.exists(), proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = spawn_jobs(Path(__file__).with_name("parallel_worker.py"), 4, jobs, tmp_path)
     refs = {"ep2_x_fsdp4": {}, "ep4_capacity_accum_ac": CAPPED}
     for name, changes in refs.items():
         got = results[name]

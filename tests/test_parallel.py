@@ -5,11 +5,7 @@ group; the reference runs here, in this process, on the same global batches.
 Tolerance: 1e-5 absolute on every step's loss and on the validation loss.
 """
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +18,6 @@ BASE = dict(preset="tiny", model={"n_layers": 4}, seq_len=32, batch_size=8, step
             eval_tokens=1024, ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
 
 
-def spawn(nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
-    spec, out = tmp_path / f"spec{nproc}.json", tmp_path / f"out{nproc}.json"
-    spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(WORKER), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.exists(), proc.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 def reference(tmp_path: Path, **changes) -> dict:
@@ -81,7 +69,7 @@ FOUR = {
 
 
 @pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
+def two_rank(tmp_path_factory, spawn_jobs):
     """(results by layout, the dir they ran in)."""
     tmp = tmp_path_factory.mktemp("two")
     jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp / n)}} for n, c in TWO.items()]
@@ -95,7 +83,7 @@ def two_rank(tmp_path_factory):
     jobs.append({"name": "ckpt_async", "config": ckpt_async})
     jobs.append({"name": "resume_async", "copy_from": ckpt_async["out"], "resume": True,
                  "config": {"tp": 2, "async_checkpoint": True, "out": str(tmp / "resume_async")}})
-    return spawn(2, jobs, tmp), tmp
+    return spawn_jobs(WORKER, 2, jobs, tmp), tmp
 
 
 def test_two_rank_layouts_match_one_process(two_rank, tmp_path):
@@ -116,8 +104,8 @@ def test_checkpoint_from_fsdp_resumes_under_other_layouts(two_rank, tmp_path):
     assert_equivalent({"one": {"losses": r.losses, "val_loss": r.metrics["val_loss"]}}, tail, ["one"])
 
 
-def test_four_rank_layouts_match_one_process(tmp_path):
+def test_four_rank_layouts_match_one_process(tmp_path, spawn_jobs):
     jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp_path / n)}} for n, c in FOUR.items()]
-    results = spawn(4, jobs, tmp_path)
+    results = spawn_jobs(WORKER, 4, jobs, tmp_path)
     (tmp_path / "ref").mkdir()
     assert_equivalent(results, reference(tmp_path / "ref"), list(FOUR))
