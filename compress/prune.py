@@ -39,6 +39,8 @@ from torch import nn
 
 from prunus.models.errors import PrunusError
 
+from .calibrate import observe_inputs
+
 METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
 SCOPES = ("layer", "row", "global")
 
@@ -61,24 +63,15 @@ def prunable_linears(model: nn.Module, exclude=("output",)) -> dict[str, nn.Line
 @torch.no_grad()
 def input_norms(model: nn.Module, linears: dict[str, nn.Linear], batches) -> dict[str, torch.Tensor]:
     """``||X_j||_2`` of every input channel of each Linear over all tokens of ``batches`` (float32)."""
-    sums = {name: torch.zeros(m.in_features, dtype=torch.float64, device=m.weight.device) for name, m in linears.items()}
+    def sum_of_squares(x, prev):
+        s = x.double().pow(2).sum(0)
+        return s if prev is None else prev + s
 
-    def hook(name):
-        def record(module, args):
-            x = args[0].detach()
-            sums[name] += x.reshape(-1, x.shape[-1]).double().pow(2).sum(0)
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        for tokens in batches:
-            model(tokens.to(device))
+        sums = observe_inputs(model, linears, batches, sum_of_squares)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     return {name: s.sqrt().float() for name, s in sums.items()}
 

@@ -73,15 +73,16 @@ class CacheStep:
         offs = torch.arange(q_len, device=device)
         self.positions = self.start[:, None] + offs[None, :]  # (batch, q_len)
         # rows of one length need no mask: the model's default (last query at the last key) is exact
+        self.uniform = bool((start == start[0]).all())
         self.mask = None
-        if not bool((start == start[0]).all()):
+        if not self.uniform:
             keys = torch.arange(self.k_len, device=device)
             self.mask = (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)  # (batch, 1, q_len, k_len)
         self.seq_len = int(start.min())
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.cache.k[layer_id], self.cache.v[layer_id]
-        if self.contiguous and self.q_len == 1 and bool((self.start == self.start[0]).all()):
+        if self.contiguous and self.q_len == 1 and self.uniform:
             s = int(self.start[0])
             ck[self.row_slice, :, s:s + 1] = k
             cv[self.row_slice, :, s:s + 1] = v

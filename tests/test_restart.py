@@ -17,16 +17,12 @@ ARGS = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "16", "--warmup-s
         "--eval-tokens", "1024", "--max-corpus-bytes", "200000", "--no-progress", "--steps", "30", "--ckpt-every", "10"]
 
 
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def _steps_logged(run_dir: Path) -> int:
     f = run_dir / "metrics.jsonl"
     return f.read_text().count('"step"') if f.is_file() else 0
 
 
-def test_sigkilled_rank_restarts_from_checkpoint_and_matches(tmp_path):
+def test_sigkilled_rank_restarts_from_checkpoint_and_matches(tmp_path, children):
     ref = CliRunner().invoke(cli, ["train", *ARGS, "--out", str(tmp_path / "ref")])
     assert ref.exit_code == 0, ref.output
 
@@ -41,7 +37,7 @@ def test_sigkilled_rank_restarts_from_checkpoint_and_matches(tmp_path):
         while _steps_logged(job) < 12 and agent.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert agent.poll() is None and _steps_logged(job) < 30, "the run ended before a rank could be killed"
-        workers = _children(agent.pid)
+        workers = sorted(children(agent.pid))
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)  # after the step-10 checkpoint, before the end
         out, _ = agent.communicate(timeout=300)

@@ -32,12 +32,12 @@ from prunus.models.moe import moe_aux_loss, moe_dropped
 
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .config import TrainConfig
+from .context_parallel import cp_sum, shard_batch
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
 from .launch import env_ranks, init_distributed
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import pipeline_score
-from .context_parallel import cp_sum, shard_batch
 from .parallelize import cross_entropy, local_value, parallelize, validate_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
@@ -244,12 +244,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
                 with autocast:
                     logits = model_part(x, positions=positions)
                 loss = cross_entropy(logits, y) if objective is None else objective(logits, x, y)
-                aux = moe_aux_loss(model_part)  # mixture of experts: the load-balancing loss joins the gradient
+                # mixture of experts: the load-balancing loss joins the gradient
+                aux = moe_aux_loss(model_part) if model_cfg.n_experts else None
                 ((loss if aux is None else loss + aux) / cfg.grad_accum).backward()
             total += local_value(loss).detach().float()
             if aux is not None:
                 moe_step["aux"] += float(aux.detach()) / cfg.grad_accum
-            moe_step["dropped"] += moe_dropped(model_part)
+            if model_cfg.n_experts:
+                moe_step["dropped"] += moe_dropped(model_part)
         return total / cfg.grad_accum
 
     def score(x, y) -> float:
