@@ -26,6 +26,7 @@ class TorchBackend:
         self.vocab_size = model.config.vocab_size
         self.device = model.tok_embeddings.weight.device
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
+        self.tunable_threads = self.device.type == "cpu"  # see prunus.serve.pass_threads
 
     @torch.inference_mode()
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:

@@ -30,19 +30,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Engine:
-    def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None):
+    def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None,
+                 threads: int | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_len = backend.max_len
         self.info = info or {}
-        self.scheduler = Scheduler(backend, max_queue=max_queue)
+        self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads)
+        if self.scheduler.threads is not None:
+            self.info["threads"] = self.scheduler.threads.describe()
         self._closed = False
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
-             dtype: str | None = None) -> "Engine":
-        """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs."""
+             dtype: str | None = None, threads: int | None = None) -> "Engine":
+        """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
+
+        ``threads``: CPU threads per forward pass of the in-process torch backend; by default
+        each pass gets 1 or all of them, whichever was faster when timed at load
+        (:mod:`prunus.serve.pass_threads`)."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
@@ -51,6 +58,8 @@ class Engine:
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise PrunusError(f"max_batch={max_batch!r} must be a positive integer")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise PrunusError(f"threads={threads!r} must be a positive integer (or None to time 1 against all)")
         if dtype is not None and dtype not in DTYPES:
             raise PrunusError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         limit = (config.get("export") or config["model"]).get("max_seq_len") or config["model"]["max_seq_len"]
@@ -80,7 +89,7 @@ class Engine:
 
                 impl = load_tensorrt_backend(path, config, max_batch, max_len, device=device)
             info["precision"] = config["export"].get("precision")
-        return cls(impl, tokenizer, max_queue=max_queue, info=info)
+        return cls(impl, tokenizer, max_queue=max_queue, info=info, threads=threads)
 
     # --- requests --------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch
 
 from prunus.models import PrunusError, sample_next
 
+from .pass_threads import PassThreads, tune_pass_threads
 from .request import Request
 
 
@@ -27,9 +28,13 @@ class QueueFull(PrunusError):
 
 
 class Scheduler:
-    def __init__(self, backend, max_queue: int | None = None):
+    def __init__(self, backend, max_queue: int | None = None, threads: int | None = None):
+        """``threads``: per pass of an in-process torch backend; None times 1 against all at start."""
         self.backend = backend
         self.max_queue = max_queue
+        self.threads: PassThreads | None = None
+        self._want_threads = threads
+        self._started = threading.Event()
         self.free = list(range(backend.n_slots))
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
@@ -39,6 +44,7 @@ class Scheduler:
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="prunus-scheduler", daemon=True)
         self._thread.start()
+        self._started.wait()
 
     @property
     def queue_depth(self) -> int:
@@ -72,7 +78,26 @@ class Scheduler:
 
     # --- the loop -------------------------------------------------------------------------
 
+    def _choose_threads(self) -> None:
+        """Runs on the scheduler thread: OpenMP's thread count belongs to the thread that sets it."""
+        try:
+            if not getattr(self.backend, "tunable_threads", False):
+                return
+            if self._want_threads is not None:
+                self.threads = PassThreads.fixed(self._want_threads)
+            else:
+                self.threads = tune_pass_threads(self.backend, torch.get_num_threads())
+        except Exception:  # a backend that cannot run fails its first request with its own error
+            self.threads = None
+        finally:
+            self._started.set()
+
+    def _set_threads(self, tokens: int) -> None:
+        if self.threads is not None:
+            self.threads.set(tokens)
+
     def _loop(self) -> None:
+        self._choose_threads()
         while True:
             with self._cond:
                 while self._running and not self.waiting and not self.active:
@@ -102,6 +127,7 @@ class Scheduler:
                 self.active.clear()
 
     def _prefill(self, joining: list[Request]) -> None:
+        self._set_threads(sum(len(r.prompt_ids) for r in joining))
         logits = self.backend.prefill([r.slot for r in joining], [r.prompt_ids for r in joining])
         self._sample(joining, logits)
         for r in joining:
@@ -111,6 +137,7 @@ class Scheduler:
     def _decode(self) -> None:
         rows = sorted(self.active)
         reqs = [self.active[s] for s in rows]
+        self._set_threads(len(rows))
         logits = self.backend.decode(rows, [r.last_token for r in reqs])
         self.steps += 1
         self._sample(reqs, logits)

@@ -71,20 +71,22 @@ def shard_linear(module: nn.Module, style: str, rank: int, world: int) -> None:
         module.in_features = n
 
 
-def _all_reduce_output(module, inputs, output):
-    dist.all_reduce(output)
-    return output
-
-
-def shard_model(model, rank: int, world: int, keep_output: bool = True):
+def shard_model(model, rank: int, world: int, keep_output: bool = True, all_reduce=None):
     """Shard every block in place and add the two all-reduces per block; ``keep_output=False``
-    drops the output head (only the rank that samples needs logits)."""
+    drops the output head (only the rank that samples needs logits). ``all_reduce(t)`` sums
+    ``t`` over the ranks in place: ``torch.distributed.all_reduce`` unless given."""
     check_tp(model.config, world)
+    reduce = all_reduce or dist.all_reduce
+
+    def all_reduce_output(module, inputs, output):
+        reduce(output)
+        return output
+
     for block in model.layers.values():
         for name in COLUMN + ROW:
             shard_linear(block.get_submodule(name), "column" if name in COLUMN else "row", rank, world)
-        block.attention.register_forward_hook(_all_reduce_output)
-        block.feed_forward.register_forward_hook(_all_reduce_output)
+        block.attention.register_forward_hook(all_reduce_output)
+        block.feed_forward.register_forward_hook(all_reduce_output)
     if not keep_output:
         model.output = None
     return model

@@ -105,6 +105,26 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     assert engine.generate(PROMPTS[0], **{**kw, "seed": 8}).token_ids != alone[0].token_ids
 
 
+def test_pass_threads_are_tuned_per_pass_size_and_do_not_change_tokens(engine, model_dir, reference):
+    from prunus.serve.pass_threads import PassThreads
+
+    plan = engine.scheduler.threads
+    assert plan is not None and set(plan.by_tokens) == {1, 4, 4 * 16}  # decode of 1 row, of 4, a prefill
+    assert set(plan.by_tokens.values()) <= {1, torch.get_num_threads()}
+    assert engine.info["threads"] == plan.describe()
+    split = PassThreads({1: 1, 8: 2, 128: 4})
+    assert [split.for_tokens(t) for t in (1, 2, 3, 8, 30, 33, 500)] == [1, 1, 2, 2, 2, 4, 4]
+    main_threads = torch.get_num_threads()
+    for n in (1, 2):  # tokens do not depend on the thread count; the caller's own setting is untouched
+        with Engine.load(model_dir, max_batch=4, threads=n) as e:
+            assert e.scheduler.threads.by_tokens == {1: n}
+            assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
+        assert torch.get_num_threads() == main_threads
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(PrunusError, match="threads="):
+            Engine.load(model_dir, threads=bad)
+
+
 def test_bad_input_is_one_clear_error(engine, model_dir, tmp_path):
     too_long = "x" * 130
     with pytest.raises(PrunusError, match="exceeds the context of 128"):
@@ -205,6 +225,32 @@ def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_di
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} still running after close()"
     if sys.platform.startswith("linux"):
         assert set(children(os.getpid())) <= before
+
+
+def test_shared_memory_all_reduce_sums_identically_on_every_rank(tmp_path):
+    import subprocess
+
+    from prunus.serve.shm_all_reduce import ShmAllReduce
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shm_worker import SLOT, tensors
+
+    world, path = 3, tmp_path / "shm"
+    ShmAllReduce.create(path, world, slot_floats=SLOT)
+    worker = Path(__file__).parent / "shm_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(path), str(r), str(world), str(tmp_path / f"{r}.pt")])
+             for r in range(world)]
+    assert [p.wait(120) for p in procs] == [0] * world
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    for name in tensors(0):
+        inputs = [tensors(r)[name].float() for r in range(world)]
+        expected = inputs[0] + inputs[1] + inputs[2]  # rank order, as the slots are summed
+        for res in results:
+            assert torch.equal(res[name], results[0][name]), f"{name}: ranks disagree"
+            assert res[name].shape == inputs[0].shape and res[name].dtype == tensors(0)[name].dtype
+            assert torch.allclose(res[name].float(), expected.to(tensors(0)[name].dtype).float(), atol=1e-6, rtol=0)
+    for res in results[:-1]:
+        assert "rank 2" in res["after_exit"] and "exited" in res["after_exit"]
 
 
 # --- sharding quantized layers -----------------------------------------------------------------------
