@@ -60,7 +60,9 @@ def median_times(fns: dict, reps: int) -> dict:
 
 
 def graphs(d: Path, n_layers: int) -> OrtGraphs:
-    return OrtGraphs(d / "prefill.onnx", d / "decode.onnx", n_layers, threads=THREADS)
+    # no spinning: this process holds a dozen sessions timed in turn, and the spinning threads of
+    # the one just timed took the cores of the next (a fp32 decode at batch 8 on 2 threads: 7.8 ms spinning, 4.0 ms not)
+    return OrtGraphs(d / "prefill.onnx", d / "decode.onnx", n_layers, threads=THREADS, spinning=False)
 
 
 def torch_fns(model, batch: int):

@@ -33,7 +33,7 @@ def _table(title: str, report: dict) -> Table:
 @click.option("--out", required=True, type=click.Path(), help="Export dir to write.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Default: the model's own (fp32, or int8 / fp8 for a compressed dir).")
-@click.option("--opset", type=int, default=None, help="ONNX opset. Default: 18, or what the quantization needs.")
+@click.option("--opset", type=int, default=None, help="ONNX opset. Default: 23 for onnx, 18 for tensorrt, or what the quantization needs.")
 @click.option("--no-verify", is_flag=True, help="Keep the export even if the parity check fails.")
 @click.option("--data", default=None, help="Held-out text for the parity check. Default: the built-in corpus.")
 @click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")

@@ -126,7 +126,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
         check_tensorrt()
     modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})
     need = required_opset(modules) if modules else MIN_OPSET
-    opset = opset or max(DEFAULT_OPSET, need)
+    opset = opset or max(DEFAULT_OPSET[format], need)
     if not need <= opset <= MAX_OPSET:
         raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
     style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)

@@ -10,13 +10,17 @@ import torch
 from .graphs import graph_names
 
 
-def ort_session(path: str | Path, threads: int | None = None):
+def ort_session(path: str | Path, threads: int | None = None, spinning: bool = True):
+    """``spinning=False`` lets the session's idle threads sleep at once: for processes holding
+    many sessions that run in turn, whose spinning threads would otherwise take each other's cores."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
@@ -24,9 +28,10 @@ def ort_session(path: str | Path, threads: int | None = None):
 class OrtGraphs:
     """The two graphs of an export in ONNX Runtime sessions; tensors in and out are torch tensors."""
 
-    def __init__(self, prefill: str | Path, decode: str | Path, n_layers: int, threads: int | None = None):
-        self.prefill_session = ort_session(prefill, threads)
-        self.decode_session = ort_session(decode, threads)
+    def __init__(self, prefill: str | Path, decode: str | Path, n_layers: int, threads: int | None = None,
+                 spinning: bool = True):
+        self.prefill_session = ort_session(prefill, threads, spinning)
+        self.decode_session = ort_session(decode, threads, spinning)
         self.names = graph_names(n_layers)
 
     def _run(self, session, inputs: list) -> tuple[torch.Tensor, list[np.ndarray]]:
