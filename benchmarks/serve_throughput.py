@@ -6,7 +6,8 @@
    process's thread count (the Engine picks per pass at load), goal >= 2x the better HF;
 2. the ONNX Runtime backend (each export dir given or found under runs/) vs the torch backend;
 3. tensor parallel: tp=2 (two worker processes, one thread each) vs tp=1 (one process,
-   two threads) on the same cores; goal >= 0.8x;
+   its threads per pass as timed at load) on the same cores, for the demo model and a
+   larger preset with random weights; goal >= 0.8x;
 4. an HTTP load test against ``prunus serve`` in its own process: concurrent clients,
    p50 / p99 latency, requests/s, failed requests.
 
@@ -131,6 +132,15 @@ def http_load(model: str, clients: int, per_client: int, n: int) -> dict:
         proc.wait(30)
 
 
+def tp_section(model, n: int, rounds: int, figures: list, tp1: Engine, label: str = "demo") -> None:
+    with Engine.load(model, tp=2, max_batch=8) as tp2:
+        engine_tps(tp2, 1, 4), engine_tps(tp1, 1, 4)
+        for b in (1, 8):
+            t2, t1 = median_pair(lambda: engine_tps(tp2, b, n), lambda: engine_tps(tp1, b, n), rounds)
+            print(f"   {label} batch {b}: tp=2 {t2:8.1f}   tp=1 {t1:8.1f} tokens/s   ratio {t2 / t1:5.2f}x (goal >= 0.8)")
+            figures.append((f"prunus tp=2, {label}, batch {b}", t2))
+
+
 def plot(rows: list[tuple[str, float]], path: Path) -> None:
     import matplotlib
 
@@ -156,6 +166,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--tp-preset", default="base", help="a larger preset (random weights) for the tp=2 comparison")
+    ap.add_argument("--tp-tokens", type=int, default=16)
     ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
     args = ap.parse_args()
     n, rounds, figures = args.tokens, args.rounds, []
@@ -164,7 +176,7 @@ def main() -> None:
 
     from transformers import LlamaForCausalLM
 
-    from prunus.models import load_model_tokenizer
+    from prunus.models import Transformer, get_preset, load_model_tokenizer, save_model
     from prunus.models.hf_convert import to_hf
 
     tok = load_model_tokenizer(args.model)
@@ -211,13 +223,18 @@ def main() -> None:
                     print(f"   {e} ({prec}) batch {b}: onnxruntime {o:8.1f}   torch {p:8.1f} tokens/s   ratio {o / p:5.2f}x")
                     figures.append((f"onnxruntime {prec}, batch {b}", o))
 
-        print("\n3. tensor parallel: tp=2 (2 processes x 1 thread) vs tp=1 (1 process x 2 threads)")
-        with Engine.load(args.model, tp=2, max_batch=8) as tp2:
-            engine_tps(tp2, 1, 8)
-            for b in (1, 8):
-                t2, t1 = median_pair(lambda: engine_tps(tp2, b, n), lambda: engine_tps(engine, b, n), rounds)
-                print(f"   batch {b}: tp=2 {t2:8.1f}   tp=1 {t1:8.1f} tokens/s   ratio {t2 / t1:5.2f}x (goal >= 0.8)")
-                figures.append((f"prunus tp=2, batch {b}", t2))
+        print("\n3. tensor parallel: tp=2 (2 processes x 1 thread) vs tp=1 (1 process, threads per pass as timed)")
+        tp_section(args.model, n, rounds, figures, engine)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        big = Transformer(get_preset(args.tp_preset))
+        big.init_weights()
+        big_dir = save_model(big.eval(), Path(tmp) / args.tp_preset, stage="train", command="benchmark")
+        print(f"   {args.tp_preset} preset ({sum(p.numel() for p in big.parameters()) / 1e6:.1f}M params, random weights), "
+              f"{args.tp_tokens} tokens per sequence:")
+        del big
+        with Engine.load(big_dir, max_batch=8) as one:
+            tp_section(big_dir, args.tp_tokens, rounds, figures, one, label=args.tp_preset)
 
     print(f"\n4. HTTP load test: prunus serve, {args.clients} concurrent clients x {args.requests_per_client} requests "
           f"of {n} tokens")
