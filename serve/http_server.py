@@ -9,13 +9,16 @@
 
 Every HTTP thread submits to the engine's one continuous-batching scheduler. A full
 wait queue answers 429; a malformed request 400 with ``{"error": {"message", "type"}}``;
-a streaming client that goes away cancels its request, which frees its batch slot at
-the next step.
+a client that goes away, streaming or waiting for a whole answer, cancels its requests,
+which frees their batch slots at the next step.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import select
+import socket
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +32,7 @@ from .request import GenerationResult
 from .scheduler import QueueFull
 
 MAX_BODY_BYTES = 1 << 20
+CLIENT_CHECK_S = 0.1  # how often a handler waiting for a whole answer checks that its client is still there
 COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "model", "n",
                      "user", "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix"}
 
@@ -153,8 +157,40 @@ class CompletionHandler(BaseHTTPRequestHandler):
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                 "model": self.server.model_name}
 
+    def _client_gone(self) -> bool:
+        """The client closed its end (readable, with nothing to read); a pipelined request is not that."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _wait(self, request) -> GenerationResult:
+        checked = time.monotonic()
+        while True:
+            try:
+                event = request.events.get(timeout=CLIENT_CHECK_S)
+            except queue.Empty:
+                event = None
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, GenerationResult):
+                return event
+            if time.monotonic() - checked >= CLIENT_CHECK_S:
+                checked = time.monotonic()
+                if self._client_gone():
+                    raise ConnectionResetError("the client went away")
+
     def _complete(self, prompts: list[str], kwargs: dict) -> int:
-        results = self.server.engine.generate(prompts, **kwargs)
+        engine, requests = self.server.engine, []
+        try:
+            for p in prompts:
+                requests.append(engine.submit(p, **kwargs))
+            results = [self._wait(r) for r in requests]
+        except BaseException:
+            for r in requests:  # frees their rows at the next step
+                r.cancelled.set()
+            raise
         usage = {"prompt_tokens": sum(r.prompt_tokens for r in results),
                  "completion_tokens": sum(len(r.token_ids) for r in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

@@ -21,6 +21,7 @@ import time
 import torch
 
 PREFILL_WIDTH = 16  # tokens per prompt in the tuned prefill pass
+BIG_PASS_S = 0.05  # a one-row decode this slow on all threads: the model is big, all threads win, skip timing
 
 
 class PassThreads:
@@ -52,7 +53,9 @@ def tune_pass_threads(backend, max_threads: int, steps: int = 3, rounds: int = 2
     """Time ``backend``'s passes at 1 and ``max_threads`` threads; the caller's thread count is changed.
 
     Uses the backend's cache rows as scratch: every row is free while the engine starts,
-    and a request's prefill starts its row afresh.
+    and a request's prefill starts its row afresh. A model whose one-row decode takes over
+    ``BIG_PASS_S`` on all threads gets all threads without the rest of the timing (which
+    would take seconds at that size, and all threads win there).
     """
     candidates = sorted({1, max_threads})
     if len(candidates) == 1:
@@ -69,6 +72,13 @@ def tune_pass_threads(backend, max_threads: int, steps: int = 3, rounds: int = 2
         rows = list(range(n))
         return lambda: backend.prefill(rows, [[0] * width] * n)
 
+    torch.set_num_threads(max_threads)
+    one_row = decode_pass(1)
+    one_row()
+    t0 = time.perf_counter()
+    one_row()
+    if time.perf_counter() - t0 > BIG_PASS_S:
+        return PassThreads.fixed(max_threads)
     passes = {1: lambda: decode_pass(1), n: lambda: decode_pass(n), n * width: prefill_pass}
     by_tokens: dict[int, int] = {}
     for tokens, make in passes.items():

@@ -105,21 +105,26 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     assert engine.generate(PROMPTS[0], **{**kw, "seed": 8}).token_ids != alone[0].token_ids
 
 
-def test_pass_threads_are_tuned_per_pass_size_and_do_not_change_tokens(engine, model_dir, reference):
+def test_pass_threads_are_tuned_per_pass_size_and_do_not_change_tokens(model_dir, reference):
     from prunus.serve.pass_threads import PassThreads
 
-    plan = engine.scheduler.threads
-    assert plan is not None and set(plan.by_tokens) == {1, 4, 4 * 16}  # decode of 1 row, of 4, a prefill
-    assert set(plan.by_tokens.values()) <= {1, torch.get_num_threads()}
-    assert engine.info["threads"] == plan.describe()
+    main_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # new threads start from the main thread's setting: 1 against 2 is timed
+    try:
+        with Engine.load(model_dir, max_batch=4) as e:
+            plan = e.scheduler.threads
+            assert set(plan.by_tokens) == {1, 4, 4 * 16}  # decode of 1 row, of 4, a prefill
+            assert set(plan.by_tokens.values()) <= {1, 2} and e.info["threads"] == plan.describe()
+            assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
+        assert torch.get_num_threads() == 2  # the scheduler thread's settings stay its own
+        for n in (1, 2):  # tokens do not depend on the thread count
+            with Engine.load(model_dir, max_batch=4, threads=n) as e:
+                assert e.scheduler.threads.by_tokens == {1: n}
+                assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
+    finally:
+        torch.set_num_threads(main_threads)
     split = PassThreads({1: 1, 8: 2, 128: 4})
     assert [split.for_tokens(t) for t in (1, 2, 3, 8, 30, 33, 500)] == [1, 1, 2, 2, 2, 4, 4]
-    main_threads = torch.get_num_threads()
-    for n in (1, 2):  # tokens do not depend on the thread count; the caller's own setting is untouched
-        with Engine.load(model_dir, max_batch=4, threads=n) as e:
-            assert e.scheduler.threads.by_tokens == {1: n}
-            assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
-        assert torch.get_num_threads() == main_threads
     for bad in (0, -1, 1.5, True):
         with pytest.raises(PrunusError, match="threads="):
             Engine.load(model_dir, threads=bad)

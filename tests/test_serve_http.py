@@ -1,6 +1,6 @@
 """prunus serve as a real server process on 127.0.0.1 (a free port), with two tensor-parallel workers:
 completions equal to prunus.models greedy tokens, concurrent clients, streaming, 400 / 404 / 429 answers
-after which it keeps serving, a client leaving mid-stream frees its slot, /health and /metrics, and
+after which it keeps serving, a client leaving mid-stream or mid-answer frees its slot, /health and /metrics, and
 killing the server ends its workers."""
 
 from __future__ import annotations
@@ -203,6 +203,27 @@ def test_full_queue_gets_429_and_a_client_leaving_frees_its_slot(server):
     metrics = call(url, "/metrics")[1]
     tokens = int(re.search(r"^prunus_tokens_generated_total (\d+)$", metrics, re.M).group(1))
     assert tokens < 1500, "the abandoned streams ran on to their 1000 tokens each"
+
+
+def test_a_client_leaving_a_plain_request_frees_its_slot(server):
+    _, url = server
+    host, port = url.removeprefix("http://").split(":")
+    before = int(re.search(r"^prunus_tokens_generated_total (\d+)$", call(url, "/metrics")[1], re.M).group(1))
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0}),
+                 {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while call(url, "/health")[1]["active"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert call(url, "/health")[1]["active"] == 1
+    conn.close()  # no answer awaited: the client is gone
+    deadline = time.monotonic() + 30
+    while call(url, "/health")[1]["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert call(url, "/health")[1]["active"] == 0
+    after = int(re.search(r"^prunus_tokens_generated_total (\d+)$", call(url, "/metrics")[1], re.M).group(1))
+    assert after - before < 900, "the abandoned request ran on to its 1000 tokens"
+    assert call(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # still serving
 
 
 def test_metrics_in_prometheus_text(server):
