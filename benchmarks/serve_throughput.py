@@ -19,6 +19,7 @@ Rounds alternate the contenders and the median is reported. Writes a PNG of the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -166,6 +167,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled Engine (about a minute of compiling)")
     ap.add_argument("--tp-preset", default="base", help="a larger preset (random weights) for the tp=2 comparison")
     ap.add_argument("--tp-tokens", type=int, default=16)
     ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
@@ -196,21 +198,33 @@ def main() -> None:
 
     print("\n1. prunus torch Engine vs Hugging Face generate() (same weights, greedy, prefill included);\n"
           f"   HF at {' and '.join(map(str, hf_threads))} thread(s), the Engine at the per-pass threads it timed at load")
-    with Engine.load(args.model, max_batch=8) as engine:
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(Engine.load(args.model, max_batch=8))
+        contenders = {"prunus": engine}
         print(f"   Engine threads per pass: {engine.info.get('threads')}")
-        engine_tps(engine, 1, 8), hf_tps(hf, tok, 1, 8)  # warm-up
+        if not args.no_compile:
+            t0 = time.perf_counter()
+            contenders["prunus compiled"] = stack.enter_context(Engine.load(args.model, max_batch=8, compile=True))
+            print(f"   compiled Engine (torch.compile decode, 4 batch buckets): {time.perf_counter() - t0:.0f} s to load")
+        for e in contenders.values():
+            engine_tps(e, 1, 8)
+        hf_tps(hf, tok, 1, 8)  # warm-up
         for b in (1, 8):
-            runs_p, runs_h = [], []
+            runs = {k: [] for k in contenders}
+            runs_h = []
             for _ in range(rounds):
-                runs_p.append(engine_tps(engine, b, n))
+                for k, e in contenders.items():
+                    runs[k].append(engine_tps(e, b, n))
                 runs_h.append(hf_best(b))
-            p = statistics.median(runs_p)
             h = {k: statistics.median(r[k] for r in runs_h) for k in hf_threads}
             best = max(h.values())
-            per = "   ".join(f"HF {k} thr {v:8.1f}" for k, v in h.items())
-            print(f"   batch {b}: prunus {p:8.1f} tokens/s   {per}   ratio {p / best:5.2f}x vs the best HF "
-                  f"(goal >= 2)" + "".join(f", {p / v:5.2f}x vs HF {k} thr" for k, v in h.items()))
-            figures += [(f"prunus torch, batch {b}", p)] + [(f"HF generate {k} thr, batch {b}", v) for k, v in h.items()]
+            print(f"   batch {b}: " + "   ".join(f"HF {k} thr {v:8.1f}" for k, v in h.items()) + " tokens/s")
+            figures += [(f"HF generate {k} thr, batch {b}", v) for k, v in h.items()]
+            for k, r in runs.items():
+                p = statistics.median(r)
+                print(f"   batch {b}: {k:16s} {p:8.1f} tokens/s   ratio {p / best:5.2f}x vs the best HF (goal >= 2)"
+                      + "".join(f", {p / v:5.2f}x vs HF {t} thr" for t, v in h.items()))
+                figures.append((f"{k} torch, batch {b}", p))
 
         exports = [Path(e) for e in args.export] if args.export else find_exports(Path("runs"))
         print("\n2. ONNX Runtime backend vs torch backend" + ("" if exports else ": no export dir given or found, skipped"))

@@ -20,13 +20,24 @@ from .batch_cache import BatchKVCache
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model, n_slots: int, max_len: int):
+    def __init__(self, model, n_slots: int, max_len: int, compile: bool = False):
         self.model = model
         self.n_slots, self.max_len = n_slots, max_len
         self.vocab_size = model.config.vocab_size
         self.device = model.tok_embeddings.weight.device
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
         self.tunable_threads = self.device.type == "cpu"  # see prunus.serve.pass_threads
+        self.compile = compile
+        self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
+
+    def warm_up(self, set_threads=None) -> None:
+        """With ``compile``, compile the decode graphs now (prunus.serve.compiled_decode)."""
+        if self.compile and self.compiled is None:
+            from .compiled_decode import CompiledDecode
+
+            compiled = CompiledDecode(self.model, self.cache)
+            compiled.warm_up(set_threads)
+            self.compiled = compiled
 
     @torch.inference_mode()
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -42,6 +53,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(rows, tokens)
         step = self.cache.step(rows, q_len=1)
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         return self.model(x, cache=step, positions=step.positions)[:, -1].float().cpu()

@@ -37,6 +37,11 @@ class Engine:
         self.max_len = backend.max_len
         self.info = info or {}
         self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads)
+        if self.scheduler.start_error is not None:
+            error = self.scheduler.start_error
+            self.scheduler.close()
+            backend.close()
+            raise PrunusError(f"the engine could not start: {type(error).__name__}: {error}") from error
         if self.scheduler.threads is not None:
             self.info["threads"] = self.scheduler.threads.describe()
         self._closed = False
@@ -44,16 +49,20 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
-             dtype: str | None = None, threads: int | None = None) -> "Engine":
+             dtype: str | None = None, threads: int | None = None, compile: bool = False) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend; by default
         each pass gets 1 or all of them, whichever was faster when timed at load
-        (:mod:`prunus.serve.pass_threads`)."""
+        (:mod:`prunus.serve.pass_threads`). ``compile``: decode steps through ``torch.compile``
+        (:mod:`prunus.serve.compiled_decode`; the torch backend in one process; 10-25 s per
+        batch bucket at load)."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
             raise PrunusError(f"tp={tp!r} must be a positive integer")
+        if compile and (backend != "torch" or tp > 1):
+            raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
         if tp > 1 and backend != "torch":
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -76,7 +85,7 @@ class Engine:
             from .backend_torch import TorchBackend
 
             model = load_model(path, device=device, dtype=DTYPES[dtype] if dtype else None)
-            impl = TorchBackend(model, max_batch, max_len)
+            impl = TorchBackend(model, max_batch, max_len, compile=compile)
             tokenizer = load_model_tokenizer(path)
         else:
             tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)

@@ -35,6 +35,7 @@ class Scheduler:
         self.threads: PassThreads | None = None
         self._want_threads = threads
         self._started = threading.Event()
+        self.start_error: Exception | None = None
         self.free = list(range(backend.n_slots))
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
@@ -79,16 +80,21 @@ class Scheduler:
     # --- the loop -------------------------------------------------------------------------
 
     def _choose_threads(self) -> None:
-        """Runs on the scheduler thread: OpenMP's thread count belongs to the thread that sets it."""
+        """Runs on the scheduler thread: OpenMP's thread count belongs to the thread that sets it;
+        then a backend's ``warm_up`` (compiled decode graphs) runs at those settings."""
         try:
-            if not getattr(self.backend, "tunable_threads", False):
-                return
-            if self._want_threads is not None:
-                self.threads = PassThreads.fixed(self._want_threads)
-            else:
-                self.threads = tune_pass_threads(self.backend, torch.get_num_threads())
-        except Exception:  # a backend that cannot run fails its first request with its own error
-            self.threads = None
+            if getattr(self.backend, "tunable_threads", False):
+                try:
+                    if self._want_threads is not None:
+                        self.threads = PassThreads.fixed(self._want_threads)
+                    else:
+                        self.threads = tune_pass_threads(self.backend, torch.get_num_threads())
+                except Exception:  # a backend that cannot run fails its first request with its own error
+                    self.threads = None
+            if hasattr(self.backend, "warm_up"):
+                self.backend.warm_up(self._set_threads)
+        except Exception as e:  # Engine.load reports it
+            self.start_error = e
         finally:
             self._started.set()
 

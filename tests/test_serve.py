@@ -130,6 +130,37 @@ def test_pass_threads_are_tuned_per_pass_size_and_do_not_change_tokens(model_dir
             Engine.load(model_dir, threads=bad)
 
 
+def test_compiled_decode_gives_the_eager_tokens(model_dir, reference):
+    # one batch bucket (max_batch=1) keeps the compile to one graph; requests queue and take turns
+    with Engine.load(model_dir, max_batch=1, compile=True) as e:
+        assert e.backend.compiled is not None and e.backend.compiled.buckets == [1]
+        assert [r.token_ids for r in e.generate(PROMPTS[:2], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:2]]
+    with pytest.raises(PrunusError, match="compile=True applies to the torch backend in one process"):
+        Engine.load(model_dir, tp=2, compile=True)
+
+
+def test_static_decode_steps_pad_to_buckets_and_equal_the_ragged_cache(model_dir):
+    """The compiled path's Python side, run eagerly: padded buckets, full-length masks, row gathers."""
+    from prunus.serve.backend_torch import TorchBackend
+    from prunus.serve.compiled_decode import CompiledDecode
+
+    model = load_model(model_dir)
+    ragged, static = TorchBackend(model, 4, 64), TorchBackend(model, 4, 64)
+    static_decode = CompiledDecode(model, static.cache)
+    static_decode._fn = static_decode._step  # no compile: the same graph, eager
+    assert static_decode.buckets == [1, 2, 4] and static_decode.bucket(3) == 4
+    prompts = [[5, 6, 7], [9] * 10, [3, 4], [8] * 6]
+    for be in (ragged, static):
+        be.prefill([0, 1, 2, 3], prompts)
+    for step, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [1], [1, 3], [0, 1, 2], [2, 3]]):
+        tokens = [(7 * step + r) % 300 for r in rows]
+        torch.testing.assert_close(static_decode(rows, tokens), ragged.decode(rows, tokens), atol=1e-5, rtol=0)
+    assert torch.equal(static.cache.lengths, ragged.cache.lengths)
+    static.cache.lengths[0] = 64
+    with pytest.raises(PrunusError, match="exceed its capacity"):
+        static_decode([0], [1])
+
+
 def test_bad_input_is_one_clear_error(engine, model_dir, tmp_path):
     too_long = "x" * 130
     with pytest.raises(PrunusError, match="exceeds the context of 128"):
