@@ -75,7 +75,8 @@ class Engine:
         max_len = limit if max_len is None else max_len
         if not 1 < max_len <= limit:
             raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
-        info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len}
+        info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len,
+                "compile": compile}
         if backend == "torch" and tp > 1:
             from .tp_workers import TPBackend
 
