@@ -220,6 +220,8 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
         shard_model(model, rank, world, keep_output=rank == 0, all_reduce=all_reduce)
         backend = TorchBackend(model, spec["n_slots"], spec["max_len"])
         dist.barrier()
+        if spec["shm"] and rank == 0:
+            os.unlink(spec["shm"])  # every rank has it mapped: the memory lives on, and no crash can leak the file
     except Exception as e:  # the serving process shows it as one line
         conn.send(("error", rank, f"rank {rank}: {type(e).__name__}: {e}"))
         os._exit(1)
