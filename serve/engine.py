@@ -52,9 +52,9 @@ class Engine:
              dtype: str | None = None, threads: int | None = None, compile: bool = False) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
-        ``threads``: CPU threads per forward pass of the in-process torch backend; by default
-        each pass gets 1 or all of them, whichever was faster when timed at load
-        (:mod:`prunus.serve.pass_threads`). ``compile``: decode steps through ``torch.compile``
+        ``threads``: CPU threads per forward pass of the in-process torch backend (by default
+        each pass gets 1 or all of them, whichever was faster when timed at load,
+        :mod:`prunus.serve.pass_threads`), or ONNX Runtime's intra-op threads. ``compile``: decode steps through ``torch.compile``
         (:mod:`prunus.serve.compiled_decode`; the torch backend in one process; 10-25 s per
         batch bucket at load)."""
         path = Path(path)
@@ -93,7 +93,7 @@ class Engine:
             if backend == "onnxruntime":
                 from .backend_onnxruntime import load_onnxruntime_backend
 
-                impl = load_onnxruntime_backend(path, config, max_batch, max_len)
+                impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads)
             else:
                 from .backend_tensorrt import load_tensorrt_backend
 

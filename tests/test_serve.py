@@ -348,8 +348,9 @@ def test_onnxruntime_backend_greedy_equals_torch(onnx_export, trained_run):
     prompts = ["import ", "def main(", "x = [", "class Config:\n    "]
     with Engine.load(trained_run / "model", max_batch=3) as torch_engine:
         ref = [r.token_ids for r in torch_engine.generate(prompts, max_new_tokens=N_NEW)]
-    with Engine.load(onnx_export, max_batch=3) as ort:  # backend inferred from the export dir
+    with Engine.load(onnx_export, max_batch=3, threads=1) as ort:  # backend inferred from the export dir
         assert ort.info["backend"] == "onnxruntime" and ort.info["precision"] == "fp32"
+        assert ort.backend.runner.sessions["decode"].get_session_options().intra_op_num_threads == 1
         # four prompts through three rows: ragged batches, a freed row reused
         assert [r.token_ids for r in ort.generate(prompts, max_new_tokens=N_NEW)] == ref
         long = ort.submit(prompts[3], max_new_tokens=N_NEW)
