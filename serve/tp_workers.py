@@ -1,4 +1,5 @@
-"""Tensor-parallel inference in ``tp`` worker processes over torch.distributed (NCCL on GPU; on a CPU host gloo for setup and a shared-memory all-reduce).
+"""Tensor-parallel inference in ``tp`` worker processes over torch.distributed
+(NCCL on GPU; on a CPU host, gloo for setup and a shared-memory all-reduce).
 
 The serving process keeps the scheduler and holds a local socket to every worker:
 each step it sends (rows, tokens) to all of them, every rank runs the same
