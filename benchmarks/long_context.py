@@ -11,7 +11,7 @@ of 2 ranks (gloo):
 
 Activation memory: the bytes autograd keeps for backward during one forward and the loss (every
 distinct storage a saved tensor lives in, parameters and buffers left out, plus the logits), counted
-with ``torch.autograd.graph.saved_tensors_hooks``. That is exact and device-independent; it is not
+with ``prunus.train_parallel.saved_activations`` (``saved_tensors_hooks``). That is exact and device-independent; it is not
 the allocator's peak (transient buffers such as a ring step's received block are not in it). The
 dry run's estimate (``prunus train --dry-run``) is printed beside it. Goal: cp=2 / cp=1 <= 0.6 per rank.
 
@@ -49,22 +49,15 @@ VARIANTS = ("cp1", "ring", "ulysses")
 def _saved_bytes(model, x, y, positions) -> tuple[int, float]:
     """(bytes autograd keeps for backward in one forward + loss, the loss); backward then frees them."""
     from prunus.train_parallel.parallelize import cross_entropy
+    from prunus.train_parallel.saved_activations import SavedActivations
 
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.dtype.is_floating_point and t.untyped_storage().data_ptr() not in owned:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(model) as saved:
         logits = model(x, positions=positions)
         loss = cross_entropy(logits, y)
-    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+    saved.add(logits)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(saved.values()), float(loss)
+    return saved.bytes, float(loss)
 
 
 def worker(spec: dict, out_path: str) -> None:

@@ -21,7 +21,7 @@ from .atomic import atomic_dir, atomic_write_json
 from .config import ModelConfig
 from .errors import PrunusError
 from .llama import Transformer
-from .model_dir import load_model, load_model_tokenizer, save_model, state_dict_for_save
+from .model_dir import load_model, load_model_tokenizer, read_dir_json, save_model, state_dict_for_save
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
@@ -44,15 +44,10 @@ def _rename(name: str, top: dict, layer: dict, prefix: str, new_prefix: str) -> 
 
 
 def _read_hf_config(hf_dir: Path) -> dict:
-    if not hf_dir.is_dir():
-        raise PrunusError(f"{hf_dir}: no such directory; give a Hugging Face Llama checkpoint dir (config.json + *.safetensors)")
-    path = hf_dir / "config.json"
-    if not path.is_file():
-        raise PrunusError(f"{hf_dir}: no config.json; give a Hugging Face checkpoint dir written by save_pretrained")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PrunusError(f"{path}: not valid JSON ({e.msg}); re-download or re-save the checkpoint") from None
+    hf = read_dir_json(hf_dir, "config.json",
+                       no_dir="no such directory; give a Hugging Face Llama checkpoint dir (config.json + *.safetensors)",
+                       no_file="no config.json; give a Hugging Face checkpoint dir written by save_pretrained",
+                       bad_json="re-download or re-save the checkpoint")
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type") != "llama" or "LlamaForCausalLM" not in archs:
         raise PrunusError(f"{hf_dir}: model_type {hf.get('model_type')!r} / architectures {archs} is not a Llama "

@@ -108,17 +108,25 @@ def save_model(
     return path
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_dir_json(path: str | Path, name: str, *, no_dir: str, no_file: str, bad_json: str) -> dict:
+    """``path/name`` parsed, or one PrunusError line: "{path}: {no_dir}", "{path}: {no_file}",
+    or "{path/name}: not valid JSON (...); {bad_json}"."""
     path = Path(path)
     if not path.is_dir():
-        raise PrunusError(f"{path}: no such model dir; give a directory written by prunus train, compress or convert")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise PrunusError(f"{path}: missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)")
+        raise PrunusError(f"{path}: {no_dir}")
+    fpath = path / name
+    if not fpath.is_file():
+        raise PrunusError(f"{path}: {no_file}")
     try:
-        return json.loads(mpath.read_text())
+        return json.loads(fpath.read_text())
     except json.JSONDecodeError as e:
-        raise PrunusError(f"{mpath}: not valid JSON ({e.msg}); re-create the model dir") from None
+        raise PrunusError(f"{fpath}: not valid JSON ({e.msg}); {bad_json}") from None
+
+
+def read_manifest(path: str | Path) -> dict:
+    return read_dir_json(path, MANIFEST, no_dir="no such model dir; give a directory written by prunus train, compress or convert",
+                         no_file=f"missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)",
+                         bad_json="re-create the model dir")
 
 
 def verify_model_dir(path: str | Path) -> dict:

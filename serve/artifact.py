@@ -7,26 +7,19 @@ backend; an export dir carries an ``"export"`` key in its config.json whose
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prunus.models import PrunusError
+from prunus.models.model_dir import read_dir_json
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}
 
 
 def read_artifact_config(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_dir():
-        raise PrunusError(f"{path}: no such directory; give a model dir or an export dir")
-    cpath = path / "config.json"
-    if not cpath.is_file():
-        raise PrunusError(f"{path}: no config.json; give a model dir (prunus train/compress) or an export dir (prunus export)")
-    try:
-        return json.loads(cpath.read_text())
-    except json.JSONDecodeError as e:
-        raise PrunusError(f"{cpath}: not valid JSON ({e.msg}); re-create the dir") from None
+    return read_dir_json(path, "config.json", no_dir="no such directory; give a model dir or an export dir",
+                         no_file="no config.json; give a model dir (prunus train/compress) or an export dir (prunus export)",
+                         bad_json="re-create the dir")
 
 
 def resolve_backend(path: str | Path, backend: str | None) -> tuple[str, dict]:

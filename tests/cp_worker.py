@@ -29,6 +29,7 @@ from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.context_parallel import apply_cp, shard_batch, unshard
 from prunus.train_parallel.ring_attention import ring_attention
+from prunus.train_parallel.saved_activations import SavedActivations
 from prunus.train_parallel.ulysses import UlyssesAttention
 
 
@@ -73,18 +74,10 @@ def model_job(job) -> dict:
     cp_model.zero_grad(set_to_none=True)
     apply_cp(cp_model, mesh, job["impl"])
     xs, ys, positions = shard_batch(x, y, mesh)
-    owned = {t.untyped_storage().data_ptr() for t in [*cp_model.parameters(), *cp_model.buffers()]}
-    saved = {}  # what autograd keeps for backward, as tests/test_dry_run.py counts it
-
-    def pack(t):
-        if t.dtype.is_floating_point and t.untyped_storage().data_ptr() not in owned:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(cp_model) as saved:  # what autograd keeps for backward, as the dry run counts it
         logits = cp_model(xs, positions=positions)
         loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten())
-    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+    saved.add(logits)
     loss.backward()
     group, cp = mesh.get_group(), mesh.size()
     total = loss.detach().clone()
@@ -94,7 +87,7 @@ def model_job(job) -> dict:
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         grad_diff = max(grad_diff, float((g / cp - p_ref.grad).abs().max()))
-    return {"loss": float(total / cp), "ref_loss": float(ref_loss), "grad_diff": grad_diff, "saved_bytes": sum(saved.values()),
+    return {"loss": float(total / cp), "ref_loss": float(ref_loss), "grad_diff": grad_diff, "saved_bytes": saved.bytes,
             "grad_scale": max(float(p.grad.abs().max()) for p in model.parameters())}
 
 

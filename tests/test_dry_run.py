@@ -14,6 +14,7 @@ from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.activation_checkpointing import apply_ac
 from prunus.train_parallel.dry_run import memory_plan, render_plan
 from prunus.train_parallel.parallelize import cross_entropy
+from prunus.train_parallel.saved_activations import SavedActivations
 from prunus.train_parallel.trainer import build_optimizer
 
 LLAMA_8B = dict(preset="llama-8b", tp=8, pp=4, dp_shard=32, zero=3, batch_size=128, microbatches=4)
@@ -96,20 +97,12 @@ def test_one_process_activations_match_autograd(ac):
     plan = memory_plan(cfg, 1)
     model = Transformer(cfg.model_config()).train()
     apply_ac(model, ac)
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved = {}
-
-    def pack(t):
-        if t.dtype.is_floating_point and t.untyped_storage().data_ptr() not in owned:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randint(0, cfg.model_config().vocab_size, (cfg.batch_size, cfg.resolved_seq_len()))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(model) as saved:
         logits = model(x)
         cross_entropy(logits, x)
-    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
-    measured = sum(saved.values())
+    saved.add(logits)
+    measured = saved.bytes
     if ac != "none":
         s, b, c = cfg.resolved_seq_len(), cfg.batch_size, cfg.model_config()
         measured += s * b * (10 * c.dim + 4 * c.ffn_dim + 2 + c.n_heads) * 4  # one block recomputed in backward

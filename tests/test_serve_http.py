@@ -85,6 +85,18 @@ def call(url: str, path: str, body=None, raw: bytes | None = None) -> tuple[int,
     return status, json.loads(text) if ctype.startswith("application/json") else text
 
 
+def start_clients(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], list]:
+    """One thread per body, each POSTing it to /v1/completions; answers[i] is (status, body) once joined."""
+    answers = [None] * len(bodies)
+
+    def client(i):
+        answers[i] = call(url, "/v1/completions", bodies[i])
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
 def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -121,13 +133,7 @@ def test_health_and_greedy_completions(server, greedy):
 
 def test_concurrent_clients(server, greedy):
     _, url = server
-    answers = [None] * 4
-
-    def client(i):
-        answers[i] = call(url, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 16, "temperature": 0})
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
+    threads, answers = start_clients(url, [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PROMPTS[:4]])
     for t in threads:
         t.join()
     assert [a[0] for a in answers] == [200] * 4
@@ -174,13 +180,7 @@ def test_full_queue_gets_429_and_a_client_leaving_frees_its_slot(server):
     for _, resp in streams:
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
     # four short requests wait for a row: the queue (4) is full
-    waiting = [None] * 4
-
-    def client(i):
-        waiting[i] = call(url, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 4, "temperature": 0})
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
+    threads, waiting = start_clients(url, [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in PROMPTS[:4]])
     deadline = time.monotonic() + 30
     while call(url, "/health")[1]["queue_depth"] < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
