@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from .errors import PrunusError
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+MAX_SEQ_LEN = 1 << 20  # the rotary tables of a longer context alone take gigabytes
+
+
 def _swiglu_hidden(dim: int, multiple_of: int = 64) -> int:
     hidden = int(2 * (4 * dim) / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
@@ -35,10 +43,40 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01  # load-balancing loss (Switch / GShard), added to the training loss
     n_shared_experts: int = 0  # experts every token goes through, beside the routed ones
     moe_ffn_dim: int | None = None  # each expert's hidden size; None: ffn_dim
-    # None: dim // n_heads. Set when attention heads were pruned away: the heads left keep their width.
+    # None: dim // n_heads. Set when attention heads were pruned away, or by a family (Qwen3, Gemma) whose heads are wider.
     head_dim: int | None = None
+    # --- architecture variants of the Hugging Face families (models/hf_families.py). The defaults are plain Llama.
+    # rotary scaling (models/rope.py), numerically as transformers' modeling_rope_utils:
+    # "default" | "linear" | "dynamic" | "yarn" | "llama3"
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # linear / dynamic / yarn / llama3: the context extension factor
+    rope_original_max_len: int | None = None  # yarn / llama3 / dynamic: the pre-training context the scaling extends
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn: correction range bounds
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None: from rope_factor (and the mscales)
+    rope_mscale: float | None = None  # yarn (DeepSeek style): with rope_mscale_all_dim, sets the attention factor
+    rope_mscale_all_dim: float | None = None  # yarn
+    rope_truncate: bool = True  # yarn: round the correction range to whole dimensions
+    attn_qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / 2.5)
+    attn_out_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before the rotary embedding (Qwen3)
+    # sliding-window attention: a query sees the keys fewer than sliding_window positions back (itself included),
+    # on every layer (Mistral) or on the layers whose layer_types entry is "sliding_attention" (Gemma 2, Qwen2/3)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"; None: all alike
+    attn_softcap: float | None = None  # attention scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the gate's activation: "silu" | "gelu_pytorch_tanh" (Gemma)
+    norm_one_plus_weight: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma); weights stored as is
+    scale_embeddings: bool = False  # token embeddings times sqrt(dim), rounded to the weights' dtype (Gemma)
+    post_norms: bool = False  # RMSNorm on the attention and feed-forward outputs before the residual add (Gemma 2)
+    moe_norm_topk: bool = True  # renormalise the top_k router weights to sum to one (Qwen3-MoE's norm_topk_prob)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.ffn_dim is None:
@@ -62,6 +100,19 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise PrunusError(f"model config: dtype={self.dtype!r} must be float32, bfloat16 or float16")
         self._validate_moe()
+        self._validate_variants()
+
+    def _check_types(self) -> None:
+        """Every field against its annotation (a field added later too; prunus.models.validate), and the
+        ranges the blocks assume: positive norm_eps and rope_theta, a context the rotary tables can hold."""
+        from .validate import check_dataclass
+
+        check_dataclass(self, "model config")
+        for name in ("norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise PrunusError(f"model config: {name}={getattr(self, name)!r} must be a positive number")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise PrunusError(f"model config: max_seq_len={self.max_seq_len} is above {MAX_SEQ_LEN:,} tokens")
 
     def _validate_moe(self) -> None:
         if self.moe_ffn_dim is None:
@@ -79,6 +130,65 @@ class ModelConfig:
             raise PrunusError(f"model config: moe_ffn_dim={self.moe_ffn_dim} must be a positive integer")
         if self.moe_aux_loss_coef < 0:
             raise PrunusError(f"model config: moe_aux_loss_coef={self.moe_aux_loss_coef} must not be negative")
+
+    def _validate_variants(self) -> None:
+        def bad(name: str, why: str) -> PrunusError:
+            return PrunusError(f"model config: {name}={getattr(self, name)!r} {why}")
+
+        if self.rope_type not in ROPE_TYPES:
+            raise bad("rope_type", f"is not one of {', '.join(ROPE_TYPES)}")
+        if not isinstance(self.rope_factor, (int, float)) or isinstance(self.rope_factor, bool) or self.rope_factor <= 0:
+            raise bad("rope_factor", "must be a positive number")
+        if self.rope_type in ("yarn", "llama3", "dynamic"):
+            if self.rope_original_max_len is None:  # transformers' default: the model's own context
+                object.__setattr__(self, "rope_original_max_len", self.max_seq_len)
+        if self.rope_original_max_len is not None and (
+                not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len < 1):
+            raise bad("rope_original_max_len", "must be a positive integer or null")
+        if self.rope_type == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise bad("rope_low_freq_factor", f"must be below rope_high_freq_factor={self.rope_high_freq_factor}")
+        if self.rope_type == "dynamic" and self.head_dim <= 2:
+            raise bad("head_dim", "must be above 2 for dynamic rope scaling")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "rope_attention_factor"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise bad(name, "must be a positive number or null")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise bad("hidden_act", f"is not one of {', '.join(HIDDEN_ACTS)}")
+        if self.n_experts and self.hidden_act != "silu":
+            raise bad("hidden_act", "is not supported by mixture-of-experts blocks (their experts are SwiGLU)")
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise bad("sliding_window", "must be a positive integer or null")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types) if isinstance(self.layer_types, (list, tuple)) else None
+            if types is None or len(types) != self.n_layers or not set(types) <= set(LAYER_TYPES):
+                raise bad("layer_types", f"must list one of {' / '.join(LAYER_TYPES)} for each of the {self.n_layers} "
+                          "layers (after removing layers, use ModelConfig.keep_layers)")
+            object.__setattr__(self, "layer_types", types)
+        for name in ("attn_qkv_bias", "attn_out_bias", "qk_norm", "norm_one_plus_weight", "scale_embeddings",
+                     "post_norms", "moe_norm_topk", "rope_truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of block ``layer_id`` (its index in the original model), or None: full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q k^T: query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5 (as transformers)."""
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def keep_layers(self, kept: list[int]) -> "ModelConfig":
+        """The config of this model with only blocks ``kept`` (original indices, in order), renumbered 0..n-1:
+        per-layer settings (layer_types) follow their blocks."""
+        types = None if self.layer_types is None else tuple(self.layer_types[i] for i in kept)
+        return self.replace(n_layers=len(kept), layer_types=types)
 
     @property
     def moe(self) -> bool:
@@ -108,10 +218,12 @@ class ModelConfig:
         """Parameter count, computed from the shapes (no model built)."""
         hd = self.head_dim
         attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+        attn += (self.n_heads + 2 * self.n_kv_heads) * hd * self.attn_qkv_bias + self.dim * self.attn_out_bias
+        attn += 2 * hd * self.qk_norm
         mlp = 3 * self.dim * self.ffn_dim
         if self.moe:  # router, the experts, the shared experts
             mlp = self.dim * self.n_experts + 3 * self.dim * self.moe_ffn_dim * (self.n_experts + self.n_shared_experts)
-        per_layer = attn + mlp + 2 * self.dim
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim
         emb = self.vocab_size * self.dim
         out = 0 if self.tie_embeddings else self.vocab_size * self.dim
         total = self.n_layers * per_layer + self.dim + out

@@ -1,7 +1,8 @@
 """Mixture of experts: a routed SwiGLU layer that replaces a block's feed-forward when ``n_experts > 0``.
 
 Each token's router scores (linear, softmax in fp32) pick its ``top_k`` experts;
-their weights are renormalised to sum to one. Tokens are grouped by expert,
+their weights are renormalised to sum to one (unless ``moe_norm_topk`` is off, as in
+Qwen3-MoE checkpoints with ``norm_topk_prob: false``). Tokens are grouped by expert,
 each expert (SwiGLU, weights stored batched: ``w1``/``w3`` (n_experts, dim,
 hidden), ``w2`` (n_experts, hidden, dim), so they split over experts along dim
 0) runs on its group, and the outputs are summed back per token, weighted.
@@ -71,7 +72,7 @@ class MoE(nn.Module):
         from .llama import FeedForward
 
         super().__init__()
-        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.n_experts, self.top_k, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.moe_norm_topk
         self.capacity_factor, self.aux_coef = cfg.capacity_factor, cfg.moe_aux_loss_coef
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
@@ -89,7 +90,9 @@ class MoE(nn.Module):
         """x: (batch, seq, dim) -> probs (batch, seq, E) fp32, top-k weights and expert ids (batch, seq, k)."""
         probs = self.router(x).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
-        return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, experts
 
     def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Switch / GShard load-balancing loss per sequence, averaged over the batch (module docstring)."""
