@@ -7,13 +7,16 @@ from rich.console import Console
 from rich.table import Table
 
 from prunus.compress import QualityDropError, compress, load_recipe, shortcut_passes
+from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 from prunus.models import PrunusError
 from prunus.models.quantized import SCHEMES
 
 
 def report_table(report: dict) -> Table:
     rows = report["rows"]
-    table = Table(title=f"prunus compress -> {report['out']}", title_justify="left")
+    table = Table(title=f"prunus compress -> {report['out']}", title_justify="left",
+                  caption=f"bits per byte on {rows[0]['val_tokens']:,} held-out tokens of {report.get('corpus')}, "
+                          f"windows of {report.get('seq_len')} tokens", caption_justify="left")
     for col in ("#", "pass", "val loss", "bits/byte", "Δ bpb", "agree", "params", "MB"):
         table.add_column(col, justify="left" if col == "pass" else "right")
     has_latency = "prefill_ms" in rows[0]
@@ -37,17 +40,22 @@ def report_table(report: dict) -> Table:
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")
 @click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, width:F or a preset name.")
 @click.option("--out", required=True, type=click.Path(), help="The model dir to write.")
-@click.option("--data", default=None, help="Corpus for calibration and evaluation. Default: the built-in corpus.")
+@click.option("--data", default=None,
+              help="Corpus for calibration and evaluation. Default: English prose shipped with Python ('prose') "
+                   "for a model with a pretrained tokenizer, the built-in corpus for a byte-level one.")
 @click.option("--max-quality-drop", type=float, default=None, metavar="X",
               help="Fail (exit 1, nothing written) when bits per byte rise by more than X (0.02 = 2%) over the input.")
-@click.option("--eval-tokens", type=int, default=65536, show_default=True, help="Held-out tokens scored per report row.")
+@click.option("--eval-tokens", type=int, default=DEFAULT_EVAL_TOKENS, show_default=True,
+              help="Held-out tokens scored per report row (the same slice prunus eval scores).")
+@click.option("--seq-len", type=int, default=None,
+              help="Evaluation window in tokens. Default: the model's context, at most 1024.")
 @click.option("--max-corpus-bytes", type=int, default=16 << 20, show_default=True,
               help="Read at most this many bytes of the corpus (calibration and evaluation draw from them).")
 @click.option("--no-latency", is_flag=True, help="Skip the CPU latency columns.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_drop, eval_tokens, max_corpus_bytes,
-            no_latency, overwrite, seed):
+def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_drop, eval_tokens, seq_len,
+            max_corpus_bytes, no_latency, overwrite, seed):
     """Compress MODEL_DIR into OUT with a recipe or shortcuts; prints the report."""
     shortcuts = {"--quantize": quantize, "--prune": prune, "--distill": distill}
     if recipe is not None and any(v is not None for v in shortcuts.values()):
@@ -56,6 +64,8 @@ def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_
         raise PrunusError("nothing to do: give --recipe R.yaml or at least one of --quantize, --prune, --distill")
     if eval_tokens < 1:
         raise PrunusError(f"--eval-tokens {eval_tokens} must be at least 1")
+    if seq_len is not None and seq_len < 1:
+        raise PrunusError(f"--seq-len {seq_len} must be at least 1")
     if max_corpus_bytes < 1:
         raise PrunusError(f"--max-corpus-bytes {max_corpus_bytes} must be at least 1")
     if recipe is not None:
@@ -64,7 +74,7 @@ def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_
         passes, text = shortcut_passes(quantize=quantize, prune=prune, distill=distill), None
     try:
         report = compress(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
-                          seed=seed, eval_tokens=eval_tokens, max_corpus_bytes=max_corpus_bytes,
+                          seed=seed, eval_tokens=eval_tokens, seq_len=seq_len, max_corpus_bytes=max_corpus_bytes,
                           latency=not no_latency, recipe_text=text)
     except QualityDropError as e:
         click.echo(f"Error: {e}", err=True)
@@ -73,4 +83,7 @@ def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_
     if not console.is_terminal:
         console.width = max(console.width, 150)
     console.print(report_table(report))
+    for i, r in enumerate(report["rows"]):
+        for line in r.get("notes", []):
+            console.print(f"row {i} ({r['pass']}): {line}")
     click.echo(f"wrote {out} (report.md, report.png)")

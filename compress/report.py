@@ -1,10 +1,12 @@
 """The compression report: one row for the input model, then one after each pass.
 
-Each row holds quality (validation loss, bits per byte, its change against the
-input, greedy-token agreement with the input model), size (parameters, non-zero
-parameters, exact bytes of model.safetensors) and CPU latency (prefill of up to 128
-tokens, one decode step with the KV cache; median of a few runs). Written as
-``report.json``, ``report.md`` and ``report.png`` (bits per byte against size).
+Each row holds quality (validation loss, bits per byte with the number of held-out
+tokens behind it, its change against the input, greedy-token agreement with the input
+model), size (parameters, non-zero parameters, exact bytes of model.safetensors), CPU
+latency (prefill of up to 128 tokens, one decode step with the KV cache; the median of
+at most ``LATENCY_RUNS`` runs, fewer once they took ``LATENCY_SECONDS``) and the notes a
+pass left (what it actually removed, say). Written as ``report.json``, ``report.md``
+and ``report.png`` (bits per byte against size).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prunus.models.model_dir import state_dict_for_save
 from prunus.models.quantized import QuantizedLinear, count_params
 
 N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
-PREFILL_LEN, LATENCY_RUNS = 128, 5
+PREFILL_LEN, LATENCY_RUNS, LATENCY_SECONDS = 128, 5, 2.0
 
 
 def bytes_on_disk(model) -> int:
@@ -50,11 +52,14 @@ def greedy(model, prompts: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def latency_ms(model, ctx) -> dict:
-    """Median milliseconds of a prefill and of one decode step after it (batch 1)."""
+    """Median milliseconds of a prefill and of one decode step after it (batch 1): one warm-up run,
+    then LATENCY_RUNS timed runs, or fewer (at least 2) once the timed runs took LATENCY_SECONDS."""
     length = min(PREFILL_LEN, model.config.max_seq_len - 1, len(ctx.val_tokens))
     tokens = torch.from_numpy(ctx.val_tokens[:length].astype("int64"))[None]
     prefill, decode = [], []
     for i in range(LATENCY_RUNS + 1):
+        if len(prefill) >= 2 and sum(prefill) + sum(decode) > LATENCY_SECONDS:
+            break
         cache = KVCache.for_model(model, 1, max_len=length + 1)
         t0 = time.perf_counter()
         logits = model(tokens, cache=cache)
@@ -65,11 +70,11 @@ def latency_ms(model, ctx) -> dict:
             prefill.append(t1 - t0)
             decode.append(t2 - t1)
     return {"prefill_ms": 1e3 * statistics.median(prefill), "decode_ms": 1e3 * statistics.median(decode),
-            "prefill_tokens": length}
+            "prefill_tokens": length, "latency_runs": len(prefill)}
 
 
 def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch.Tensor, base: dict | None = None,
-               latency: bool = True) -> dict:
+               latency: bool = True, notes: list[str] | None = None) -> dict:
     """One row of the report; ``reference`` is the input model's greedy continuation of ``prompts``."""
     model.eval()
     quality = ctx.evaluate(model)
@@ -78,6 +83,7 @@ def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch
         "pass": name,
         "val_loss": quality["val_loss"],
         "val_bpb": quality["val_bpb"],
+        "val_tokens": quality["val_tokens"],
         "bpb_change": 0.0 if base is None else quality["val_bpb"] / base["val_bpb"] - 1,
         "agreement": float((tokens == reference).float().mean()),
         "params": count_params(model),
@@ -86,6 +92,8 @@ def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch
     }
     if latency:
         row.update(latency_ms(model, ctx))
+    if notes:
+        row["notes"] = list(notes)
     return row
 
 
@@ -96,8 +104,9 @@ def render_markdown(report: dict) -> str:
     if has_latency:
         head += [f"prefill {rows[0]['prefill_tokens']} (ms)", "decode (ms)"]
     lines = [f"# Compression report: {report['source']}", "",
-             f"eval: {report['eval_tokens']:,} held-out tokens; agreement: {N_PROMPTS} prompts x {NEW_TOKENS} greedy tokens; "
-             f"latency: batch 1, median of {LATENCY_RUNS} (OMP_WAIT_POLICY={report.get('omp_wait_policy')}, {report.get('threads')} threads)", "",
+             f"eval: {rows[0]['val_tokens']:,} held-out tokens of {report.get('corpus', 'the corpus')} in windows of "
+             f"{report.get('seq_len')} tokens; agreement: {N_PROMPTS} prompts x {NEW_TOKENS} greedy tokens; "
+             f"latency: batch 1, median of up to {LATENCY_RUNS} runs within {LATENCY_SECONDS:g} s (OMP_WAIT_POLICY={report.get('omp_wait_policy')}, {report.get('threads')} threads)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows):
         cells = [str(i), r["pass"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.2f}%",
@@ -105,6 +114,9 @@ def render_markdown(report: dict) -> str:
         if has_latency:
             cells += [f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- row {i} ({r['pass']}): {line}" for i, r in enumerate(rows) for line in r.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -139,5 +151,6 @@ def report_files(report: dict) -> dict[str, bytes]:
 
 
 def report_header(ctx) -> dict:
-    return {"source": str(ctx.source), "eval_tokens": ctx.eval_tokens, "seed": ctx.seed,
+    return {"source": str(ctx.source), "eval_tokens": ctx.eval_tokens, "seq_len": ctx.seq_len,
+            "corpus": ctx.corpus_name, "seed": ctx.seed,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}

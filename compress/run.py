@@ -20,6 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prunus.models import PrunusError, save_model
+from prunus.models.paths import check_output
+
+from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
 from .context import build_context
 from .recipe import check_pass, get_pass, recipe_yaml
@@ -38,10 +41,13 @@ def pass_label(name: str, args: dict) -> str:
 
 def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
              max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
-             seq_len: int | None = None, eval_tokens: int = 65536, max_corpus_bytes: int | None = 16 << 20,
+             seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
              latency: bool = True, progress: bool = True, recipe_text: str | None = None,
              command: str | None = None) -> dict:
-    """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report."""
+    """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report.
+
+    ``seq_len``: the evaluation window (default: the model's context, at most 1,024 tokens);
+    ``eval_tokens``: held-out tokens scored per row (the same slice as ``prunus eval``)."""
     model_dir, out = Path(model_dir), Path(out)
     if not passes:
         raise PrunusError("compress: no pass given; pass --recipe, --quantize, --prune or --distill")
@@ -51,8 +57,7 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
         raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
-    if out.resolve() == model_dir.resolve():
-        raise PrunusError(f"{out}: is the input model dir; write the compressed model to another path")
+    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.models.paths: never over an input
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)
     teacher = ctx.teacher
@@ -78,14 +83,20 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
             bar.stop()  # a pass may show its own progress (distillation trains)
             if progress:
                 console.print(f"[bold]pass {label}[/bold]")
+            ctx.take_notes()
             model = fn(model, ctx, **args, **extra)
+            notes = ctx.take_notes()
+            if progress:
+                for line in notes:
+                    console.print(f"  {line}")
             bar.start()
             if getattr(model, "compression", None) is None:
                 model.compression = {"passes": []}
-            model.compression.setdefault("passes", []).append({"name": name, "args": args})
+            model.compression.setdefault("passes", []).append({"name": name, "args": args, **({"notes": notes} if notes else {})})
             bar.advance(task)
             bar.update(task, description=f"score {label}")
-            row = report_row(label, model, ctx, reference=reference, prompts=prompts, base=rows[0], latency=latency)
+            row = report_row(label, model, ctx, reference=reference, prompts=prompts, base=rows[0], latency=latency,
+                             notes=notes)
             rows.append(row)
             bar.advance(task)
             if max_quality_drop is not None and row["bpb_change"] > max_quality_drop:

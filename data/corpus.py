@@ -1,5 +1,8 @@
 """Corpora as token streams: the built-in one (this Python's standard library), text, or pre-tokenized binaries.
 
+* ``"prose"``: English prose that ships with Python, the Language Reference as
+  plain text (``data/prose.py``); what evaluation uses by default for a model with
+  a pretrained (non-byte) tokenizer, see :func:`default_data`.
 * ``None`` / ``"builtin"``: the standard library's ``.py`` sources. Files are
   ordered and split into train and validation by a hash of their relative
   path, so the split is the same on every machine with the same Python version;
@@ -24,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from prunus.models.errors import PrunusError
+
+from .prose import PROSE, prose_documents, tokenize_documents
 
 BUILTIN = "builtin"
 DEFAULT_MAX_BYTES = 16 << 20
@@ -105,6 +110,27 @@ def _memmap(path: Path, vocab_size: int | None) -> np.ndarray:
     return arr
 
 
+def default_data(data: str | Path | None, tokenizer) -> str | Path | None:
+    """The corpus evaluation and compression use when none is given: English prose for a model
+    with a pretrained (non-byte) tokenizer, the built-in corpus (what the demo models train on) otherwise."""
+    if data is not None:
+        return data
+    return PROSE if tokenizer.spec().get("kind") != "byte" else None
+
+
+def _prose_corpus(tokenizer, max_bytes: int | None) -> Corpus:
+    train_docs, val_docs = prose_documents()
+    kept, size = [], 0
+    for d in train_docs:
+        if max_bytes is not None and size + len(d) > max_bytes:
+            break
+        kept.append(d)
+        size += len(d)
+    name = f"prose (Python {'.'.join(map(str, __import__('sys').version_info[:2]))} Language Reference, pydoc_data)"
+    return Corpus(name, tokenize_documents(kept, tokenizer), tokenize_documents(val_docs, tokenizer),
+                  size, sum(map(len, val_docs)))
+
+
 def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
                 val_fraction: float = VAL_FRACTION, vocab_size: int | None = None) -> Corpus:
     """Token streams for ``data`` (see the module docstring). Raises PrunusError on unusable input."""
@@ -114,6 +140,8 @@ def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = D
         train, nt = _tokenize_docs(train_p, tokenizer)
         val, nv = _tokenize_docs(val_p, tokenizer)
         corpus = Corpus(f"builtin (Python {'.'.join(map(str, __import__('sys').version_info[:2]))} stdlib)", train, val, nt, nv)
+    elif str(data) == PROSE:
+        corpus = _prose_corpus(tokenizer, max_bytes)
     else:
         path = Path(data)
         if not path.exists():

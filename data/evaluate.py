@@ -1,8 +1,20 @@
-"""Validation loss and bits per byte on a token stream.
+"""Validation loss and bits per byte on a token stream, in bounded windows and bounded memory.
 
 Bits per byte = total negative log-likelihood in bits / UTF-8 bytes of the
 predicted tokens, so models with different tokenizers compare fairly. The model
 may be a module or any ``tokens -> logits`` callable (an ONNX Runtime session, say).
+
+Every scorer of prunus (``prunus eval``, the compression report, export parity) calls
+:func:`evaluate` with the same defaults, so they score the same held-out slice: the
+first ``DEFAULT_EVAL_TOKENS`` tokens of the validation split, in consecutive windows of
+``default_seq_len(max_seq_len)`` tokens (at most ``MAX_WINDOW``).
+
+Memory stays bounded whatever the context and vocabulary: a batch holds at most
+``ROW_TOKENS`` tokens, and for a prunus Transformer the output head runs on chunks of
+positions (``LOGITS_BYTES`` of float32 logits at a time) on the final hidden states, so
+a window's logits are never all in memory. A callable (or a model whose logits are not
+``model.output(hidden)``: checked once per call on a few positions) gets whole windows,
+with the rows per batch cut so one batch's logits stay within ``CALLABLE_LOGITS_BYTES``.
 """
 
 from __future__ import annotations
@@ -15,30 +27,105 @@ import torch.nn.functional as F
 
 from .batches import eval_batches
 
+DEFAULT_EVAL_TOKENS = 4096  # held-out tokens scored by default (eval, compress report, export parity)
+MAX_WINDOW = 1024  # default window: min(the model's max_seq_len, this)
+ROW_TOKENS = 4096  # tokens per forward pass (rows x window)
+LOGITS_BYTES = 64 << 20  # float32 logits computed at once from hidden states
+CALLABLE_LOGITS_BYTES = 512 << 20  # a callable's whole-window logits per batch
+_CHECK_POSITIONS = 8
+
+
+def default_seq_len(max_seq_len: int) -> int:
+    """The evaluation window for a model of context ``max_seq_len``."""
+    return min(int(max_seq_len), MAX_WINDOW)
+
+
+class _Hidden(Exception):
+    """Carries the output head's input out of the forward pass (so the head never runs on all of it)."""
+
+    def __init__(self, h: torch.Tensor):
+        self.h = h
+
+
+def final_hidden(model, x: torch.Tensor) -> torch.Tensor:
+    """The input of ``model.output`` (the normed final hidden states) for tokens ``x``."""
+    def stop(module, args):
+        raise _Hidden(args[0])
+
+    handle = model.output.register_forward_pre_hook(stop)
+    try:
+        model(x)
+    except _Hidden as e:
+        return e.h
+    finally:
+        handle.remove()
+    raise RuntimeError("the model's forward pass did not reach its output head")
+
+
+def chunked_nll(head, h: torch.Tensor, y: torch.Tensor, vocab: int) -> float:
+    """Summed cross-entropy of ``head(h)`` against ``y``, over chunks of positions."""
+    h, y = h.flatten(0, -2), y.flatten()
+    step = max(1, LOGITS_BYTES // (4 * vocab))
+    total = 0.0
+    for i in range(0, h.shape[0], step):
+        total += F.cross_entropy(head(h[i:i + step]).float(), y[i:i + step], reduction="sum").item()
+    return total
+
+
+def _head_chunks_apply(model, x: torch.Tensor) -> bool:
+    """True when ``model`` is a module whose logits are ``model.output(final hidden)`` (checked on a few positions)."""
+    if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "output", None), torch.nn.Module):
+        return False
+    probe = x[:1, :_CHECK_POSITIONS]
+    try:
+        via_head = model.output(final_hidden(model, probe)).float()
+    except RuntimeError:
+        return False
+    full = model(probe).float()
+    return full.shape == via_head.shape and torch.allclose(full, via_head, rtol=1e-4, atol=1e-4)
+
 
 @torch.no_grad()
-def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: int, batch_size: int = 8,
-             max_tokens: int | None = None, device: str | torch.device = "cpu", score=None) -> dict:
-    """{"val_loss": nats per token, "val_bpb": bits per byte, "val_tokens": tokens scored}.
+def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: int, batch_size: int | None = None,
+             max_tokens: int | None = DEFAULT_EVAL_TOKENS, device: str | torch.device = "cpu", score=None) -> dict:
+    """{"val_loss": nats per token, "val_bpb": bits per byte, "val_tokens": tokens scored, "seq_len": window}.
 
     ``model`` is a module or a ``tokens -> logits`` callable. ``score``, when given,
-    replaces it: ``(tokens, targets) -> summed nll`` (a pipeline, say)."""
+    replaces it: ``(tokens, targets) -> summed nll`` (a pipeline, say). ``batch_size``
+    (rows per forward) defaults to what keeps memory bounded (module docstring);
+    ``max_tokens`` None scores the whole stream."""
     seq_len = min(seq_len, len(tokens) - 1)
+    vocab = len(token_bytes)
+    chunked = None  # decided on the first batch
+    if batch_size is None:
+        batch_size = max(1, ROW_TOKENS // seq_len)
     was_training = getattr(model, "training", False)
     if was_training:
         model.eval()
     nll, n_tok, n_bytes = 0.0, 0, 0
-    for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens):
-        if score is not None:
-            nll += score(x.to(device), y.to(device))
-        else:
-            logits = model(x.to(device))
-            nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-        n_tok += y.numel()
-        n_bytes += int(token_bytes[y].sum())
-    if was_training:
-        model.train()
-    return {"val_loss": nll / n_tok, "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok}
+    try:
+        for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens):
+            x, y = x.to(device), y.to(device)
+            if score is not None:
+                nll += score(x, y)
+            else:
+                if chunked is None:
+                    chunked = _head_chunks_apply(model, x)
+                if chunked:
+                    nll += chunked_nll(model.output, final_hidden(model, x), y, vocab)
+                else:
+                    rows = max(1, CALLABLE_LOGITS_BYTES // (4 * vocab * seq_len))
+                    for i in range(0, x.shape[0], rows):
+                        logits = model(x[i:i + rows])
+                        nll += F.cross_entropy(logits.float().flatten(0, 1), y[i:i + rows].flatten(), reduction="sum").item()
+                        del logits
+            n_tok += y.numel()
+            n_bytes += int(token_bytes[y.cpu()].sum())
+    finally:
+        if was_training:
+            model.train()
+    return {"val_loss": nll / n_tok, "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok,
+            "seq_len": seq_len}
 
 
 def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch.Tensor) -> float:
@@ -51,20 +138,26 @@ def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch
     return float(bits / max(int(token_bytes[torch.from_numpy(val_ids)].sum()), 1))
 
 
-def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_tokens: int | None = 262144,
-                       batch_size: int = 8, max_corpus_bytes: int | None = 16 << 20, record: bool = True) -> dict:
-    """Evaluate a model dir on a corpus (default: the built-in one) and, with ``record``, store the figures in its manifest."""
+def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_tokens: int | None = DEFAULT_EVAL_TOKENS,
+                       batch_size: int | None = None, max_corpus_bytes: int | None = 16 << 20, record: bool = True) -> dict:
+    """Evaluate a model dir on a corpus (default: :func:`~prunus.data.corpus.default_data`) and, with
+    ``record``, store the figures in its manifest."""
     from prunus.models import PrunusError, load_model, load_model_tokenizer, update_manifest_metrics
 
-    from .corpus import load_corpus
+    from .corpus import default_data, load_corpus
 
     model = load_model(path)
     tokenizer = load_model_tokenizer(path)
     limit = model.config.max_seq_len
-    seq_len = seq_len or limit
+    seq_len = seq_len or default_seq_len(limit)
     if seq_len > limit:
         raise PrunusError(f"--seq-len {seq_len} is above the model's max_seq_len {limit}; lower it")
-    corpus = load_corpus(data, tokenizer, max_bytes=max_corpus_bytes, vocab_size=model.config.vocab_size)
+    if seq_len < 1:
+        raise PrunusError(f"--seq-len {seq_len} must be at least 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise PrunusError(f"--max-tokens {max_tokens} must be at least 1")
+    corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=max_corpus_bytes,
+                         vocab_size=model.config.vocab_size)
     token_bytes = tokenizer.token_bytes()
     result = evaluate(model, corpus.val, token_bytes, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     result["unigram_bpb"] = unigram_bits_per_byte(corpus.train, corpus.val, token_bytes)

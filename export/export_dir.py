@@ -26,6 +26,7 @@ from rich.console import Console
 
 from prunus.models.atomic import atomic_dir, atomic_write_json
 from prunus.models.errors import PrunusError
+from prunus.models.paths import check_output
 from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
                                      sha256_file, verify_model_dir, versions)
 from prunus.models.quantized import QuantizedLinear
@@ -103,7 +104,7 @@ def load_export(path: str | Path):
 
 def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx", precision: str | None = None,
                  opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
-                 external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int = 8192,
+                 external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int | None = None,
                  command: str | None = None, progress: bool = True, timing_cache: str | Path | None = None) -> ExportResult:
     """Export ``model_dir`` to ``out`` and check it against the PyTorch model.
 
@@ -113,6 +114,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     model_dir, out = Path(model_dir), Path(out)
     if format not in FORMATS:
         raise PrunusError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     manifest = verify_model_dir(model_dir)
@@ -180,10 +182,10 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     return ExportResult(out, config, report)
 
 
-def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int) -> dict:
-    from prunus.data.corpus import load_corpus
+def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None) -> dict:
+    from prunus.data.corpus import default_data, load_corpus
 
-    corpus = load_corpus(data, tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
+    corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
     ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count())
     report = check_parity(model, ort, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=eval_tokens)
     report["corpus"] = corpus.name

@@ -2,10 +2,12 @@
 
 Three figures, each against a per-precision tolerance (:data:`TOLERANCES`):
 
-* ``max_abs_logits``: max |logits_ort - logits_torch| over one batch of held-out tokens
-  (and ``top1_agreement``, the share of those positions whose argmax agrees);
-* bits per byte of both on the same held-out tokens (``prunus.data.evaluate``, the ONNX
-  side through ``score=``), judged by ``bpb_increase`` = ort - torch;
+* ``max_abs_logits``: max |logits_ort - logits_torch| over a probe of 4 x 128 held-out
+  tokens (and ``top1_agreement``, the share of those positions whose argmax agrees);
+* bits per byte of both on the same held-out slice that ``prunus eval`` and the compression
+  report score by default (``prunus.data.evaluate``: ``DEFAULT_EVAL_TOKENS`` tokens in windows
+  of ``default_seq_len``; the ONNX side through ``score=``, a few rows at a time so its whole
+  -window logits stay bounded), judged by ``bpb_increase`` = ort - torch;
 * ``greedy_agreement``: share of identical tokens when both generate 64 greedy tokens
   from the same prompts, ONNX Runtime through the prefill + decode graphs with the KV
   cache, PyTorch through ``prunus.models.generate``.
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prunus.data.evaluate import evaluate
+from prunus.data.evaluate import CALLABLE_LOGITS_BYTES, DEFAULT_EVAL_TOKENS, default_seq_len, evaluate
 from prunus.models.generate import generate
 
 # A limit of None is not checked; agreement limits are minimums, the others maximums.
@@ -33,6 +35,7 @@ TOLERANCES = {
     "fp8": {"max_abs_logits": None, "bpb_increase": 0.05, "top1_agreement": 0.9, "greedy_agreement": 0.5},
 }
 MINIMUMS = ("top1_agreement", "greedy_agreement")
+PROBE_ROWS, PROBE_LEN = 4, 128  # the logits compared position by position
 
 
 class ParityFailed(Exception):
@@ -44,26 +47,35 @@ class ParityFailed(Exception):
         super().__init__(f"parity check failed: {bad}; nothing was written (pass --no-verify to keep the export anyway)")
 
 
-def _nll_score(fn):
+def _nll_score(fn, vocab: int | None = None):
+    """``(x, y) -> summed nll`` of a ``tokens -> logits`` callable, a few rows at a time when ``vocab`` is given."""
     def score(x: torch.Tensor, y: torch.Tensor) -> float:
-        return F.cross_entropy(fn(x).float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        rows = x.shape[0] if vocab is None else max(1, CALLABLE_LOGITS_BYTES // (4 * vocab * x.shape[1]))
+        return sum(F.cross_entropy(fn(x[i:i + rows]).float().flatten(0, 1), y[i:i + rows].flatten(), reduction="sum").item()
+                   for i in range(0, x.shape[0], rows))
     return score
 
 
 def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tensor, precision: str, *,
-                 eval_tokens: int = 8192, new_tokens: int = 64, n_prompts: int = 4, prompt_len: int = 32) -> dict:
-    """Compare ``graphs`` (an :class:`~prunus.export.ort_graphs.OrtGraphs`) with ``model``; a JSON-able report."""
+                 eval_tokens: int | None = None, seq_len: int | None = None, new_tokens: int = 64, n_prompts: int = 4,
+                 prompt_len: int = 32) -> dict:
+    """Compare ``graphs`` (an :class:`~prunus.export.ort_graphs.OrtGraphs`) with ``model``; a JSON-able report.
+
+    ``eval_tokens`` / ``seq_len``: default to the slice every scorer uses (``prunus.data.evaluate``)."""
     limit = model.config.max_seq_len
-    seq_len = min(limit, 128, len(val_tokens) - 1)
+    eval_tokens = eval_tokens or DEFAULT_EVAL_TOKENS
+    seq_len = min(seq_len or default_seq_len(limit), len(val_tokens) - 1)
+    probe_len = min(PROBE_LEN, seq_len, (len(val_tokens) - 1) // PROBE_ROWS)
     tol = TOLERANCES[precision]
     with torch.inference_mode():
-        x = torch.from_numpy(np.asarray(val_tokens[: 4 * seq_len], dtype=np.int64)).reshape(4, seq_len)
+        x = torch.from_numpy(np.asarray(val_tokens[: PROBE_ROWS * probe_len], dtype=np.int64)).reshape(PROBE_ROWS, probe_len)
         ref, got = model(x).float(), graphs(x)
         max_abs = (ref - got).abs().max().item()
         top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-        torch_eval = evaluate(model, val_tokens, token_bytes, seq_len=seq_len, batch_size=4, max_tokens=eval_tokens)
-        ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=seq_len, batch_size=4, max_tokens=eval_tokens,
-                            score=_nll_score(graphs))
+        del ref, got
+        torch_eval = evaluate(model, val_tokens, token_bytes, seq_len=seq_len, max_tokens=eval_tokens)
+        ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=seq_len, max_tokens=eval_tokens,
+                            score=_nll_score(graphs, len(token_bytes)))
         prompt_len = min(prompt_len, limit - new_tokens)
         starts = np.linspace(0, len(val_tokens) - prompt_len - 1, n_prompts).astype(np.int64)
         prompts = torch.stack([torch.from_numpy(np.asarray(val_tokens[s: s + prompt_len], dtype=np.int64)) for s in starts])
