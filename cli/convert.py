@@ -1,4 +1,4 @@
-"""prunus convert: Hugging Face Llama checkpoints to and from model dirs."""
+"""prunus convert: Hugging Face Llama checkpoints and llama.cpp GGUF files to and from model dirs."""
 
 from __future__ import annotations
 
@@ -10,13 +10,37 @@ from prunus.models import PrunusError
 @click.command("convert")
 @click.option("--from-hf", "from_hf_dir", type=click.Path(), default=None, help="A Hugging Face Llama dir to read.")
 @click.option("--to-hf", "to_hf_dir", type=click.Path(), default=None, help="A prunus model dir to write as Hugging Face.")
-@click.option("--out", required=True, type=click.Path(), help="The dir to write.")
+@click.option("--from-gguf", "from_gguf_file", type=click.Path(), default=None,
+              help="A llama.cpp GGUF file (Llama architecture) to read; quantized tensors are dequantized.")
+@click.option("--to-gguf", "to_gguf_dir", type=click.Path(), default=None,
+              help="A prunus model dir to write as a GGUF file (int8/fp8 weights are written dequantized).")
+@click.option("--out", required=True, type=click.Path(), help="The dir (or, with --to-gguf, the .gguf file) to write.")
+@click.option("--type", "gguf_type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True,
+              help="With --to-gguf: how 2-D weights are stored (norms stay f32).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="With --from-gguf: the dtype of the weights written.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
-def command(from_hf_dir, to_hf_dir, out, overwrite):
-    """Convert between a Hugging Face Llama checkpoint and a prunus model dir."""
-    from prunus.models.hf_convert import from_hf, to_hf
+def command(from_hf_dir, to_hf_dir, from_gguf_file, to_gguf_dir, out, gguf_type, dtype, overwrite):
+    """Convert between a Hugging Face Llama checkpoint or a GGUF file and a prunus model dir."""
+    sources = {"--from-hf": from_hf_dir, "--to-hf": to_hf_dir, "--from-gguf": from_gguf_file, "--to-gguf": to_gguf_dir}
+    given = [flag for flag, value in sources.items() if value is not None]
+    if len(given) != 1:
+        raise PrunusError("convert: give exactly one of --from-hf HF_DIR, --to-hf MODEL_DIR, --from-gguf FILE "
+                          "or --to-gguf MODEL_DIR")
+    if gguf_type != "f32" and not to_gguf_dir:
+        raise PrunusError("convert: --type applies to --to-gguf only")
+    if dtype != "float32" and not from_gguf_file:
+        raise PrunusError("convert: --dtype applies to --from-gguf only")
+    if from_hf_dir or to_hf_dir:
+        from prunus.models.hf_convert import from_hf, to_hf
 
-    if (from_hf_dir is None) == (to_hf_dir is None):
-        raise PrunusError("convert: give exactly one of --from-hf HF_DIR or --to-hf MODEL_DIR")
-    path = from_hf(from_hf_dir, out, overwrite=overwrite) if from_hf_dir else to_hf(to_hf_dir, out, overwrite=overwrite)
+        path = from_hf(from_hf_dir, out, overwrite=overwrite) if from_hf_dir else to_hf(to_hf_dir, out, overwrite=overwrite)
+    elif from_gguf_file:
+        from prunus.models.gguf_read import from_gguf
+
+        path = from_gguf(from_gguf_file, out, dtype=dtype, overwrite=overwrite)
+    else:
+        from prunus.models.gguf_write import to_gguf
+
+        path = to_gguf(to_gguf_dir, out, type=gguf_type, overwrite=overwrite)
     click.echo(f"wrote {path}")

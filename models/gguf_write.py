@@ -1,0 +1,162 @@
+"""prunus model dir -> GGUF: ``to_gguf`` writes a file llama.cpp runs, through the ``gguf`` package.
+
+The metadata is what llama.cpp's own converter (``convert_hf_to_gguf.py``) writes for a
+Llama: ``general.*``, the ``llama.*`` shape keys, and the tokenizer with its merges (or
+SentencePiece scores), special token ids and chat template. q and k rows are permuted into
+llama.cpp's rotary order; a tied output head is written once, as ``token_embd.weight``
+(llama.cpp uses it for the output when ``output.weight`` is absent).
+
+``--type`` sets the 2-D weights' storage: ``f32`` (a round trip back through ``from_gguf``
+is bit-exact), ``f16``, or ``q8_0`` (blocks of 32 with one fp16 scale; a tensor whose rows
+do not split into blocks of 32 falls back to F16, as llama.cpp's converter does). Norm
+weights are always F32. A compressed prunus dir (int8 / fp8 QuantizedLinear) is written
+from its dequantized weights: GGUF has no int8-with-per-channel-scale type, and llama.cpp
+does not quantize activations the way w8a8 schemes do, so only the weights carry over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import PrunusError
+from .gguf_layout import ARCHITECTURE, gguf_name, rotary_heads, to_gguf_rows
+from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
+from .model_dir import load_model, load_model_tokenizer
+from .tokenizer import ByteTokenizer
+
+TYPES = ("f32", "f16", "q8_0")
+# ModelConfig fields a plain Llama GGUF describes (or that only matter for training); any other field
+# set away from its default is an architecture variant this writer does not express.
+_PLAIN = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
+          "tie_embeddings", "dtype", "head_dim", "top_k", "capacity_factor", "moe_aux_loss_coef", "moe_ffn_dim"}
+
+
+def _check_plain(cfg: ModelConfig, where: str) -> None:
+    if cfg.n_experts:
+        raise PrunusError(f"{where}: a mixture-of-experts model ({cfg.n_experts} experts) is not written to GGUF; "
+                          "convert a dense model")
+    default = ModelConfig()
+    extra = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+             if f.name not in _PLAIN and getattr(cfg, f.name) != getattr(default, f.name)]
+    if extra:
+        raise PrunusError(f"{where}: architecture variant(s) {', '.join(extra[:4])} have no GGUF 'llama' form prunus "
+                          "writes; only plain Llama models are written to GGUF")
+
+
+def float_weights(model, where: str) -> dict[str, torch.Tensor]:
+    """The model's weights as float32 tensors under prunus names, quantized Linear layers dequantized."""
+    out, quantized = {}, set()
+    for name, module in model.named_modules():
+        if callable(getattr(module, "dequantize", None)):
+            out[f"{name}.weight"] = module.dequantize().float()
+            quantized.add(name)
+    for name, t in model.state_dict().items():
+        if name.rpartition(".")[0] in quantized:
+            continue
+        if model.config.tie_embeddings and name == "output.weight":
+            continue  # written once, as token_embd.weight
+        if gguf_name(name) is None:
+            raise PrunusError(f"{where}: weight {name} has no GGUF name; only plain Llama models are written")
+        out[name] = t.float()
+    return out
+
+
+def _storage(w: torch.Tensor, kind: str):
+    """(numpy data, GGML type) for one tensor under ``--type kind``."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    a = w.contiguous().numpy()
+    if w.ndim == 1 or kind == "f32":
+        return a, q.F32
+    if kind == "q8_0" and w.shape[-1] % 32 == 0:
+        return gguf.quants.quantize(a, q.Q8_0), q.Q8_0
+    return a.astype("float16"), q.F16
+
+
+def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
+    import gguf
+
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.dim)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(cfg.ffn_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.head_dim != cfg.dim // cfg.n_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_file_type(ftype)
+    if kind == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+@contextlib.contextmanager
+def _atomic_file(path: Path, overwrite: bool):
+    """Yield a temporary sibling of ``path``; on success it is fsynced and renamed to ``path``."""
+    if path.exists() and not overwrite:
+        raise PrunusError(f"{path}: already exists; choose another output path or pass --overwrite")
+    if path.is_dir():
+        raise PrunusError(f"{path}: is a directory; give a file name such as model.gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_paths(model_dir: Path, out: Path) -> None:
+    m, o = model_dir.resolve(), out.resolve()
+    if o == m or o.is_relative_to(m) or m.is_relative_to(o):
+        raise PrunusError(f"{out}: the output would be written over or inside the input {model_dir}; choose another --out")
+
+
+def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwrite: bool = False) -> Path:
+    """Write the prunus model dir ``model_dir`` as a llama.cpp GGUF file at ``out``."""
+    import gguf
+
+    model_dir, out = Path(model_dir), Path(out)
+    if type not in TYPES:
+        raise PrunusError(f"convert: --type {type!r} is not one of {', '.join(TYPES)}")
+    _check_paths(model_dir, out)
+    model = load_model(model_dir)  # verifies the manifest's hashes
+    cfg = model.config
+    _check_plain(cfg, str(model_dir))
+    tokenizer = load_model_tokenizer(model_dir)
+    tok_meta = (byte_tokenizer_metadata(cfg.vocab_size) if isinstance(tokenizer, ByteTokenizer)
+                else hf_tokenizer_metadata(model_dir, cfg.vocab_size))
+    weights = float_weights(model, str(model_dir))
+    del model
+    with _atomic_file(out, overwrite) as tmp:
+        writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+        _add_config(writer, cfg, model_dir.resolve().name, type)
+        add_tokenizer(writer, tok_meta)
+        for name, w in weights.items():
+            heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads)
+            if heads is not None:
+                w = to_gguf_rows(w, heads)
+            data, qtype = _storage(w, type)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)  # the shape follows from data and type
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return out
