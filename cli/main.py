@@ -1,10 +1,16 @@
 """The ``prunus`` command. Each verb parses, calls the Python API and renders the result.
 
 A user's mistake (PrunusError) prints one ``Error: ...`` line and exits 2, with
-no traceback.
+no traceback. Two checks hold for every verb, present and future: an argument that is
+not UTF-8 is refused before anything runs, and a verb's ``--out`` never is, contains
+or lies inside any path it reads (every path or text option or argument that names an
+existing file or directory).
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import click
 
@@ -33,17 +39,59 @@ def cli():
     """
 
 
+def _guard_output(command: click.Command) -> None:
+    """Wrap ``command`` so that its ``--out`` is checked against every path it reads before it runs."""
+    from prunus.models.paths import check_output
+
+    # every option or argument that can name a path: declared click.Path, or free text (--data, --recipe)
+    inputs = [p for p in command.params if p.name != "out" and isinstance(p.type, (click.Path, click.types.StringParamType))]
+    if not inputs or not any(p.name == "out" for p in command.params):
+        return
+    callback = command.callback
+
+    @functools.wraps(callback)
+    def guarded(*args, **kwargs):
+        out = kwargs.get("out")
+        if out:
+            named = []
+            for p in inputs:
+                value = kwargs.get(p.name)
+                label = p.opts[0] if p.opts[0].startswith("-") else p.name.upper()
+                named += [(label, v) for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, str)]
+            check_output(out, named)
+        return callback(*args, **kwargs)
+
+    command.callback = guarded
+
+
 def _register() -> None:
     from . import compress, convert, eval, export, generate, info, serve, train  # noqa: A004
 
     for module in (train, eval, generate, convert, info, compress, export, serve):
         cli.add_command(module.command)
+    for command in cli.commands.values():
+        _guard_output(command)
 
 
 _register()
 
 
+def check_argv(argv: list[str]) -> None:
+    """Refuse an argument that is not UTF-8 (Python holds its bytes as lone surrogates)."""
+    for i, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")[:60]
+            raise UserError(f"argument {i} ({shown!r}) is not valid UTF-8; rename the file or pass UTF-8 text") from None
+
+
 def main() -> None:
+    try:
+        check_argv(sys.argv[1:])
+    except UserError as e:
+        e.show()
+        sys.exit(e.exit_code)
     cli(prog_name="prunus")
 
 

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from prunus.models.atomic import atomic_write_json
+from prunus.models.atomic import atomic_write_json, disk_error, replace_dir
+from prunus.models.errors import PrunusError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
@@ -97,19 +98,34 @@ def _publish(run_dir: str | Path, step: int, tmp: Path, final: Path, train_state
     """Once every rank has written its shards: rank 0 adds the train state and renames."""
     _barrier()
     if _is_main():
-        atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        with _discard_on_error(tmp):
+            atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
+        replace_dir(tmp, final)  # a step saved again (after a resume) replaces the old one only once complete
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
+@contextlib.contextmanager
+def _discard_on_error(tmp: Path):
+    """A checkpoint that fails to write leaves no ``.step-N.tmp`` behind; a full or read-only disk is one line."""
+    try:
+        yield
+    except BaseException as e:
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = disk_error(e)
+        if reason:
+            raise PrunusError(f"{tmp.parent}: writing a checkpoint failed ({reason}); free space and continue "
+                              "with --resume from the last checkpoint") from None
+        raise
+
+
 def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_state: dict, keep: int = 2) -> Path:
     """Save on every rank (a collective); rank 0 publishes the checkpoint when all are done."""
     final, tmp = _paths(run_dir, step)
-    with _quiet():
+    with _quiet(), _discard_on_error(tmp):
         dcp.save(_state(parts, optimizers), checkpoint_id=tmp, no_dist=not _distributed())
     return _publish(run_dir, step, tmp, final, train_state, keep)
 
@@ -145,7 +161,8 @@ class Checkpointer:
             return None
         step, tmp, final, train_state, future = self._pending
         self._pending = None
-        future.result()
+        with _discard_on_error(tmp):
+            future.result()
         return _publish(self.run_dir, step, tmp, final, train_state, self.keep)
 
 

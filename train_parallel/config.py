@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from prunus.models.config import ModelConfig, get_preset
 from prunus.models.errors import PrunusError
+from prunus.models.validate import check_dataclass, short
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
 
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
@@ -64,7 +67,13 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)
-        return base.replace(**self.model) if self.model else base
+        if not self.model:
+            return base
+        unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)})
+        if unknown:
+            raise PrunusError(f"model settings: unknown field(s) {', '.join(short(k) for k in unknown[:5])}; "
+                              "see prunus info of a model dir for the known ones")
+        return base.replace(**self.model)
 
     def resolved_seq_len(self) -> int:
         limit = self.model_config().max_seq_len
@@ -74,6 +83,8 @@ class TrainConfig:
         return seq_len
 
     def validate(self) -> None:
+        check_dataclass(self, "training settings")  # every field against its type: a new one too
+        self._validate_values()
         self.model_config()
         self.resolved_seq_len()
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "eval_tokens", "keep_checkpoints"):
@@ -94,6 +105,25 @@ class TrainConfig:
         if self.batch_size % self.grad_accum:
             raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
 
+    def _validate_values(self) -> None:
+        """Ranges of the numbers that have one (types are checked by check_dataclass)."""
+        if not 0 <= self.seed < 2**64:
+            raise PrunusError(f"--seed {short(self.seed)} must be an integer from 0 to 2**64 - 1")
+        if self.max_corpus_bytes < 1:
+            raise PrunusError(f"--max-corpus-bytes {self.max_corpus_bytes} must be at least 1")
+        if not self.lr > 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise PrunusError(f"--lr {self.lr} must be positive and --min-lr {self.min_lr}, --weight-decay "
+                              f"{self.weight_decay}, --grad-clip {self.grad_clip} not negative")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise PrunusError(f"beta1 {self.beta1} and beta2 {self.beta2} must be in [0, 1)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise PrunusError(f"--peak-tflops {self.peak_tflops} must be positive")
+        for name in ("nproc", "microbatches"):
+            if getattr(self, name) < 1:
+                raise PrunusError(f"--{name} {getattr(self, name)} must be at least 1")
+
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.resolved_seq_len()
@@ -102,9 +132,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict, source: str = "training config") -> "TrainConfig":
+        """Settings read from a file (run.json): unknown names and wrong types are one line naming ``source``."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise PrunusError(f"training config: unknown setting(s) {', '.join(unknown)}")
-        return cls(**d)
+            raise PrunusError(f"{source}: unknown setting(s) {', '.join(short(k) for k in unknown[:5])}")
+        cfg = cls(**d)
+        check_dataclass(cfg, source)
+        return cfg

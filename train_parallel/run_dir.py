@@ -1,17 +1,26 @@
 """The run dir: ``run.json`` (the resolved settings), ``metrics.jsonl``, ``checkpoints/``, ``loss.png`` and ``model/``.
 
 Checks happen before anything is written: a dir holding another run is refused
-unless overwriting; resuming needs a checkpoint and the same run-defining settings.
+unless overwriting; resuming needs a checkpoint and the same run-defining settings;
+the run dir never is, contains or lies inside an input (the corpus, the tokenizer).
+
+Overwriting keeps the old run until the new one is complete: the new run is written
+into ``.OUT.tmp-overwrite`` beside it and renamed over ``OUT`` when this invocation
+ends (finished, or stopped at ``--stop-at`` with a checkpoint). A crash or Ctrl-C
+leaves the old run as it was.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
+import sysconfig
 from pathlib import Path
 
-from prunus.models.atomic import atomic_write_json
+from prunus.models.atomic import atomic_write_json, clean_stale_temps, replace_dir, writable_parent
 from prunus.models.errors import PrunusError
+from prunus.models.paths import check_output, check_replaceable
+from prunus.models.validate import read_json_object
 
 from .checkpoint import list_checkpoints
 from .config import RESUMABLE, TrainConfig
@@ -23,7 +32,42 @@ def read_run_config(run_dir: str | Path) -> TrainConfig:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise PrunusError(f"--resume: {run_dir} holds no run ({RUN_CONFIG} missing) and so no checkpoint; start a new run without --resume")
-    return TrainConfig.from_dict(json.loads(path.read_text())["train"])
+    run = read_json_object(path, fix="re-create the run (prunus train --overwrite)")
+    if not isinstance(run.get("train"), dict):
+        raise PrunusError(f"{path}: has no 'train' object; re-create the run (prunus train --overwrite)")
+    return TrainConfig.from_dict(run["train"], source=str(path))
+
+
+def train_inputs(cfg: TrainConfig) -> list[tuple[str, str | None]]:
+    """What a run reads, labelled by flag: the run dir must stay clear of all of them."""
+    data = cfg.data if cfg.data not in (None, "builtin") else sysconfig.get_paths()["stdlib"]
+    return [("--data", data), ("--tokenizer", cfg.tokenizer), ("--init-from", getattr(cfg, "init_from", None))]
+
+
+def staging_dir(out: str | Path) -> Path:
+    """Where an overwriting run is written until it is complete."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.tmp-overwrite")
+
+
+def _occupied(path: Path) -> bool:
+    return os.path.lexists(path) and (not path.is_dir() or path.is_symlink() or any(path.iterdir()))
+
+
+def run_location(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> tuple[Path, bool, bool]:
+    """(the dir this invocation writes, resume, overwrite). Under torchrun's restart after a failure, the
+    run goes on from its own newest checkpoint (in the staging dir when it was overwriting)."""
+    out, stage = Path(cfg.out), staging_dir(cfg.out)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        if list_checkpoints(stage):
+            return stage, True, False
+        if stage.is_dir():
+            return stage, False, True
+        resume = bool(list_checkpoints(out))
+        return (stage if not resume and _occupied(out) else out), resume, not resume
+    if overwrite and not resume and _occupied(out):
+        return stage, False, True
+    return out, resume, overwrite
 
 
 def resume_config(run_dir: str | Path, **overrides) -> TrainConfig:
@@ -34,28 +78,44 @@ def resume_config(run_dir: str | Path, **overrides) -> TrainConfig:
     return TrainConfig.from_dict(saved)
 
 
-def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> Path | None:
+def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: str | Path | None = None) -> Path | None:
     """Validate the run dir for this invocation; return the checkpoint to resume from, if any."""
     out = Path(cfg.out)
+    check_output(out, train_inputs(cfg))
+    work = Path(run_dir) if run_dir is not None else out
     if resume:
-        saved = read_run_config(out)
-        ckpts = list_checkpoints(out)
+        saved = read_run_config(work)
+        ckpts = list_checkpoints(work)
         if not ckpts:
-            raise PrunusError(f"--resume: no checkpoint in {out / 'checkpoints'}; start a new run without --resume")
+            raise PrunusError(f"--resume: no checkpoint in {work / 'checkpoints'}; start a new run without --resume")
         differ = [k for k, v in saved.to_dict().items() if k not in RESUMABLE and k != "out" and cfg.to_dict()[k] != v]
         if differ:
             k = differ[0]
             raise PrunusError(f"--resume: {k} is {cfg.to_dict()[k]!r} but the run in {out} used {saved.to_dict()[k]!r}; keep it or start a new run with another --out")
         return ckpts[-1][1]
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if _occupied(out) and not overwrite:
         raise PrunusError(f"{out}: already holds a run or other files; pass --resume to continue it, --overwrite to replace it, or choose another --out")
+    if overwrite:
+        check_replaceable(out)
+    writable_parent(out)
     return None
 
 
-def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict) -> Path:
-    out = Path(cfg.out)
-    if overwrite and out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str | Path | None = None) -> Path:
+    """Create the dir this invocation writes (rank 0): a fresh staging dir when overwriting."""
+    out = Path(run_dir) if run_dir is not None else Path(cfg.out)
+    if out.parent.is_dir():
+        clean_stale_temps(out.parent)
+    if overwrite and out == staging_dir(cfg.out) and os.path.lexists(out):
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / RUN_CONFIG, {"train": cfg.to_dict(), **extra})
+    return out
+
+
+def publish_run_dir(cfg: TrainConfig, run_dir: str | Path) -> Path:
+    """Put a finished staging dir in place of the old run (rank 0, at the end of the invocation)."""
+    out, run_dir = Path(cfg.out), Path(run_dir)
+    if run_dir != out:
+        replace_dir(run_dir, out)
     return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -41,7 +40,7 @@ from .pipeline_parallel import pipeline_score
 from .parallelize import cross_entropy, local_value, parallelize, validate_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
-from .run_dir import check_run_dir, init_run_dir
+from .run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
 from .schedule import lr_at
 from .tensor_parallel import loss_context
 
@@ -164,10 +163,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
     rank, world, launched_device = init_distributed(cfg.timeout_s)
     main = rank == 0
     model_cfg = cfg.model_config()
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":  # torchrun restarted the job after a failure
-        resume = bool(list_checkpoints(cfg.out))
-        overwrite = not resume
-    resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    # the dir this invocation writes: OUT, or a staging dir that replaces OUT once complete (--overwrite)
+    run_dir, resume, overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
+    resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=run_dir)
     if world > 1:
         dist.barrier()  # every rank has checked the run dir before rank 0 writes to it
     seq_len = cfg.resolved_seq_len()
@@ -194,7 +192,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
     zero1_mesh = dims.submesh("dp_cp") if cfg.zero == 1 and dims.dp * dims.cp > 1 else None
     optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
 
-    run_dir = Path(cfg.out)
     checkpointer = Checkpointer(run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
     start, train_state = 0, {"tokens": 0, "elapsed_s": 0.0}
     if resume_from is not None:
@@ -207,7 +204,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
                               "resume with the model it was written for") from None
         start = train_state.pop("step")
     if main:
-        init_run_dir(cfg, overwrite=overwrite and not resume, extra={
+        init_run_dir(cfg, overwrite=overwrite and not resume, run_dir=run_dir, extra={
             "model": model_cfg.to_dict(), "corpus": corpus.name, "train_tokens": len(corpus.train),
             "val_tokens": len(corpus.val), "world_size": world, "command": shlex.join(sys.argv),
         })
@@ -342,9 +339,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
                 metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": stop,
                          "train_tokens": train_state["tokens"], "corpus": corpus.name, "world_size": world},
             )
-            progress.print(f"model dir: {model_dir}  (val loss {record['val_loss']:.4f}, {record['val_bpb']:.3f} bits/byte)")
+            progress.print(f"model dir: {Path(cfg.out) / 'model'}  (val loss {record['val_loss']:.4f}, {record['val_bpb']:.3f} bits/byte)")
     else:
         progress.print(f"stopped at step {stop}; continue with --resume")
     if world > 1:
         dist.barrier()
-    return TrainResult(run_dir, model_dir, stop, record, losses)
+    if main:
+        run_dir = publish_run_dir(cfg, run_dir)  # an overwritten run's old dir goes only now
+        model_dir = run_dir / "model" if model_dir is not None else None
+    return TrainResult(Path(cfg.out), model_dir, stop, record, losses)
