@@ -1,4 +1,7 @@
-"""prunus generate: sample a continuation of a prompt, with the KV cache, on the serving Engine."""
+"""prunus generate: sample a continuation of a prompt, with the KV cache, on the serving Engine.
+
+With ``--chat`` the prompt is a user message (after an optional ``--system`` one) rendered
+with the model's chat template, and the answer ends at the model's end of turn."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from prunus.serve import Engine
 
 @click.command("generate")
 @click.argument("model_dir", type=click.Path())
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
+@click.option("--chat", is_flag=True, help="Render PROMPT as a user turn with the model's chat template; print the answer.")
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=None)
@@ -21,15 +26,26 @@ from prunus.serve import Engine
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
               help="Default: torch for a model dir, the export's runtime for an export dir.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
-def command(model_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, tp):
-    """Continue PROMPT with the model in MODEL_DIR (or an export dir)."""
+def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp):
+    """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
     if max_new_tokens < 1:
         raise PrunusError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if system is not None and not chat:
+        raise PrunusError("--system applies to --chat; add --chat or drop --system")
     with Engine.load(model_dir, backend, tp=tp, max_batch=1) as engine:
-        r = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        text = prompt
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+                {"role": "user", "content": prompt}]
+            try:
+                text = engine.chat_prompt(messages)
+            except PrunusError as e:
+                raise PrunusError(f"{model_dir}: {e}") from None
+        r = engine.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed)
-    click.echo(prompt + r.text)
+    click.echo(r.text if chat else prompt + r.text)
     n = len(r.token_ids)
     click.echo(f"[{n} tokens in {r.total_s:.2f} s, {n / r.total_s if r.total_s else 0:.1f} tokens/s; first token "
-               f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_tokens_per_s:.1f} tokens/s]", err=True)
+               f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_tokens_per_s:.1f} tokens/s; "
+               f"{'end of turn' if chat and r.finish_reason == 'stop' else r.finish_reason}]", err=True)
     sys.stdout.flush()

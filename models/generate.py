@@ -6,7 +6,7 @@ engine and the compression and export reports (greedy-token agreement) build on 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -36,12 +36,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
 @torch.inference_mode()
 def stream_tokens(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                  eos_id: int | None = None) -> Iterator[torch.Tensor]:
+                  eos_id: int | Iterable[int] | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every sequence, (batch,), up to ``max_new_tokens`` times.
 
-    ``prompt`` is (batch, prompt_len) token ids. Stops early when every sequence
-    has produced ``eos_id``.
+    ``prompt`` is (batch, prompt_len) token ids. ``eos_id``: one stop token or several (a
+    tokenizer's ``stop_ids``: end of text and end of turn). Stops early when every sequence
+    has produced one; a finished sequence repeats its stop token.
     """
+    stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id)).view(-1)
+    if stops is not None and stops.numel() == 0:
+        stops = None
     if prompt.ndim == 1:
         prompt = prompt.unsqueeze(0)
     if prompt.shape[1] == 0:
@@ -60,13 +64,15 @@ def stream_tokens(model, prompt: torch.Tensor, max_new_tokens: int, *, temperatu
     cache = KVCache.for_model(model, prompt.shape[0], max_len=total)
     logits = model(prompt.to(device), cache=cache)[:, -1]
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    last = None
     for i in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
+        if stops is not None:
+            nxt = nxt if last is None else torch.where(done, last, nxt)
+            done |= torch.isin(nxt, stops.to(nxt.device))
+            last = nxt
         yield nxt
-        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+        if i + 1 == max_new_tokens or (stops is not None and bool(done.all())):
             return
         logits = model(nxt[:, None], cache=cache)[:, -1]
 

@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import PrunusError
 from .llama import Transformer
 from .quantized import count_params, quantized_layout
-from .tokenizer import load_tokenizer
+from .tokenizer import check_vocab, load_tokenizer
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -77,6 +77,7 @@ def save_model(
     alongside and covered by the manifest's hashes."""
     path = Path(path)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
+    check_vocab(tokenizer, model.config.vocab_size, getattr(tokenizer, "path", path))
     parent_info = None
     if parent is not None:
         parent_manifest = read_manifest(parent)
@@ -184,8 +185,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
 
 def load_model_tokenizer(path: str | Path):
-    _, config = read_config(path)
-    return load_tokenizer(config.get("tokenizer"), base_dir=path)
+    """The model dir's tokenizer, checked against the model's vocab_size."""
+    cfg, config = read_config(path)
+    tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)
+    check_vocab(tokenizer, cfg.vocab_size, path)
+    return tokenizer
 
 
 def update_manifest_metrics(path: str | Path, metrics: dict) -> dict:

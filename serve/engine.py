@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from prunus.models import PrunusError, load_model, load_model_tokenizer, load_tokenizer
+from prunus.models.tokenizer import check_vocab
 
 from .artifact import resolve_backend
 from .request import GenerationResult, Request, SamplingParams, StreamToken
@@ -90,6 +91,7 @@ class Engine:
             tokenizer = load_model_tokenizer(path)
         else:
             tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)
+            check_vocab(tokenizer, config["model"]["vocab_size"], path)
             if backend == "onnxruntime":
                 from .backend_onnxruntime import load_onnxruntime_backend
 
@@ -116,8 +118,13 @@ class Engine:
             raise PrunusError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"{self.max_len} tokens; shorten the prompt or lower max_new_tokens")
-        eos = None if ignore_eos else getattr(self.tokenizer, "eos_id", None)
-        return self.scheduler.submit(Request(ids, params, self.tokenizer, eos_id=eos))
+        stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ()))
+        return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops))
+
+    def chat_prompt(self, messages) -> str:
+        """The prompt text of a conversation (``[{"role", "content"}, ...]``) in the model's chat template,
+        ending where the assistant's answer begins; a missing or failing template is a PrunusError."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -4,6 +4,7 @@
   (16), ``temperature`` (1.0), ``top_p``, ``top_k`` (an extension), ``seed``, ``stop``
   (a string or a list), ``stream`` (server-sent events: ``data: {...}`` chunks, then
   ``data: [DONE]``; one prompt per streamed request);
+* ``POST /v1/chat/completions``: ``messages`` through the model's chat template (:mod:`prunus.serve.chat_api`);
 * ``GET /health``: the engine's settings and load, JSON;
 * ``GET /metrics``: Prometheus text (:mod:`prunus.serve.metrics`).
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from prunus.models import PrunusError
 
+from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine
 from .metrics import Metrics
 from .request import GenerationResult
@@ -108,15 +110,18 @@ class CompletionHandler(BaseHTTPRequestHandler):
             self._error(404, f"no route GET {self.path}; try /health, /metrics or POST /v1/completions", "not_found")
 
     def do_POST(self):
-        if self.path != "/v1/completions":
+        if self.path not in ("/v1/completions", CHAT_PATH):
             self._drain()
-            self._error(404, f"no route POST {self.path}; use /v1/completions", "not_found")
+            self._error(404, f"no route POST {self.path}; use /v1/completions or {CHAT_PATH}", "not_found")
             return
         t0 = time.perf_counter()
         status = 500
         try:
-            prompts, kwargs, stream = parse_completion(self._body())
-            status = self._stream(prompts[0], kwargs) if stream else self._complete(prompts, kwargs)
+            if self.path == CHAT_PATH:  # prunus.serve.chat_api
+                status = handle_chat(self, self._body())
+            else:
+                prompts, kwargs, stream = parse_completion(self._body())
+                status = self._stream(prompts[0], kwargs) if stream else self._complete(prompts, kwargs)
         except BadRequest as e:
             status = e.status
             self._error(e.status, str(e), e.kind)

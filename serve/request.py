@@ -72,7 +72,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     tokenizer: object
-    eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()  # tokens that end the request (end of text, end of turn)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
@@ -102,7 +102,7 @@ class Request:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.n_tokens += 1
-        if self.eos_id is not None and token == self.eos_id:
+        if token in self.stop_ids:
             self.finish_reason = "stop"
             self.events.put(StreamToken(token, self._take(final=True)))
             return
