@@ -19,6 +19,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import PrunusError
+from .paths import check_output
 from .gguf_layout import ARCHITECTURE, from_gguf_rows, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
@@ -167,8 +168,7 @@ def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", over
     path, out = Path(path), Path(out)
     if dtype not in DTYPES:
         raise PrunusError(f"convert: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if out.resolve() == path.resolve() or path.resolve().is_relative_to(out.resolve()):
-        raise PrunusError(f"{out}: the output would replace the input {path}; choose another --out")
+    check_output(out, [("--from-gguf", path)])  # prunus.models.paths: never over an input
     reader = open_gguf(path)
     where = str(path)
     meta = read_metadata(reader)

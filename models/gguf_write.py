@@ -25,6 +25,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import PrunusError
+from .paths import check_output
 from .gguf_layout import ARCHITECTURE, gguf_name, rotary_heads, to_gguf_rows
 from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
 from .model_dir import load_model, load_model_tokenizer
@@ -124,9 +125,7 @@ def _atomic_file(path: Path, overwrite: bool):
 
 
 def _check_paths(model_dir: Path, out: Path) -> None:
-    m, o = model_dir.resolve(), out.resolve()
-    if o == m or o.is_relative_to(m) or m.is_relative_to(o):
-        raise PrunusError(f"{out}: the output would be written over or inside the input {model_dir}; choose another --out")
+    check_output(out, [("--to-gguf", model_dir)])  # prunus.models.paths: never over an input
 
 
 def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwrite: bool = False) -> Path:

@@ -51,6 +51,9 @@ def area(tmp_path_factory, trained_run):
 
     shutil.copytree(trained_run / "model", root / "M")
     to_hf(root / "M", root / "H")
+    from prunus.models.gguf_write import to_gguf
+
+    to_gguf(root / "M", root / "G.gguf")
     (root / "X").mkdir()
     (root / "X" / "notes.txt").write_text("a user's own files\n")
     return root
@@ -73,6 +76,8 @@ REFUSED = [  # (verb arguments with {root}, words of the one-line error)
     (["compress", "{r}/M", "--quantize", "int8-weight-only", "--out", "{r}/M", "--overwrite"], ["is the input MODEL_DIR"]),
     (["compress", "{r}/M", "--quantize", "int8-weight-only", "--data", "{r}/D", "--out", "{r}/L/..", "--overwrite"],
      ["contains the input"]),
+    (["convert", "--to-gguf", "{r}/M", "--out", "{r}/M/m.gguf"], ["lies inside the input --to-gguf"]),
+    (["convert", "--from-gguf", "{r}/G.gguf", "--out", "{r}/G.gguf", "--overwrite"], ["is the input --from-gguf"]),
     (["export", "{r}/M", "--out", "{r}/X", "--overwrite"], ["prunus did not write", "--overwrite"]),
     (["convert", "--to-hf", "{r}/M", "--out", "{r}/X", "--overwrite"], ["prunus did not write"]),
 ]
@@ -86,11 +91,13 @@ def test_output_over_an_input_is_refused(area, args, words, assert_user_error):
     assert snapshot(area) == before
 
 
-@pytest.mark.parametrize("verb", ["train", "export", "compress", "to_hf", "from_hf"])
+@pytest.mark.parametrize("verb", ["train", "export", "compress", "to_hf", "from_hf", "to_gguf", "from_gguf"])
 def test_python_api_refuses_too(area, verb, tiny_cfg):
     """The check lives in each writer, not only in the CLI."""
     from prunus.compress import compress
     from prunus.export import export_model
+    from prunus.models.gguf_read import from_gguf
+    from prunus.models.gguf_write import to_gguf
     from prunus.models.hf_convert import from_hf, to_hf
     from prunus.train_parallel import train
 
@@ -101,6 +108,8 @@ def test_python_api_refuses_too(area, verb, tiny_cfg):
         "compress": lambda: compress(area / "M", [("quantize", {"scheme": "int8-weight-only"})], area, overwrite=True),
         "to_hf": lambda: to_hf(area / "M", area / "M", overwrite=True),
         "from_hf": lambda: from_hf(area / "H", area / "H" / "x"),
+        "to_gguf": lambda: to_gguf(area / "L" / "..", area / "M" / "x.gguf"),
+        "from_gguf": lambda: from_gguf(area / "G.gguf", area, overwrite=True),
     }
     with pytest.raises(PrunusError, match="writing there would destroy it"):
         calls[verb]()
