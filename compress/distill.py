@@ -14,6 +14,13 @@ on the context's training tokens, with the engine's AdamW, warmup + cosine sched
   ``torchrun --standalone`` runs ``python -m prunus.compress.distill SPEC`` on ``nproc``
   processes; the consolidated student is read back.
 
+Defaults scale with the model (:func:`default_schedule`): windows of at most
+``DISTILL_WINDOW`` tokens, as many rows (up to 16) as keep the student's logits and their
+gradients within ``LOGITS_MEMORY``, and as many steps (20 to 200) as fit ``FLOP_BUDGET``
+(6 x student + 2 x teacher parameters per token). The demo model gets 200 steps x 16
+rows; SmolLM2-135M (vocabulary 49,152) 2 rows x 512 tokens for about 25 steps.
+The loss itself is computed over chunks of positions (``distill_loss.py``).
+
 The engine reads the context's exact training and validation tokens from a temporary
 ``train.bin`` / ``val.bin`` (for vocabularies above 65,536 ids: ``ctx.data`` is loaded again, with
 the engine's default corpus size). The projections of the hidden-state loss are trained with
@@ -43,6 +50,28 @@ from prunus.train_parallel.launch import LAUNCHED, env_ranks, init_distributed
 
 from .distill_loss import DistillObjective
 from .student import make_student
+
+DISTILL_WINDOW = 512  # tokens per row at most
+LOGITS_MEMORY = 1 << 30  # bytes for the student's float32 logits, their gradient and two softmax-sized buffers
+FLOP_BUDGET = 2e13  # training FLOPs a default run spends (200 steps x 16 rows of 256 tokens of the 3M demo model)
+MIN_STEPS, MAX_STEPS, MAX_ROWS = 20, 200, 16
+
+
+def default_schedule(student: Transformer, ctx, *, steps: int | None = None, batch_size: int | None = None,
+                     seq_len: int | None = None, nproc: int = 1) -> tuple[int, int, int]:
+    """(steps, batch_size, seq_len) for a distillation run: what was given, the rest scaled to the
+    model (see the module docstring). batch_size stays a multiple of nproc."""
+    limit = min(ctx.seq_len, student.config.max_seq_len, ctx.teacher.config.max_seq_len)
+    seq_len = min(seq_len or DISTILL_WINDOW, limit)
+    if batch_size is None:
+        rows = LOGITS_MEMORY // (4 * 4 * student.config.vocab_size * seq_len)
+        batch_size = max(nproc, min(MAX_ROWS, rows) // nproc * nproc)
+    if steps is None:
+        n_student = sum(p.numel() for p in student.parameters())
+        n_teacher = sum(p.numel() for p in ctx.teacher.parameters())
+        per_step = (6 * n_student + 2 * n_teacher) * batch_size * seq_len
+        steps = int(min(MAX_STEPS, max(MIN_STEPS, FLOP_BUDGET // per_step)))
+    return steps, batch_size, seq_len
 
 
 @dataclass
@@ -83,7 +112,6 @@ def _train_config(ctx, student: Transformer, work: Path, *, steps, batch_size, s
         (work / "tokenizer").mkdir(exist_ok=True)
         ctx.tokenizer.save(work / "tokenizer")
         tokenizer = str(work / "tokenizer")
-    seq_len = min(seq_len or ctx.seq_len, student.config.max_seq_len, ctx.teacher.config.max_seq_len)
     return TrainConfig(
         out=str(work / "run"), preset="tiny", model=student.config.to_dict(), data=data if data else ctx.data,
         tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, min_lr=lr / 10,
@@ -95,12 +123,15 @@ def _has_zeros_to_keep(model) -> bool:
     return bool((getattr(model, "compression", None) or {}).get("sparsity"))
 
 
-def distill(student: Transformer, ctx, *, steps: int = 200, batch_size: int = 16, seq_len: int | None = None,
+def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9, reverse_kl: float = 0.0,
             hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0, zero: int | None = None,
             progress: bool = True, run_dir: str | Path | None = None) -> DistillResult:
-    """Train ``student`` against ``ctx.teacher`` (see the module docstring). ``run_dir``: keep the
+    """Train ``student`` against ``ctx.teacher`` (see the module docstring). ``steps``, ``batch_size``,
+    ``seq_len``: None scales them to the model (:func:`default_schedule`). ``run_dir``: keep the
     engine's run dir (metrics.jsonl, loss.png) there; by default it is temporary."""
+    steps, batch_size, seq_len = default_schedule(student, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                                                  nproc=nproc if isinstance(nproc, int) and nproc >= 1 else 1)
     _check_args(steps, batch_size, lr, temperature, kd_weight, reverse_kl, hidden_weight, nproc)
     if student.config.vocab_size != ctx.teacher.config.vocab_size:
         raise PrunusError(f"distill: the student's vocab_size {student.config.vocab_size} differs from the teacher's "
@@ -193,7 +224,7 @@ def run_spec(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
-def distill_pass(model: Transformer, ctx, *, student=None, steps: int = 200, batch_size: int = 16,
+def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = None, batch_size: int | None = None,
                  seq_len: int | None = None, lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9,
                  reverse_kl: float = 0.0, hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0,
                  progress: bool = True) -> Transformer:
@@ -201,7 +232,8 @@ def distill_pass(model: Transformer, ctx, *, student=None, steps: int = 200, bat
 
     ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"width:F"``, a
     preset name or a dict of model config fields (see ``compress/student.py``). Returns the
-    student in eval mode; ``model.compression["distillation"]`` records what was done."""
+    student in eval mode; ``model.compression["distillation"]`` records what was done. ``steps``,
+    ``batch_size`` and ``seq_len`` default to :func:`default_schedule` (scaled to the model)."""
     if student is None:
         if any(not p.is_floating_point() for p in model.state_dict().values() if p.ndim >= 2):
             raise PrunusError("distill: the model holds quantized weights; distill before quantizing "
@@ -214,13 +246,18 @@ def distill_pass(model: Transformer, ctx, *, student=None, steps: int = 200, bat
         if getattr(model, "compression", None):  # a derived student keeps no quantization, and no sparsity
             learner.compression = {k: v for k, v in model.compression.items() if k not in ("quantization", "sparsity")}
     teacher_params = sum(p.numel() for p in ctx.teacher.parameters())
+    steps, batch_size, seq_len = default_schedule(learner, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                                                  nproc=nproc if isinstance(nproc, int) and nproc >= 1 else 1)
+    if hasattr(ctx, "note"):
+        ctx.note(f"distilled {steps} steps x {batch_size} rows x {seq_len} tokens "
+                 f"({steps * batch_size * seq_len:,} training tokens)")
     result = distill(learner, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature,
                      kd_weight=kd_weight, reverse_kl=reverse_kl, hidden_weight=hidden_weight, nproc=nproc, seed=seed,
                      progress=progress)
     out = result.model
     out.compression = dict(getattr(learner, "compression", None) or {})
     out.compression["distillation"] = {
-        "student": student, "steps": steps, "batch_size": batch_size, "lr": lr, "temperature": temperature,
+        "student": student, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "temperature": temperature,
         "kd_weight": kd_weight, "reverse_kl": reverse_kl, "hidden_weight": hidden_weight, "nproc": nproc,
         "teacher_params": teacher_params, "student_params": sum(p.numel() for p in out.parameters()),
         "final_loss": result.losses[-1], "val_loss": result.metrics.get("val_loss"), "val_bpb": result.metrics.get("val_bpb"),

@@ -11,6 +11,12 @@
 ``DistillObjective`` is the ``objective`` of ``prunus.train_parallel.train``: it runs the teacher
 (no grad) on the same tokens, reads hidden states with forward hooks, and hands its projections
 to the trainer as modules to train. ``close()`` removes every hook it placed.
+
+Memory stays bounded at long contexts and large vocabularies: the cross-entropy and KD terms
+are computed over chunks of positions (``LOGITS_BYTES`` of float32 logits each), each chunk
+under activation checkpointing, so neither their softmaxes nor the teacher's logits exist for
+all positions at once; the teacher's logits are computed chunk by chunk from its final hidden
+states (``prunus.data.evaluate.final_hidden``) when its logits are its output head of them.
 """
 
 from __future__ import annotations
@@ -18,19 +24,59 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from prunus.data.evaluate import final_hidden, output_head_is_last
+
+LOGITS_BYTES = 64 << 20  # float32 logits per chunk of positions
+
+
+def _kd_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, reverse_kl: float) -> torch.Tensor:
+    """The KD term summed over the rows of (n, vocab) logits."""
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    loss = s.new_zeros(())
+    if reverse_kl < 1:  # kl_div(a, b, log_target) = sum exp(b) (b - a): KL(b || a)
+        loss = loss + (1 - reverse_kl) * F.kl_div(s, t, reduction="sum", log_target=True)
+    if reverse_kl > 0:
+        loss = loss + reverse_kl * F.kl_div(t, s, reduction="sum", log_target=True)
+    return loss * temperature**2
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 2.0,
             reverse_kl: float = 0.0) -> torch.Tensor:
     """T^2 [(1 - reverse_kl) KL(p_t || p_s) + reverse_kl KL(p_s || p_t)], mean over tokens."""
-    s = F.log_softmax(student_logits.float().flatten(0, -2) / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.float().flatten(0, -2) / temperature, dim=-1)
-    loss = s.new_zeros(())
-    if reverse_kl < 1:  # kl_div(a, b, log_target) = sum exp(b) (b - a): KL(b || a)
-        loss = loss + (1 - reverse_kl) * F.kl_div(s, t, reduction="batchmean", log_target=True)
-    if reverse_kl > 0:
-        loss = loss + reverse_kl * F.kl_div(t, s, reduction="batchmean", log_target=True)
-    return loss * temperature**2
+    s, t = student_logits.flatten(0, -2), teacher_logits.flatten(0, -2)
+    return _kd_sum(s, t, temperature, reverse_kl) / s.shape[0]
+
+
+def _chunk_terms(s: torch.Tensor, y: torch.Tensor, teacher: torch.Tensor | None, head, temperature: float,
+                 reverse_kl: float, ce: bool) -> torch.Tensor:
+    """[summed cross-entropy, summed KD] of one chunk of positions; ``teacher`` holds the teacher's
+    logits, or its final hidden states when ``head`` is its output head."""
+    zero = s.new_zeros((), dtype=torch.float32)
+    ce_sum = F.cross_entropy(s.float(), y, reduction="sum") if ce else zero
+    if teacher is None:
+        return torch.stack([ce_sum, zero])
+    t = head(teacher) if head is not None else teacher
+    return torch.stack([ce_sum, _kd_sum(s, t, temperature, reverse_kl)])
+
+
+def chunked_ce_kd(logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None, head=None, *,
+                  temperature: float = 2.0, reverse_kl: float = 0.0, ce: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, mean KD) over all positions, computed over chunks of positions under
+    activation checkpointing (see the module docstring); a term not asked for is zero."""
+    s, y = logits.flatten(0, -2), targets.flatten()
+    t = teacher.flatten(0, -2) if teacher is not None else None
+    step = max(1, LOGITS_BYTES // (4 * s.shape[-1]))
+    total = s.new_zeros(2, dtype=torch.float32)
+    for i in range(0, s.shape[0], step):
+        part = (s[i:i + step], y[i:i + step], None if t is None else t[i:i + step], head, temperature, reverse_kl, ce)
+        if s.requires_grad and s.shape[0] > step:
+            total = total + checkpoint(_chunk_terms, *part, use_reentrant=False)
+        else:
+            total = total + _chunk_terms(*part)
+    return total[0] / s.shape[0], total[1] / s.shape[0]
 
 
 def layer_map(n_student: int, n_teacher: int) -> list[int]:
@@ -62,6 +108,7 @@ class DistillObjective:
         self.history: list[dict] = []  # per call: the loss and its parts, as floats
         self._hooks, self._s_hidden, self._t_hidden = [], {}, {}
         self.proj = None
+        self._head_last = None  # whether the teacher's logits are its output head of its final hidden states
         if hidden_weight > 0:
             t_blocks, s_blocks = list(teacher.layers.values()), list(student.layers.values())
             self.map = layer_map(len(s_blocks), len(t_blocks))
@@ -95,24 +142,32 @@ class DistillObjective:
             terms.append(F.mse_loss(h, self._t_hidden[j].float()))
         return torch.stack(terms).mean()
 
+    def _teacher(self, tokens: torch.Tensor):
+        """(the teacher's final hidden states, its output head) or (its logits, None); no grad."""
+        with torch.no_grad():
+            if self._head_last is None:
+                self._head_last = output_head_is_last(self.teacher, tokens)
+                self._t_hidden.clear()
+            if self._head_last:
+                return final_hidden(self.teacher, tokens), self.teacher.output
+            return self.teacher(tokens), None
+
     def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = logits.new_zeros((), dtype=torch.float32)
         parts = {}
+        teacher, head = self._teacher(tokens) if self.kd_weight > 0 or self.hidden_weight > 0 else (None, None)
+        ce, kd = chunked_ce_kd(logits, targets, teacher if self.kd_weight > 0 else None, head,
+                               temperature=self.temperature, reverse_kl=self.reverse_kl, ce=self.kd_weight < 1)
         if self.kd_weight < 1:
-            ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             loss = loss + (1 - self.kd_weight) * ce
             parts["ce"] = ce
-        if self.kd_weight > 0 or self.hidden_weight > 0:
-            with torch.no_grad():
-                teacher_logits = self.teacher(tokens)
-            if self.kd_weight > 0:
-                kd = kd_loss(logits, teacher_logits, self.temperature, self.reverse_kl)
-                loss = loss + self.kd_weight * kd
-                parts["kd"] = kd
-            if self.hidden_weight > 0:
-                mse = self.hidden_loss()
-                loss = loss + self.hidden_weight * mse
-                parts["hidden"] = mse
+        if self.kd_weight > 0:
+            loss = loss + self.kd_weight * kd
+            parts["kd"] = kd
+        if self.hidden_weight > 0:
+            mse = self.hidden_loss()
+            loss = loss + self.hidden_weight * mse
+            parts["hidden"] = mse
         self._s_hidden.clear()
         self._t_hidden.clear()
         self.history.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}})

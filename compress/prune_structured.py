@@ -20,7 +20,10 @@ calibration batches of the unpruned model:
   are renumbered 0..n-1. ``amount`` is a count when an int, a fraction of
   ``n_layers`` when a float.
 
-Counts round half up; an amount that removes nothing (or everything) is refused.
+Counts are the nearest achievable (halves round up): with 3 kv groups of 3 heads,
+``heads: 0.25`` removes one group, 3 of 9 heads (33%). What was actually removed is
+recorded (``removed_fraction``, ``summary``) and noted in the compression report. An
+amount that removes nothing (or everything) is refused, naming the achievable amounts.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def block_importance(model: Transformer, batches) -> dict[str, float]:
 
 
 def _count(amount, total: int, what: str, allow_int: bool) -> int:
-    """How many of ``total`` units ``amount`` removes (a fraction, or for blocks an int count)."""
+    """How many of ``total`` units ``amount`` removes: the nearest whole number (halves up) to
+    ``amount * total`` (a fraction), or the count itself (blocks, an int)."""
     if isinstance(amount, bool) or not isinstance(amount, (int, float)):
         raise PrunusError(f"prune_structured: amount {amount!r} must be a number")
     if allow_int and isinstance(amount, int):
@@ -119,9 +123,10 @@ def _count(amount, total: int, what: str, allow_int: bool) -> int:
         raise PrunusError(f"prune_structured: amount {amount!r} must be {hint}")
     else:
         n = int(amount * total + 0.5)
+    achievable = ", ".join(f"{k / total:.3g}" for k in range(1, min(total, 6)))
     if amount > 0 and n == 0:
         raise PrunusError(f"prune_structured: amount {amount} removes none of the {total} {what}; "
-                          f"raise it to at least {1 / total:.3g}")
+                          f"achievable amounts: {achievable}{', ...' if total > 6 else ''}")
     if not 0 <= n < total:
         raise PrunusError(f"prune_structured: amount {amount} would remove {n} of the {total} {what}; at least one must stay")
     return n
@@ -157,10 +162,19 @@ def _rebuild(model: Transformer, cfg, state: dict[str, torch.Tensor]) -> Transfo
     return new
 
 
+def _take(state: dict, prefix: str, names, index: torch.Tensor, dim: int = 0) -> None:
+    """Keep ``index`` along ``dim`` of ``prefix.name.weight`` (and of its bias along rows, when it has one)."""
+    for name in names:
+        state[f"{prefix}{name}.weight"] = state[f"{prefix}{name}.weight"].index_select(dim, index)
+        if dim == 0 and f"{prefix}{name}.bias" in state:
+            state[f"{prefix}{name}.bias"] = state[f"{prefix}{name}.bias"][index]
+
+
 def _remove_heads(model: Transformer, amount, batches):
     cfg = model.config
     n_rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    n = _count(amount, cfg.n_kv_heads, "kv head groups" if n_rep > 1 else "heads", allow_int=False)
+    n = _count(amount, cfg.n_kv_heads, f"kv head groups (of {n_rep} heads each)" if n_rep > 1 else "heads",
+               allow_int=False)
     scores = head_group_importance(model, batches) if n else {}
     state, removed = dict(model.state_dict()), {}
     for key in model.layers:
@@ -168,16 +182,21 @@ def _remove_heads(model: Transformer, amount, batches):
         keep = [g for g in range(cfg.n_kv_heads) if g not in drop]
         q_keep = [g * n_rep + r for g in keep for r in range(n_rep)]
         p = f"layers.{key}.attention."
-        state[p + "wq.weight"] = state[p + "wq.weight"][_rows(q_keep, hd)]
-        state[p + "wk.weight"] = state[p + "wk.weight"][_rows(keep, hd)]
-        state[p + "wv.weight"] = state[p + "wv.weight"][_rows(keep, hd)]
-        state[p + "wo.weight"] = state[p + "wo.weight"][:, _rows(q_keep, hd)]
+        _take(state, p, ("wq",), _rows(q_keep, hd))
+        _take(state, p, ("wk", "wv"), _rows(keep, hd))
+        _take(state, p, ("wo",), _rows(q_keep, hd), dim=1)
         removed[f"layers.{key}.attention"] = {
             "removed_kv_heads": drop, "removed_heads": [g * n_rep + r for g in drop for r in range(n_rep)],
             "importance": [round(float(s), 6) for s in scores[key]] if n else None,
         }
     new_cfg = cfg.replace(n_heads=cfg.n_heads - n * n_rep, n_kv_heads=cfg.n_kv_heads - n, head_dim=hd)
-    return new_cfg, state, removed
+    fraction = n / cfg.n_kv_heads
+    note = f"removed {n * n_rep} of {cfg.n_heads} attention heads in every block ({100 * fraction:.1f}%)"
+    if n_rep > 1:
+        note += f": heads go in whole kv groups of {n_rep}, {n} of {cfg.n_kv_heads} groups"
+    if abs(fraction - amount) > 1e-9:
+        note += f"; {amount:g} was asked, {fraction:.3g} is the nearest achievable amount"
+    return new_cfg, state, removed, fraction, note
 
 
 def _remove_channels(model: Transformer, amount, batches):
@@ -190,11 +209,15 @@ def _remove_channels(model: Transformer, amount, batches):
         keep = torch.ones(cfg.ffn_dim, dtype=torch.bool)
         keep[drop] = False
         p = f"layers.{key}.feed_forward."
-        state[p + "w1.weight"] = state[p + "w1.weight"][keep]
-        state[p + "w3.weight"] = state[p + "w3.weight"][keep]
-        state[p + "w2.weight"] = state[p + "w2.weight"][:, keep]
+        index = keep.nonzero().flatten()
+        _take(state, p, ("w1", "w3"), index)
+        _take(state, p, ("w2",), index, dim=1)
         removed[f"layers.{key}.feed_forward"] = {"removed_channels": drop}
-    return cfg.replace(ffn_dim=cfg.ffn_dim - n), state, removed
+    fraction = n / cfg.ffn_dim
+    note = f"removed {n} of {cfg.ffn_dim} MLP channels in every block ({100 * fraction:.2f}%)"
+    if abs(fraction - amount) > 1e-9:
+        note += f"; {amount:g} was asked, {fraction:.4g} is the nearest achievable amount"
+    return cfg.replace(ffn_dim=cfg.ffn_dim - n), state, removed, fraction, note
 
 
 def _remove_blocks(model: Transformer, amount, batches):
@@ -215,7 +238,11 @@ def _remove_blocks(model: Transformer, amount, batches):
     removed = {f"layers.{k}": {"removed": i in drop, "importance": round(scores[k], 6) if n else None,
                                "new_index": kept.index(k) if k in kept else None}
                for i, k in enumerate(keys)}
-    return cfg.replace(n_layers=len(kept)), state, removed
+    fraction = n / len(keys)
+    note = f"removed {n} of {len(keys)} blocks ({100 * fraction:.1f}%): " + ", ".join(f"layers.{keys[i]}" for i in sorted(drop))
+    if isinstance(amount, float) and abs(fraction - amount) > 1e-9:
+        note += f"; {amount:g} was asked, {fraction:.3g} is the nearest achievable amount"
+    return cfg.replace(n_layers=len(kept)), state, removed, fraction, note
 
 
 def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_calib: int = 8) -> Transformer:
@@ -240,10 +267,14 @@ def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_cal
                                       "not a float Linear; prune before quantizing")
     remove = {"heads": _remove_heads, "channels": _remove_channels, "blocks": _remove_blocks}[target]
     params_before = sum(p.numel() for p in model.parameters())
-    new_cfg, state, removed = remove(model, amount, ctx.calibration(n_calib))
+    new_cfg, state, removed, fraction, note = remove(model, amount, ctx.calibration(n_calib))
     new = _rebuild(model, new_cfg, state)
     params_after = sum(p.numel() for p in new.parameters())
-    record = {"method": "structured", "target": target, "amount": amount, "achieved": 1 - params_after / params_before,
+    note += f"; parameters {params_before:,} -> {params_after:,} ({100 * (1 - params_after / params_before):.1f}% fewer)"
+    if hasattr(ctx, "note"):
+        ctx.note(note)
+    record = {"method": "structured", "target": target, "amount": amount, "removed_fraction": fraction, "summary": note,
+              "achieved": 1 - params_after / params_before,
               "params_before": params_before, "params_after": params_after, "per_module": removed,
               "calibration_batches": n_calib}
     if "sparsity" in new.compression:

@@ -281,6 +281,26 @@ def test_zero_importance_units_are_removed_exactly(tiny_model, tmp_path):
     check_model(model, tmp_path)
 
 
+def test_heads_report_what_was_actually_removed():
+    """SmolLM2's layout in miniature: 9 heads in 3 kv groups of 3; 0.25 asked -> one group, 3 of 9 heads."""
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(dim=36, n_heads=9, n_kv_heads=3, head_dim=4)).eval()
+    model.init_weights()
+    ctx = make_ctx(model)
+    new = prune_structured_pass(model, ctx, target="heads", amount=0.25, n_calib=1)
+    rec = new.compression["sparsity"]
+    assert (new.config.n_heads, new.config.n_kv_heads) == (6, 2)
+    assert rec["amount"] == 0.25 and rec["removed_fraction"] == pytest.approx(1 / 3)
+    (note,) = ctx.take_notes()
+    assert note == rec["summary"]
+    assert note.startswith("removed 3 of 9 attention heads in every block (33.3%): heads go in whole kv groups of 3")
+    assert "0.25 was asked, 0.333 is the nearest achievable amount" in note
+    with pytest.raises(PrunusError, match="achievable amounts: 0.333, 0.667"):
+        prune_structured_pass(model, ctx, target="heads", amount=0.1, n_calib=1)
+    exact = prune_structured_pass(model, ctx, target="channels", amount=0.5, n_calib=1)
+    assert "was asked" not in exact.compression["sparsity"]["summary"]
+
+
 def test_amount_zero_is_identical(tiny_model):
     ref = logits(tiny_model, TOKENS)
     for target in ("heads", "channels", "blocks"):
