@@ -65,7 +65,7 @@ class ModelConfig:
     # sliding-window attention: a query sees the keys fewer than sliding_window positions back (itself included),
     # on every layer (Mistral) or on the layers whose layer_types entry is "sliding_attention" (Gemma 2, Qwen2/3)
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"; None: all alike
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"; None: all alike (sliding if a window is set)
     attn_softcap: float | None = None  # attention scores -> softcap * tanh(scores / softcap) (Gemma 2)
     final_softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
@@ -165,7 +165,8 @@ class ModelConfig:
             if types is None or len(types) != self.n_layers or not set(types) <= set(LAYER_TYPES):
                 raise bad("layer_types", f"must list one of {' / '.join(LAYER_TYPES)} for each of the {self.n_layers} "
                           "layers (after removing layers, use ModelConfig.keep_layers)")
-            object.__setattr__(self, "layer_types", types)
+            # every layer sliding is what None already says: one spelling, so equal models compare equal
+            object.__setattr__(self, "layer_types", None if set(types) == {"sliding_attention"} else types)
         for name in ("attn_qkv_bias", "attn_out_bias", "qk_norm", "norm_one_plus_weight", "scale_embeddings",
                      "post_norms", "moe_norm_topk", "rope_truncate"):
             if not isinstance(getattr(self, name), bool):

@@ -1,119 +1,67 @@
-"""Hugging Face Llama interop: ``from_hf`` reads a ``LlamaForCausalLM`` checkpoint dir into a
-prunus model dir, ``to_hf`` writes a prunus model dir back out as one.
+"""Hugging Face interop: ``from_hf`` reads a transformers checkpoint dir (config.json +
+safetensors, one file or sharded) into a prunus model dir, ``to_hf`` writes a prunus model dir
+back out as one that transformers loads.
 
-Only the plain Llama architecture is accepted (no biases, SiLU, unscaled rotary
-embeddings, head_dim = hidden_size / num_attention_heads); anything else is
-refused with a :class:`PrunusError` rather than converted into a different model.
-Both sides use the "rotate half" rotary layout, so weights are only renamed,
-never permuted or cast: a round trip is bit-exact. Transformers is not needed.
+The families and what each sets are in ``models/hf_families.py`` (llama, qwen2, qwen3,
+mistral, phi3, gemma2, mixtral, qwen3_moe); tensors are renamed, split or joined by
+``models/hf_tensors.py`` and never cast, so a round trip is bit-exact; files are read and
+written by ``models/hf_weights.py``. Anything a family's config asks for that prunus does
+not compute is refused in one line rather than converted into a different model, and
+nothing is half-written (``atomic_dir``). Transformers itself is not needed.
+
+The Hugging Face config's token ids (bos / eos / pad / unk) and model_type are kept in the
+prunus config.json (``"hf"``), so ``to_hf`` writes them back.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_dir, atomic_write_json
-from .config import ModelConfig
 from .errors import PrunusError
+from .hf_families import FAMILIES, TOKEN_IDS, config_from_hf, config_to_hf, get_family, inexpressible
+from .hf_tensors import state_from_hf, state_to_hf
+from .hf_weights import read_weights, write_weights
 from .llama import Transformer
 from .model_dir import load_model, load_model_tokenizer, read_dir_json, save_model, state_dict_for_save
+from .paths import check_output
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
-TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-       "lm_head.weight": "output.weight"}
-LAYER = {
-    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _rename(name: str, top: dict, layer: dict, prefix: str, new_prefix: str) -> str | None:
-    if name in top:
-        return top[name]
-    m = re.fullmatch(re.escape(prefix) + r"(\d+)\.(.+)", name)
-    return f"{new_prefix}{m[1]}.{layer[m[2]]}" if m and m[2] in layer else None
-
-
 def _read_hf_config(hf_dir: Path) -> dict:
-    hf = read_dir_json(hf_dir, "config.json",
-                       no_dir="no such directory; give a Hugging Face Llama checkpoint dir (config.json + *.safetensors)",
-                       no_file="no config.json; give a Hugging Face checkpoint dir written by save_pretrained",
-                       bad_json="re-download or re-save the checkpoint")
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type") != "llama" or "LlamaForCausalLM" not in archs:
-        raise PrunusError(f"{hf_dir}: model_type {hf.get('model_type')!r} / architectures {archs} is not a Llama "
-                          "(LlamaForCausalLM) checkpoint; only Llama checkpoints can be converted")
-    rope, heads = hf.get("rope_parameters") or {}, hf.get("num_attention_heads") or 1
-    bad = [f"{k}=true" for k in ("attention_bias", "mlp_bias") if hf.get(k)]
-    if hf.get("hidden_act", "silu") != "silu":
-        bad.append(f"hidden_act={hf['hidden_act']!r}")
-    if hf.get("rope_scaling"):
-        bad.append(f"rope_scaling={hf['rope_scaling']!r}")
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        bad.append(f"rope_parameters={rope!r}")
-    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        bad.append("partial_rotary_factor != 1")
-    if hf.get("head_dim") not in (None, hf.get("hidden_size", 0) // heads):
-        bad.append(f"head_dim={hf['head_dim']} (hidden_size / num_attention_heads = {hf.get('hidden_size', 0) // heads})")
-    if bad:
-        raise PrunusError(f"{hf_dir}: unsupported Llama feature(s) {', '.join(bad)}; only plain Llama "
-                          "(no biases, silu, no rope scaling, head_dim = hidden_size / heads) can be converted")
-    return hf
+    return read_dir_json(hf_dir, "config.json",
+                         no_dir="no such directory; give a Hugging Face checkpoint dir (config.json + *.safetensors)",
+                         no_file="no config.json; give a Hugging Face checkpoint dir written by save_pretrained",
+                         bad_json="re-download or re-save the checkpoint")
 
 
-def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    if (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif (hf_dir / "model.safetensors.index.json").is_file():
-        files = sorted(set(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"].values()))
-    else:
-        raise PrunusError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json; "
-                          "re-save the checkpoint with save_pretrained(safe_serialization=True)")
-    state = {}
-    for f in files:
-        state.update(load_file(hf_dir / f))
-    return state
+def _config(hf_dir: Path, hf: dict, dtype: str):
+    """(family, ModelConfig) of config.json, or one line naming what it lacks or what prunus does not support."""
+    where = hf_dir / "config.json"
+    try:
+        return config_from_hf(hf, dtype)
+    except KeyError as e:
+        raise PrunusError(f"{where}: missing {e.args[0]}; re-save the checkpoint with save_pretrained") from None
+    except PrunusError as e:
+        raise PrunusError(f"{where}: {e}") from None
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Convert a Hugging Face Llama checkpoint dir into a prunus model dir at ``out``."""
-    hf_dir = Path(hf_dir)
-    hf = _read_hf_config(hf_dir)
-    hf_state = _read_hf_weights(hf_dir)
+def _build(hf_dir: Path, hf: dict, hf_state: dict) -> Transformer:
+    """The prunus Transformer holding the checkpoint's tensors (assigned, not copied)."""
     dtypes = {t.dtype for t in hf_state.values()}
     if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
         raise PrunusError(f"{hf_dir}: weights are stored as {sorted(map(str, dtypes))}; "
                           "only one of float32, bfloat16 or float16 for all tensors is supported")
+    fam, cfg = _config(hf_dir, hf, DTYPES[dtypes.pop()])
     try:
-        n_heads = hf["num_attention_heads"]
-        cfg = ModelConfig(
-            dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_dim=hf["intermediate_size"],
-            vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            dtype=DTYPES[dtypes.pop()],
-        )
-    except KeyError as e:
-        raise PrunusError(f"{hf_dir / 'config.json'}: missing {e.args[0]}; re-save the checkpoint with save_pretrained") from None
+        state, unknown = state_from_hf(fam, cfg, hf_state)
     except PrunusError as e:
-        raise PrunusError(f"{hf_dir / 'config.json'}: {e}") from None
-    state, unknown = {}, []
-    for name, tensor in hf_state.items():
-        ours = _rename(name, TOP, LAYER, "model.layers.", "layers.")
-        if ours is None and not name.endswith("rotary_emb.inv_freq"):  # old checkpoints store the rope table
-            unknown.append(name)
-        elif ours is not None and not (cfg.tie_embeddings and ours == "output.weight"):
-            state[ours] = tensor
+        raise PrunusError(f"{hf_dir}: {e}") from None
     with torch.device("meta"):
         model = Transformer(cfg)
     try:
@@ -122,14 +70,26 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
         raise PrunusError(f"{hf_dir}: weights do not match config.json ({str(e).splitlines()[-1].strip()})") from None
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]
     if missing or unexpected or unknown:
-        raise PrunusError(f"{hf_dir}: weights do not match a Llama with this config.json (missing {missing[:3]}, "
-                          f"unrecognised {(unexpected + unknown)[:3]}); give an unmodified LlamaForCausalLM checkpoint")
+        raise PrunusError(f"{hf_dir}: weights do not match a {fam.model_type} with this config.json (missing "
+                          f"{missing[:3]}, unrecognised {(unexpected + unknown)[:3]}); give an unmodified "
+                          f"{fam.architecture} checkpoint")
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_buffers(device=torch.device("cpu"))
+    model.hf_origin = {"model_type": fam.model_type, **{k: hf.get(k) for k in TOKEN_IDS}}
+    return model.eval()
+
+
+def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Convert a Hugging Face checkpoint dir of a supported family into a prunus model dir at ``out``."""
+    hf_dir = Path(hf_dir)
+    check_output(out, [("--from-hf", hf_dir)])  # prunus.models.paths: never over an input
+    hf = _read_hf_config(hf_dir)
+    _config(hf_dir, hf, "float32")  # refuse an unsupported family or feature before reading any weights
+    model = _build(hf_dir, hf, read_weights(hf_dir))
     tokenizer = HFTokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else ByteTokenizer()
-    return save_model(model.eval(), out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
-                      metrics={"hf_source": str(hf_dir.resolve())})
+    return save_model(model, out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
+                      metrics={"hf_source": str(hf_dir.resolve()), "hf_model_type": model.hf_origin["model_type"]})
 
 
 def _bos_id(model_dir: Path) -> int | None:
@@ -145,32 +105,53 @@ def _bos_id(model_dir: Path) -> int | None:
     return ids.get(bos, vocab.get(bos) if isinstance(vocab, dict) else None)
 
 
-def to_hf(model_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the prunus model dir ``model_dir`` as a Hugging Face Llama checkpoint dir at ``out``."""
+def pick_family(cfg, family: str | None, origin: dict | None, where: str):
+    """The family to write: the one asked for, else the one converted from, else the first that expresses ``cfg``."""
+    name = family or (origin or {}).get("model_type")
+    if name is not None:
+        fam = get_family(name, where=where)
+        bad = inexpressible(fam, cfg)
+        if bad:
+            raise PrunusError(f"{where}: cannot be written as a Hugging Face {fam.model_type} ({', '.join(bad[:4])} "
+                              f"has no {fam.model_type} equivalent); choose another family of {', '.join(FAMILIES)}")
+        return fam
+    for fam in FAMILIES.values():
+        if not inexpressible(fam, cfg):
+            return fam
+    raise PrunusError(f"{where}: no Hugging Face family expresses this model ({', '.join(inexpressible(FAMILIES['llama'], cfg)[:4])} "
+                      f"as llama); supported: {', '.join(FAMILIES)}")
+
+
+def _token_ids(model_dir: Path, tokenizer, origin: dict | None) -> dict:
+    ids = {"bos_token_id": _bos_id(model_dir), "eos_token_id": tokenizer.eos_id}
+    if origin:  # the converted checkpoint's own ids (a list of eos ids included)
+        ids.update({k: origin[k] for k in TOKEN_IDS if origin.get(k) is not None})
+    return ids
+
+
+def to_hf(model_dir: str | Path, out: str | Path, *, overwrite: bool = False, family: str | None = None,
+          max_shard_size: int | str | None = None) -> Path:
+    """Write the prunus model dir ``model_dir`` as a Hugging Face checkpoint dir at ``out``.
+
+    ``family``: the model_type to write (default: the one it was converted from, else the first
+    family that expresses the model, llama for a plain one). ``max_shard_size`` (bytes, or "5GB"):
+    write ``model-0000i-of-0000n.safetensors`` shards and their index instead of one file."""
     model_dir, out = Path(model_dir), Path(out)
+    check_output(out, [("--to-hf", model_dir)])  # prunus.models.paths: never over an input
     model = load_model(model_dir)  # verifies the manifest's hashes
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
-    if cfg.n_experts:
-        raise PrunusError(f"{model_dir}: a mixture-of-experts model ({cfg.n_experts} experts) has no Hugging Face "
-                          "Llama equivalent; convert a dense model")
-    inv_top, inv_layer = {v: k for k, v in TOP.items()}, {v: k for k, v in LAYER.items()}
-    state = {_rename(k, inv_top, inv_layer, "layers.", "model.layers."): v for k, v in state_dict_for_save(model).items()}
-    hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # what transformers 5 reads
-        "rope_theta": cfg.rope_theta,  # what transformers 4 reads
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": _bos_id(model_dir), "eos_token_id": tokenizer.eos_id,
-    }
+    if (getattr(model, "compression", None) or {}).get("quantization"):
+        raise PrunusError(f"{model_dir}: holds quantized weights, which Hugging Face checkpoints do not describe; "
+                          "convert the model dir from before quantization")
+    origin = getattr(model, "hf_origin", None)
+    fam = pick_family(cfg, family, origin, str(model_dir))
+    state = state_to_hf(fam, state_dict_for_save(model))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf = {**config_to_hf(fam, cfg), "dtype": dtype, **_token_ids(model_dir, tokenizer, origin)}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         atomic_write_json(tmp / "config.json", hf)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_weights(state, tmp, max_shard_size)
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save(tmp)
     return out

@@ -88,6 +88,8 @@ def save_model(
         config = {"format": FORMAT, "architecture": "llama", "model": model_cfg, "tokenizer": tokenizer.spec()}
         if getattr(model, "compression", None):
             config["compression"] = model.compression
+        if getattr(model, "hf_origin", None):  # a Hugging Face family's model_type and token ids (hf_convert)
+            config["hf"] = model.hf_origin
         atomic_write_json(tmp / CONFIG, config)
         save_file(state_dict_for_save(model), tmp / WEIGHTS, metadata={"format": "pt"})
         tokenizer.save(tmp)
@@ -179,6 +181,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.init_buffers(device=torch.device(device))
     if compression:
         model.compression = compression
+    if config.get("hf"):
+        model.hf_origin = config["hf"]
     if dtype is not None:
         model.to(dtype)
     return model.eval()

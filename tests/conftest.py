@@ -14,6 +14,9 @@ import torch
 from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig, train
 
+# helper modules beside the tests (hf_families: the Hugging Face family table) import by name
+sys.path.insert(0, str(Path(__file__).parent))
+
 # A tiny run: seconds on 2 CPU cores, on a slice of the built-in corpus.
 TINY_RUN = dict(preset="tiny", seq_len=32, batch_size=4, steps=6, warmup_steps=2, eval_every=3, eval_tokens=2048,
                 ckpt_every=0, max_corpus_bytes=200_000, progress=False)

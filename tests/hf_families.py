@@ -2,7 +2,7 @@
 transformers config (no download), so any test can parametrize over families.
 
 Every config is small enough for a forward pass in milliseconds (hidden 64, 2 layers, 4 heads /
-2 kv heads, vocab 160) and turns on what makes its family different: rope scaling, q/k/v biases,
+2 kv heads, vocab 320) and turns on what makes its family different: rope scaling, q/k/v biases,
 q/k norms, an explicit head_dim, a tiny sliding window (a generation of 16+ tokens crosses it),
 Gemma 2's alternating local / global layers and soft-capping, Phi-3's fused projections, and
 routed experts. ``make_hf_model`` builds the seeded model with every weight random (norms and
@@ -18,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 WINDOW = 6  # sliding window of the families that have one: shorter than the test generations
-VOCAB = 160
+VOCAB = 320  # prunus's byte-level size: a model dir without tokenizer.json gets the byte tokenizer (257 ids)
 SHAPES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5,
               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -70,7 +70,9 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path):
 
     back = to_hf(model_dir, tmp_path / "back")
     config = json.loads((back / "config.json").read_text())
-    assert config["eos_token_id"] == ByteTokenizer.eos_id and config["bos_token_id"] is None
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the checkpoint's own ids, kept
+        assert config.get(key) == source.get(key), key
     assert not (back / "tokenizer.json").exists()
 
 
@@ -114,12 +116,15 @@ def _config_only(path, **changes):
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "'gpt2'.*not a Llama"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim=32"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2'.*not supported; prunus converts llama, qwen2"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope_type='longrope'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden_activation='relu'"),
+    ({"hidden_size": None}, "config.json: model config: dim=None"),
     ({}, "no model.safetensors"),
 ])
 def test_bad_input_is_refused_in_one_line(tmp_path, changes, match):
@@ -136,3 +141,55 @@ def test_missing_dir_or_config_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PrunusError, match="empty: no config.json"):
         from_hf(tmp_path / "empty", tmp_path / "m")
+
+
+def test_llama_biases_and_explicit_head_dim_match_transformers(tmp_path):
+    hf = make_hf(tmp_path / "hf", attention_bias=True, head_dim=32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(from_hf(tmp_path / "hf", tmp_path / "m"))
+    assert (ours.config.head_dim, ours.config.attn_qkv_bias, ours.config.attn_out_bias) == (32, True, True)
+    tokens = torch.randint(0, SHAPES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max() < 1e-5
+
+
+def test_truncated_or_missing_shard_is_named_and_nothing_written(tmp_path):
+    make_hf(tmp_path / "hf", max_shard_size="60KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(PrunusError, match=re.escape(str(shard)) + ": not a readable safetensors file") as err:
+        from_hf(tmp_path / "hf", tmp_path / "m")
+    assert "\n" not in str(err.value) and not (tmp_path / "m").exists()
+    shard.unlink()
+    with pytest.raises(PrunusError, match=re.escape(str(shard)) + ": missing"):
+        from_hf(tmp_path / "hf", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_to_hf_picks_a_family_that_expresses_the_model(tmp_path, tiny_model):
+    from prunus.models import save_model
+
+    save_model(tiny_model, tmp_path / "plain", stage="test")  # trained by prunus: no Hugging Face origin
+    back = to_hf(tmp_path / "plain", tmp_path / "plain-hf")
+    assert json.loads((back / "config.json").read_text())["model_type"] == "llama"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ref(tokens).logits - tiny_model(tokens)).abs().max() < 1e-5
+
+    cfg = tiny_model.config.replace(qk_norm=True, sliding_window=8)
+    from prunus.models import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights()
+    save_model(model.eval(), tmp_path / "qk", stage="test")
+    back = to_hf(tmp_path / "qk", tmp_path / "qk-hf")
+    assert json.loads((back / "config.json").read_text())["model_type"] == "qwen3"
+    with pytest.raises(PrunusError, match="cannot be written as a Hugging Face llama.*qk_norm=True") as err:
+        to_hf(tmp_path / "qk", tmp_path / "qk-llama", family="llama")
+    assert "\n" not in str(err.value) and not (tmp_path / "qk-llama").exists()
