@@ -87,11 +87,13 @@ def _token_text(value) -> str | None:
 
 
 def read_special_tokens(directory: Path, config: dict) -> dict[str, str]:
-    """The named special tokens (``bos_token``, ``eos_token``, ``pad_token``, ...) that templates see:
-    tokenizer_config.json's ``*_token`` entries, then special_tokens_map.json's for the rest."""
+    """The named special tokens (``bos_token``, ``eos_token``, ``pad_token``, ``image_token``, ...) that
+    templates see: tokenizer_config.json's ``*_token`` entries and its ``extra_special_tokens`` by name,
+    then special_tokens_map.json's for the rest."""
     tokens = {}
     for source in (config, _read_json(directory / SPECIAL_TOKENS_MAP)):
-        for key, value in source.items():
+        extra = source.get("extra_special_tokens")
+        for key, value in [*source.items(), *(extra.items() if isinstance(extra, dict) else ())]:
             if key.endswith("_token") and key not in tokens and _token_text(value) is not None:
                 tokens[key] = _token_text(value)
     return tokens

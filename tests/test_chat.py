@@ -151,7 +151,10 @@ def test_every_way_a_template_and_special_tokens_are_stored(tmp_path):
     # tokenizer_config.json's chat_template as a string
     path = hf_tokenizer_dir(tmp_path / "str", None)
     config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3}))
+    image = "{% if add_generation_prompt %}{{ image_token }}|{{ eot_token }}{% endif %}"  # model-specific tokens
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3 + image, "eot_token": "<|eot_id|>",
+                                                            "extra_special_tokens": {"image_token": "<|im_start|>"}}))
+    assert HFTokenizer(path).apply_chat_template(CHATS[0]).endswith("<|im_start|>|<|eot_id|>")
     assert_renders_like_transformers(HFTokenizer(path), path)
     # a list of named templates: "default" is used
     path = hf_tokenizer_dir(tmp_path / "list", None)
