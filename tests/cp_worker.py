@@ -4,12 +4,14 @@
 
 SPEC is a list of jobs, each {"name", "kind", ...}:
 
-* ``attention`` (impl, cp, batch, heads, seq, head_dim): ring / Ulysses attention on each
-  rank's load-balanced chunks against causal SDPA on the whole sequence, forward and
-  backward; reports the max |difference| of the output and of dq, dk, dv (gathered).
-* ``model`` (impl, cp, seq, batch, model overrides): the tiny model with its attention
-  swapped, on the sharded batch, loss averaged and gradients averaged over cp (what
-  FSDP / DDP over dp x cp do), against the same model on the whole batch in one process.
+* ``attention`` (impl, cp, batch, heads, seq, head_dim, optional window / softcap / scale): ring /
+  Ulysses attention on each rank's load-balanced chunks against the model's own attention core
+  (causal SDPA without variants) on the whole sequence, forward and backward; reports the max
+  |difference| of the output and of dq, dk, dv (gathered).
+* ``model`` (impl, cp, seq, batch, model overrides or a ``family`` of tests/family_variants.py, whose
+  norms and biases are drawn at random): the tiny model with its attention swapped, on the sharded
+  batch, loss averaged and gradients averaged over cp (what FSDP / DDP over dp x cp do), against the
+  same model on the whole batch in one process.
 * ``train`` (config): ``prunus.train_parallel.train``; reports losses and the validation loss.
 
 Rank 0 writes {name: result or {"error", "trace"}} to OUT after every job.
@@ -25,10 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from family_variants import family_model
 from prunus.models import Transformer, get_preset
+from prunus.models.llama import CausalAttention
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.context_parallel import apply_cp, shard_batch, unshard
-from prunus.train_parallel.ring_attention import ring_attention
+from prunus.train_parallel.ring_attention import RingAttention
 from prunus.train_parallel.saved_activations import SavedActivations
 from prunus.train_parallel.ulysses import UlyssesAttention
 
@@ -45,14 +49,15 @@ def attention_job(job) -> dict:
     shape = (job["batch"], job["heads"], job["seq"], job["head_dim"])
     q, k, v, dout = (torch.randn(shape) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    core = CausalAttention(job.get("window"), job.get("softcap"), job.get("scale"))
+    ref = core(*full)  # causal SDPA when the job sets no variant
     ref.backward(dout)
     pos = shard_batch(q[:, 0], q[:, 0], mesh)[2]  # this rank's positions
     local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     if job["impl"] == "ring":
-        out = ring_attention(*local, mesh.get_group())
+        out = RingAttention(mesh.get_group(), core)(*local)
     else:
-        out = UlyssesAttention(mesh.get_group())(*local)
+        out = UlyssesAttention(mesh.get_group(), core)(*local)
     out.backward(dout[:, :, pos])
     diffs = {"out": (unshard(out.detach(), mesh, dim=2) - ref.detach()).abs().max()}
     for name, mine, theirs in zip(("dq", "dk", "dv"), local, full):
@@ -62,10 +67,14 @@ def attention_job(job) -> dict:
 
 def model_job(job) -> dict:
     mesh = cp_mesh(job["cp"])
-    torch.manual_seed(0)
-    cfg = get_preset("tiny").replace(max_seq_len=job["seq"], **job.get("model", {}))
-    model = Transformer(cfg)
-    model.init_weights()
+    if job.get("family"):
+        model = family_model(job["family"], max_seq_len=job["seq"]).train()
+        cfg = model.config
+    else:
+        torch.manual_seed(0)
+        cfg = get_preset("tiny").replace(max_seq_len=job["seq"], **job.get("model", {}))
+        model = Transformer(cfg)
+        model.init_weights()
     x = torch.randint(0, cfg.vocab_size, (job["batch"], job["seq"]))
     y = torch.randint(0, cfg.vocab_size, (job["batch"], job["seq"]))
     ref_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())

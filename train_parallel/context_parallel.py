@@ -50,12 +50,14 @@ def validate_cp(cp: int, impl: str, seq_len: int, n_heads: int, tp: int = 1, pp:
 
 
 def apply_cp(model: torch.nn.Module, cp_mesh, impl: str) -> None:
-    """Replace every block's ``attention.core`` with ring attention or Ulysses over ``cp_mesh``."""
+    """Replace every block's ``attention.core`` with ring attention or Ulysses over ``cp_mesh``; each keeps its
+    layer's sliding window, soft-cap and attention scale."""
     if impl not in IMPLS:
         raise PrunusError(f"--cp-impl {impl}: choose ring or ulysses")
     group = cp_mesh.get_group()
     for block in model.layers.values():
-        block.attention.core = RingAttention(group) if impl == "ring" else UlyssesAttention(group)
+        core = block.attention.core
+        block.attention.core = RingAttention(group, core) if impl == "ring" else UlyssesAttention(group, core)
 
 
 def load_balanced_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:

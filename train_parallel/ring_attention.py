@@ -20,10 +20,18 @@ blocks they belong to; after ``n`` hops each rank holds its own dK/dV.
 
 Block attention is torch's fused kernel that returns the log-sum-exp: on CPU
 ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, on CUDA the
-memory-efficient kernel (any float dtype). Works on gloo and NCCL alike.
+memory-efficient kernel (any float dtype), with the layer's attention scale
+(``query_pre_attn_scalar``). Layers with a sliding window or soft-capped scores (Mistral,
+Gemma 2), which those kernels cannot express, take an explicit block path instead: scores,
+cap and mask from the absolute positions of the block's queries and keys, fp32 softmax
+statistics merged the same way, and a hand-written backward (for capped scores
+s = c tanh(x / c), ds/dx = 1 - tanh^2); a block the window hides entirely is skipped.
+Works on gloo and NCCL alike.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,28 +39,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunus.models.errors import PrunusError
-from prunus.models.llama import repeat_kv
+from prunus.models.llama import CausalAttention, repeat_kv
 
 aten = torch.ops.aten
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(d)) v and its log-sum-exp (batch, heads, q_len), fp32."""
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale * q k^T) v (scale None: 1/sqrt(d)) and its log-sum-exp (batch, heads, q_len), fp32."""
     if q.is_cuda:
-        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         return out, lse[..., : q.shape[2]]  # the kernel may pad the log-sum-exp to a multiple of 32
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def block_attention_backward(dout, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool,
+                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, given the *merged* output and log-sum-exp of the rows of q."""
     if q.is_cuda:
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: unused without dropout
         lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's log-sum-exp rows come padded to a multiple of 32
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0, [True, True, True, False], causal)
+            dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0, [True, True, True, False], causal,
+            scale=scale)
         return dq, dk, dv
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal,
+                                                                     scale=scale)
+
+
+def _scores(q, k, scale: float, softcap: float | None):
+    """(scores, tanh of the capped scores or None), fp32: scale * q k^T, then softcap * tanh(. / softcap)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def explicit_block_attention(q, k, v, visible: torch.Tensor, scale: float,
+                             softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block with what the fused kernels cannot express (a sliding window's mask, soft-capping): the output
+    and log-sum-exp as :func:`block_attention`, fp32; a row that sees no key gives 0 and log-sum-exp -inf."""
+    s, _ = _scores(q, k, scale, softcap)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return torch.matmul(p, v.float()), lse
+
+
+def explicit_block_attention_backward(dout, q, k, v, out, lse, visible: torch.Tensor, scale: float,
+                                      softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one :func:`explicit_block_attention` block from the merged output and log-sum-exp."""
+    s, t = _scores(q, k, scale, softcap)
+    p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~visible, 0.0)
+    dout = dout.float()
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, v.float().transpose(-1, -2))
+    ds = p * (dp - (dout * out.float()).sum(dim=-1, keepdim=True))
+    if t is not None:
+        ds = ds * (1 - t * t)
+    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, dv
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -95,33 +141,73 @@ def _block(step: int, rank: int, size: int, half: int):
     return slice(half, None), everything, False
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The layer's attention variants (from the model's ``CausalAttention``): a sliding window, soft-capping,
+    the scale (None: 1/sqrt(head_dim)). A window or a soft-cap takes the explicit block path."""
+
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+    @property
+    def explicit(self) -> bool:
+        return self.window is not None or self.softcap is not None
+
+
+def _positions(rank: int, size: int, half: int, device) -> torch.Tensor:
+    """Absolute positions of ``rank``'s two chunks (``rank`` and ``2*size-1-rank``, ``half`` tokens each)."""
+    second = 2 * size - 1 - rank
+    return torch.cat([torch.arange(rank * half, (rank + 1) * half, device=device),
+                      torch.arange(second * half, (second + 1) * half, device=device)])
+
+
+def _plan(step: int, ring: Ring, half: int, variant: Variant, device):
+    """(query slice, key slice, causal, visible): ``visible`` the (q, k) mask of the explicit path, else None."""
+    qs, ks, causal = _block(step, ring.rank, ring.size, half)
+    if not variant.explicit:
+        return qs, ks, causal, None
+    qpos = _positions(ring.rank, ring.size, half, device)[qs][:, None]
+    kpos = _positions((ring.rank - step) % ring.size, ring.size, half, device)[ks][None, :]
+    visible = kpos <= qpos
+    if variant.window is not None:
+        visible &= kpos > qpos - variant.window
+    return qs, ks, causal, visible
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, variant: Variant):
         ring = Ring(group)
         half = q.shape[2] // 2
+        scale = variant.scale if variant.scale is not None else q.shape[-1] ** -0.5
         out = torch.zeros_like(q, dtype=torch.float32)  # q's memory layout: the model's reshape for wo is then a view
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # one message per hop
         for step in range(ring.size):
             if step + 1 < ring.size:
                 next_kv, reqs = ring.shift(kv)  # in flight while this block is computed
-            qs, ks, causal = _block(step, ring.rank, ring.size, half)
-            block_out, block_lse = block_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
-            merge_block(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            qs, ks, causal, visible = _plan(step, ring, half, variant, q.device)
+            qb, kb, vb = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
+            if visible is None:
+                merge_block(out[:, :, qs], lse[:, :, qs], *block_attention(qb, kb, vb, causal, variant.scale))
+            elif visible.any():  # a window may hide a whole block
+                merge_block(out[:, :, qs], lse[:, :, qs],
+                            *explicit_block_attention(qb, kb, vb, visible, scale, variant.softcap))
             if step + 1 < ring.size:
                 ring.wait(reqs)
                 kv = next_kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.group, ctx.variant = group, variant
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = Ring(ctx.group)
+        ring, variant = Ring(ctx.group), ctx.variant
         half = q.shape[2] // 2
+        scale = variant.scale if variant.scale is not None else q.shape[-1] ** -0.5
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -129,13 +215,18 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step + 1 < ring.size:
                 next_kv, kv_reqs = ring.shift(kv)
-            qs, ks, causal = _block(step, ring.rank, ring.size, half)
-            dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                        out[:, :, qs], lse[:, :, qs], causal)
-            dq[:, :, qs] += dq_b
+            qs, ks, causal, visible = _plan(step, ring, half, variant, q.device)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0][:, :, ks] += dk_b
-            dkv[1][:, :, ks] += dv_b
+            args = (dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs])
+            grads = None
+            if visible is None:
+                grads = block_attention_backward(*args, causal, variant.scale)
+            elif visible.any():
+                grads = explicit_block_attention_backward(*args, visible, scale, variant.softcap)
+            if grads is not None:
+                dq[:, :, qs] += grads[0]
+                dkv[0][:, :, ks] += grads[1]
+                dkv[1][:, :, ks] += grads[2]
             if dkv_reqs is not None:  # what the ranks before added for this block
                 ring.wait(dkv_reqs)
                 dkv += dkv_in
@@ -144,28 +235,31 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait(kv_reqs)
                 kv = next_kv
         ring.wait(dkv_reqs)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
+                   variant: Variant = Variant()) -> torch.Tensor:
     """Causal attention of the load-balanced local chunks (batch, heads, 2 chunks, head_dim) over the whole sequence."""
     if dist.get_world_size(group) == 1:
-        return block_attention(q, k, v, True)[0]
+        return CausalAttention(variant.window, variant.softcap, variant.scale)(q, k, v)
     if q.shape[2] % 2 or k.shape[2] != q.shape[2]:
         raise PrunusError(f"ring attention: the local sequence ({q.shape[2]} queries, {k.shape[2]} keys) must be two "
                           "equal chunks; shard the batch with prunus.train_parallel.context_parallel.shard_batch")
-    return _RingAttention.apply(q, k, v, group)
+    return _RingAttention.apply(q, k, v, group, variant)
 
 
 class RingAttention(nn.Module):
-    """Drop-in for the model's ``CausalAttention`` core under ``--cp N --cp-impl ring``; no parameters."""
+    """Drop-in for the model's ``CausalAttention`` core under ``--cp N --cp-impl ring``; no parameters.
+    ``core``: the core it replaces, whose window, soft-cap and scale it keeps."""
 
-    def __init__(self, group):
+    def __init__(self, group, core: nn.Module | None = None):
         super().__init__()
         self.group = group
+        self.variant = Variant(*(getattr(core, a, None) for a in ("window", "softcap", "scale")))
 
     def forward(self, q, k, v, mask=None):
         if mask is not None:
             raise PrunusError("ring attention trains on whole sequences: it takes no KV cache or mask")
         k, v = repeat_kv(k, v, q.shape[1])
-        return ring_attention(q, k, v, self.group)
+        return ring_attention(q, k, v, self.group, self.variant)

@@ -9,6 +9,9 @@ by the context-parallel degree (after tensor parallelism's split). Keys and valu
 arrive with their grouped-query heads already repeated (the core's contract), so
 they are exchanged as full heads.
 
+The attention that runs on whole sequences is the layer's own core (``inner``), so its
+sliding window, soft-cap and scale apply unchanged.
+
 The local sequence is the load-balanced pair of chunks ``(r, 2n-1-r)`` that ring
 attention needs, so both implementations share one batch layout; the chunks are put
 back in order after the exchange (no work imbalance here: every rank attends over
