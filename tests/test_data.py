@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import numpy as np
@@ -94,3 +95,52 @@ def test_unigram_baseline():
     train = np.array([0, 0, 0, 1] * 50_000, dtype=np.uint16)
     bpb = unigram_bits_per_byte(train, train, TOK.token_bytes())
     assert 0.811 < bpb < 0.815  # entropy of (3/4, 1/4) is 0.8113 bits, plus add-one smoothing
+
+
+def test_prose_corpus_is_fixed_and_the_default_for_pretrained_tokenizers():
+    from prunus.data import PROSE, default_data
+
+    a, b = load_corpus(PROSE, TOK), load_corpus("prose", TOK, max_bytes=50_000)
+    assert np.array_equal(a.val, b.val) and len(b.train) < len(a.train)  # max_bytes caps training only
+    assert a.val_bytes > 100_000 and a.name.startswith("prose")
+    assert b"exception" in bytes(a.val[:200_000].astype(np.uint8))
+    assert default_data(None, TOK) is None and default_data("x.txt", TOK) == "x.txt"
+
+    class Pretrained:
+        def spec(self):
+            return {"kind": "hf", "file": "tokenizer.json"}
+
+    assert default_data(None, Pretrained()) == PROSE
+
+
+def test_windowed_chunked_evaluation_matches_whole_logits(monkeypatch):
+    ev = importlib.import_module("prunus.data.evaluate")  # the package exports a function of the same name
+    from prunus.models import Transformer, get_preset
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(max_seq_len=64)).eval()
+    model.init_weights()
+    tokens = np.arange(3000, dtype=np.uint16) * 7 % 256
+    kw = dict(seq_len=64, max_tokens=1000)
+    whole = evaluate(lambda x: model(x), tokens, TOK.token_bytes(), **kw)  # a callable: whole-window logits
+    monkeypatch.setattr(ev, "LOGITS_BYTES", 4 * len(TOK.token_bytes()) * 10)  # 10 positions of logits at a time
+    calls = []
+    model.output.register_forward_hook(lambda m, a, out: calls.append(out.shape[0] * out.shape[1] if out.ndim == 3 else out.shape[0]))
+    chunked = evaluate(model, tokens, TOK.token_bytes(), **kw)
+    assert chunked["val_tokens"] == whole["val_tokens"] == 960 and chunked["seq_len"] == 64
+    assert chunked["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+    assert max(calls) <= 10  # the head never ran on more than one chunk (or the 8-position check)
+
+    class Capped(torch.nn.Module):  # logits are not output(hidden): the check falls back to whole windows
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.output = inner, inner.output
+
+        def forward(self, x):
+            return 5 * torch.tanh(self.inner(x) / 5)
+
+    capped = Capped(model)
+    assert not ev.output_head_is_last(capped, torch.zeros(1, 8, dtype=torch.long))
+    got = evaluate(capped, tokens, TOK.token_bytes(), **kw)
+    want = evaluate(lambda x: capped(x), tokens, TOK.token_bytes(), **kw)
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from prunus.compress.context import build_context
-from prunus.compress.distill import distill, distill_pass
-from prunus.compress.distill_loss import DistillObjective, kd_loss, layer_map
+from prunus.compress import distill_loss
+from prunus.compress.distill import default_schedule, distill, distill_pass
+from prunus.compress.distill_loss import DistillObjective, chunked_ce_kd, kd_loss, layer_map
 from prunus.compress.student import make_student
 from prunus.models import PrunusError, Transformer, load_model, save_model
 from prunus.train_parallel import TrainConfig, train
@@ -133,6 +134,52 @@ def test_kd_loss_matches_a_hand_computation():
     assert float(kd_loss(s, t, T, reverse_kl=0.3)) == pytest.approx(0.7 * fwd + 0.3 * rev, rel=1e-5)
     assert float(kd_loss(s, t, 1.0)) != pytest.approx(float(kd_loss(s, t, T)))
     assert layer_map(2, 4) == [1, 3] and layer_map(3, 4) == [0, 1, 3] and layer_map(4, 4) == [0, 1, 2, 3]
+
+
+def test_chunked_loss_matches_the_whole_one_with_its_gradients(ctx, monkeypatch):
+    """CE + KD over chunks of 7 positions (checkpointed, teacher logits from its hidden states) equals the
+    loss on whole logits, value and gradient."""
+    student = make_student(ctx.teacher, "keep-every:2").train()
+    x = ctx.calibration(1, 3, 32)[0]
+    y = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        t_logits = ctx.teacher(x)
+
+    def grads(loss_fn):
+        student.zero_grad()
+        loss = loss_fn(student(x))
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in student.parameters()]
+
+    def whole(logits):
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return 0.3 * ce + 0.7 * kd_loss(logits, t_logits, 2.0, 0.25)
+
+    monkeypatch.setattr(distill_loss, "LOGITS_BYTES", 4 * ctx.teacher.config.vocab_size * 7)
+    obj = DistillObjective(ctx.teacher, student, kd_weight=0.7, temperature=2.0, reverse_kl=0.25)
+    want, want_g = grads(whole)
+    got, got_g = grads(lambda logits: obj(logits, x, y))
+    obj.close()
+    assert obj._head_last and got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    ce, kd = chunked_ce_kd(t_logits, y, t_logits, None, ce=False)
+    assert float(ce) == 0 and abs(float(kd)) < 1e-6
+
+
+def test_default_schedule_scales_with_the_model(ctx):
+    from types import SimpleNamespace
+
+    student = make_student(ctx.teacher, "keep-every:2")
+    steps, rows, window = default_schedule(student, ctx)
+    assert (rows, window) == (16, ctx.seq_len) and 20 <= steps <= 200
+    assert default_schedule(student, ctx, steps=3, batch_size=4, seq_len=16) == (3, 4, 16)
+    big = SimpleNamespace(seq_len=1024, teacher=ctx.teacher)  # a long context and a 49k vocabulary: fewer rows
+    wide = make_student(ctx.teacher, {"vocab_size": ctx.teacher.config.vocab_size, "max_seq_len": 8192})
+    wide.config = wide.config.replace(vocab_size=49152)
+    steps, rows, window = default_schedule(wide, big, nproc=2)
+    assert window == min(512, ctx.teacher.config.max_seq_len)
+    assert rows == min(16, (1 << 30) // (16 * 49152 * window)) // 2 * 2  # logits memory bounds the rows, a multiple of nproc
 
 
 def test_an_exact_copy_has_zero_kd_loss_and_zero_gradients(ctx):
