@@ -72,7 +72,7 @@ def chunked_nll(head, h: torch.Tensor, y: torch.Tensor, vocab: int) -> float:
     return total
 
 
-def _head_chunks_apply(model, x: torch.Tensor) -> bool:
+def output_head_is_last(model, x: torch.Tensor) -> bool:
     """True when ``model`` is a module whose logits are ``model.output(final hidden)`` (checked on a few positions)."""
     if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "output", None), torch.nn.Module):
         return False
@@ -110,7 +110,7 @@ def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: i
                 nll += score(x, y)
             else:
                 if chunked is None:
-                    chunked = _head_chunks_apply(model, x)
+                    chunked = output_head_is_last(model, x)
                 if chunked:
                     nll += chunked_nll(model.output, final_hidden(model, x), y, vocab)
                 else:
