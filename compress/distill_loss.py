@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prunus.data.evaluate import final_hidden, output_head_is_last
+from prunus.data.evaluate import final_hidden, output_head, output_head_is_last
 
 LOGITS_BYTES = 64 << 20  # float32 logits per chunk of positions
 
@@ -149,7 +149,7 @@ class DistillObjective:
                 self._head_last = output_head_is_last(self.teacher, tokens)
                 self._t_hidden.clear()
             if self._head_last:
-                return final_hidden(self.teacher, tokens), self.teacher.output
+                return final_hidden(self.teacher, tokens), output_head(self.teacher)
             return self.teacher(tokens), None
 
     def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ first ``DEFAULT_EVAL_TOKENS`` tokens of the validation split, in consecutive win
 ``default_seq_len(max_seq_len)`` tokens (at most ``MAX_WINDOW``).
 
 Memory stays bounded whatever the context and vocabulary: a batch holds at most
-``ROW_TOKENS`` tokens, and for a prunus Transformer the output head runs on chunks of
-positions (``LOGITS_BYTES`` of float32 logits at a time) on the final hidden states, so
+``ROW_TOKENS`` tokens, and for a prunus Transformer the output head (and its final logit
+soft-capping, when the family has one) runs on chunks of positions (``LOGITS_BYTES`` of float32 logits at a time) on the final hidden states, so
 a window's logits are never all in memory. A callable (or a model whose logits are not
 ``model.output(hidden)``: checked once per call on a few positions) gets whole windows,
 with the rows per batch cut so one batch's logits stay within ``CALLABLE_LOGITS_BYTES``.
@@ -72,13 +72,21 @@ def chunked_nll(head, h: torch.Tensor, y: torch.Tensor, vocab: int) -> float:
     return total
 
 
+def output_head(model):
+    """``hidden -> logits``: the model's output head, with its final logit soft-capping when it has one."""
+    cap = getattr(getattr(model, "config", None), "final_softcap", None)
+    if cap is None:
+        return model.output
+    return lambda h: torch.tanh(model.output(h) / cap) * cap
+
+
 def output_head_is_last(model, x: torch.Tensor) -> bool:
-    """True when ``model`` is a module whose logits are ``model.output(final hidden)`` (checked on a few positions)."""
+    """True when ``model`` is a module whose logits are ``output_head(model)(final hidden)`` (checked on a few positions)."""
     if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "output", None), torch.nn.Module):
         return False
     probe = x[:1, :_CHECK_POSITIONS]
     try:
-        via_head = model.output(final_hidden(model, probe)).float()
+        via_head = output_head(model)(final_hidden(model, probe)).float()
     except RuntimeError:
         return False
     full = model(probe).float()
@@ -112,7 +120,7 @@ def evaluate(model, tokens: np.ndarray, token_bytes: torch.Tensor, *, seq_len: i
                 if chunked is None:
                     chunked = output_head_is_last(model, x)
                 if chunked:
-                    nll += chunked_nll(model.output, final_hidden(model, x), y, vocab)
+                    nll += chunked_nll(output_head(model), final_hidden(model, x), y, vocab)
                 else:
                     rows = max(1, CALLABLE_LOGITS_BYTES // (4 * vocab * seq_len))
                     for i in range(0, x.shape[0], rows):

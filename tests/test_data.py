@@ -144,3 +144,10 @@ def test_windowed_chunked_evaluation_matches_whole_logits(monkeypatch):
     got = evaluate(capped, tokens, TOK.token_bytes(), **kw)
     want = evaluate(lambda x: capped(x), tokens, TOK.token_bytes(), **kw)
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    # a family with final logit soft-capping (Gemma 2) keeps the chunked path
+    gemma_like = Transformer(model.config.replace(final_softcap=5.0)).eval()
+    gemma_like.load_state_dict(model.state_dict())
+    assert ev.output_head_is_last(gemma_like, torch.zeros(1, 8, dtype=torch.long))
+    got = evaluate(gemma_like, tokens, TOK.token_bytes(), **kw)
+    want = evaluate(lambda x: gemma_like(x), tokens, TOK.token_bytes(), **kw)
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5) and got["val_loss"] != pytest.approx(whole["val_loss"])
