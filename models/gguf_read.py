@@ -81,6 +81,12 @@ def _refuse_unsupported(meta: dict, tensor_names: set[str], where: str) -> str:
     return a
 
 
+def _f32(value) -> float:
+    """A float32 metadata value as the shortest decimal that is the same float32 (1e-05, not 9.99999974e-06),
+    so a float64 config value written as float32 reads back as itself; the float32 arithmetic is unchanged."""
+    return float(str(np.float32(value)))
+
+
 def config_from_gguf(meta: dict, tensors: dict, where: str, dtype: str) -> ModelConfig:
     """The ModelConfig the ``llama.*`` metadata and the tensor shapes describe."""
     a = _refuse_unsupported(meta, set(tensors), where)
@@ -103,8 +109,8 @@ def config_from_gguf(meta: dict, tensors: dict, where: str, dtype: str) -> Model
             n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", n_heads)),
             ffn_dim=int(meta[f"{a}.feed_forward_length"]), vocab_size=vocab_size,
             max_seq_len=int(meta.get(f"{a}.context_length", 2048)),
-            rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
-            norm_eps=float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_f32(meta.get(f"{a}.rope.freq_base", 10000.0)),
+            norm_eps=_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings="output.weight" not in tensors, dtype=dtype,
             head_dim=None if head_dim == dim // n_heads else head_dim,
         )

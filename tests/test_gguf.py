@@ -1,0 +1,224 @@
+"""GGUF interop: prunus -> GGUF -> prunus is bit-exact at f32, transformers reads our GGUF with the same
+logits, quantized GGUF tensor types are dequantized within their error bound, bad input is one line."""
+
+import inspect
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import gguf
+from gguf.quants import dequantize, quantize
+from prunus.cli.main import cli
+from prunus.models import ByteTokenizer, HFTokenizer, ModelConfig, Transformer, load_model, load_model_tokenizer, save_model
+from prunus.models.gguf_read import from_gguf
+from prunus.models.gguf_write import to_gguf
+
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b  # 12345",
+         "café naïve 日本語 🙂", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "  spaces   and\n\nlines "]
+GQA = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=128,
+           rope_theta=50000.0, norm_eps=1e-5)
+
+
+def make_tokenizer(directory, style="gpt-2"):
+    """A byte-level BPE trained offline on a slice of the standard library (300 tokens, ChatML specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (byte_level if style == "gpt-2" else
+                         pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]))
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([inspect.getsource(json)[:20000]], trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT}))
+    return HFTokenizer(directory)
+
+
+def make_model_dir(path, *, tie=False, tokenizer="gpt-2", **changes):
+    """A tiny random Llama (norm weights randomised too, so a swap shows) saved as a prunus model dir."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**GQA, "tie_embeddings": tie, **changes}))
+    model.init_weights(std=0.1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    tok = ByteTokenizer() if tokenizer == "byte" else make_tokenizer(path.parent / f"tok-{tokenizer}", tokenizer)
+    return save_model(model.eval(), path, tokenizer=tok, stage="train")
+
+
+def weights(path):
+    return load_model(path).state_dict()
+
+
+@pytest.mark.parametrize("tie,tokenizer", [(False, "gpt-2"), (True, "smollm"), (True, "byte")])
+def test_f32_round_trip_is_bit_exact(tmp_path, tie, tokenizer):
+    src = make_model_dir(tmp_path / "m", tie=tie, tokenizer=tokenizer)
+    to_gguf(src, tmp_path / "m.gguf")
+    back = from_gguf(tmp_path / "m.gguf", tmp_path / "back")
+    a, b = weights(src), weights(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert load_model(back).config == load_model(src).config
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert ("output.weight" in names) == (not tie)  # llama.cpp reads a tied head from token_embd
+    t0, t1 = load_model_tokenizer(src), load_model_tokenizer(back)
+    assert type(t0) is type(t1) and t0.eos_id == t1.eos_id
+    for text in TEXTS:
+        assert t1.encode(text) == t0.encode(text)
+        assert t1.decode(t1.encode(text)) == t0.decode(t0.encode(text))
+    if tokenizer != "byte":
+        cfg = json.loads((back / "tokenizer_config.json").read_text())
+        assert cfg["chat_template"] == CHAT and cfg["eos_token"] == "<|im_end|>" and cfg["bos_token"] == "<|im_start|>"
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_f16_and_q8_0_are_within_their_rounding(tmp_path, kind):
+    src = make_model_dir(tmp_path / "m")
+    to_gguf(src, tmp_path / "m.gguf", type=kind)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32" and types["blk.0.attn_q.weight"] == kind.upper()
+    a, b = weights(src), weights(from_gguf(tmp_path / "m.gguf", tmp_path / "back"))
+    for k in a:
+        err = (a[k] - b[k]).abs()
+        if a[k].ndim == 1:
+            assert torch.equal(a[k], b[k]), k
+        elif kind == "f16":  # half precision: 11 significant bits
+            assert (err <= a[k].abs() * 2.0**-11 + 1e-7).all(), k
+        else:  # 8-bit blocks of 32, step d = amax / 127: half a step, plus 127 * the fp16 rounding of d (2^-11 d)
+            amax = a[k].abs().reshape(a[k].shape[0], -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(a[k].shape)
+            assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11)).all(), k
+
+
+def test_transformers_reads_our_gguf_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    src = make_model_dir(tmp_path / "m")
+    to_gguf(src, tmp_path / "m.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, GQA["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(tokens).logits - load_model(src)(tokens)).abs().max() < 1e-5
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    ours = load_model_tokenizer(src)
+    for text in TEXTS:
+        assert hf_tok.encode(text, add_special_tokens=False) == ours.encode(text)
+
+
+def _rewrite(src, dst, *, arch=None, types=None):
+    """Copy a GGUF, optionally under another architecture name or with some tensors stored as other types."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name.replace("llama.", f"{arch}.", 1) if arch else name, field.contents(), field.types[0], sub)
+    for t in r.tensors:
+        data = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+        kind = (types or {}).get(t.name)
+        if kind == "F64":
+            w.add_tensor(t.name, data.astype(np.float64))
+        elif kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_gguf_tensors_are_dequantized(tmp_path, kind):
+    src = make_model_dir(tmp_path / "m", n_layers=1)
+    to_gguf(src, tmp_path / "m.gguf")
+    names = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "token_embd.weight"]
+    _rewrite(tmp_path / "m.gguf", tmp_path / "q.gguf", types=dict.fromkeys(names, kind))
+    back = from_gguf(tmp_path / "q.gguf", tmp_path / "back", dtype="bfloat16")
+    a, b = weights(src), weights(back)
+    assert load_model(back).config.dtype == "bfloat16" and b["norm.weight"].dtype == torch.bfloat16
+    bits = {"BF16": 8, "Q8_0": 7, "Q5_0": 4, "Q5_1": 4, "Q4_0": 3, "Q4_1": 3}[kind]
+    for k in ("layers.0.attention.wq.weight", "layers.0.attention.wk.weight", "layers.0.feed_forward.w2.weight"):
+        rel = (a[k] - b[k].float()).abs().max() / a[k].abs().max()
+        assert rel < 2.0 ** -bits + 2.0**-8, (k, rel)  # the type's step, plus bfloat16 output rounding
+
+
+def test_quantized_prunus_dir_is_written_dequantized(tmp_path):
+    from prunus.compress.quantize import quantize_pass
+
+    src = make_model_dir(tmp_path / "m")
+    model = quantize_pass(load_model(src), None, scheme="int8-weight-only")
+    qdir = save_model(model, tmp_path / "q", tokenizer=load_model_tokenizer(src), stage="compress", parent=src)
+    to_gguf(qdir, tmp_path / "q.gguf")
+    back = weights(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
+    q = load_model(qdir)
+    assert torch.equal(back["layers.1.feed_forward.w1.weight"], q.layers["1"].feed_forward.w1.dequantize())
+    assert torch.equal(back["output.weight"], q.output.weight)  # excluded from quantization: exact
+
+
+def _user_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    src = make_model_dir(tmp / "m", n_layers=1)
+    return to_gguf(src, tmp / "m.gguf"), src
+
+
+def test_bad_gguf_input_is_one_line_and_writes_nothing(tmp_path, good_gguf):
+    path, _ = good_gguf
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    (tmp_path / "head.gguf").write_bytes(data[:40])
+    (tmp_path / "text.gguf").write_text("hello, not a model\n")
+    _rewrite(path, tmp_path / "qwen.gguf", arch="qwen2")
+    _rewrite(path, tmp_path / "f64.gguf", types={"blk.0.attn_q.weight": "F64"})
+    runner = CliRunner()
+    cases = {"cut.gguf": "truncated", "head.gguf": "truncated", "text.gguf": "not a GGUF file",
+             "qwen.gguf": "'qwen2' is not supported", "f64.gguf": "type F64", "missing.gguf": "no such file"}
+    for name, needle in cases.items():
+        out = tmp_path / f"out-{name}"
+        _user_error(runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / name), "--out", str(out)]), needle)
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_out_must_not_be_the_input(tmp_path, good_gguf):
+    path, src = good_gguf
+    runner = CliRunner()
+    before = path.read_bytes()
+    _user_error(runner.invoke(cli, ["convert", "--from-gguf", str(path), "--out", str(path), "--overwrite"]), "input")
+    _user_error(runner.invoke(cli, ["convert", "--from-gguf", str(path), "--out", str(path.parent), "--overwrite"]), "input")
+    assert path.read_bytes() == before
+    files = sorted(os.listdir(src))
+    _user_error(runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(src), "--overwrite"]), "input")
+    _user_error(runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(src / "m.gguf")]), "input")
+    assert sorted(os.listdir(src)) == files
+    _user_error(runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(tmp_path / "x.gguf"), "--dtype",
+                                    "float16"]), "--dtype applies to --from-gguf only")
+
+
+def test_cli_round_trip(tmp_path, good_gguf):
+    path, src = good_gguf
+    runner = CliRunner()
+    r = runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(tmp_path / "a.gguf"), "--type", "q8_0"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / "a.gguf"), "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0 and "wrote" in r.output, r.output
+    assert load_model(tmp_path / "d").config == load_model(src).config
