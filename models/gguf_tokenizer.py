@@ -152,7 +152,7 @@ def _sentencepiece_model(meta: dict, tokens: list[str], types: list[int], where:
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    ranked = {t: scores[i] for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
+    ranked = {t: scores[i] for i, t in enumerate(tokens)}  # every token, as transformers' GGUF reader does
     unk = _special_names(meta, tokens)["unk_token"]
     tok = Tokenizer(models.BPE(vocab, generate_merges(vocab, ranked), unk_token=unk, fuse_unk=True, byte_fallback=True))
     return tok, None

@@ -222,3 +222,50 @@ def test_cli_round_trip(tmp_path, good_gguf):
     r = runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / "a.gguf"), "--out", str(tmp_path / "d")])
     assert r.exit_code == 0 and "wrote" in r.output, r.output
     assert load_model(tmp_path / "d").config == load_model(src).config
+
+
+def make_sentencepiece_tokenizer(directory):
+    """A SentencePiece-style BPE (Metaspace, byte fallback, <0xNN> tokens) whose merges follow token scores,
+    as Hugging Face's converter of a SentencePiece model writes them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from prunus.models.gguf_tokenizer import generate_merges
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    trained.train_from_iterator([inspect.getsource(json)[:20000]],
+                                trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    pieces = sorted(trained.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, _ in pieces:
+        vocab.setdefault(piece, len(vocab))
+    merges = generate_merges(vocab, {t: -float(i) for t, i in vocab.items() if i > 258})
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "chat_template": CHAT}))
+    return HFTokenizer(directory), len(vocab)
+
+
+def test_sentencepiece_tokenizer_round_trips_and_matches_transformers(tmp_path):
+    tok, n = make_sentencepiece_tokenizer(tmp_path / "spm")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**GQA, "vocab_size": n + 3}))
+    src = save_model(model.eval(), tmp_path / "m", tokenizer=tok, stage="train")
+    to_gguf(src, tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama" and "tokenizer.ggml.scores" in fields
+    back = load_model_tokenizer(from_gguf(tmp_path / "m.gguf", tmp_path / "back"))
+    texts = TEXTS[:3] + ["Ünïcödé ✓ and rare bytes \x07"]
+    for text in texts:
+        assert back.encode(text) == tok.encode(text), text
+        assert back.decode(back.encode(text)) == tok.decode(tok.encode(text))
+    transformers = pytest.importorskip("transformers")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    for text in texts:
+        assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text), text
