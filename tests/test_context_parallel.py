@@ -4,6 +4,12 @@ model on the whole batch, and trained against one process; bad layouts fail befo
 Two spawns (2 and 4 ranks, torchrun, gloo, one thread per rank) serve every multi-rank check through
 tests/cp_worker.py. Tolerance: 1e-5 absolute on attention outputs and dq/dk/dv, on losses, validation
 losses and gradients.
+
+The families' attention variants join the same spawns: a sliding window (Mistral) and Gemma 2's window +
+soft-cap + query_pre_attn_scalar scale at the attention level (2 and 4 ranks), the model check for the
+dense families whose attention differs (gemma2, mistral, qwen3, qwen2; tests/family_variants.py, every
+weight random), and Gemma 2 trained under ring and Ulysses against one process.
+Mixture-of-experts models refuse --cp (one line, checked below).
 """
 
 import shutil
@@ -13,6 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from family_variants import family_fields
 from prunus.cli.main import cli
 from prunus.models import PrunusError
 from prunus.train_parallel import TrainConfig, resume_config, train
@@ -26,6 +33,11 @@ WORKER = Path(__file__).with_name("cp_worker.py")
 BASE = dict(preset="tiny", model={"max_seq_len": SEQ}, seq_len=SEQ, batch_size=2, steps=3, warmup_steps=1, eval_every=3,
             eval_tokens=2048, ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
 ATTENTION = dict(kind="attention", batch=2, heads=4, seq=SEQ, head_dim=16)
+# attention variants of the families: none (causal SDPA), Mistral's window, Gemma 2's window + soft-cap + scale
+VARIANTS = {"causal": {}, "window": dict(window=6), "gemma2": dict(window=40, softcap=5.0, scale=24.0 ** -0.5)}
+MODEL_FAMILIES = ("tiny", "gemma2", "mistral", "qwen3", "qwen2")  # "tiny": the plain preset
+FAMILY_SEQ = 64  # the families' model check: chunks of 16 tokens on 2 ranks, more than one window
+TRAIN_FAMILIES = {"gemma2": ("ring_fsdp", "ulysses_fsdp")}  # trained against the family in one process
 DRY = dict(preset="tiny", seq_len=64, batch_size=8)  # the dry run's activation check, as in tests/test_dry_run.py
 
 TWO_TRAIN = {
@@ -50,16 +62,31 @@ def spawn(spawn_jobs, nproc: int, jobs: list[dict], tmp_path: Path) -> dict:
     return results
 
 
-def train_jobs(layouts: dict, tmp: Path) -> list[dict]:
-    return [{"name": n, "kind": "train", "config": {**BASE, **c, "out": str(tmp / n)}} for n, c in layouts.items()]
+def train_jobs(layouts: dict, tmp: Path, family: str = "tiny") -> list[dict]:
+    prefix, model = ("", {}) if family == "tiny" else (f"{family}/", family_base(family))
+    return [{"name": prefix + n, "kind": "train", "config": {**BASE, **model, **c, "out": str(tmp / (prefix + n))}}
+            for n, c in layouts.items()]
+
+
+def family_base(family: str) -> dict:
+    return {"model": {**BASE["model"], **family_fields(family)}}
+
+
+def attention_jobs(cp: int) -> list[dict]:
+    return [{"name": f"attn{'' if cp == 2 else cp}_{impl}" + ("" if v == "causal" else f"_{v}"), "impl": impl, "cp": cp,
+             **ATTENTION, **VARIANTS[v]} for impl in ("ring", "ulysses") for v in VARIANTS]
 
 
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory, spawn_jobs):
     tmp = tmp_path_factory.mktemp("cp2")
-    jobs = [{"name": f"attn_{impl}", "impl": impl, "cp": 2, **ATTENTION} for impl in ("ring", "ulysses")]
+    jobs = attention_jobs(2)
     jobs += [{"name": f"model_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": SEQ, "batch": 2}
              for impl in ("ring", "ulysses")]
+    jobs += [{"name": f"model_{impl}_{fam}", "kind": "model", "impl": impl, "cp": 2, "seq": FAMILY_SEQ, "batch": 2,
+              "family": fam} for impl in ("ring", "ulysses") for fam in MODEL_FAMILIES[1:]]
+    for fam, layouts in TRAIN_FAMILIES.items():
+        jobs += train_jobs({n: TWO_TRAIN[n] for n in layouts}, tmp, fam)
     jobs += [{"name": f"saved_{impl}", "kind": "model", "impl": impl, "cp": 2, "seq": DRY["seq_len"],
               "batch": DRY["batch_size"]} for impl in ("ring", "ulysses")]
     # stopped (checkpointed) at step 2 of 3 under --cp 2, resumed in one process by the test below
@@ -68,11 +95,17 @@ def two_rank(tmp_path_factory, spawn_jobs):
     return spawn(spawn_jobs, 2, jobs + train_jobs(TWO_TRAIN, tmp), tmp), tmp
 
 
+def one_process(tmp: Path, family: str = "tiny") -> dict:
+    """The training run in this one process."""
+    model = {} if family == "tiny" else family_base(family)
+    r = train(TrainConfig(**{**BASE, **model, "out": str(tmp / "run")}))
+    return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same training run in this one process."""
-    r = train(TrainConfig(**{**BASE, "out": str(tmp_path_factory.mktemp("ref") / "run")}))
-    return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
+    return one_process(tmp_path_factory.mktemp("ref"))
 
 
 def assert_trains_like(results: dict, ref: dict, names) -> None:
@@ -90,19 +123,26 @@ def assert_attention_exact(results: dict, names) -> None:
             assert results[name][what] <= TOL, f"{name}: max |{what} - SDPA's| = {results[name][what]}"
 
 
-def test_attention_matches_sdpa_forward_and_backward(two_rank):
-    assert_attention_exact(two_rank[0], ["attn_ring", "attn_ulysses"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_matches_sdpa_forward_and_backward(two_rank, variant):
+    suffix = "" if variant == "causal" else f"_{variant}"
+    assert_attention_exact(two_rank[0], [f"attn_ring{suffix}", f"attn_ulysses{suffix}"])
 
 
-def test_model_loss_and_gradients_match_the_whole_batch(two_rank):
+@pytest.mark.parametrize("family", MODEL_FAMILIES)
+def test_model_loss_and_gradients_match_the_whole_batch(two_rank, family):
     for impl in ("ring", "ulysses"):
-        got = two_rank[0][f"model_{impl}"]
+        got = two_rank[0][f"model_{impl}" + ("" if family == "tiny" else f"_{family}")]
         assert abs(got["loss"] - got["ref_loss"]) <= TOL, (impl, got)
         assert got["grad_diff"] <= TOL and got["grad_diff"] <= 1e-4 * got["grad_scale"], (impl, got)
 
 
-def test_training_with_cp2_matches_one_process(two_rank, reference):
-    assert_trains_like(two_rank[0], reference, list(TWO_TRAIN))
+@pytest.mark.parametrize("family", ["tiny", *TRAIN_FAMILIES])
+def test_training_with_cp2_matches_one_process(two_rank, reference, family, tmp_path):
+    if family == "tiny":
+        assert_trains_like(two_rank[0], reference, list(TWO_TRAIN))
+    else:
+        assert_trains_like(two_rank[0], one_process(tmp_path, family), [f"{family}/{n}" for n in TRAIN_FAMILIES[family]])
 
 
 def test_checkpoint_under_cp_resumes_in_one_process(two_rank, reference, tmp_path):
@@ -126,9 +166,9 @@ def test_dry_run_activations_match_what_autograd_saves(two_rank):
 
 
 def test_four_ranks_cp_with_fsdp_tp_hsdp_and_cp4(tmp_path, reference, spawn_jobs):
-    jobs = [{"name": f"attn4_{impl}", "impl": impl, "cp": 4, **ATTENTION} for impl in ("ring", "ulysses")]
+    jobs = attention_jobs(4)  # with a window: blocks it hides entirely
     results = spawn(spawn_jobs, 4, jobs + train_jobs(FOUR_TRAIN, tmp_path), tmp_path)
-    assert_attention_exact(results, ["attn4_ring", "attn4_ulysses"])
+    assert_attention_exact(results, [j["name"] for j in jobs])
     assert_trains_like(results, reference, list(FOUR_TRAIN))
 
 
@@ -153,6 +193,11 @@ def test_bad_cp_input_fails_before_starting(tmp_path, args, needles, assert_user
                                  "--out", str(out)])
     assert_user_error(r, *needles)
     assert not out.exists()
+
+
+def test_mixture_of_experts_refuses_cp():
+    with pytest.raises(PrunusError, match="mixture-of-experts models .* train without context parallelism; set --cp 1"):
+        validate_cp(2, "ring", 64, n_heads=4, moe=True)
 
 
 def test_ulysses_heads_per_tensor_parallel_rank():
