@@ -1,10 +1,16 @@
-"""Compression quality on the demo model: each family beside the float model it came from, in one run.
+"""Compression quality: each family beside the float model it came from, on the demo model and a real one.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compress_quality.py [--model runs/demo/model]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compress_quality.py [--model demo] [--model smollm2|DIR]
 
-One section per family; each prints bits per byte, its change against fp32, greedy
-agreement, the size of model.safetensors and CPU latency, with the ratios against the
-fp32 model (timed alternately with it), and whether the family meets its quality target.
+One section per family; each prints bits per byte (with the held-out tokens behind it),
+its change against fp32, greedy agreement, the size of model.safetensors and CPU latency,
+with the ratios against the fp32 model (timed alternately with it), and whether the family
+meets its quality target. ``--model`` may be given more than once (``demo``: the demo model,
+trained when missing; ``smollm2``: SmolLM2-135M-Instruct through ``real_model.py``; or any
+model dir): every section runs on each, and a last table puts every target of every model
+side by side. Evaluation is the one every scorer of prunus uses (``prunus.data.evaluate``:
+the same held-out slice, English prose for a pretrained tokenizer). Distillation trains, so it
+runs only on models below ``DISTILL_MAX_PARAMS`` unless asked for by ``--only distill``.
 A section is a function ``(bench) -> None``; add yours to SECTIONS.
 Nothing here fails on a figure.
 """
@@ -29,15 +35,21 @@ from prunus.compress.context import build_context  # noqa: E402
 from prunus.compress.quantize import quantize_pass  # noqa: E402
 from prunus.compress.report import greedy, latency_ms, prompts_from, report_row  # noqa: E402
 from prunus.compress.smoothquant import smoothquant_pass  # noqa: E402
+from prunus.data.evaluate import DEFAULT_EVAL_TOKENS  # noqa: E402
+from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402  (this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "runs" / "demo" / "model"
+DISTILL_MAX_PARAMS = 20_000_000
+SMOOTHQUANT_ALPHA = 0.5  # what the w8a8-smoothquant recipe uses
 console = Console(width=150)
 
 
 class Bench:
     """The fp32 model, its context and its report row, shared by every section."""
 
-    def __init__(self, model_dir: Path, eval_tokens: int):
+    def __init__(self, model_dir: Path, eval_tokens: int, name: str = "", latency: bool = True):
+        self.name, self.latency, self.targets = name, latency, []
         self.ctx = build_context(model_dir, eval_tokens=eval_tokens)
         self.prompts = prompts_from(self.ctx, self.ctx.teacher)
         self.reference = greedy(self.ctx.teacher, self.prompts)
@@ -50,7 +62,7 @@ class Bench:
     def row(self, name: str, model) -> dict:
         r = report_row(name, model, self.ctx, reference=self.reference, prompts=self.prompts,
                        base=getattr(self, "base", None), latency=False)
-        if hasattr(self, "base"):
+        if hasattr(self, "base") and self.latency:
             r.update(self.paired_latency(model))
         return r
 
@@ -65,7 +77,9 @@ class Bench:
 
     def table(self, title: str, rows: list[dict], target: tuple[str, float] | None = None) -> None:
         """Print rows beside fp32; ``target`` (row name, max relative bpb increase) is checked and shown."""
-        t = Table(title=title, title_justify="left")
+        t = Table(title=f"[{self.name}] {title}", title_justify="left",
+                  caption=f"bits per byte on {self.base['val_tokens']:,} held-out tokens of {self.ctx.corpus_name}, "
+                          f"windows of {self.ctx.seq_len}", caption_justify="left")
         for col in ("variant", "bits/byte", "Δ bpb vs fp32", "greedy agree", "MB", "size ratio", "prefill ratio",
                     "decode ratio"):
             t.add_column(col, justify="left" if col == "variant" else "right")
@@ -79,6 +93,7 @@ class Bench:
             name, limit = target
             row = next(r for r in rows if r["pass"] == name)
             ok = "meets" if row["bpb_change"] <= limit else "MISSES"
+            self.targets.append((name, limit, row))
             console.print(f"  {name}: {100 * row['bpb_change']:+.3f}% bits per byte, {ok} the +{100 * limit:g}% target\n")
 
 
@@ -93,16 +108,17 @@ def section_int8_weight_only(bench: Bench) -> None:
 def section_w8a8(bench: Bench) -> None:
     rows = []
     for smooth in (False, True):
-        for scheme, calibration in (("w8a8-dynamic", "minmax"), ("w8a8-static", "minmax"), ("w8a8-static", "percentile")):
+        for scheme, calibration in (("w8a8-dynamic", "minmax"), ("w8a8-static", "percentile")):
             model = bench.fresh()
             if smooth:
-                model = smoothquant_pass(model, bench.ctx, alpha=0.5)
+                model = smoothquant_pass(model, bench.ctx, alpha=SMOOTHQUANT_ALPHA)
             model = quantize_pass(model, bench.ctx, scheme=scheme, calibration=calibration)
             name = ("smoothquant + " if smooth else "") + scheme + (f" {calibration}" if scheme == "w8a8-static" else "")
             rows.append(bench.row(name, model))
-    bench.table("W8A8 int8 weights and activations, without and with SmoothQuant (alpha 0.5) "
-                "(target: SmoothQuant + static within +1.5%)", rows,
-                target=("smoothquant + w8a8-static percentile", 0.015))
+    bench.table(f"W8A8 int8 weights and activations, without and with SmoothQuant (alpha {SMOOTHQUANT_ALPHA}); "
+                "per-token dynamic activation scales (the recipes) and static per-tensor ones "
+                "(target: the w8a8-smoothquant recipe, SmoothQuant + dynamic, within +1.5%)", rows,
+                target=("smoothquant + w8a8-dynamic", 0.015))
 
 
 def section_fp8(bench: Bench) -> None:
@@ -115,7 +131,17 @@ def section_fp8(bench: Bench) -> None:
 
 SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8]
 
-from compress_quality_distill import section_distill  # noqa: E402  (this folder is on sys.path)
+from compress_quality_distill import section_distill as _section_distill  # noqa: E402
+
+
+def section_distill(bench: Bench, asked: bool = False) -> None:
+    params = bench.base["params"]
+    if params > DISTILL_MAX_PARAMS and not asked:
+        console.print(f"[{bench.name}] distillation skipped: {params:,} parameters is above {DISTILL_MAX_PARAMS:,} "
+                      "(it trains; --only distill runs it anyway)\n")
+        return
+    _section_distill(bench)
+
 
 SECTIONS.append(section_distill)
 
@@ -131,23 +157,59 @@ def ensure_demo_model(model_dir: Path) -> None:
                     "--ckpt-every", "80", "--out", str(run_dir), "--overwrite"], check=True)
 
 
+def summary(benches: list[Bench]) -> None:
+    """Every target of every model, side by side."""
+    t = Table(title="targets: bits per byte change against fp32 (meets / MISSES)", title_justify="left")
+    t.add_column("variant", justify="left")
+    t.add_column("target", justify="right")
+    for b in benches:
+        t.add_column(f"{b.name} ({b.base['val_tokens']:,} tokens)", justify="right")
+    names = list(dict.fromkeys(n for b in benches for n, _, _ in b.targets))
+    for name in names:
+        cells, limit = [], None
+        for b in benches:
+            hit = next(((lim, r) for n, lim, r in b.targets if n == name), None)
+            if hit is None:
+                cells.append("-")
+                continue
+            limit, r = hit
+            cells.append(f"{100 * r['bpb_change']:+.3f}% {'meets' if r['bpb_change'] <= limit else 'MISSES'}")
+        t.add_row(name, f"+{100 * limit:g}%", *cells)
+    console.print(t)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "model")
-    parser.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens scored per variant")
+    parser.add_argument("--model", action="append", default=None,
+                        help="demo (the default), smollm2, or a prunus model dir; give it more than once for several")
+    parser.add_argument("--eval-tokens", type=int, default=DEFAULT_EVAL_TOKENS, help="held-out tokens scored per variant")
+    parser.add_argument("--no-latency", action="store_true", help="skip the paired latency timings")
     parser.add_argument("--only", nargs="*", help="run only the sections whose name contains one of these")
+    add_cache_argument(parser)
     args = parser.parse_args()
-    ensure_demo_model(args.model)
-    torch.manual_seed(0)
-    bench = Bench(args.model, args.eval_tokens)
-    console.print(f"model {args.model}: {bench.base['params']:,} parameters, fp32 {bench.base['val_bpb']:.4f} bits per byte "
-                  f"on {args.eval_tokens:,} held-out tokens; latency ratios: batch 1, prefill 128 tokens and one decode "
-                  f"step, median of 7 alternating fp32/variant timings, {torch.get_num_threads()} threads, "
-                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n")
-    for section in SECTIONS:
-        if args.only and not any(s in section.__name__ for s in args.only):
-            continue
-        section(bench)
+    benches = []
+    for spec in args.model or ["demo"]:
+        if spec == "demo":
+            ensure_demo_model(DEMO)
+            path, name = DEMO, "demo"
+        else:
+            path, name = resolve_model(spec, args.cache), model_name(spec)
+        torch.manual_seed(0)
+        bench = Bench(path, args.eval_tokens, name=name, latency=not args.no_latency)
+        console.print(f"[{name}] {path}: {bench.base['params']:,} parameters, fp32 {bench.base['val_bpb']:.4f} bits per "
+                      f"byte on {bench.base['val_tokens']:,} held-out tokens of {bench.ctx.corpus_name} (windows of "
+                      f"{bench.ctx.seq_len}); latency ratios: batch 1, prefill 128 tokens and one decode step, median of "
+                      f"7 alternating fp32/variant timings, {torch.get_num_threads()} threads, "
+                      f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n")
+        for section in SECTIONS:
+            if args.only and not any(s in section.__name__ for s in args.only):
+                continue
+            if section is section_distill:
+                section(bench, asked=bool(args.only) and any("distill" in s for s in args.only))
+            else:
+                section(bench)
+        benches.append(bench)
+    summary(benches)
 
 
 if __name__ == "__main__":
