@@ -7,8 +7,9 @@ llama.cpp applies rotary embeddings to adjacent pairs of a head's rows (the layo
 Meta's original checkpoints), prunus and Hugging Face to its two halves ("rotate half").
 llama.cpp's converter therefore permutes the rows of every q and k projection
 (``LlamaModel.permute`` in its ``convert_hf_to_gguf.py``); :func:`to_gguf_rows` is that
-permutation and :func:`from_gguf_rows` its inverse. Both only move rows, so a round trip
-is bit-exact.
+permutation and :func:`from_gguf_rows` its inverse (for the ``llama`` architecture only:
+llama.cpp runs Qwen2 / Qwen3 in the rotate-half layout). Both only move rows, so a round
+trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import re
 
 import torch
 
-ARCHITECTURE = "llama"
+# The GGUF architectures prunus reads and writes. llama.cpp permutes q/k rows for "llama" only; Qwen2 and
+# Qwen3 use the rotate-half ("NEOX") rotary layout, so their rows are stored as they are.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED = ("llama",)
 
 TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
        "output.weight": "output.weight"}
@@ -27,6 +31,9 @@ LAYER = {
     "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w2.weight": "ffn_down.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attention.wq.bias": "attn_q.bias", "attention.wk.bias": "attn_k.bias", "attention.wv.bias": "attn_v.bias",
+    "attention.wo.bias": "attn_output.bias",  # q/k/v biases: Qwen2, Llama's attention_bias (with the output's)
+    "attention.q_norm.weight": "attn_q_norm.weight", "attention.k_norm.weight": "attn_k_norm.weight",  # Qwen3
 }
 _TOP_BACK = {v: k for k, v in TOP.items()}
 _LAYER_BACK = {v: k for k, v in LAYER.items()}
@@ -50,9 +57,9 @@ def prunus_name(name: str) -> str | None:
 
 def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
     """How many heads the rows of ``name`` (a prunus key) hold if llama.cpp permutes it, else None."""
-    if name.endswith("attention.wq.weight"):
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return n_kv_heads
     return None
 

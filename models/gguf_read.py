@@ -1,12 +1,14 @@
-"""GGUF -> prunus model dir: ``from_gguf`` reads a llama.cpp GGUF file of the Llama architecture.
+"""GGUF -> prunus model dir: ``from_gguf`` reads a llama.cpp GGUF file of the Llama, Qwen2 or Qwen3 architecture.
 
 Quantized tensors (Q8_0, Q4_0/1, Q5_0/1, the k-quants Q2_K..Q6_K) are dequantized with
 ``gguf.quants.dequantize`` into float32 (or the dtype asked for); F32, F16 and BF16 are
-read as they are. q and k rows are put back from llama.cpp's rotary order
-(:mod:`prunus.models.gguf_layout`). The architecture comes from the ``llama.*`` metadata,
-the tokenizer and chat template from ``tokenizer.*`` (:mod:`prunus.models.gguf_tokenizer`).
+read as they are. q and k rows of ``llama`` files are put back from llama.cpp's rotary
+order (:mod:`prunus.models.gguf_layout`). The architecture comes from the ``<arch>.*``
+metadata and the tensors present (q/k/v biases, q/k norms), the tokenizer and chat
+template from ``tokenizer.*`` (:mod:`prunus.models.gguf_tokenizer`).
 Anything prunus would run differently from llama.cpp (another architecture, rope
-scaling, experts, a tensor type or a tensor it does not know) is refused in one line.
+scaling other than linear, experts, sliding windows, a tensor type or a tensor it does
+not know) is refused in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from .config import ModelConfig
 from .errors import PrunusError
 from .paths import check_output
-from .gguf_layout import ARCHITECTURE, from_gguf_rows, prunus_name, rotary_heads
+from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
 from .model_dir import save_model
@@ -60,25 +62,42 @@ def read_metadata(reader) -> dict:
 
 def _refuse_unsupported(meta: dict, tensor_names: set[str], where: str) -> str:
     arch = meta.get("general.architecture")
-    if arch != ARCHITECTURE:
-        raise PrunusError(f"{where}: general.architecture={arch!r} is not supported; supported: {ARCHITECTURE} "
-                          "(Llama, SmolLM, Mistral 7B and other files llama.cpp writes as 'llama')")
+    if arch not in ARCHITECTURES:
+        raise PrunusError(f"{where}: general.architecture={arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
+                          "(Llama, SmolLM, Mistral 7B and others llama.cpp writes as 'llama'; Qwen2 / 2.5; Qwen3)")
     a = arch
     bad = []
     if meta.get(f"{a}.expert_count"):
         bad.append(f"{a}.expert_count={meta[f'{a}.expert_count']} (mixture of experts)")
     scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none") or (meta.get(f"{a}.rope.scale_linear") not in (None, 1.0)):
-        bad.append(f"rope scaling {scaling or 'linear'!r}")
+    if scaling not in (None, "none", "linear"):
+        bad.append(f"rope scaling {scaling!r}")
     if "rope_freqs.weight" in tensor_names:
         bad.append("rope_freqs.weight (Llama 3.1 rope scaling)")
     for key in (f"{a}.attention.head_count", f"{a}.attention.head_count_kv", f"{a}.feed_forward_length"):
         if isinstance(meta.get(key), list):
             bad.append(f"{key} varying per layer")
+    if meta.get(f"{a}.attention.sliding_window"):
+        bad.append(f"{a}.attention.sliding_window")
     if bad:
-        raise PrunusError(f"{where}: unsupported feature(s) {', '.join(bad)}; only plain Llama (no rope scaling, "
-                          "no experts, the same shape in every layer) is converted")
+        raise PrunusError(f"{where}: unsupported feature(s) {', '.join(bad)}; converted are Llama / Qwen2 / Qwen3 "
+                          "without experts, rope scaling other than linear, or sliding windows")
     return a
+
+
+def _variant_fields(meta: dict, arch: str, names: set[str], where: str) -> dict:
+    """The ModelConfig fields beyond plain Llama this file sets: biases, q/k norms, linear rope scaling."""
+    qkv_bias, out_bias = "blk.0.attn_q.bias" in names, "blk.0.attn_output.bias" in names
+    qk_norm = "blk.0.attn_q_norm.weight" in names
+    expected = {"llama": (qkv_bias, qkv_bias, False), "qwen2": (True, False, False), "qwen3": (False, False, True)}[arch]
+    if (qkv_bias, out_bias, qk_norm) != expected:
+        raise PrunusError(f"{where}: a {arch} file with q/k/v bias={qkv_bias}, output bias={out_bias}, "
+                          f"q/k norm={qk_norm} is not a layout prunus converts")
+    fields = {"attn_qkv_bias": qkv_bias, "attn_out_bias": out_bias, "qk_norm": qk_norm}
+    if meta.get(f"{arch}.rope.scaling.type") == "linear" or meta.get(f"{arch}.rope.scale_linear") not in (None, 1.0):
+        fields["rope_type"] = "linear"
+        fields["rope_factor"] = _f32(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear")))
+    return fields
 
 
 def _f32(value) -> float:
@@ -91,7 +110,7 @@ def config_from_gguf(meta: dict, tensors: dict, where: str, dtype: str) -> Model
     """The ModelConfig the ``llama.*`` metadata and the tensor shapes describe."""
     a = _refuse_unsupported(meta, set(tensors), where)
     if "token_embd.weight" not in tensors:
-        raise PrunusError(f"{where}: no token_embd.weight tensor; not a complete Llama GGUF")
+        raise PrunusError(f"{where}: no token_embd.weight tensor; not a complete model GGUF")
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes are (columns, rows)
     try:
         dim, n_heads = int(meta[f"{a}.embedding_length"]), int(meta[f"{a}.attention.head_count"])
@@ -113,9 +132,10 @@ def config_from_gguf(meta: dict, tensors: dict, where: str, dtype: str) -> Model
             norm_eps=_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings="output.weight" not in tensors, dtype=dtype,
             head_dim=None if head_dim == dim // n_heads else head_dim,
+            **_variant_fields(meta, a, set(tensors), where),
         )
     except KeyError as e:
-        raise PrunusError(f"{where}: missing metadata {e.args[0]}; not a complete Llama GGUF") from None
+        raise PrunusError(f"{where}: missing metadata {e.args[0]}; not a complete model GGUF") from None
     except PrunusError as e:
         raise PrunusError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
 
@@ -133,8 +153,8 @@ def _tensor(t, where: str) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
-def read_state(reader, cfg: ModelConfig, where: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The prunus state dict of a Llama GGUF (q/k rows back in rotate-half order, cast to ``dtype``)."""
+def read_state(reader, cfg: ModelConfig, arch: str, where: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The prunus state dict of a GGUF (llama's q/k rows back in rotate-half order, cast to ``dtype``)."""
     state, unknown = {}, []
     for t in reader.tensors:
         name = prunus_name(t.name)
@@ -142,12 +162,12 @@ def read_state(reader, cfg: ModelConfig, where: str, dtype: torch.dtype) -> dict
             unknown.append(t.name)
             continue
         w = _tensor(t, where)
-        heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads)
+        heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
         if heads is not None:
             w = from_gguf_rows(w, heads)
         state[name] = w.to(dtype)
     if unknown:
-        raise PrunusError(f"{where}: tensor(s) {', '.join(unknown[:3])} are not part of a plain Llama; "
+        raise PrunusError(f"{where}: tensor(s) {', '.join(unknown[:3])} are not part of a Llama / Qwen2 / Qwen3 model; "
                           "this GGUF uses a feature prunus does not convert")
     return state
 
@@ -170,7 +190,7 @@ def _build(cfg: ModelConfig, state: dict, where: str) -> Transformer:
 
 
 def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> Path:
-    """Convert the Llama GGUF file ``path`` into a prunus model dir at ``out`` (weights in ``dtype``)."""
+    """Convert the GGUF file ``path`` into a prunus model dir at ``out`` (weights in ``dtype``)."""
     path, out = Path(path), Path(out)
     if dtype not in DTYPES:
         raise PrunusError(f"convert: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -180,7 +200,7 @@ def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", over
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(meta, tensors, where, dtype)
-    state = read_state(reader, cfg, where, DTYPES[dtype])
+    state = read_state(reader, cfg, meta["general.architecture"], where, DTYPES[dtype])
     model = _build(cfg, state, where)
     types = sorted({t.tensor_type.name for t in reader.tensors})
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,10 @@
 """prunus model dir -> GGUF: ``to_gguf`` writes a file llama.cpp runs, through the ``gguf`` package.
 
 The metadata is what llama.cpp's own converter (``convert_hf_to_gguf.py``) writes for a
-Llama: ``general.*``, the ``llama.*`` shape keys, and the tokenizer with its merges (or
-SentencePiece scores), special token ids and chat template. q and k rows are permuted into
-llama.cpp's rotary order; a tied output head is written once, as ``token_embd.weight``
+Llama (``llama``), a Qwen2 (q/k/v biases: ``qwen2``) or a Qwen3 (q/k norms: ``qwen3``):
+``general.*``, the ``<arch>.*`` shape keys, and the tokenizer with its merges (or
+SentencePiece scores), special token ids and chat template. For ``llama``, q and k rows are
+permuted into llama.cpp's rotary order; a tied output head is written once, as ``token_embd.weight``
 (llama.cpp uses it for the output when ``output.weight`` is absent).
 
 ``--type`` sets the 2-D weights' storage: ``f32`` (a round trip back through ``from_gguf``
@@ -26,28 +27,43 @@ import torch
 from .config import ModelConfig
 from .errors import PrunusError
 from .paths import check_output
-from .gguf_layout import ARCHITECTURE, gguf_name, rotary_heads, to_gguf_rows
+from .gguf_layout import PERMUTED, gguf_name, rotary_heads, to_gguf_rows
 from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
 from .model_dir import load_model, load_model_tokenizer
 from .tokenizer import ByteTokenizer
 
 TYPES = ("f32", "f16", "q8_0")
-# ModelConfig fields a plain Llama GGUF describes (or that only matter for training); any other field
-# set away from its default is an architecture variant this writer does not express.
+# ModelConfig fields every GGUF written here describes (or that only matter for training), and the
+# variant fields each architecture adds; any other field away from its default has no GGUF form here.
 _PLAIN = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
-          "tie_embeddings", "dtype", "head_dim", "top_k", "capacity_factor", "moe_aux_loss_coef", "moe_ffn_dim"}
+          "tie_embeddings", "dtype", "head_dim", "top_k", "capacity_factor", "moe_aux_loss_coef", "moe_ffn_dim",
+          "rope_type", "rope_factor"}
 
 
-def _check_plain(cfg: ModelConfig, where: str) -> None:
+def architecture(cfg: ModelConfig, where: str) -> str:
+    """The GGUF architecture that runs ``cfg`` as prunus does: llama (with Llama's optional attention
+    biases), qwen2 (q/k/v biases) or qwen3 (q/k norms). Anything else is refused in one line."""
     if cfg.n_experts:
         raise PrunusError(f"{where}: a mixture-of-experts model ({cfg.n_experts} experts) is not written to GGUF; "
                           "convert a dense model")
+    if cfg.qk_norm and not cfg.attn_qkv_bias and not cfg.attn_out_bias:
+        arch = "qwen3"
+    elif cfg.attn_qkv_bias and not cfg.attn_out_bias and not cfg.qk_norm:
+        arch = "qwen2"
+    else:
+        arch = "llama"
     default = ModelConfig()
+    allowed = _PLAIN | ({"attn_qkv_bias", "attn_out_bias"} if cfg.attn_qkv_bias == cfg.attn_out_bias else set()) \
+        | {"qwen2": {"attn_qkv_bias"}, "qwen3": {"qk_norm"}, "llama": set()}[arch]
     extra = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-             if f.name not in _PLAIN and getattr(cfg, f.name) != getattr(default, f.name)]
+             if f.name not in allowed and getattr(cfg, f.name) != getattr(default, f.name)]
+    if cfg.rope_type not in ("default", "linear"):
+        extra.append(f"rope_type={cfg.rope_type!r}")
     if extra:
-        raise PrunusError(f"{where}: architecture variant(s) {', '.join(extra[:4])} have no GGUF 'llama' form prunus "
-                          "writes; only plain Llama models are written to GGUF")
+        raise PrunusError(f"{where}: architecture variant(s) {', '.join(extra[:4])} have no GGUF form prunus writes; "
+                          "written are Llama, Qwen2 and Qwen3 models without sliding windows or rope scaling "
+                          "other than linear")
+    return arch
 
 
 def float_weights(model, where: str) -> dict[str, torch.Tensor]:
@@ -82,6 +98,7 @@ def _storage(w: torch.Tensor, kind: str):
 
 
 def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
+    """The ``general.*`` and ``<arch>.*`` keys llama.cpp's converter writes (``writer`` knows the arch)."""
     import gguf
 
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -101,6 +118,9 @@ def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
     if cfg.head_dim != cfg.dim // cfg.n_heads:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if cfg.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_factor)
     writer.add_file_type(ftype)
     if kind == "q8_0":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -138,18 +158,18 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
     _check_paths(model_dir, out)
     model = load_model(model_dir)  # verifies the manifest's hashes
     cfg = model.config
-    _check_plain(cfg, str(model_dir))
+    arch = architecture(cfg, str(model_dir))
     tokenizer = load_model_tokenizer(model_dir)
     tok_meta = (byte_tokenizer_metadata(cfg.vocab_size) if isinstance(tokenizer, ByteTokenizer)
                 else hf_tokenizer_metadata(model_dir, cfg.vocab_size))
     weights = float_weights(model, str(model_dir))
     del model
     with _atomic_file(out, overwrite) as tmp:
-        writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+        writer = gguf.GGUFWriter(tmp, arch)
         _add_config(writer, cfg, model_dir.resolve().name, type)
         add_tokenizer(writer, tok_meta)
         for name, w in weights.items():
-            heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads)
+            heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
             if heads is not None:
                 w = to_gguf_rows(w, heads)
             data, qtype = _storage(w, type)

@@ -100,9 +100,27 @@ def test_f16_and_q8_0_are_within_their_rounding(tmp_path, kind):
             assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11)).all(), k
 
 
-def test_transformers_reads_our_gguf_with_the_same_logits(tmp_path):
+FAMILIES = {"llama": {}, "qwen2": dict(attn_qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32),
+            "llama-bias": dict(attn_qkv_bias=True, attn_out_bias=True), "llama-linear-rope": dict(rope_type="linear", rope_factor=2.0)}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama-bias", "llama-linear-rope"])
+def test_families_round_trip_bit_exact(tmp_path, family):
+    src = make_model_dir(tmp_path / "m", n_layers=1, **FAMILIES[family])
+    to_gguf(src, tmp_path / "m.gguf", type="f32")
+    arch = gguf.GGUFReader(tmp_path / "m.gguf").fields["general.architecture"].contents()
+    assert arch == family.split("-")[0]
+    back = from_gguf(tmp_path / "m.gguf", tmp_path / "back")
+    a, b = weights(src), weights(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert load_model(back).config == load_model(src).config
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_transformers_reads_our_gguf_with_the_same_logits(tmp_path, family):
     transformers = pytest.importorskip("transformers")
-    src = make_model_dir(tmp_path / "m")
+    # transformers reads no attention.key_length for qwen3 and takes Qwen3Config's head_dim, 128
+    src = make_model_dir(tmp_path / "m", **{**FAMILIES[family], **({"head_dim": 128} if family == "qwen3" else {})})
     to_gguf(src, tmp_path / "m.gguf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     tokens = torch.randint(0, GQA["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
@@ -188,11 +206,11 @@ def test_bad_gguf_input_is_one_line_and_writes_nothing(tmp_path, good_gguf):
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     (tmp_path / "head.gguf").write_bytes(data[:40])
     (tmp_path / "text.gguf").write_text("hello, not a model\n")
-    _rewrite(path, tmp_path / "qwen.gguf", arch="qwen2")
+    _rewrite(path, tmp_path / "falcon.gguf", arch="falcon")
     _rewrite(path, tmp_path / "f64.gguf", types={"blk.0.attn_q.weight": "F64"})
     runner = CliRunner()
     cases = {"cut.gguf": "truncated", "head.gguf": "truncated", "text.gguf": "not a GGUF file",
-             "qwen.gguf": "'qwen2' is not supported", "f64.gguf": "type F64", "missing.gguf": "no such file"}
+             "falcon.gguf": "'falcon' is not supported", "f64.gguf": "type F64", "missing.gguf": "no such file"}
     for name, needle in cases.items():
         out = tmp_path / f"out-{name}"
         _user_error(runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / name), "--out", str(out)]), needle)
