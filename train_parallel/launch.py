@@ -3,10 +3,14 @@
 * Under torchrun the environment gives RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT.
 * Under Slurm (srun, one task per device) SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
   give rank, world and local rank; the first host of SLURM_JOB_NODELIST is the master.
-* ``prunus train --nproc N`` re-runs the same command under ``torchrun --standalone``
-  (a free port on this host).
+* ``prunus train --nproc N`` runs torchrun's agent (``--standalone``, a free port on
+  this host) inside the ``prunus`` process itself, which starts the N ranks. A signal
+  to that one process (Ctrl-C, ``kill PID``, a hang-up) reaches the whole job: the
+  agent sends it to every rank and waits for them (SIGKILL after 30 s). If the
+  ``prunus`` process dies outright, the kernel ends its ranks (``PR_SET_PDEATHSIG``).
 
-The collective timeout ends a hang with an error naming the rank.
+The collective timeout (``--timeout``) ends a hang: each waiting rank exits with one
+line naming itself and the collective that timed out (:func:`collective_timeout`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import subprocess
+import signal
 import sys
 
 import torch
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from prunus.models.errors import PrunusError
 
 LAUNCHED = "PRUNUS_LAUNCHED"
+LAUNCHER_PID = "PRUNUS_LAUNCHER_PID"
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -55,6 +60,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if os.environ.get(LAUNCHED):
+        die_with_launcher()
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -79,13 +86,93 @@ def restart_safe_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"prunus/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
+def die_with_launcher() -> None:
+    """In a rank started by ``prunus train --nproc``: the kernel ends this process when the launcher
+    (its parent) dies; one that is already gone ends it now."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher and os.getppid() != int(launcher):  # the launcher died before the line above
+        os._exit(128 + signal.SIGTERM)
+
+
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``prunus <argv>`` in ``nproc`` processes on this host with torchrun; return its exit code."""
+    """Run ``prunus <argv>`` in ``nproc`` processes on this host under torchrun's agent, in this process;
+    return the job's exit code (the first failed rank's, or 128 + the signal that stopped it)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "prunus.cli.main", *argv]
-    return subprocess.call(cmd, env=env)
+    os.environ.update({LAUNCHED: "1", LAUNCHER_PID: str(os.getpid())})
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # the ranks say what went wrong, each in one line; the agent's own report would repeat it as a page
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
+                                         "-m", "prunus.cli.main", *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code
+    except SignalException as e:
+        print(f"prunus train: stopped by {signal.Signals(e.sigval).name}; all {nproc} ranks have exited", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter_tensor",
+                "broadcast", "broadcast_object_list", "barrier", "all_to_all_single", "all_to_all", "send", "recv",
+                "batch_isend_irecv", "gather", "scatter", "reduce", "monitored_barrier"}
+
+
+def collective_timeout(e: BaseException, timeout_s: float) -> PrunusError | None:
+    """One line for a collective that timed out on this rank (a rank hung or died), else None."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(w in text for w in ("Timed out", "timed out", "Timeout", "timeout")):
+        return None
+    op, where = None, None
+    tb = e.__traceback__
+    while tb is not None:  # the innermost torch.distributed collective on the stack, and our innermost frame
+        code, module = tb.tb_frame.f_code, tb.tb_frame.f_globals.get("__name__", "")
+        if code.co_name in _COLLECTIVES and module.startswith("torch.distributed"):
+            op = code.co_name
+        if module.startswith("prunus."):
+            where = f"{module}.{code.co_name} line {tb.tb_lineno}"
+        tb = tb.tb_next
+    # DDP's gradient all-reduce runs in autograd (C++): then only the place in prunus is known
+    what = op or "a collective" + (f" (in {where})" if where else "")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else env_ranks()[0]
+    return PrunusError(f"rank {rank}: {what} timed out after --timeout {timeout_s:g} s waiting for the "
+                       "other ranks (one of them hung or died; see its output); raise --timeout if a step is "
+                       "legitimately slower")
+
+
+def reports_collective_timeouts(fn):
+    """Decorate ``fn(cfg, ...)``: a collective timeout inside becomes :func:`collective_timeout`'s one line."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(cfg, *args, **kwargs):
+        try:
+            return fn(cfg, *args, **kwargs)
+        except RuntimeError as e:
+            err = collective_timeout(e, cfg.timeout_s)
+            if err is None:
+                raise
+            raise err from None
+
+    return wrapper
 
 
 SBATCH = """#!/bin/bash

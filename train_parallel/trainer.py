@@ -33,7 +33,7 @@ from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_mo
 from .config import TrainConfig
 from .context_parallel import cp_sum, shard_batch
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
-from .launch import env_ranks, init_distributed
+from .launch import env_ranks, init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import pipeline_score
@@ -141,6 +141,7 @@ def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
 
 
+@reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
           objective=None) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``; see the module docstring.
