@@ -118,8 +118,10 @@ def pick_family(cfg, family: str | None, origin: dict | None, where: str):
     for fam in FAMILIES.values():
         if not inexpressible(fam, cfg):
             return fam
-    raise PrunusError(f"{where}: no Hugging Face family expresses this model ({', '.join(inexpressible(FAMILIES['llama'], cfg)[:4])} "
-                      f"as llama); supported: {', '.join(FAMILIES)}")
+    closest = FAMILIES["mixtral" if cfg.n_experts else "llama"]
+    kind = "mixture-of-experts model" if cfg.n_experts else "model"
+    raise PrunusError(f"{where}: no Hugging Face family expresses this {kind} ({', '.join(inexpressible(closest, cfg)[:4])} "
+                      f"has no {closest.model_type} equivalent); supported: {', '.join(FAMILIES)}")
 
 
 def _token_ids(model_dir: Path, tokenizer, origin: dict | None) -> dict:

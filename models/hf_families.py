@@ -42,7 +42,7 @@ TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight"
        "lm_head.weight": "output.weight"}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 # ModelConfig fields a family's config.json does not carry (training settings, the stored dtype)
-NOT_IN_HF = ("dtype", "capacity_factor", "n_shared_experts")
+NOT_IN_HF = ("dtype", "capacity_factor")
 
 
 @dataclass(frozen=True)

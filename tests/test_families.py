@@ -34,6 +34,8 @@ def _hf_dir(tmp_path, family, dtype=torch.float32, **save):
 def test_logits_and_greedy_tokens_match_transformers(tmp_path, family):
     hf, hf_dir = _hf_dir(tmp_path, family)
     ours = load_model(from_hf(hf_dir, tmp_path / "m"))
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert ours.config.num_params() == sum(p.numel() for p in ours.parameters()) == n_params
     tokens = _tokens(1)
     with torch.no_grad():
         ref, got = hf(tokens).logits, ours(tokens)
