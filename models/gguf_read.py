@@ -21,11 +21,11 @@ import torch
 
 from .config import ModelConfig
 from .errors import PrunusError
-from .paths import check_output
 from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
 from .model_dir import save_model
+from .paths import check_output
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
