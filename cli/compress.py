@@ -86,4 +86,9 @@ def command(model_dir, recipe, quantize, prune, distill, out, data, max_quality_
     for i, r in enumerate(report["rows"]):
         for line in r.get("notes", []):
             console.print(f"row {i} ({r['pass']}): {line}")
+    sec = report["seconds"]
+    rows_s = [r.get("seconds", {}) for r in report["rows"]]
+    click.echo(f"{sec['total']:.1f} s: context {sec['context']:.1f} s, passes {sum(sec['passes']):.1f} s, report rows "
+               f"{sum(sum(r.values()) for r in rows_s):.1f} s (evaluation {sum(r.get('eval', 0) for r in rows_s):.1f} s), "
+               f"save {sec['save']:.1f} s")
     click.echo(f"wrote {out} (report.md, report.png)")

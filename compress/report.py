@@ -77,8 +77,11 @@ def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch
                latency: bool = True, notes: list[str] | None = None) -> dict:
     """One row of the report; ``reference`` is the input model's greedy continuation of ``prompts``."""
     model.eval()
+    t0 = time.perf_counter()
     quality = ctx.evaluate(model)
+    t1 = time.perf_counter()
     tokens = greedy(model, prompts)
+    t2 = time.perf_counter()
     row = {
         "pass": name,
         "val_loss": quality["val_loss"],
@@ -90,8 +93,11 @@ def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch
         "nonzero_params": nonzero_params(model),
         "bytes": bytes_on_disk(model),
     }
+    t3 = time.perf_counter()
     if latency:
         row.update(latency_ms(model, ctx))
+    row["seconds"] = {"eval": round(t1 - t0, 2), "greedy": round(t2 - t1, 2), "size": round(t3 - t2, 2),
+                      "latency": round(time.perf_counter() - t3, 2)}
     if notes:
         row["notes"] = list(notes)
     return row
@@ -114,6 +120,11 @@ def render_markdown(report: dict) -> str:
         if has_latency:
             cells += [f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if "seconds" in report:
+        sec = report["seconds"]
+        lines += ["", f"time before saving: {sec['before_save']:.1f} s: context {sec['context']:.1f} s, passes "
+                      f"{sum(sec['passes']):.1f} s, report rows {sum(sum(r.get('seconds', {}).values()) for r in rows):.1f} s "
+                      f"(evaluation {sum(r.get('seconds', {}).get('eval', 0) for r in rows):.1f} s)"]
     notes = [f"- row {i} ({r['pass']}): {line}" for i, r in enumerate(rows) for line in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:", *notes]

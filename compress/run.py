@@ -13,6 +13,7 @@ import copy
 import inspect
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,13 +59,15 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.models.paths: never over an input
+    start = time.perf_counter()
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)
     teacher = ctx.teacher
     prompts = prompts_from(ctx, teacher)
     reference = greedy(teacher, prompts)
     console = Console(stderr=True)
-    rows = []
+    rows, pass_seconds = [], []
+    context_seconds = time.perf_counter() - start
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=not progress, transient=True) as bar:
         task = bar.add_task("score the input model", total=2 * len(passes) + 1)
@@ -84,7 +87,9 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
             if progress:
                 console.print(f"[bold]pass {label}[/bold]")
             ctx.take_notes()
+            t0 = time.perf_counter()
             model = fn(model, ctx, **args, **extra)
+            pass_seconds.append(round(time.perf_counter() - t0, 2))
             notes = ctx.take_notes()
             if progress:
                 for line in notes:
@@ -106,8 +111,12 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
                     f"{100 * max_quality_drop:g}%; nothing was written")
     report = {**report_header(ctx), "out": str(out), "passes": [{"name": n, "args": a} for n, a in passes], "rows": rows}
     final = rows[-1]
+    t0 = time.perf_counter()
+    report["seconds"] = {"context": round(context_seconds, 2), "passes": pass_seconds,
+                         "before_save": round(t0 - start, 2)}
     save_model(model, out, tokenizer=ctx.tokenizer, stage="compress", parent=model_dir, overwrite=overwrite,
                command=command if command is not None else shlex.join(sys.argv),
                metrics={"val_loss": final["val_loss"], "val_bpb": final["val_bpb"], "agreement": final["agreement"]},
                extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+    report["seconds"].update(save=round(time.perf_counter() - t0, 2), total=round(time.perf_counter() - start, 2))
     return report

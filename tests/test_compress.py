@@ -247,9 +247,18 @@ def test_runner_chains_pruning_distillation_and_quantization(tmp_path, trained_r
               ("prune", {"method": "wanda", "sparsity": 0.5, "n_calib": 1}),
               ("quantize", {"scheme": "int8-weight-only"})]
     out = tmp_path / "chain"
-    report = compress(trained_run / "model", passes, out, data=str(text_file), eval_tokens=1024,
+    report = compress(trained_run / "model", passes, out, data=str(text_file), eval_tokens=1024, seq_len=48,
                       max_corpus_bytes=200000, latency=False, progress=False)
     rows = report["rows"]
+    # every row scored the same slice, in the windows asked for; what passes did is noted, phases timed
+    n = rows[0]["val_tokens"]
+    assert report["seq_len"] == 48 and 0 < n <= 1024 and n % 48 == 0 and all(r["val_tokens"] == n for r in rows)
+    assert rows[1]["notes"][0].startswith("removed 2 of 4 attention heads in every block (50.0%)")
+    assert rows[2]["notes"] == ["distilled 2 steps x 2 rows x 32 tokens (128 training tokens)"]
+    assert set(rows[0]["seconds"]) == {"eval", "greedy", "size", "latency"} and len(report["seconds"]["passes"]) == 4
+    assert report["seconds"]["total"] >= report["seconds"]["before_save"] > 0
+    md = (out / "report.md").read_text()
+    assert f"{n:,} held-out tokens" in md and "windows of 48 tokens" in md and "row 1 (prune_structured" in md
     assert [r["pass"].split("(")[0] for r in rows] == ["input", "prune_structured", "distill", "prune", "quantize"]
     assert rows[1]["params"] < rows[0]["params"] and rows[3]["nonzero_params"] < 0.7 * rows[2]["nonzero_params"]
     assert rows[4]["bytes"] < rows[3]["bytes"]
