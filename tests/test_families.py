@@ -134,3 +134,33 @@ def test_rope_tables_equal_transformers(rope):
             want_cos, want_sin = emb(x, torch.arange(p + 1)[None])
             assert torch.allclose(long_cos[p], want_cos[0, p], atol=1e-5)
             assert torch.allclose(long_sin[p], want_sin[0, p], atol=1e-5)
+
+
+# config.json as transformers 4 wrote it (rope_scaling and rope_theta at the top, old key spellings, keys left
+# out), for each family: prunus reads the same model from it as from transformers 5's own reading of it
+V4_CONFIGS = {
+    "llama": dict(rope_theta=5e5, rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                "original_max_position_embeddings": 128, "rope_type": "llama3"}),
+    "qwen2": dict(rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                  sliding_window=131072, use_sliding_window=False, max_window_layers=21),
+    "qwen3": dict(rope_theta=1e6, rope_scaling=None, head_dim=32, sliding_window=None, use_sliding_window=False),
+    "mistral": dict(rope_theta=1e4, sliding_window=4096),
+    "gemma2": dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", head_dim=16,
+                   query_pre_attn_scalar=16, sliding_window=4096, cache_implementation="hybrid"),
+    "phi3": dict(rope_scaling=None, sliding_window=2047, original_max_position_embeddings=4096,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=3),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      mlp_only_layers=[], decoder_sparse_step=1, head_dim=16, rope_theta=1e6, rope_scaling=None),
+}
+
+
+@pytest.mark.parametrize("family", V4_CONFIGS)
+def test_older_config_json_reads_as_transformers_reads_it(family):
+    from prunus.models.hf_families import config_from_hf
+
+    raw = dict(model_type=family, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=1024, **V4_CONFIGS[family])
+    _, ours = config_from_hf(dict(raw), "float32")
+    _, via_transformers = config_from_hf(transformers.AutoConfig.for_model(**raw).to_dict(), "float32")
+    assert ours == via_transformers
