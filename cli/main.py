@@ -28,6 +28,9 @@ class PrunusGroup(click.Group):
             return super().invoke(ctx)
         except PrunusError as e:
             raise UserError(str(e)) from None
+        except click.UsageError as e:  # a bad flag or value: one line too, not click's usage block
+            where = e.ctx.command_path if e.ctx is not None else "prunus"
+            raise UserError(f"{e.format_message()} (see {where} --help)") from None
 
 
 @click.group(cls=PrunusGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

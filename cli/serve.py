@@ -18,19 +18,18 @@ def _interrupt(signum, frame):
 @click.argument("path", type=click.Path())
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
               help="Default: torch for a model dir, the export's runtime for an export dir.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Sequences decoded together (cache rows).")
-@click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests before answering 429.")
-@click.option("--max-len", type=int, default=None, help="Tokens per sequence (prompt + output). Default: the model's.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences decoded together (cache rows).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Waiting requests before answering 429; also sizes the listen backlog and the connection cap.")
+@click.option("--max-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (prompt + output). Default: the model's.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Decode through torch.compile (torch backend, tp=1): faster steps, 10-25 s per batch bucket at start.")
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
-    if max_queue < 0:
-        raise click.BadParameter(f"{max_queue} must be >= 0", param_hint="--max-queue")
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
     signal.signal(signal.SIGTERM, _interrupt)
     with Engine.load(path, backend, tp=tp, device=device, max_batch=max_batch, max_len=max_len,

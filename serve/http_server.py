@@ -9,19 +9,31 @@
 * ``GET /metrics``: Prometheus text (:mod:`prunus.serve.metrics`).
 
 Every HTTP thread submits to the engine's one continuous-batching scheduler. A full
-wait queue answers 429; a malformed request 400 with ``{"error": {"message", "type"}}``;
-a client that goes away, streaming or waiting for a whole answer, cancels its requests,
-which frees their batch slots at the next step.
+wait queue answers 429; a malformed request 400; every error is JSON in OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with its status (404 unknown route,
+405 other methods, 408 a request that does not arrive in time, 411 / 413 bodies, 429 full).
+A client that goes away, streaming or waiting for a whole answer, cancels its requests,
+which frees their batch slots at the next step, and is one log line.
+
+Load and slow clients (:mod:`prunus.serve.http_guard`): the listen backlog and a cap on
+open connections are sized from the queue (``--max-queue``) and batch; a connection over
+the cap gets 429 rather than a reset. The request line and headers must arrive within
+``header_timeout`` seconds and the body within ``body_timeout`` (else 408); an idle
+kept-alive connection is closed after ``header_timeout``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import queue
 import select
 import socket
+import sys
+import threading
 import time
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -29,28 +41,23 @@ from prunus.models import PrunusError
 
 from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine
+from .http_guard import BadRequest, DeadlineReader, error_json, parse_json_body, refuse_connection
 from .metrics import Metrics
 from .request import GenerationResult
 from .scheduler import QueueFull
 
 MAX_BODY_BYTES = 1 << 20
 CLIENT_CHECK_S = 0.1  # how often a handler waiting for a whole answer checks that its client is still there
+HEADER_TIMEOUT_S = 10.0  # request line + headers (and an idle kept-alive connection)
+BODY_TIMEOUT_S = 30.0  # the body, once the headers are in
+WRITE_TIMEOUT_S = 60.0  # one write to a client that does not read
 COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "model", "n",
                      "user", "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix"}
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
 def parse_completion(body: bytes) -> tuple[list, dict, bool]:
     """(prompts, engine keyword arguments, stream) from a request body, or BadRequest."""
-    try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(400, f"the request body is not valid JSON ({e})") from None
+    req = parse_json_body(body)
     if not isinstance(req, dict):
         raise BadRequest(400, "the request body must be a JSON object")
     unknown = sorted(set(req) - COMPLETION_FIELDS)
@@ -78,24 +85,83 @@ def parse_completion(body: bytes) -> tuple[list, dict, bool]:
 class CompletionHandler(BaseHTTPRequestHandler):
     server: "CompletionServer"
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.1"  # errors about a malformed request line get a status line and JSON too
 
     def log_message(self, format, *args):  # quiet: /metrics is the record
         pass
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def setup(self) -> None:
+        super().setup()
+        self._reader = DeadlineReader(self.connection, self.server.write_timeout)
+        self.rfile = io.BufferedReader(self._reader, 1 << 16)
+        self.connection.settimeout(self.server.write_timeout)
+
+    def handle_one_request(self) -> None:
+        """BaseHTTPRequestHandler's, with deadlines (408), JSON errors and one log line for a client that resets."""
+        self._answered = False
+        self.command, self.requestline, self.request_version = None, "", self.default_request_version
+        self._reader.start(self.server.header_timeout)
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.send_error(414, "the request line is longer than 65,536 bytes")
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():  # answered with send_error
+                return
+            self._reader.start(None)
+            method = getattr(self, "do_" + self.command, None)
+            if method is None:
+                self.send_error(501, f"method {self.command[:20]!r} is not supported; use GET or POST")
+                return
+            method()
+            self.wfile.flush()
+        except TimeoutError:
+            self.close_connection = True
+            if self._reader.received and not self._answered:  # a request began and did not finish in time
+                self._try_error(408, f"the request did not arrive within {self.server.header_timeout:g} s", "timeout_error")
+        except ConnectionError as e:
+            self.close_connection = True
+            self.server.log_client(self.client_address, e)
+
+    def send_response(self, code, message=None) -> None:
+        self._answered = True
+        super().send_response(code, message)
+
+    def send_error(self, code, message=None, explain=None) -> None:
+        """Errors found by the standard library (bad request line, headers, methods): JSON too."""
+        self.close_connection = True
+        kind = "invalid_request_error" if code < 500 else "server_error"
+        self._try_error(code, message or HTTPStatus(code).phrase, kind)
+
+    def _try_error(self, status: int, message: str, kind: str) -> None:
+        try:
+            self._error(status, message, kind)
+        except OSError:
+            self.close_connection = True
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json", headers: dict | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def _json(self, status: int, obj) -> None:
         self._send(status, json.dumps(obj).encode())
 
-    def _error(self, status: int, message: str, kind: str) -> None:
-        self._json(status, {"error": {"message": message, "type": kind}})
+    def _error(self, status: int, message: str, kind: str, param: str | None = None,
+               headers: dict | None = None) -> None:
+        self._send(status, error_json(message, kind, param), headers=headers)
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -107,56 +173,95 @@ class CompletionHandler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             self._send(200, self.server.metrics.render(engine.scheduler).encode(), "text/plain; version=0.0.4")
         else:
-            self._error(404, f"no route GET {self.path}; try /health, /metrics or POST /v1/completions", "not_found")
+            self._error(404, f"no route GET {self.path[:200]}; try /health, /metrics or POST /v1/completions",
+                        "not_found_error")
+
+    def _not_allowed(self) -> None:
+        self._drain()
+        self._error(405, f"method {self.command} is not allowed; use GET /health, GET /metrics or POST "
+                         f"/v1/completions, {CHAT_PATH}", "invalid_request_error", headers={"Allow": "GET, POST"})
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = _not_allowed
 
     def do_POST(self):
         if self.path not in ("/v1/completions", CHAT_PATH):
             self._drain()
-            self._error(404, f"no route POST {self.path}; use /v1/completions or {CHAT_PATH}", "not_found")
+            self._error(404, f"no route POST {self.path[:200]}; use /v1/completions or {CHAT_PATH}", "not_found_error")
             return
         t0 = time.perf_counter()
         status = 500
         try:
             if self.path == CHAT_PATH:  # prunus.serve.chat_api
-                status = handle_chat(self, self._body())
+                body = self._body()
+                parse_json_body(body)  # what no route should see: deep nesting, lone surrogates, 65-bit integers
+                status = handle_chat(self, body)
             else:
                 prompts, kwargs, stream = parse_completion(self._body())
                 status = self._stream(prompts[0], kwargs) if stream else self._complete(prompts, kwargs)
         except BadRequest as e:
             status = e.status
-            self._error(e.status, str(e), e.kind)
+            self._error(e.status, str(e), e.kind, e.param)
         except QueueFull as e:
             status = 429
             self._error(429, str(e), "rate_limit_error")
         except PrunusError as e:
             status = 400
             self._error(400, str(e), "invalid_request_error")
-        except (BrokenPipeError, ConnectionResetError):
-            status = 499  # the client went away
+        except (ConnectionError, TimeoutError) as e:
+            status = 499  # the client went away (or stopped reading)
+            self.close_connection = True
+            self.server.log_client(self.client_address, e)
         except Exception as e:  # the server stays up; the client learns it was us
-            self._error(500, f"{type(e).__name__}: {e}", "server_error")
+            if not self._answered:
+                self._try_error(500, f"{type(e).__name__}: {str(e)[:200]}", "server_error")
+            self.close_connection = True
         finally:
             self.server.metrics.observe(status, time.perf_counter() - t0 if status == 200 else None)
 
     def _drain(self) -> None:
+        """Read off a body that will not be used, so the connection can serve the next request."""
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            n = 0
+            n = -1
         if 0 < n <= MAX_BODY_BYTES:
-            self.rfile.read(n)
+            try:
+                self._reader.start(self.server.body_timeout)
+                self.rfile.read(n)
+            except (TimeoutError, ConnectionError):
+                self.close_connection = True
+            finally:
+                self._reader.start(None)
+        elif n:
+            self.close_connection = True
 
     def _body(self) -> bytes:
+        length = self.headers.get("Content-Length")
         try:
-            n = int(self.headers.get("Content-Length"))
+            n = int(length)
         except (TypeError, ValueError):
             self.close_connection = True
-            raise BadRequest(411 if self.headers.get("Content-Length") is None else 400,
+            raise BadRequest(411 if length is None else 400,
                              "send the JSON body with a valid Content-Length header") from None
-        if not 0 <= n <= MAX_BODY_BYTES:
+        if n < 0:
+            self.close_connection = True
+            raise BadRequest(400, f"Content-Length {n} is negative; send the body's length in bytes")
+        if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        return self.rfile.read(n)
+        self._reader.start(self.server.body_timeout)
+        try:
+            body = self.rfile.read(n)
+        except TimeoutError:
+            self.close_connection = True
+            raise BadRequest(408, f"the request body did not arrive within {self.server.body_timeout:g} s",
+                             "timeout_error") from None
+        finally:
+            self._reader.start(None)
+        if len(body) < n:
+            self.close_connection = True
+            raise ConnectionResetError(f"the client closed the connection {len(body)} bytes into a {n}-byte body")
+        return body
 
     def _base(self) -> dict:
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
@@ -238,18 +343,66 @@ class CompletionHandler(BaseHTTPRequestHandler):
 
 
 class CompletionServer(ThreadingHTTPServer):
+    """The endpoint. ``max_connections`` (default: twice the queue plus the batch, at least 64) caps open
+    connections and sizes the listen backlog; the timeouts bound slow clients (see the module docstring)."""
+
     daemon_threads = True
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
+                 header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
+                 write_timeout: float = WRITE_TIMEOUT_S):
         self.engine = engine
         self.metrics = Metrics()
         self.model_name = Path(engine.info.get("path", "prunus")).name or "prunus"
+        queue_size = getattr(engine.scheduler, "max_queue", None) or 64
+        self.max_connections = max_connections or max(64, 2 * (queue_size + int(engine.info.get("max_batch", 8))))
+        self.request_queue_size = self.max_connections  # the listen backlog: a burst waits instead of being reset
+        self.header_timeout, self.body_timeout, self.write_timeout = header_timeout, body_timeout, write_timeout
+        self._open, self._open_lock = 0, threading.Lock()
+        if not 0 <= port <= 65535:
+            raise PrunusError(f"--port {port} is not a TCP port; choose one from 0 (any free port) to 65535")
         try:
             super().__init__((host, port), CompletionHandler)
-        except OSError as e:
-            raise PrunusError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --host/--port") from None
+        except (OSError, OverflowError) as e:
+            reason = getattr(e, "strerror", None) or str(e)
+            raise PrunusError(f"cannot listen on {host}:{port} ({reason}); choose another --host/--port") from None
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            self.metrics.observe(429, None)
+            refuse_connection(request, self, f"the server holds {self.max_connections} open connections; retry later")
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            with self._open_lock:
+                self._open -= 1
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
+
+    def log_client(self, client_address, error: BaseException) -> None:
+        """One line for a client that reset, closed early or stopped reading: not the server's fault."""
+        host, port = client_address[:2] if isinstance(client_address, tuple) else (client_address, "")
+        print(f"prunus serve: client {host}:{port} went away ({type(error).__name__})", file=sys.stderr, flush=True)
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            self.log_client(client_address, error)
+            return
+        super().handle_error(request, client_address)  # a bug in the server: the whole traceback

@@ -231,7 +231,8 @@ def ort_session_from_proto(proto):
 def test_bad_inputs_are_one_line_and_leave_nothing(trained_run, int8_model_dir, fp32_export, tmp_path, assert_user_error):
     model = trained_run / "model"
     out = tmp_path / "x"
-    assert_user_error(run("export", tmp_path, "--out", out), "prunus.json", "not a prunus model dir")
+    (tmp_path / "plain").mkdir()
+    assert_user_error(run("export", tmp_path / "plain", "--out", out), "prunus.json", "not a prunus model dir")
     assert_user_error(run("export", model, "--out", fp32_export), "already exists", "--overwrite")
     assert_user_error(run("export", model, "--out", out, "--format", "tensorrt", "--precision", "int8"), "int8", "compress")
     assert_user_error(run("export", int8_model_dir, "--out", out, "--precision", "fp32"), "int8")
