@@ -117,6 +117,15 @@ def test_quantized_model_dir_round_trip(tmp_path, tiny_model, ctx, scheme, granu
     assert read_manifest(path)["metrics"]["params"] == get_preset("tiny").num_params()
 
 
+def test_exclude_counts_blocks_from_the_end(tiny_model, ctx):
+    model = quantize_pass(tiny_model, ctx, scheme="fp8-weight-only", exclude=["output", "layers.-1"])
+    last = str(len(model.layers) - 1)
+    assert type(model.layers[last].attention.wq) is torch.nn.Linear and isinstance(model.layers["0"].attention.wq, QuantizedLinear)
+    assert f"layers.{last}.feed_forward.w2" in model.compression["quantization"]["excluded"]
+    with pytest.raises(PrunusError, match="has 2 blocks"):
+        quantize_pass(tiny_model, ctx, scheme="fp8-weight-only", exclude=["layers.-3"])
+
+
 def test_quantizing_a_tied_head_unties_it(tmp_path, ctx):
     torch.manual_seed(0)
     model = Transformer(get_preset("tiny").replace(tie_embeddings=True))
