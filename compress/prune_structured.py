@@ -242,7 +242,8 @@ def _remove_blocks(model: Transformer, amount, batches):
     note = f"removed {n} of {len(keys)} blocks ({100 * fraction:.1f}%): " + ", ".join(f"layers.{keys[i]}" for i in sorted(drop))
     if isinstance(amount, float) and abs(fraction - amount) > 1e-9:
         note += f"; {amount:g} was asked, {fraction:.3g} is the nearest achievable amount"
-    return cfg.replace(n_layers=len(kept)), state, removed, fraction, note
+    # per-layer settings (sliding or full attention) follow their blocks
+    return cfg.keep_layers([keys.index(k) for k in kept]), state, removed, fraction, note
 
 
 def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_calib: int = 8) -> Transformer:

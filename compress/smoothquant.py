@@ -18,6 +18,7 @@ from torch import nn
 
 from prunus.models import PrunusError
 
+from prunus.models.llama import OffsetRMSNorm
 from prunus.models.quantized import QuantizedLinear
 
 from .calibrate import channel_absmax
@@ -56,7 +57,10 @@ def smoothquant_pass(model, ctx, *, alpha: float = 0.5, n_calib: int = 8):
     with torch.no_grad():
         for norm, names, linears in targets:
             s = smoothing_scales(stats[names[0]], [m.weight for m in linears], float(alpha))
-            norm.weight.div_(s.to(norm.weight.dtype))
+            if isinstance(norm, OffsetRMSNorm):  # Gemma's norm scales by (1 + weight)
+                norm.weight.copy_((1 + norm.weight.float()) / s - 1)
+            else:
+                norm.weight.div_(s.to(norm.weight.dtype))
             for m in linears:
                 m.weight.mul_(s.to(m.weight.dtype))
     return model

@@ -83,9 +83,10 @@ def _check_request(fmt: str, precision: str | None, stored: str | None, model_di
 
 
 def _fp8_modules(model) -> dict[str, QuantizedLinear]:
-    """fp8 weights for every Linear (per channel, e4m3), for an fp32 model exported at --precision fp8."""
+    """fp8 weights for every Linear (per channel, e4m3), for an fp32 model exported at --precision fp8; a
+    mixture-of-experts router stays in float, as prunus compress keeps it (rounding flips which experts run)."""
     return {name: QuantizedLinear.from_linear(m, "fp8-weight-only", "per_channel")
-            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not name.endswith("router")}
 
 
 def load_export(path: str | Path):

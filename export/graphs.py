@@ -7,6 +7,13 @@ and builds one boolean mask from ``attention_mask`` (1 = real token, 0 = padding
 left padding allowed) and causality within the new tokens. Positions come from
 ``position_ids``, so a left-padded row rotates its tokens from its own position 0.
 
+A mixture-of-experts block groups its tokens by expert with data-dependent shapes
+(counts per expert), which ``torch.export`` cannot trace; :func:`exportable` swaps it for
+:class:`DenseMoE`, the same function written with fixed shapes: every expert runs on every
+token and a (tokens, experts) gate matrix, zero off each token's top-k, weights and sums
+them. That costs n_experts / top_k times the routed experts' work, the price of a static
+graph; the outputs equal the routed layer's up to the order of the float sums.
+
 Graph I/O names (the export dir contract):
 
 * prefill: ``input_ids``, ``position_ids``, ``attention_mask`` (batch, seq) ->
@@ -17,8 +24,47 @@ Graph I/O names (the export dir contract):
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from prunus.models.moe import MoE
+
+
+class DenseMoE(nn.Module):
+    """A trained :class:`MoE` layer's inference function with static shapes (see the module docstring)."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.router, self.experts, self.shared = moe.router, moe.experts, moe.shared
+        self.top_k, self.norm_topk, self.n_experts = moe.top_k, moe.norm_topk, moe.n_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(-1, experts, weights)  # (batch, seq, E), zero off the top-k
+        out = torch.zeros_like(x)
+        ex = self.experts
+        for e in range(self.n_experts):
+            w1, w3, w2 = ex.w1[e].to(x.dtype), ex.w3[e].to(x.dtype), ex.w2[e].to(x.dtype)
+            y = (F.silu(x @ w1) * (x @ w3)) @ w2
+            out = out + (y.float() * gates[..., e:e + 1]).to(x.dtype)
+        return out if self.shared is None else out + self.shared(x)
+
+
+def exportable(model: nn.Module) -> nn.Module:
+    """``model`` with its MoE layers as :class:`DenseMoE` (a copy; ``model`` itself when it has none)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+    if not names:
+        return model
+    model = copy.deepcopy(model)
+    for name in names:
+        model.set_submodule(name, DenseMoE(model.get_submodule(name)))
+    return model
 
 
 class GraphCache:

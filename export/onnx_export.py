@@ -25,7 +25,7 @@ from torch.export import Dim
 
 from prunus.models.quantized import QuantizedLinear
 
-from .graphs import DecodeGraph, PrefillGraph, graph_names
+from .graphs import DecodeGraph, PrefillGraph, exportable, graph_names
 
 # For ONNX Runtime, opset 23: the exporter writes RMSNormalization-23 and Attention-23 (with
 # grouped-query heads) as single nodes where opset 18 spells them out in ~10 nodes each; on
@@ -44,8 +44,10 @@ def dequantized_copy(model: nn.Module, modules: dict[str, QuantizedLinear] | Non
         return model
     plain = copy.deepcopy(model)
     for name, q in modules.items():
-        lin = nn.Linear(q.in_features, q.out_features, bias=False)
+        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
         lin.weight = nn.Parameter(q.dequantize(), requires_grad=False)
+        if q.bias is not None:
+            lin.bias = nn.Parameter(q.bias.clone(), requires_grad=False)
         plain.set_submodule(name, lin)
     return plain
 
@@ -83,7 +85,7 @@ def export_prefill(model: nn.Module, opset: int = DEFAULT_OPSET["onnx"]) -> onnx
     names = graph_names(len(model.layers))
     batch, seq = Dim("batch"), Dim("seq")
     shapes = ({0: batch, 1: seq},) * 3
-    return _export(PrefillGraph(model).eval(), _example(model, False), names["prefill_inputs"], names["outputs"],
+    return _export(PrefillGraph(exportable(model)).eval(), _example(model, False), names["prefill_inputs"], names["outputs"],
                    shapes, opset)
 
 
@@ -93,7 +95,7 @@ def export_decode(model: nn.Module, opset: int = DEFAULT_OPSET["onnx"]) -> onnx.
     kv = tuple({0: batch, 2: past} for _ in range(2 * len(model.layers)))
     shapes = ({0: batch, 1: new}, {0: batch, 1: new}, {0: batch, 1: total}, kv)
     ids, pos, mask, past_kv = _example(model, True)
-    return _export(DecodeGraph(model).eval(), (ids, pos, mask, *past_kv), names["decode_inputs"], names["outputs"],
+    return _export(DecodeGraph(exportable(model)).eval(), (ids, pos, mask, *past_kv), names["decode_inputs"], names["outputs"],
                    (*shapes[:3], kv), opset)
 
 

@@ -67,8 +67,10 @@ def visible_keys(q_len: int, k_len: int, mask: torch.Tensor | None, window: int 
     A sliding window keeps the keys fewer than ``window`` positions before the query's own key.
     Without ``mask`` the queries are the last ``q_len`` of ``k_len`` positions; with a cache's mask
     (ragged rows, left padding) a query's own key is the last key its mask shows it (every cache
-    lets a token see itself), so windows work under any cache that keeps all keys."""
-    if window is None or k_len <= window:
+    lets a token see itself), so windows work under any cache that keeps all keys. While
+    ``torch.export`` traces (ONNX graphs with symbolic lengths) the mask is always built: a
+    shortcut taken for the example's few keys would be frozen into the graph."""
+    if window is None or (k_len <= window and not torch.compiler.is_exporting()):
         return mask
     keys = torch.arange(k_len, device=device)
     if mask is None:

@@ -22,7 +22,9 @@ float32 summation order.
 
 The buffers are the storage format: ``weight`` (out, in) int8 or float8_e4m3fn,
 ``weight_scale`` float32 (out, 1) per channel, (out, in // group_size) per group or
-(1, 1) per tensor, and for static schemes ``input_scale`` (a float32 scalar). Tensor
+(1, 1) per tensor, for static schemes ``input_scale`` (a float32 scalar), and for a layer
+with a bias (q/k/v and o projections of some families) ``bias`` (out,) float32, kept as it
+was and added after the product. Tensor
 parallelism shards them by slicing ``weight`` and ``weight_scale`` along out or in.
 """
 
@@ -125,10 +127,10 @@ def _scaled_mm_fits(x2d: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 class QuantizedLinear(nn.Module):
-    """A bias-free Linear whose weight is stored quantized; see the module docstring."""
+    """A Linear whose weight is stored quantized (its bias, if any, stays float32); see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, scheme: str, granularity: str = "per_channel",
-                 group_size: int | None = None, device=None):
+                 group_size: int | None = None, device=None, bias: bool = False):
         super().__init__()
         check_scheme(scheme, granularity, group_size, in_features)
         self.in_features, self.out_features = in_features, out_features
@@ -140,14 +142,19 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         else:
             self.input_scale = None
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device))
+        else:
+            self.bias = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                     input_scale: float | torch.Tensor | None = None) -> "QuantizedLinear":
-        if linear.bias is not None:
-            raise PrunusError("quantize: Linear layers with a bias are not supported; prunus models have none")
-        q = cls(linear.in_features, linear.out_features, scheme, granularity, group_size, device=linear.weight.device)
+        q = cls(linear.in_features, linear.out_features, scheme, granularity, group_size, device=linear.weight.device,
+                bias=linear.bias is not None)
         q.weight, q.weight_scale = quantize_weight(linear.weight, scheme, granularity, group_size)
+        if linear.bias is not None:
+            q.bias = linear.bias.detach().float().clone()
         if scheme == "w8a8-static":
             if input_scale is None:
                 raise PrunusError("quantize: w8a8-static needs a calibrated input_scale")
@@ -159,6 +166,10 @@ class QuantizedLinear(nn.Module):
         return self.weight.float() * _expand(self.weight_scale, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme in ("int8-weight-only", "fp8-weight-only"):
             if self.granularity == "per_group":
                 return F.linear(x, self.dequantize().to(x.dtype))
@@ -203,11 +214,12 @@ def quantized_layout(model: nn.Module, modules: dict[str, dict]) -> None:
         except AttributeError:
             raise PrunusError(f"config.json: quantized module {name!r} is not in the model; re-create the model dir") from None
         q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
-                            spec.get("group_size"), device=linear.weight.device)
+                            spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None)
         model.set_submodule(name, q)
 
 
 def count_params(model: nn.Module) -> int:
     """Parameters plus quantized weights (which are buffers), so quantizing does not change the count."""
-    extra = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
+    extra = sum(m.weight.numel() + (0 if m.bias is None else m.bias.numel())
+                for m in model.modules() if isinstance(m, QuantizedLinear))
     return sum(p.numel() for p in model.parameters()) + extra
