@@ -1,4 +1,4 @@
-"""prunus convert: Hugging Face Llama checkpoints and llama.cpp GGUF files to and from model dirs."""
+"""prunus convert: Hugging Face checkpoints and llama.cpp GGUF files to and from model dirs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from prunus.models import PrunusError
 
 
 @click.command("convert")
-@click.option("--from-hf", "from_hf_dir", type=click.Path(), default=None, help="A Hugging Face Llama dir to read.")
+@click.option("--from-hf", "from_hf_dir", type=click.Path(), default=None, help="A Hugging Face checkpoint dir to read (safetensors, sharded or not).")
 @click.option("--to-hf", "to_hf_dir", type=click.Path(), default=None, help="A prunus model dir to write as Hugging Face.")
 @click.option("--from-gguf", "from_gguf_file", type=click.Path(), default=None,
               help="A llama.cpp GGUF file (Llama architecture) to read; quantized tensors are dequantized.")
@@ -19,9 +19,16 @@ from prunus.models import PrunusError
               help="With --to-gguf: how 2-D weights are stored (norms stay f32).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="With --from-gguf: the dtype of the weights written.")
+@click.option("--family", default=None,
+              help="With --to-hf: the Hugging Face model_type to write (default: the family the model came from, "
+                   "else the first that expresses it).")
+@click.option("--max-shard-size", default=None,
+              help="With --to-hf: write sharded safetensors of at most this size (bytes, or e.g. 2GB) with an index.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
-def command(from_hf_dir, to_hf_dir, from_gguf_file, to_gguf_dir, out, gguf_type, dtype, overwrite):
-    """Convert between a Hugging Face Llama checkpoint or a GGUF file and a prunus model dir."""
+def command(from_hf_dir, to_hf_dir, from_gguf_file, to_gguf_dir, out, gguf_type, dtype, family, max_shard_size,
+            overwrite):
+    """Convert between a Hugging Face checkpoint (llama, qwen2, qwen3, mistral, phi3, gemma2, mixtral, qwen3_moe)
+    or a llama.cpp GGUF file and a prunus model dir."""
     sources = {"--from-hf": from_hf_dir, "--to-hf": to_hf_dir, "--from-gguf": from_gguf_file, "--to-gguf": to_gguf_dir}
     given = [flag for flag, value in sources.items() if value is not None]
     if len(given) != 1:
@@ -31,10 +38,15 @@ def command(from_hf_dir, to_hf_dir, from_gguf_file, to_gguf_dir, out, gguf_type,
         raise PrunusError("convert: --type applies to --to-gguf only")
     if dtype != "float32" and not from_gguf_file:
         raise PrunusError("convert: --dtype applies to --from-gguf only")
+    if (family or max_shard_size) and not to_hf_dir:
+        raise PrunusError("convert: --family and --max-shard-size apply to --to-hf only")
     if from_hf_dir or to_hf_dir:
         from prunus.models.hf_convert import from_hf, to_hf
 
-        path = from_hf(from_hf_dir, out, overwrite=overwrite) if from_hf_dir else to_hf(to_hf_dir, out, overwrite=overwrite)
+        if from_hf_dir:
+            path = from_hf(from_hf_dir, out, overwrite=overwrite)
+        else:
+            path = to_hf(to_hf_dir, out, overwrite=overwrite, family=family, max_shard_size=max_shard_size)
     elif from_gguf_file:
         from prunus.models.gguf_read import from_gguf
 
