@@ -12,17 +12,17 @@ named), and why the expensive ones cover fewer:
   static steps (run eagerly) give each row the logits of its whole sequence without a cache (windows masked);
 * serving, tp=2: every family's shards (``serve.tp_shard``: biases split or kept once, q/k norms, post norms,
   MoE experts split by hidden units) run as two ranks in lockstep threads with an in-process all-reduce, against
-  the whole model: logits and greedy tokens; real worker processes (``Engine.load(tp=2)``, ~10 s each) for
+  the whole model: logits and greedy tokens (and for llama with int8 weights beside its biases); real worker processes (``Engine.load(tp=2)``, ~10 s each) for
   gemma2 (windows, soft-caps, post and (1 + w) norms) and qwen3_moe (experts, q/k norms);
 * compression: int8 / fp8 weight-only, W8A8 dynamic, SmoothQuant + W8A8 static, Wanda and magnitude pruning on
   every family: the model dir reloads to the same logits and stays close to its input's; structured pruning of
   heads, MLP channels and blocks on the dense families equals the input model with those units' outputs zeroed
   (exact), and mixture-of-experts models are refused in one line;
-* ONNX export (~20 s each): parity.json passes at fp32 and the ONNX Runtime Engine gives the torch Engine's
-  greedy tokens for llama (q/k/v + o biases, llama3 rope, tied head), mistral (a window on every layer: the
-  decode graph's past runs longer than it), gemma2 (soft-caps, alternating windows, Gemma norms, scaled
-  embeddings) and qwen3_moe (experts as a static-shape graph, q/k norms, head_dim); an int8-compressed qwen2
-  (biases beside quantized weights) exports at int8 with parity passing.
+* ONNX export (the slowest check: two dynamo exports and a parity run each): parity.json passes at fp32 and the
+  ONNX Runtime Engine gives each prompt's torch greedy tokens for llama (q/k/v + o biases, llama3 rope, tied
+  head), gemma2 (soft-caps, alternating windows: the decode graph's past runs longer than the window, Gemma
+  norms, scaled embeddings) and qwen3_moe (experts as a static-shape graph, q/k norms, head_dim); an
+  int8-compressed qwen2 (biases beside quantized weights) exports at int8 with parity passing.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from prunus.serve import Engine
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self", "x"]  # some shorter than WINDOW, some longer
 N_NEW = 16  # past the window of 6 from every prompt
 DENSE = tuple(f for f in FAMILIES if f not in MOE)
-EXPORT_FAMILIES = ("llama", "mistral", "gemma2", "qwen3_moe")
+EXPORT_FAMILIES = ("llama", "gemma2", "qwen3_moe")
 TP_WORKER_FAMILIES = ("gemma2", "qwen3_moe")
 
 
@@ -153,14 +153,17 @@ def _in_lockstep(backends, call):
     return out[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "llama+int8"])
 def test_tensor_parallel_shards_equal_the_whole_model(family):
     """Two ranks of serve.tp_shard's shards in lockstep threads: prefill and ragged decode logits (rank 0's) equal
-    the whole model's, and so do greedy tokens."""
+    the whole model's, and so do greedy tokens. "llama+int8": int8 weights (per-group scales) beside float biases."""
+    from prunus.compress.quantize import quantize_pass
     from prunus.serve.backend_torch import TorchBackend
     from prunus.serve.tp_shard import shard_model
 
-    model = family_model(family)
+    model = family_model(family.split("+")[0])
+    if family.endswith("+int8"):
+        quantize_pass(model, None, scheme="int8-weight-only", granularity="per_group", group_size=16)
     whole = TorchBackend(model, 4, 64)
     reduce = ThreadAllReduce(2)
     ranks = [TorchBackend(shard_model(copy.deepcopy(model), r, 2, keep_output=r == 0, all_reduce=reduce.for_rank(r)),
@@ -334,3 +337,30 @@ def test_int8_export_of_a_model_with_biases(tmp_path):
     path = save_model(model, tmp_path / "int8", stage="test")
     parity = export_model(path, tmp_path / "onnx", progress=False, eval_tokens=512).parity
     assert parity["precision"] == "int8" and parity["passed"], parity
+
+
+# --- the family table against the converter -----------------------------------------------------------------------
+
+VARIANT_FIELDS = ("rope_type", "attn_qkv_bias", "attn_out_bias", "qk_norm", "head_dim", "attn_softcap", "final_softcap",
+                  "query_pre_attn_scalar", "hidden_act", "norm_one_plus_weight", "scale_embeddings", "post_norms",
+                  "tie_embeddings", "n_experts", "top_k", "moe_norm_topk", "layer_types")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_table_sets_what_the_converter_sets(family):
+    """tests/family_variants.py turns on, per family, the variant fields prunus convert --from-hf sets for that
+    family's tiny transformers config (tests/hf_families.py; for llama with attention_bias on, as the table has it),
+    so the stage tests above run what a converted checkpoint runs."""
+    pytest.importorskip("transformers")
+    from hf_families import FAMILIES as HF_FAMILIES
+
+    from family_variants import family_config
+    from prunus.models.hf_families import config_from_hf
+
+    hf = HF_FAMILIES[family]()
+    if family == "llama":
+        hf.attention_bias = True
+    _, converted = config_from_hf(hf.to_dict(), "float32")
+    ours = family_config(family)
+    assert {f: getattr(ours, f) for f in VARIANT_FIELDS} == {f: getattr(converted, f) for f in VARIANT_FIELDS}
+    assert (ours.sliding_window is None) == (converted.sliding_window is None)
