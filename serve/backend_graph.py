@@ -9,9 +9,10 @@ row its own length, and per pass:
 * prefill: the prompts right-padded into one (batch, width) pass, ``position_ids``
   from 0, padding masked out; each row's real keys/values are copied into its slot;
 * decode: the rows' pasts gathered to the longest one (batch, heads, k_max, head_dim),
-  the gap after a shorter row masked out, each row's own position in ``position_ids``;
-  the one new key/value per row (at index k_max of ``present``) is copied to the row's
-  own next position.
+  each right-aligned (a shorter row's past is left-padded, the padding masked out), so
+  every row's keys stay contiguous up to its new token, as a sliding window counts them;
+  each row's own position in ``position_ids``; the one new key/value per row (at index
+  k_max of ``present``) is copied to the row's own next position.
 
 So the ONNX Runtime and TensorRT backends batch exactly like the torch one. A runner
 does the graph calls: ``run(graph, feeds, outputs) -> list of torch tensors``.
@@ -61,13 +62,16 @@ class GraphBackend:
         rows_t = torch.tensor(rows, dtype=torch.long)
         lens = self.lengths[rows_t]
         k_max = int(lens.max())
-        mask = torch.cat([(torch.arange(k_max)[None, :] < lens[:, None]).long(), torch.ones(len(rows), 1, dtype=torch.long)], 1)
+        src = torch.arange(k_max)[None, :] - (k_max - lens)[:, None]  # (batch, k_max): cache index of each past key
+        mask = torch.cat([(src >= 0).long(), torch.ones(len(rows), 1, dtype=torch.long)], 1)
         feeds = {"input_ids": self._long(tokens)[:, None], "position_ids": self._long(lens)[:, None],
                  "attention_mask": self._long(mask)}
         idx = rows_t.to(self.device)
+        src = src.clamp(min=0).to(self.device)
         for i in range(self.n_layers):
-            feeds[f"past.{i}.key"] = self.k[i][idx, :, :k_max]
-            feeds[f"past.{i}.value"] = self.v[i][idx, :, :k_max]
+            # advanced indices (batch, 1) and (batch, k_max) around a slice: (batch, k_max, heads, head_dim)
+            feeds[f"past.{i}.key"] = self.k[i][idx[:, None], :, src].transpose(1, 2).contiguous()
+            feeds[f"past.{i}.value"] = self.v[i][idx[:, None], :, src].transpose(1, 2).contiguous()
         logits, *present = self.runner.run("decode", feeds, self.outputs)
         pos = lens.to(self.device)
         for i in range(self.n_layers):

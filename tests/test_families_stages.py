@@ -9,7 +9,8 @@ named), and why the expensive ones cover fewer:
 
 * serving, tp=1: the Engine's greedy tokens (ragged continuous batches, generations past the sliding window)
   equal each prompt alone through ``prunus.models.stream_tokens``; the batch KV cache and the compiled decode's
-  static steps (run eagerly) give each row the logits of its whole sequence without a cache (windows masked);
+  static steps (run eagerly) give each row the logits of its whole sequence without a cache (windows masked), and
+  so does the ONNX Runtime backend's batching over the export graphs run in torch (no export: cheap);
 * serving, tp=2: every family's shards (``serve.tp_shard``: biases split or kept once, q/k norms, post norms,
   MoE experts split by hidden units) run as two ranks in lockstep threads with an in-process all-reduce, against
   the whole model: logits and greedy tokens (and for llama with int8 weights beside its biases); real worker processes (``Engine.load(tp=2)``, ~10 s each) for
@@ -113,6 +114,49 @@ def test_batch_cache_and_static_decode_steps_equal_whole_sequences(family):
                 torch.testing.assert_close(got[i], whole, atol=1e-4, rtol=0)
                 torch.testing.assert_close(fast[i], whole, atol=1e-4, rtol=0)
     assert max(len(s) for s in rows_seq) > 3 * WINDOW
+
+
+class TorchGraphs:
+    """A graph runner (``serve.backend_graph``'s contract) over the export graphs' torch modules: what ONNX Runtime
+    runs, without exporting."""
+
+    def __init__(self, model):
+        from prunus.export.graphs import DecodeGraph, PrefillGraph
+
+        self.graphs = {"prefill": PrefillGraph(model), "decode": DecodeGraph(model)}
+
+    def run(self, graph: str, feeds: dict, outputs: list[str]) -> list[torch.Tensor]:
+        inputs = [feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"]]
+        inputs += [feeds[n] for n in sorted((n for n in feeds if n.startswith("past.")),
+                                            key=lambda n: (int(n.split(".")[1]), n.endswith("value")))]
+        return list(self.graphs[graph](*inputs))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_backend_over_the_export_graphs_equals_whole_sequences(family):
+    """The ONNX Runtime backend's batching (``serve.backend_graph``: right-padded prefill, ragged decode with each
+    row's past gathered right-aligned) over the export graphs, run in torch: each row's logits after every step equal
+    the model on that row's whole sequence, windows included."""
+    from prunus.serve.backend_graph import GraphBackend
+
+    model = family_model(family)
+    cfg = model.config
+    backend = GraphBackend(TorchGraphs(model), n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                           vocab_size=cfg.vocab_size, n_slots=4, max_len=64)
+    rows_seq = [[5, 6, 7], [9, 4] * 5, [3, 4], [8, 1, 2] * 3]
+    with torch.no_grad():
+        first = backend.prefill([0, 1, 2, 3], rows_seq)
+        for r in range(4):
+            torch.testing.assert_close(first[r], model(torch.tensor([rows_seq[r]]))[0, -1], atol=1e-4, rtol=0)
+        for step, rows in enumerate(_decode_schedule()):
+            tokens = [(7 * step + 3 * r) % 300 for r in rows]
+            got = backend.decode(rows, tokens)
+            for i, (r, t) in enumerate(zip(rows, tokens)):
+                rows_seq[r] = rows_seq[r] + [t]
+                torch.testing.assert_close(got[i], model(torch.tensor([rows_seq[r]]))[0, -1], atol=1e-4, rtol=0)
 
 
 class ThreadAllReduce:
