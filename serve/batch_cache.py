@@ -9,6 +9,10 @@ returns a boolean mask (batch, 1, q_len, k_len) in which query i of row b sees k
 ``0 .. start[b] + i``. Positions past a row's length may hold stale keys from a
 padded prefill or an earlier request; the mask never lets a query see them, and the
 next write overwrites them.
+
+Sliding windows (Mistral, Gemma 2's local layers) need nothing here: a row's keys are
+contiguous from position 0, so the model narrows this mask to the keys fewer than
+``window`` positions before each query's own (``prunus.models.llama.visible_keys``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A compiled graph wants fixed shapes, and a continuous batch changes size every f
 steps. So the batch is padded to a bucket (1, 2, 4, ... up to the slot count; the
 padding repeats the first row, whose writes are then the same values to the same
 place), and attention reads every row's whole cache line with a mask of its own
-length, so the key length is fixed too. The prefill stays eager: prompts come in any
+length, so the key length is fixed too (a layer's sliding window narrows that mask in
+the model, as in the eager path). The prefill stays eager: prompts come in any
 length, and one prefill per request is not where the time goes.
 
 On the demo model (3.3M parameters, one thread, a 2-core AVX2 machine) a one-row
