@@ -87,7 +87,8 @@ class Bench:
         for r in [b, *rows]:
             t.add_row(r["pass"], f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.3f}%", f"{100 * r['agreement']:.1f}%",
                       f"{r['bytes'] / 1e6:.3f}", f"{r['bytes'] / b['bytes']:.3f}x",
-                      f"{r.get('prefill_ratio', 1.0):.2f}x", f"{r.get('decode_ratio', 1.0):.2f}x")
+                      *(f"{r[k]:.2f}x" if k in r else ("1.00x" if r is b and self.latency else "-")
+                        for k in ("prefill_ratio", "decode_ratio")))
         console.print(t)
         if target is not None:
             name, limit = target
