@@ -12,7 +12,8 @@ from rich.table import Table
 from prunus.models import PrunusError, read_manifest
 from prunus.models.model_dir import read_config
 from prunus.train_parallel import list_checkpoints, read_metrics
-from prunus.train_parallel.run_dir import RUN_CONFIG
+from prunus.models.validate import read_json_object
+from prunus.train_parallel.run_dir import RUN_CONFIG, read_run_config
 
 
 def _fmt(value) -> str:
@@ -48,15 +49,16 @@ def model_tables(path: Path) -> list[Table]:
 
 
 def run_tables(path: Path) -> list[Table]:
-    run = json.loads((path / RUN_CONFIG).read_text())
+    run = read_json_object(path / RUN_CONFIG, fix="re-create the run (prunus train --overwrite)")
+    settings = read_run_config(path).to_dict()  # the settings, their types checked
     records = read_metrics(path)
     last = records[-1] if records else {}
-    evals = [r for r in records if "val_loss" in r]
-    progress = {"steps done": last.get("step", 0), "steps planned": run["train"]["steps"],
+    evals = [r for r in records if isinstance(r, dict) and "val_loss" in r]
+    progress = {"steps done": last.get("step", 0), "steps planned": settings["steps"],
                 "checkpoints": ", ".join(str(s) for s, _ in list_checkpoints(path)) or "none",
                 "last loss": last.get("loss", "-"), "last val loss": evals[-1]["val_loss"] if evals else "-",
                 "last val bits/byte": evals[-1]["val_bpb"] if evals else "-", "corpus": run.get("corpus")}
-    tables = [_table(f"run {path}", progress), _table("settings", run["train"])]
+    tables = [_table(f"run {path}", progress), _table("settings", settings)]
     if (path / "model" / "prunus.json").is_file():
         tables += model_tables(path / "model")
     return tables

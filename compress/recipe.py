@@ -24,6 +24,9 @@ import yaml
 
 from prunus.models import PrunusError
 from prunus.models.quantized import GRANULARITIES, SCHEMES
+from prunus.models.validate import check_size, read_text, short
+
+MAX_RECIPE_BYTES = 1 << 20
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -81,7 +84,7 @@ for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
 def get_pass(name: str, where: str = "recipe"):
     """The function registered as ``name``."""
     if name not in PASSES:
-        raise PrunusError(f"{where}: unknown pass {name!r}; known passes: {', '.join(PASSES)}")
+        raise PrunusError(f"{where}: unknown pass {short(name)}; known passes: {', '.join(PASSES)}")
     module, func = PASSES[name].split(":")
     try:
         return getattr(importlib.import_module(module), func)
@@ -99,14 +102,14 @@ def check_pass(name: str, args: dict, where: str = "recipe") -> None:
     known = [p for p in list(params)[2:]]  # after (model, ctx)
     for key in args:
         if key not in known:
-            raise PrunusError(f"{where}: pass {name!r} has no argument {key!r}; its arguments: {', '.join(known)}")
+            raise PrunusError(f"{where}: pass {name!r} has no argument {short(key)}; its arguments: {', '.join(known)}")
     missing = [k for k in known if params[k].default is inspect.Parameter.empty and k not in args]
     if missing:
         raise PrunusError(f"{where}: pass {name!r} needs {', '.join(missing)}")
     for key, value in args.items():
         check = VALUE_CHECKS.get((name, key))
         if check is not None and not check[0](value):
-            raise PrunusError(f"{where}: {name}.{key}={value!r} is not valid; use {check[1]}")
+            raise PrunusError(f"{where}: {name}.{key}={short(value)} is not valid; use {check[1]}")
 
 
 def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
@@ -116,6 +119,9 @@ def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
             data = yaml.safe_load(data)
         except yaml.YAMLError as e:
             raise PrunusError(f"{source}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+        except RecursionError:
+            raise PrunusError(f"{source}: nested too deeply; fix the file") from None
+    check_size(data, source)  # prunus.models.validate: YAML aliases can name an exponentially large value
     if not isinstance(data, dict) or not isinstance(data.get("passes"), list) or not data["passes"]:
         raise PrunusError(f"{source}: needs a non-empty 'passes:' list (e.g. passes: [{{quantize: {{scheme: int8-weight-only}}}}])")
     extra = sorted(set(data) - {"passes", "description"})
@@ -151,7 +157,7 @@ def recipe_path(recipe: str | Path) -> Path:
 def load_recipe(recipe: str | Path) -> tuple[list[tuple[str, dict]], str]:
     """(checked passes, the recipe's text) from a file or a shipped recipe's name."""
     path = recipe_path(recipe)
-    text = path.read_text()
+    text = read_text(path, fix="give a recipe YAML file", max_bytes=MAX_RECIPE_BYTES)
     return parse_recipe(text, source=str(path)), text
 
 

@@ -18,8 +18,10 @@ Documents are joined with the tokenizer's end-of-text token when it has one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +84,10 @@ def _tokenize_docs(paths: list[Path], tokenizer) -> tuple[np.ndarray, int]:
     eos = getattr(tokenizer, "eos_id", None)
     sep = None if eos is None else np.asarray([eos], dtype=np.uint32)
     for p in paths:
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise PrunusError(f"data path {p}: cannot be read ({e.strerror}); fix its permissions or remove it") from None
         n_bytes += len(data)
         parts.append(tokenizer.encode_array(data))
         if sep is not None:
@@ -93,16 +98,44 @@ def _tokenize_docs(paths: list[Path], tokenizer) -> tuple[np.ndarray, int]:
     return np.concatenate(parts).astype(dtype), n_bytes
 
 
+def regular_file(path: Path, what: str = "data path") -> os.stat_result:
+    """``path``'s stat when it is (or links to) a regular file; else one PrunusError line naming it.
+    A FIFO, socket or device would hang or never end a read; a dangling link or a link loop has nothing."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        kind = "a symlink loop" if e.errno == errno.ELOOP else ("a dangling symlink" if path.is_symlink() else e.strerror)
+        raise PrunusError(f"{what} {path}: {kind}; remove it or fix the link") from None
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise PrunusError(f"{what} {path}: {kind}, not a regular file; remove it from the data or give regular files")
+    return st
+
+
 def _text_files(root: Path) -> list[Path]:
+    """The regular files under ``root`` (hidden ones skipped); anything else there is refused by name."""
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_walk_error):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [Path(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+        for f in sorted(filenames):
+            if not f.startswith("."):
+                path = Path(dirpath, f)
+                if stat.S_ISDIR(regular_file(path).st_mode):  # a link to a directory: not followed
+                    continue
+                files.append(path)
     return files
 
 
+def _walk_error(e: OSError) -> None:
+    raise PrunusError(f"data path {e.filename}: cannot be read ({e.strerror}); fix its permissions or remove it")
+
+
 def _memmap(path: Path, vocab_size: int | None) -> np.ndarray:
-    if path.stat().st_size % 2:
+    size = regular_file(path).st_size
+    if size == 0:
+        raise PrunusError(f"{path}: holds no tokens (an empty file); write uint16 token ids into it")
+    if size % 2:
         raise PrunusError(f"{path}: size is not a whole number of uint16 tokens; write token ids as uint16")
     arr = np.memmap(path, dtype=np.uint16, mode="r")
     if vocab_size is not None and arr.size and int(arr.max()) >= vocab_size:
@@ -144,8 +177,9 @@ def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = D
         corpus = _prose_corpus(tokenizer, max_bytes)
     else:
         path = Path(data)
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             raise PrunusError(f"data path {path}: does not exist; give a text file, a directory of text files or a .bin token file")
+        regular_file(path)
         if not os.access(path, os.R_OK):
             raise PrunusError(f"data path {path}: not readable; fix its permissions")
         if path.is_dir() and (path / "train.bin").is_file():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 import shlex
 import shutil
@@ -27,6 +26,7 @@ from rich.console import Console
 from prunus.models.atomic import atomic_dir, atomic_write_json
 from prunus.models.errors import PrunusError
 from prunus.models.paths import check_output
+from prunus.models.validate import read_json_object
 from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
                                      sha256_file, verify_model_dir, versions)
 from prunus.models.quantized import QuantizedLinear
@@ -97,7 +97,7 @@ def load_export(path: str | Path):
     cpath = path / CONFIG
     if not cpath.is_file():
         raise PrunusError(f"{path}: no {CONFIG}; give a directory written by prunus export")
-    config = json.loads(cpath.read_text())
+    config = read_json_object(cpath, fix="re-create the export dir")
     if "export" not in config:
         raise PrunusError(f"{cpath}: has no 'export' key; this is a model dir, not an export dir (run prunus export)")
     return config, load_tokenizer(config.get("tokenizer"), base_dir=path)

@@ -213,7 +213,12 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise PrunusError(f"{source}: unknown model field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except PrunusError as e:  # name the file the bad value came from
+            if source == "model config":
+                raise
+            raise PrunusError(f"{source}: {str(e).removeprefix('model config: ')}") from None
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Parameter count, computed from the shapes (no model built)."""

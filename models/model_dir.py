@@ -22,6 +22,9 @@ from safetensors.torch import load_file, save_file
 from .atomic import atomic_dir, atomic_write_json
 from .config import ModelConfig
 from .errors import PrunusError
+from .manifest_schema import check_manifest, sha256_file, verify_files
+from .safetensors_header import check_shapes, read_header
+from .validate import read_json_object
 from .llama import Transformer
 from .quantized import count_params, quantized_layout
 from .tokenizer import check_vocab, load_tokenizer
@@ -30,14 +33,6 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 MANIFEST = "prunus.json"
 FORMAT = "prunus-model/1"
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def dir_hash(files: dict[str, str]) -> str:
@@ -120,42 +115,27 @@ def read_dir_json(path: str | Path, name: str, *, no_dir: str, no_file: str, bad
     fpath = path / name
     if not fpath.is_file():
         raise PrunusError(f"{path}: {no_file}")
-    try:
-        return json.loads(fpath.read_text())
-    except json.JSONDecodeError as e:
-        raise PrunusError(f"{fpath}: not valid JSON ({e.msg}); {bad_json}") from None
+    return read_json_object(fpath, fix=bad_json)  # prunus.models.validate: UTF-8, size, JSON, an object
 
 
 def read_manifest(path: str | Path) -> dict:
-    return read_dir_json(path, MANIFEST, no_dir="no such model dir; give a directory written by prunus train, compress or convert",
-                         no_file=f"missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)",
-                         bad_json="re-create the model dir")
+    manifest = read_dir_json(path, MANIFEST, no_dir="no such model dir; give a directory written by prunus train, compress or convert",
+                             no_file=f"missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)",
+                             bad_json="re-create the model dir")
+    return check_manifest(manifest, path, "re-create the model dir")  # prunus.models.manifest_schema
 
 
 def verify_model_dir(path: str | Path) -> dict:
     """Check that every file the manifest lists exists and matches its hash; return the manifest."""
     path = Path(path)
-    manifest = read_manifest(path)
-    for name in (CONFIG, WEIGHTS):
-        if name not in manifest.get("files", {}):
-            raise PrunusError(f"{path / MANIFEST}: does not list {name}; re-create the model dir")
-    for name, digest in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise PrunusError(f"{f}: missing from the model dir; restore it or re-create the model dir")
-        if sha256_file(f) != digest:
-            raise PrunusError(f"{f}: content hash does not match {MANIFEST}; the file was changed or corrupted, re-create the model dir")
-    return manifest
+    return verify_files(path, read_manifest(path), required=(CONFIG, WEIGHTS))  # prunus.models.manifest_schema
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
     cpath = Path(path) / CONFIG
-    try:
-        config = json.loads(cpath.read_text())
-    except FileNotFoundError:
-        raise PrunusError(f"{cpath}: missing; re-create the model dir") from None
-    except json.JSONDecodeError as e:
-        raise PrunusError(f"{cpath}: not valid JSON ({e.msg}); re-create the model dir") from None
+    config = read_json_object(cpath, fix="re-create the model dir")
+    if not isinstance(config.get("model"), dict):
+        raise PrunusError(f"{cpath}: has no 'model' object; re-create the model dir")
     return ModelConfig.from_dict(config["model"], source=str(cpath)), config
 
 
@@ -171,6 +151,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = Transformer(cfg)
         if compression and compression.get("quantization"):
             quantized_layout(model, compression["quantization"]["modules"])
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.models.safetensors_header
     state = load_file(path / WEIGHTS, device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]

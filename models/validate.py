@@ -76,6 +76,26 @@ def read_json_object(path: str | Path, *, fix: str, max_bytes: int = MAX_SMALL_F
     return data
 
 
+MAX_NODES = 100_000  # values, keys and items in one parsed recipe or config: far above any real one
+
+
+def check_size(value, source: str, max_nodes: int = MAX_NODES) -> None:
+    """Refuse a parsed document that expands to more than ``max_nodes`` values. YAML aliases share
+    objects, so a small file can name an exponentially large value; walking it with a budget stops
+    early instead of expanding it (as printing or copying it would)."""
+    budget, stack = max_nodes, [value]
+    while stack:
+        item = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise PrunusError(f"{source}: expands to more than {max_nodes:,} values (YAML aliases?); write it out plainly")
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
 # --- dataclass fields against their annotations --------------------------------------------------
 
 _GENERIC = re.compile(r"^(\w+)\[.*\]$")

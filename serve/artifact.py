@@ -3,6 +3,11 @@
 A model dir (``prunus train``, ``compress``, ``convert``) is served by the torch
 backend; an export dir carries an ``"export"`` key in its config.json whose
 ``format`` names its runtime: ``onnx`` → onnxruntime, ``tensorrt`` → tensorrt.
+
+An export dir is checked like a model dir before it is used: every file its manifest
+lists must be inside the dir with its hash, the graphs config.json names among them
+(:func:`verify_export_dir`); and each graph must be the kind its name says
+(:func:`check_graph_kind`: only decode takes the past keys and values).
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from prunus.models import PrunusError
+from prunus.models.manifest_schema import MANIFEST, verify_files
 from prunus.models.model_dir import read_dir_json
+from prunus.models.validate import short
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}
@@ -40,4 +47,41 @@ def resolve_backend(path: str | Path, backend: str | None) -> tuple[str, dict]:
         what = f"an export dir in {export['format']} format" if export is not None else "a model dir (PyTorch weights)"
         hint = f"use --backend {needed}" + ("" if export is not None else ", or export it first with prunus export")
         raise PrunusError(f"{path}: the {backend} backend cannot load {what}; {hint}")
+    if export is not None:
+        verify_export_dir(path, export)  # like a model dir's: every file against the manifest
     return backend, config
+
+
+def _graph_files(export: dict) -> list:
+    graphs = export.get("graphs")
+    if not isinstance(graphs, dict):
+        return []
+    names = []
+    for value in graphs.values():
+        names += list(value.values()) if isinstance(value, dict) else [value]
+    return names
+
+
+def verify_export_dir(path: str | Path, export: dict) -> dict:
+    """The export dir's manifest checked against its files (hashes, names inside the dir) and naming the
+    graphs config.json points to; returns the manifest."""
+    path = Path(path)
+    if not isinstance(export, dict):
+        raise PrunusError(f"{path}/config.json: 'export' is not an object; re-create the export dir")
+    manifest = read_dir_json(path, MANIFEST, no_dir="no such directory; give an export dir",
+                             no_file=f"missing {MANIFEST}; re-create the export dir with prunus export",
+                             bad_json="re-create the export dir")
+    graphs = _graph_files(export)
+    if not graphs or not all(isinstance(g, str) for g in graphs):
+        raise PrunusError(f"{path}/config.json: export.graphs {short(export.get('graphs'))} does not name the graph "
+                          "files; re-create the export dir")
+    return verify_files(path, manifest, required=("config.json", *graphs), kind="export dir")
+
+
+def check_graph_kind(kind: str, input_names: list[str], path: str | Path) -> None:
+    """A decode graph takes the past keys and values, a prefill graph does not: two swapped files are one line."""
+    takes_past = any(n.startswith("past.") for n in input_names)
+    if kind in ("prefill", "decode") and takes_past != (kind == "decode"):
+        other = "decode" if kind == "prefill" else "prefill"
+        raise PrunusError(f"{path}: is a {other} graph where the {kind} graph belongs (inputs {short(input_names)}); "
+                          "re-create the export dir with prunus export")

@@ -9,6 +9,7 @@ import torch
 
 from prunus.models import PrunusError
 
+from .artifact import check_graph_kind
 from .backend_graph import GraphBackend
 
 PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.float32, "fp16": torch.float16}
@@ -27,6 +28,7 @@ class OrtRunner:
             except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
                 raise PrunusError(f"{path}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                   "re-create the export dir with prunus export") from None
+            check_graph_kind(kind, [i.name for i in self.sessions[kind].get_inputs()], path)  # not swapped
 
     def run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
         arrays = {k: np.ascontiguousarray(v.numpy()) for k, v in feeds.items()}

@@ -4,6 +4,8 @@ equal to one process, no orphaned workers, the ONNX Runtime backend, and bad inp
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
@@ -187,6 +189,10 @@ def test_bad_input_is_one_clear_error(engine, model_dir, tmp_path):
                                       '"n_kv_heads": 2, "head_dim": 16, "vocab_size": 320, "max_seq_len": 128}}')
     (fake / "prefill.onnx").write_bytes(b"not a graph")
     (fake / "decode.onnx").write_bytes(b"not a graph")
+    with pytest.raises(PrunusError, match="missing prunus.json"):  # checked against its manifest like a model dir
+        Engine.load(fake)
+    (fake / "prunus.json").write_text(json.dumps({"files": {
+        n: hashlib.sha256((fake / n).read_bytes()).hexdigest() for n in ("config.json", "prefill.onnx", "decode.onnx")}}))
     with pytest.raises(PrunusError, match="prefill.onnx: ONNX Runtime cannot load it"):
         Engine.load(fake)
     with pytest.raises(PrunusError, match="the torch backend cannot load an export dir"):

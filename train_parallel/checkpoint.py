@@ -7,7 +7,9 @@ one process. ``train_state.json`` holds the step, tokens and elapsed time.
 
 A checkpoint is written under a temporary name and renamed when every rank has
 finished, so a killed run never leaves one that looks complete; only the newest
-``keep`` are kept. :class:`Checkpointer` can write asynchronously
+``keep`` are kept. ``train_state.json`` also records the size of every file, so a
+truncated or missing file is found before loading (:func:`checkpoint_problem`) and
+``--resume`` falls back to the newest intact checkpoint. :class:`Checkpointer` can write asynchronously
 (``dcp.async_save``): the state is staged to memory, written by a background
 thread while training goes on, and published at the next save or at the end.
 """
@@ -15,7 +17,6 @@ thread while training goes on, and published at the next save or at the end.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shutil
 import warnings
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from prunus.models.atomic import atomic_write_json, disk_error, replace_dir
 from prunus.models.errors import PrunusError
+from prunus.models.validate import read_json_object, short
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
@@ -99,7 +101,8 @@ def _publish(run_dir: str | Path, step: int, tmp: Path, final: Path, train_state
     _barrier()
     if _is_main():
         with _discard_on_error(tmp):
-            atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
+            sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            atomic_write_json(tmp / TRAIN_STATE, {"step": step, **train_state, "files": sizes})
         replace_dir(tmp, final)  # a step saved again (after a resume) replaces the old one only once complete
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -166,6 +169,44 @@ class Checkpointer:
         return _publish(self.run_dir, step, tmp, final, train_state, self.keep)
 
 
+def read_train_state(path: str | Path) -> dict:
+    """``train_state.json`` of a checkpoint, its types checked: {"step", "tokens", "elapsed_s"[, "files"]}."""
+    where = Path(path) / TRAIN_STATE
+    state = read_json_object(where, fix="resume from another checkpoint")
+    for key, ok in (("step", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                    ("tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                    ("elapsed_s", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"))):
+        if not ok(state.get(key)):
+            raise PrunusError(f"{where}: '{key}' is {short(state.get(key))}; resume from another checkpoint")
+    files = state.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in files.values()):
+        raise PrunusError(f"{where}: 'files' is not an object of file sizes; resume from another checkpoint")
+    return state
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot load as it stands (a file missing, truncated or unreadable), or None."""
+    path = Path(path)
+    try:
+        state = read_train_state(path)
+    except PrunusError as e:
+        return str(e).split(": ", 1)[-1].split(";")[0] + f" ({TRAIN_STATE})"
+    for name, size in state.get("files", {}).items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{name} is {'missing' if not f.is_file() else f'{f.stat().st_size} bytes, not {size}'}"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        entries = list(metadata.storage_data.values())
+    except Exception as e:  # a damaged .metadata: pickle, EOF or attribute errors
+        return f".metadata cannot be read ({type(e).__name__})"
+    for info in entries:
+        f = path / info.relative_path
+        if not f.is_file() or f.stat().st_size < info.offset + info.length:
+            return f"{info.relative_path} is missing or shorter than .metadata says"
+    return None
+
+
 def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
     """Load model and optimizer state in place, whatever layout saved it; return the train state."""
     path = Path(path)
@@ -175,7 +216,9 @@ def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
     for part, opt in zip(parts, map(_local, optimizers)):
         set_model_state_dict(part, state["model"], options=_PARTIAL)
         set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
-    return json.loads((path / TRAIN_STATE).read_text())
+    train_state = read_train_state(path)
+    train_state.pop("files", None)  # the next checkpoint records its own
+    return train_state
 
 
 def load_model_weights(path: str | Path, model) -> None:

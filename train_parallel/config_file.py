@@ -17,6 +17,8 @@ from pathlib import Path
 
 from prunus.models.errors import PrunusError
 
+from prunus.models.validate import read_text, short
+
 from .config import TrainConfig
 
 if sys.version_info >= (3, 11):
@@ -27,16 +29,20 @@ else:  # pragma: no cover
 
 def read_config_file(path: str | Path) -> dict:
     path = Path(path)
+    if not path.exists():
+        raise PrunusError(f"--config {path}: no such file; give a TOML file of training settings")
+    text = read_text(path, fix="give a TOML file of training settings", max_bytes=1 << 20)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise PrunusError(f"--config {path}: no such file; give a TOML file of training settings") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise PrunusError(f"--config {path}: not valid TOML ({e}); fix the file") from None
+        raise PrunusError(f"--config {path}: not valid TOML ({str(e)[:120]}); fix the file") from None
+    except RecursionError:
+        raise PrunusError(f"--config {path}: nested too deeply; fix the file") from None
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; see prunus train --print-config")
+        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(short(k) for k in unknown[:5])}; "
+                          "see prunus train --print-config")
     return data
 
 

@@ -14,7 +14,15 @@ def read_metrics(path: str | Path) -> list[dict]:
         path = path / METRICS
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_bytes().decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:  # a line torn by a killed process: the records before it stand
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 class MetricsLog:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
 from prunus.models.atomic import atomic_write_json, clean_stale_temps, replace_dir, writable_parent
 from prunus.models.errors import PrunusError
 from prunus.models.paths import check_output, check_replaceable
-from prunus.models.validate import read_json_object
+from prunus.models.validate import read_json_object, short
 
-from .checkpoint import list_checkpoints
+from .checkpoint import checkpoint_problem, list_checkpoints
 from .config import RESUMABLE, TrainConfig
 
 RUN_CONFIG = "run.json"
@@ -78,8 +79,10 @@ def resume_config(run_dir: str | Path, **overrides) -> TrainConfig:
     return TrainConfig.from_dict(saved)
 
 
-def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: str | Path | None = None) -> Path | None:
-    """Validate the run dir for this invocation; return the checkpoint to resume from, if any."""
+def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: str | Path | None = None,
+                  quiet: bool = False) -> Path | None:
+    """Validate the run dir for this invocation; return the checkpoint to resume from, if any (``quiet``: do not
+    say which damaged checkpoints are skipped; the launcher checks before its ranks say it)."""
     out = Path(cfg.out)
     check_output(out, train_inputs(cfg))
     work = Path(run_dir) if run_dir is not None else out
@@ -91,14 +94,29 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: s
         differ = [k for k, v in saved.to_dict().items() if k not in RESUMABLE and k != "out" and cfg.to_dict()[k] != v]
         if differ:
             k = differ[0]
-            raise PrunusError(f"--resume: {k} is {cfg.to_dict()[k]!r} but the run in {out} used {saved.to_dict()[k]!r}; keep it or start a new run with another --out")
-        return ckpts[-1][1]
+            raise PrunusError(f"--resume: {k} is {short(cfg.to_dict()[k])} but the run in {out} used {short(saved.to_dict()[k])}; keep it or start a new run with another --out")
+        return newest_intact(ckpts, work, quiet)
     if _occupied(out) and not overwrite:
         raise PrunusError(f"{out}: already holds a run or other files; pass --resume to continue it, --overwrite to replace it, or choose another --out")
     if overwrite:
         check_replaceable(out)
     writable_parent(out)
     return None
+
+
+def newest_intact(ckpts: list[tuple[int, Path]], run_dir: Path, quiet: bool = False) -> Path:
+    """The newest checkpoint whose files are whole, saying which newer ones were skipped and why."""
+    damaged = []
+    for _, path in reversed(ckpts):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if damaged and not quiet and os.environ.get("RANK", "0") == "0":
+                print(f"--resume: {'; '.join(damaged)}; resuming from {path.name}, the newest intact checkpoint",
+                      file=sys.stderr, flush=True)
+            return path
+        damaged.append(f"{path} is damaged ({problem})")
+    raise PrunusError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged, the newest: {damaged[0]}; "
+                      "start a new run with --overwrite")
 
 
 def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str | Path | None = None) -> Path:

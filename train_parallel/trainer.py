@@ -136,7 +136,7 @@ def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check train() makes before it starts, for ``cfg.nproc`` ranks, without starting them."""
     cfg.validate()
     resolve_layout(cfg, cfg.nproc)
-    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    check_run_dir(cfg, resume=resume, overwrite=overwrite, quiet=True)
     model_cfg = cfg.model_config()
     load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
 

@@ -1,0 +1,74 @@
+"""The safetensors header, checked before any tensor is read: the validator of ``model.safetensors``.
+
+A file is an 8-byte little-endian header length, a JSON header (tensor name -> dtype, shape,
+data offsets; an optional ``__metadata__``) and the data. :func:`read_header` refuses a header
+length beyond the file or above :data:`MAX_HEADER_BYTES`, a header that is not a JSON object of
+that shape, and tensors whose bytes lie outside the file or disagree with their dtype and
+shape. :func:`check_shapes` compares the tensors with what ``config.json`` builds, so a
+config that does not fit its weights is one line naming both, not an allocation or a
+``load_state_dict`` traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+from .errors import PrunusError
+from .validate import parse_json, short
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+FIX = "re-create the model dir"
+
+
+def read_header(path: str | Path) -> dict[str, dict]:
+    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, every entry checked."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > min(size - 8, MAX_HEADER_BYTES):
+                raise PrunusError(f"{path}: truncated or not a safetensors file (header of {n} bytes in a "
+                                  f"{size}-byte file); {FIX}")
+            raw = f.read(n)
+    except OSError as e:
+        raise PrunusError(f"{path}: cannot be read ({e.strerror}); {FIX}") from None
+    header = parse_json(raw, str(path), FIX)
+    if not isinstance(header, dict):
+        raise PrunusError(f"{path}: the safetensors header is not a JSON object; {FIX}")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        _check_entry(path, name, entry, data_bytes)
+    return header
+
+
+def _check_entry(path: Path, name: str, entry, data_bytes: int) -> None:
+    where = f"{path}: tensor {short(name)}"
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_BYTES:
+        raise PrunusError(f"{where} has no known dtype; {FIX}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise PrunusError(f"{where}: shape {short(shape)} is not a list of sizes; {FIX}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise PrunusError(f"{where}: data offsets {short(offsets)} lie outside the file's {data_bytes} data bytes "
+                          f"(truncated?); {FIX}")
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[entry["dtype"]]:
+        raise PrunusError(f"{where}: {offsets[1] - offsets[0]} bytes do not hold a {entry['dtype']} tensor of shape "
+                          f"{shape}; {FIX}")
+
+
+def check_shapes(path: str | Path, header: dict[str, dict], expected: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the header holds that ``expected`` names has the expected shape."""
+    for name, shape in expected.items():
+        entry = header.get(name)
+        if entry is not None and tuple(entry["shape"]) != tuple(shape):
+            raise PrunusError(f"{path}: {name} has shape {tuple(entry['shape'])} but config.json builds "
+                              f"{tuple(shape)}; the config does not fit the weights, {FIX}")
