@@ -75,8 +75,8 @@ def float_weights(model, where: str) -> dict[str, torch.Tensor]:
             out[f"{name}.weight"] = module.dequantize().float()
             quantized.add(name)
     for name, t in model.state_dict().items():
-        if name.rpartition(".")[0] in quantized:
-            continue
+        if name.rpartition(".")[0] in quantized and not name.endswith(".bias"):
+            continue  # the quantized values and scales, written dequantized above; a float bias goes as it is
         if model.config.tie_embeddings and name == "output.weight":
             continue  # written once, as token_embd.weight
         if gguf_name(name) is None:
