@@ -15,6 +15,7 @@ import sys
 import click
 
 import prunus
+from prunus.models.atomic import disk_error
 from prunus.models.errors import PrunusError
 
 
@@ -28,6 +29,11 @@ class PrunusGroup(click.Group):
             return super().invoke(ctx)
         except PrunusError as e:
             raise UserError(str(e)) from None
+        except OSError as e:  # a full, read-only or over-quota disk, wherever it is written
+            reason = disk_error(e)
+            if reason is None:
+                raise
+            raise UserError(f"{e.filename or 'writing'}: {reason}; free space or choose another --out") from None
         except click.UsageError as e:  # a bad flag or value: one line too, not click's usage block
             where = e.ctx.command_path if e.ctx is not None else "prunus"
             raise UserError(f"{e.format_message()} (see {where} --help)") from None

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import PrunusError
+from .validate import check_dataclass, short
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -98,15 +99,13 @@ class ModelConfig:
         if self.head_dim % 2:
             raise PrunusError(f"model config: head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise PrunusError(f"model config: dtype={self.dtype!r} must be float32, bfloat16 or float16")
+            raise PrunusError(f"model config: dtype={short(self.dtype)} must be float32, bfloat16 or float16")
         self._validate_moe()
         self._validate_variants()
 
     def _check_types(self) -> None:
         """Every field against its annotation (a field added later too; prunus.models.validate), and the
         ranges the blocks assume: positive norm_eps and rope_theta, a context the rotary tables can hold."""
-        from .validate import check_dataclass
-
         check_dataclass(self, "model config")
         for name in ("norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
@@ -133,7 +132,7 @@ class ModelConfig:
 
     def _validate_variants(self) -> None:
         def bad(name: str, why: str) -> PrunusError:
-            return PrunusError(f"model config: {name}={getattr(self, name)!r} {why}")
+            return PrunusError(f"model config: {name}={short(getattr(self, name))} {why}")
 
         if self.rope_type not in ROPE_TYPES:
             raise bad("rope_type", f"is not one of {', '.join(ROPE_TYPES)}")

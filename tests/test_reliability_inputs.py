@@ -103,7 +103,7 @@ CONFIG_CASES = [  # (file name, content, words)
     ("c.toml", "[model]\nmax_seq_len = 1000000000\n", "above 1,048,576"),
     ("c.toml", "[model]\nnorm_eps = -1.0\n", "norm_eps=-1.0 must be a positive number"),
     ("c.toml", "[model]\ntie_embeddings = 'yes'\n", "tie_embeddings='yes' must be true or false"),
-    ("c.toml", "[model]\nbogus = 1\n", "unknown field(s) 'bogus'"),
+    ("c.toml", "[model]\nbogus = 1\n", "unknown field(s) bogus"),
 ]
 
 
@@ -215,8 +215,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     shutil.copytree(stopped_run, out)
     shard = next((out / "checkpoints" / "step-4").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
+    (out / "checkpoints" / ".step-99.tmp").mkdir()  # a killed run's half checkpoint: cleaned up
     r = run("train", "--resume", "--out", out, "--no-progress")
     assert r.exit_code == 0, r.output
+    assert not (out / "checkpoints" / ".step-99.tmp").exists()
     note = [line for line in r.stderr.splitlines() if line.startswith("--resume:")]
     assert len(note) == 1 and "step-4 is damaged" in note[0] and "resuming from step-2" in note[0], r.stderr
     assert (out / "model" / "prunus.json").is_file()
@@ -262,6 +264,15 @@ def test_disk_full_while_checkpointing(tmp_path, text_file, monkeypatch, tiny_cf
         train(tiny_cfg(tmp_path / "run", data=str(text_file), steps=4, ckpt_every=2))
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == []
+
+
+def test_disk_full_anywhere_is_one_line(tmp_path, text_file, monkeypatch, assert_user_error):
+    """A write that is not through an atomic writer (run.json here) still ends in one line."""
+    def full(*a, **k):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "run.json"))
+
+    monkeypatch.setattr("prunus.train_parallel.run_dir.atomic_write_json", full)
+    assert_user_error(run("train", *TINY, "--data", text_file, "--out", tmp_path / "run"), "no space left on the device")
 
 
 # --- flags ---------------------------------------------------------------------------------------

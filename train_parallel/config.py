@@ -71,7 +71,7 @@ class TrainConfig:
             return base
         unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)})
         if unknown:
-            raise PrunusError(f"model settings: unknown field(s) {', '.join(short(k) for k in unknown[:5])}; "
+            raise PrunusError(f"model settings: unknown field(s) {', '.join(str(k)[:60] for k in unknown[:5])}; "
                               "see prunus info of a model dir for the known ones")
         return base.replace(**self.model)
 
@@ -137,7 +137,7 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise PrunusError(f"{source}: unknown setting(s) {', '.join(short(k) for k in unknown[:5])}")
+            raise PrunusError(f"{source}: unknown setting(s) {', '.join(str(k)[:60] for k in unknown[:5])}")
         cfg = cls(**d)
         check_dataclass(cfg, source)
         return cfg

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prunus.models.errors import PrunusError
 
-from prunus.models.validate import read_text, short
+from prunus.models.validate import read_text
 
 from .config import TrainConfig
 
@@ -41,7 +41,7 @@ def read_config_file(path: str | Path) -> dict:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(short(k) for k in unknown[:5])}; "
+        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(str(k)[:60] for k in unknown[:5])}; "
                           "see prunus train --print-config")
     return data
 

@@ -101,6 +101,8 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: s
     if overwrite:
         check_replaceable(out)
     writable_parent(out)
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        raise PrunusError(f"--out {out}: is not writable; fix its permissions or choose another --out")
     return None
 
 
@@ -124,6 +126,8 @@ def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str
     out = Path(run_dir) if run_dir is not None else Path(cfg.out)
     if out.parent.is_dir():
         clean_stale_temps(out.parent)
+    for stale in (out / "checkpoints").glob(".step-*.tmp"):  # left by a killed run; this run is the dir's only writer
+        shutil.rmtree(stale, ignore_errors=True)
     if overwrite and out == staging_dir(cfg.out) and os.path.lexists(out):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
