@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prunus.models import PrunusError, save_model
 from prunus.models.paths import check_output
+from prunus.models.validate import check_int_range
 
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
@@ -59,6 +60,7 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.models.paths: never over an input
+    check_int_range(seed, "--seed", 0, 2**64 - 1)
     start = time.perf_counter()
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)

@@ -180,7 +180,10 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise PrunusError(f"--out {path}: cannot be created ({e.strerror}); choose another --out") from None
         yield tmp
         _finish_tree(tmp)
     except BaseException as e:

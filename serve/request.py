@@ -41,8 +41,9 @@ class SamplingParams:
             raise PrunusError(f"top_k={self.top_k!r} must be a non-negative integer")
         if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1):
             raise PrunusError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise PrunusError(f"seed={self.seed!r} must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):  # what torch.Generator takes
+            raise PrunusError(f"seed={str(self.seed)[:40]} must be an integer from -2**63 to 2**64 - 1")
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise PrunusError(f"stop={list(self.stop)!r} must be up to {MAX_STOP_STRINGS} non-empty strings")
         return self

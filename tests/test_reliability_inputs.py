@@ -285,6 +285,9 @@ FLAG_CASES = [
     (["train", *TINY, "--lr", "-1"], "--lr -1.0 must be positive"),
     (["train", *TINY, "--max-corpus-bytes", "-5"], "--max-corpus-bytes -5"),
     (["train", *TINY, "--steps", "ten"], "'ten' is not a valid integer"),
+    (["generate", "{m}", "--prompt", "x", "--max-new-tokens", "2", "--seed", str(2**70)], "seed="),
+    (["compress", "{m}", "--quantize", "int8-weight-only", "--out", "{t}/c", "--seed", str(2**70)], "--seed"),
+    (["train", *TINY, "--out", "/proc/prunus-run"], "cannot be created"),
     (["serve", "{m}", "--port", "70000"], "70000 is not in the range"),
     (["serve", "{m}", "--max-batch", "0"], "--max-batch"),
 ]
@@ -292,8 +295,8 @@ FLAG_CASES = [
 
 @pytest.mark.parametrize("args, words", FLAG_CASES, ids=[" ".join(a[-2:]) for a, _ in FLAG_CASES])
 def test_flag_values(tmp_path, good_model, args, words, assert_user_error):
-    args = [a.replace("{m}", str(good_model)) for a in args]
-    out = ["--out", str(tmp_path / "run")] if args[0] == "train" else []
+    args = [a.replace("{m}", str(good_model)).replace("{t}", str(tmp_path)) for a in args]
+    out = ["--out", str(tmp_path / "run")] if args[0] == "train" and "--out" not in args else []
     assert_user_error(run(*args, *out), words)
     assert not (tmp_path / "run").exists()
 

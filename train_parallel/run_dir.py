@@ -130,7 +130,10 @@ def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str
         shutil.rmtree(stale, ignore_errors=True)
     if overwrite and out == staging_dir(cfg.out) and os.path.lexists(out):
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrunusError(f"--out {cfg.out}: cannot be created ({e.strerror}); choose another --out") from None
     atomic_write_json(out / RUN_CONFIG, {"train": cfg.to_dict(), **extra})
     return out
 
