@@ -35,7 +35,9 @@ def _table(title: str, report: dict) -> Table:
               help="Default: the model's own (fp32, or int8 / fp8 for a compressed dir).")
 @click.option("--opset", type=int, default=None, help="ONNX opset. Default: 23 for onnx, 18 for tensorrt, or what the quantization needs.")
 @click.option("--no-verify", is_flag=True, help="Keep the export even if the parity check fails.")
-@click.option("--data", default=None, help="Held-out text for the parity check. Default: the built-in corpus.")
+@click.option("--data", default=None,
+              help="Held-out text for the parity check. Default: the slice prunus eval scores (English prose "
+                   "shipped with Python for a pretrained tokenizer, the built-in corpus for a byte-level one).")
 @click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite):

@@ -157,7 +157,7 @@ def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_token
     model = load_model(path)
     tokenizer = load_model_tokenizer(path)
     limit = model.config.max_seq_len
-    seq_len = seq_len or default_seq_len(limit)
+    seq_len = default_seq_len(limit) if seq_len is None else seq_len
     if seq_len > limit:
         raise PrunusError(f"--seq-len {seq_len} is above the model's max_seq_len {limit}; lower it")
     if seq_len < 1:
