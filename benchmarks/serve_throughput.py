@@ -189,11 +189,12 @@ def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
     return out
 
 
-def parity_line(d: Path) -> str:
+def parity_line(d: Path) -> tuple[str, bool]:
+    """(a summary of the export's parity.json, whether the check passed)."""
     p = json.loads((d / "parity.json").read_text())
     verdict = "passed" if p["passed"] else "FAILED: " + ", ".join(p.get("failed", []))
     return (f"top-1 {p['top1_agreement']:.3f}, greedy {p['greedy_agreement']:.2f}, bits/byte {p['bpb_onnx']:.4f} "
-            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), parity {verdict}")
+            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), parity {verdict}"), p["passed"]
 
 
 def side_by_side(spec: str, args, figures: list) -> None:
@@ -204,8 +205,12 @@ def side_by_side(spec: str, args, figures: list) -> None:
     model_dir, name, n = resolve_model(spec, args.cache), model_name(spec), args.tokens
     print(f"\n   -- {name} ({model_dir})", flush=True)
     exports = cached_exports(model_dir, Path(args.cache))
+    failed = set()
     for label, d in exports.items():
-        print(f"   {label:44s} {parity_line(d)}")
+        line, passed = parity_line(d)
+        print(f"   {label:44s} {line}")
+        if not passed:
+            failed.add(label)
     hf, tok = load_hf_peer(model_dir, args.cache), load_model_tokenizer(model_dir)
     limit = json.loads((model_dir / "config.json").read_text())["model"]["max_seq_len"]
     max_len, main_threads = min(limit, 512), torch.get_num_threads()
@@ -233,7 +238,8 @@ def side_by_side(spec: str, args, figures: list) -> None:
         hf_k = med["HF generate"]
         print(f"   {k} thread(s), batch 1, {n} tokens:")
         for label, v in med.items():
-            print(f"     {label:44s} {v:8.2f} tokens/s   ratio vs HF generate {v / hf_k:5.2f}x")
+            print(f"     {label:44s} {v:8.2f} tokens/s   ratio vs HF generate {v / hf_k:5.2f}x"
+                  + ("   (parity FAILED: not a valid result)" if label in failed else ""))
             figures.append((f"{name}: {label}, {k} thr", v))
 
 
