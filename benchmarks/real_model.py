@@ -83,7 +83,12 @@ def _via_transformers(gguf: Path, out: Path) -> Path:
 
     hf = out.with_name(out.name + "-hf-from-gguf")
     shutil.rmtree(hf, ignore_errors=True)
-    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are dequantized float tensors already; the GGUF marker only makes save_pretrained refuse
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(hf)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf)
     try:
         return from_hf(hf, out)
