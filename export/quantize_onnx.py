@@ -210,12 +210,14 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
 def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> None:
     """Weight-only int8 quantization of an fp32 graph with ONNX Runtime's ``MatMulNBitsQuantizer``:
     8-bit symmetric weights in blocks of 32 along the input features, as ``MatMulNBits`` nodes
-    (accuracy level 0: float activations). A tied output head is untied first so it is quantized too.
+    (accuracy level 4: activations quantized to int8 per block inside the kernel, the fast CPU path; level 0
+    computes in float and decoded SmolLM2-135M at 0.07x of level 4's speed). A tied output head is untied
+    first so it is quantized too.
 
     Not ``quantize_dynamic``: its ``DynamicQuantizeMatMul`` quantizes activations per tensor to uint8
     and, on CPUs without VNNI, saturates the kernel's int16 pair sums; on SmolLM2-135M that gave top-1
-    agreement 0 (+5.6 bits per byte on 1,024 prose tokens), where 8-bit ``MatMulNBits`` gave +0.2%
-    (benchmarks/export_latency.py)."""
+    agreement 0 (+5.6 bits per byte on 1,024 prose tokens), where 8-bit ``MatMulNBits`` gave +0.2% at
+    accuracy level 0 and +0.6% at level 4 (benchmarks/export_latency.py)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src))
@@ -224,7 +226,7 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> No
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer logs every node it rewrites
     try:
-        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=0,
+        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4,
                                          op_types_to_quantize=("MatMul",))
         quantizer.process()
     finally:
