@@ -4,7 +4,6 @@ until the new one is complete (an interrupted `train --overwrite` leaves the old
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -18,23 +17,10 @@ from click.testing import CliRunner
 from prunus.cli.main import cli
 from prunus.models import PrunusError, save_model
 from prunus.models.atomic import atomic_dir, clean_stale_temps
+from tree_snapshot import snapshot
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--eval-every", "2",
         "--eval-tokens", "512", "--ckpt-every", "0", "--no-progress"]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file and link under ``root``: its bytes' hash (a link: its target)."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath, name)
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                found[rel] = "-> " + os.readlink(p)
-            elif p.is_file():
-                found[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -18,24 +18,10 @@ from click.testing import CliRunner
 
 from prunus.cli.main import cli
 from prunus.models import PrunusError, save_model
+from tree_snapshot import snapshot
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--eval-every", "2",
         "--eval-tokens", "512", "--no-progress", "--steps", "2", "--ckpt-every", "0"]
-
-
-def snapshot(root: Path) -> dict:
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath, name)
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                found[rel] = "-> " + os.readlink(p)
-            elif p.is_file():
-                found[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-            elif not p.is_dir():
-                found[rel] = "special"
-    return found
 
 
 def run(*args):
