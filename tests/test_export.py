@@ -163,7 +163,9 @@ def test_tied_head_is_untied_before_quantizing(tmp_path):
     quantize_fp32_graph(tmp_path / "tied.onnx", tmp_path / "q.onnx")
     q = onnx.load(str(tmp_path / "q.onnx"))
     assert not any(n.op_type == "MatMul" for n in q.graph.node)  # the head is quantized too
-    assert any(i.data_type == TensorProto.INT8 and list(i.dims) == [32, 50] for i in q.graph.initializer)
+    (node,) = [n for n in q.graph.node if n.op_type == "MatMulNBits"]
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in ("K", "N", "bits")} == \
+        {"K": 32, "N": 50, "bits": 8}
     ids = np.arange(50)
     got = ort_session(tmp_path / "q.onnx").run(None, {"ids": ids})[0]
     assert np.array_equal(got.argmax(-1), ids)  # each row's own embedding scores highest, as in fp32
