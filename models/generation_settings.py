@@ -7,11 +7,11 @@ and every one of them must stop generation.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PrunusError
+from .validate import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -35,12 +35,7 @@ class GenerationSettings:
         path = Path(directory) / GENERATION_CONFIG
         if not path.is_file():
             return cls()
-        try:
-            cfg = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PrunusError(f"{path}: not valid JSON ({e}); fix or remove it") from None
-        if not isinstance(cfg, dict):
-            raise PrunusError(f"{path}: must hold a JSON object; fix or remove it")
+        cfg = read_json_object(path, fix="fix or remove it")  # bounded, UTF-8, one line on any failure
         one = {k: _ids(cfg.get(k), str(path), k) for k in ("bos_token_id", "pad_token_id")}
         return cls(_ids(cfg.get("eos_token_id"), str(path), "eos_token_id"),
                    *(v[0] if v else None for v in one.values()))

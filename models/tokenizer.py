@@ -15,7 +15,6 @@ and ``generation_config.json`` (its ``eos_token_id``, one id or a list, adds sto
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from .chat_template import render_chat
 from .errors import PrunusError
+from .validate import read_json_object
 from .generation_settings import GENERATION_CONFIG, GenerationSettings
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -69,15 +69,8 @@ class ByteTokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PrunusError(f"{path}: not valid JSON ({e}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise PrunusError(f"{path}: must hold a JSON object; fix or remove it")
-    return data
+    """An optional tokenizer-side JSON file: {} when absent, else one bounded, checked read."""
+    return read_json_object(path, fix="fix or remove it") if path.is_file() else {}
 
 
 def _token_text(value) -> str | None:
