@@ -26,6 +26,7 @@ import uuid
 
 from prunus.models import PrunusError
 
+from .http_guard import start_event_stream
 from .request import GenerationResult
 
 CHAT_PATH = "/v1/chat/completions"
@@ -112,12 +113,7 @@ def _stream(handler, request, base: dict, include_usage: bool) -> int:
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
     try:
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.send_header("Cache-Control", "no-cache")
-        handler.send_header("Connection", "close")
-        handler.end_headers()
-        handler.close_connection = True
+        start_event_stream(handler)
         send(chunk({"role": "assistant", "content": ""}))
         while True:
             event = request.events.get()

@@ -144,3 +144,13 @@ def parse_json_body(body: bytes):
         if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise BadRequest(400, "'seed' must be an integer from -2**63 to 2**64 - 1", param="seed")
     return req
+
+
+def start_event_stream(handler) -> None:
+    """Answer 200 with server-sent-event headers; the connection closes when the stream ends."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-cache")
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.close_connection = True

@@ -41,7 +41,8 @@ from prunus.models import PrunusError
 
 from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine
-from .http_guard import BadRequest, DeadlineReader, error_json, parse_json_body, refuse_connection
+from .http_guard import BadRequest, DeadlineReader, error_json, parse_json_body, refuse_connection, \
+    start_event_stream
 from .metrics import Metrics
 from .request import GenerationResult
 from .scheduler import QueueFull
@@ -313,12 +314,7 @@ class CompletionHandler(BaseHTTPRequestHandler):
         request = self.server.engine.submit(prompt, **kwargs)  # errors here are still a plain 4xx answer
         base = self._base()
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
+            start_event_stream(self)
             while True:
                 event = request.events.get()
                 if isinstance(event, BaseException):
