@@ -213,13 +213,20 @@ def quantized_layout(model: nn.Module, modules: dict[str, dict]) -> None:
             linear = model.get_submodule(name)
         except AttributeError:
             raise PrunusError(f"config.json: quantized module {name!r} is not in the model; re-create the model dir") from None
-        q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
-                            spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None)
+        if spec.get("scheme") == "int4-weight-only":  # packed int4: prunus.models.quantized_int4
+            from .quantized_int4 import Int4Linear
+
+            q = Int4Linear(linear.in_features, linear.out_features, spec.get("group_size"), spec.get("symmetric", True),
+                           spec.get("algorithm", "rtn"), device=linear.weight.device, bias=linear.bias is not None,
+                           where=f"config.json: module {name}")
+        else:
+            q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
+                                spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None)
         model.set_submodule(name, q)
 
 
 def count_params(model: nn.Module) -> int:
     """Parameters plus quantized weights (which are buffers), so quantizing does not change the count."""
-    extra = sum(m.weight.numel() + (0 if m.bias is None else m.bias.numel())
+    extra = sum(m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
                 for m in model.modules() if isinstance(m, QuantizedLinear))
     return sum(p.numel() for p in model.parameters()) + extra
