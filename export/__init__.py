@@ -1,8 +1,15 @@
-"""prunus.export: model dirs to ONNX Runtime and TensorRT export dirs, with KV-cache graphs and parity reports."""
+"""prunus.export: model dirs to ONNX Runtime and TensorRT export dirs, with KV-cache graphs and parity reports.
 
-from .export_dir import EXPORT_GRAPHS, FORMATS, PRECISIONS, ExportResult, export_model, load_export
-from .ort_graphs import OrtGraphs
-from .parity import TOLERANCES, ParityFailed, check_parity
+Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+the CLI can read the formats and precisions (:mod:`prunus.export.formats`) without importing torch.
+"""
 
-__all__ = ["EXPORT_GRAPHS", "FORMATS", "PRECISIONS", "ExportResult", "export_model", "load_export", "OrtGraphs",
-           "TOLERANCES", "ParityFailed", "check_parity"]
+from prunus.models.lazy import lazy_package
+
+_EXPORTS = {
+    "EXPORT_GRAPHS": "export_dir", "FORMATS": "formats", "PRECISIONS": "formats", "ExportResult": "export_dir",
+    "export_model": "export_dir", "load_export": "export_dir", "OrtGraphs": "ort_graphs", "TOLERANCES": "parity",
+    "ParityFailed": "parity", "check_parity": "parity",
+}
+__all__ = list(_EXPORTS)
+lazy_package(__name__, _EXPORTS)

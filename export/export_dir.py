@@ -32,13 +32,12 @@ from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, loa
 from prunus.models.quantized import QuantizedLinear
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
+from .formats import FORMATS, PRECISIONS
 from .ort_graphs import OrtGraphs
 from .parity import ParityFailed, check_parity
 from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
 
 FORMAT = "prunus-export/1"
-FORMATS = ("onnx", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "int8", "fp8")
 EXPORT_GRAPHS = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
 ENGINE_GRAPHS = {"prefill": "prefill.plan", "decode": "decode.plan"}
 PARITY = "parity.json"

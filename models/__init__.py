@@ -1,15 +1,18 @@
-"""prunus.models: architectures, tokenizers, the model-dir format, generation, Hugging Face conversion."""
+"""prunus.models: architectures, tokenizers, the model-dir format, generation, Hugging Face conversion.
 
-from .config import PRESETS, ModelConfig, get_preset
-from .errors import PrunusError
-from .generate import generate, sample_next, stream_tokens
-from .kv_cache import KVCache
-from .llama import Transformer
-from .model_dir import load_model, load_model_tokenizer, read_manifest, save_model, update_manifest_metrics, verify_model_dir
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+``import prunus.models.config`` or ``prunus --help`` does not import torch.
+"""
 
-__all__ = [
-    "PRESETS", "ModelConfig", "get_preset", "PrunusError", "generate", "sample_next", "stream_tokens",
-    "KVCache", "Transformer", "load_model", "load_model_tokenizer", "read_manifest", "save_model",
-    "update_manifest_metrics", "verify_model_dir", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
-]
+from .lazy import lazy_package
+
+_EXPORTS = {
+    "PRESETS": "config", "ModelConfig": "config", "get_preset": "config", "PrunusError": "errors",
+    "generate": "generate", "sample_next": "generate", "stream_tokens": "generate", "KVCache": "kv_cache",
+    "Transformer": "llama", "load_model": "model_dir", "load_model_tokenizer": "model_dir",
+    "read_manifest": "model_dir", "save_model": "model_dir", "update_manifest_metrics": "model_dir",
+    "verify_model_dir": "model_dir", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+__all__ = list(_EXPORTS)
+lazy_package(__name__, _EXPORTS)

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PrunusError
+from .schemes import GRANULARITIES, SCHEMES
 
-SCHEMES = ("int8-weight-only", "w8a8-dynamic", "w8a8-static", "fp8-weight-only", "fp8-w8a8")
-GRANULARITIES = ("per_tensor", "per_channel", "per_group")
 INT8_MAX = 127.0
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _EPS = 1e-12

@@ -1,7 +1,12 @@
-"""prunus.serve: the Engine API over PyTorch, ONNX Runtime and TensorRT; continuous batching; TP workers; HTTP."""
+"""prunus.serve: the Engine API over PyTorch, ONNX Runtime and TensorRT; continuous batching; TP workers; HTTP.
 
-from .engine import Engine
-from .request import GenerationResult, SamplingParams, StreamToken
-from .scheduler import QueueFull
+Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+the CLI can read :data:`prunus.serve.artifact.BACKENDS` without importing torch.
+"""
 
-__all__ = ["Engine", "GenerationResult", "SamplingParams", "StreamToken", "QueueFull"]
+from prunus.models.lazy import lazy_package
+
+_EXPORTS = {"Engine": "engine", "GenerationResult": "request", "SamplingParams": "request", "StreamToken": "request",
+            "QueueFull": "scheduler"}
+__all__ = list(_EXPORTS)
+lazy_package(__name__, _EXPORTS)

@@ -19,8 +19,7 @@ from prunus.models.manifest_schema import MANIFEST, verify_files
 from prunus.models.model_dir import read_dir_json
 from prunus.models.validate import short
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
-EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}
+from .backends import BACKENDS, EXPORT_BACKEND
 
 
 def read_artifact_config(path: str | Path) -> dict:

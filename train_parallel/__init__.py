@@ -1,11 +1,15 @@
-"""prunus.train_parallel: the training engine (single process now; parallel layouts build on it)."""
+"""prunus.train_parallel: the training engine (mesh, DDP/FSDP, TP/SP, PP, CP, EP, checkpoints, launch, the train loop).
 
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .config import TrainConfig
-from .metrics import read_metrics
-from .run_dir import resume_config
-from .schedule import lr_at
-from .trainer import TrainResult, train
+Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+reading :class:`TrainConfig` (``prunus train --help``) does not import torch.
+"""
 
-__all__ = ["list_checkpoints", "load_checkpoint", "save_checkpoint", "TrainConfig", "read_metrics",
-           "resume_config", "lr_at", "TrainResult", "train"]
+from prunus.models.lazy import lazy_package
+
+_EXPORTS = {
+    "list_checkpoints": "checkpoint", "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "TrainConfig": "config", "read_metrics": "metrics", "resume_config": "run_dir", "lr_at": "schedule",
+    "TrainResult": "trainer", "train": "trainer",
+}
+__all__ = list(_EXPORTS)
+lazy_package(__name__, _EXPORTS)

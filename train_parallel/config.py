@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from prunus.models.config import ModelConfig, get_preset
+from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.models.errors import PrunusError
 from prunus.models.validate import check_dataclass, short
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
+# torch.distributed.pipelining schedules prunus drives (pipeline_parallel.py builds them)
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
@@ -18,52 +20,70 @@ RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "kee
              "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops")
 
 
+def _doc(default, help: str, **cli):
+    """A TrainConfig field with its documentation. ``help`` is what the field means (``prunus train
+    --help`` shows it); ``cli`` says how the option is spelled where it differs from the field name:
+    ``flag`` ("--timeout"), ``off_flag`` for a boolean ("--sync-checkpoint"; default "--no-<name>"),
+    ``choices`` (the library's constant, listed in the help), ``cli=False`` for no option."""
+    kind = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**kind, metadata={"help": help, **cli})
+
+
 @dataclass
 class TrainConfig:
-    out: str = "runs/default"
-    preset: str = "small"
-    model: dict = field(default_factory=dict)  # overrides of the preset's fields
-    data: str | None = None  # None: the built-in corpus
-    tokenizer: str | None = None  # a directory holding tokenizer.json; None: bytes
-    max_corpus_bytes: int = 16 << 20
-    seq_len: int | None = None  # None: the model's max_seq_len
-    batch_size: int = 16  # sequences per optimizer step (the global batch), split over data-parallel ranks
-    grad_accum: int = 1  # micro-steps per optimizer step on each rank
-    steps: int = 1000
-    stop_at: int | None = None  # end this invocation after this step (checkpointed); resume later
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    bf16: bool = False
-    eval_every: int = 100
-    eval_tokens: int = 65536
-    ckpt_every: int = 200
-    keep_checkpoints: int = 2
-    async_checkpoint: bool = False  # write checkpoints from a background thread (dcp.async_save)
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    progress: bool = True
+    """The settings of a training run. Each field's ``metadata["help"]`` documents it, and ``prunus
+    train`` makes one option of each field (``prunus.cli.train``): a new setting is one line here."""
+
+    out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
+    preset: str = _doc("small", "Model preset.", choices=tuple(PRESETS))
+    model: dict = _doc(dict, "Overrides of the preset's fields (ModelConfig names).", cli=False)
+    data: str | None = _doc(None, "Text file, dir of text files, or .bin tokens. Default: the built-in corpus.")
+    tokenizer: str | None = _doc(None, "Dir holding a Hugging Face tokenizer.json. Default: bytes.")
+    max_corpus_bytes: int = _doc(16 << 20, "Read at most this many bytes of the corpus.")
+    seq_len: int | None = _doc(None, "Tokens per training sequence. Default: the model's max_seq_len.")
+    batch_size: int = _doc(16, "Sequences per optimizer step (the global batch), split over data-parallel ranks "
+                               "and --grad-accum.")
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
+    steps: int = _doc(1000, "Optimizer steps in the run.")
+    stop_at: int | None = _doc(None, "End this invocation after this step (checkpointed); continue with --resume.")
+    lr: float = _doc(2e-3, "Peak learning rate (AdamW), reached after --warmup-steps, then cosine decay to --min-lr.")
+    min_lr: float = _doc(2e-4, "Learning rate at the last step.")
+    warmup_steps: int = _doc(100, "Steps of linear warmup from 0 to --lr (keep it below --steps).")
+    weight_decay: float = _doc(0.1, "AdamW weight decay (not applied to norms and embeddings).")
+    beta1: float = _doc(0.9, "AdamW beta1.")
+    beta2: float = _doc(0.95, "AdamW beta2.")
+    grad_clip: float = _doc(1.0, "Clip the gradients' global norm to this; 0 disables clipping.")
+    bf16: bool = _doc(False, "bf16 autocast (FSDP: bf16 params, fp32 reductions).")
+    eval_every: int = _doc(100, "Score held-out text every this many steps (and at the end).")
+    eval_tokens: int = _doc(65536, "Held-out tokens scored per evaluation.")
+    ckpt_every: int = _doc(200, "Checkpoint every this many steps; 0: only when stopping early.")
+    keep_checkpoints: int = _doc(2, "Checkpoints kept in the run dir (the newest).")
+    async_checkpoint: bool = _doc(False, "Write checkpoints in the background while training goes on "
+                                         "(torch.distributed.checkpoint.async_save).", off_flag="--sync-checkpoint")
+    log_every: int = _doc(10, "Print and record the training loss every this many steps.")
+    seed: int = _doc(0, "Random seed of the weights and the data order.")
+    device: str = _doc("auto", "auto (cuda when available, else cpu), cpu or cuda.")
+    progress: bool = _doc(True, "Show a progress line.")
     # parallel layout (see ParallelDims); world size = nproc under --nproc, else torchrun's / Slurm's
-    nproc: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: the ranks the other dims leave
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallel: every sequence split over this many ranks (they share the batch)
-    cp_impl: str = "ring"  # ring attention (point-to-point, load-balanced) or ulysses (all-to-all over heads)
-    ep: int = 1  # expert parallel: ranks the experts of each MoE layer are split over (borrowed from dp_shard)
-    pp_schedule: str = "1F1B"
-    microbatches: int = 4
-    zero: int | None = None  # None: 3 when sharding over dp_shard x cp > 1, else 0
-    activation_checkpointing: str = "none"
-    cpu_offload: bool = False
-    timeout_s: float = 600.0  # collective timeout: a hang ends with an error naming the rank
-    peak_tflops: float | None = None  # per rank, for MFU; known for common GPUs
+    nproc: int = _doc(1, "Processes on this host (starts torchrun).")
+    dp_replicate: int = _doc(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
+    dp_shard: int = _doc(-1, "Data-parallel ranks that shard parameters (FSDP); -1: the ranks the other dims leave.")
+    tp: int = _doc(1, "Tensor (+ sequence) parallel degree.")
+    pp: int = _doc(1, "Pipeline stages (ranks).")
+    cp: int = _doc(1, "Context parallel degree: every sequence split over this many ranks, which share the batch "
+                      "(--seq-len a multiple of 2 x cp).")
+    cp_impl: str = _doc("ring", "ring: key/value blocks passed round the ranks (load-balanced); ulysses: all-to-all "
+                                "over heads (heads divisible by cp).")
+    ep: int = _doc(1, "Expert parallel degree: MoE experts split over this many of the --dp-shard ranks.")
+    pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining).", choices=PP_SCHEDULES)
+    microbatches: int = _doc(4, "Pipeline micro-batches per step.")
+    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0.")
+    activation_checkpointing: str = _doc("none", "Recompute activations in the backward pass: none, every-other "
+                                                 "(blocks) or full.")
+    cpu_offload: bool = _doc(False, "FSDP CPU offload of parameters and optimizer states (GPU only).")
+    timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
+                            flag="--timeout")
+    peak_tflops: float | None = _doc(None, "Peak TFLOP/s per rank for MFU. Default: known for common GPUs.")
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)

@@ -22,7 +22,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from prunus.models.errors import PrunusError
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+from .config import PP_SCHEDULES
+
+SCHEDULES = PP_SCHEDULES
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 
 
