@@ -68,7 +68,14 @@ def exportable(model: nn.Module) -> nn.Module:
 
 
 class GraphCache:
-    """The model's cache interface (update / attn_mask / advance) over explicit past tensors."""
+    """``prunus.models.kv_cache.KVCacheProtocol`` over explicit past tensors.
+
+    Needs ``update`` (past concatenated with the new keys/values, kept as ``present``) and
+    ``attn_mask`` (from ``attention_mask``, see :meth:`attn_mask`). ``advance`` does nothing:
+    the graph returns ``present`` and its caller keeps the lengths. ``seq_len`` is None: the
+    graphs always pass ``position_ids``."""
+
+    seq_len = None
 
     def __init__(self, attention_mask: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  layer_ids=()):
@@ -76,7 +83,6 @@ class GraphCache:
         self.past = dict(zip([int(i) for i in layer_ids], past)) if past else {}
         self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask = None
-        self.seq_len = 0  # positions always come from position_ids
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_id in self.past:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kv_cache import KVCacheProtocol
 from .rope import rope_tables
 
 
@@ -168,7 +169,8 @@ class Attention(nn.Module):
         self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.core = CausalAttention.for_layer(cfg, layer_id)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCacheProtocol | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -221,7 +223,8 @@ class TransformerBlock(nn.Module):
         self.attention_post_norm = make_norm(cfg, cfg.dim) if cfg.post_norms else None
         self.ffn_post_norm = make_norm(cfg, cfg.dim) if cfg.post_norms else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCacheProtocol | None = None) -> torch.Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, cache)
         if self.attention_post_norm is not None:
             a = self.attention_post_norm(a)
@@ -269,10 +272,12 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions`` (seq,) or (batch, seq): each token's absolute position, for sequences
-        that are not one contiguous run from the cache's length (context-parallel chunks,
-        ragged batches in serving). Without it, positions count on from the cache."""
+    def forward(self, tokens: torch.Tensor, cache: KVCacheProtocol | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``cache``: any :class:`prunus.models.kv_cache.KVCacheProtocol`. ``positions`` (seq,) or
+        (batch, seq): each token's absolute position, for sequences that are not one contiguous run
+        from the cache's ``seq_len`` (context-parallel chunks, ragged batches in serving). Without it,
+        positions count on from the cache's ``seq_len`` (from 0 without a cache)."""
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -286,6 +291,8 @@ class Transformer(nn.Module):
             # the tables from the first new position on; attention takes as many rows as it has positions
             # (under sequence parallelism h holds a slice of the sequence, attention the whole of it)
             start = cache.seq_len if cache is not None else 0
+            if start is None:
+                raise ValueError(f"{type(cache).__name__} holds rows of different lengths: pass positions")
             cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache)

@@ -16,11 +16,17 @@ row its own length, and per pass:
 
 So the ONNX Runtime and TensorRT backends batch exactly like the torch one. A runner
 does the graph calls: ``run(graph, feeds, outputs) -> list of torch tensors``.
+
+The slots are the torch backend's storage, a :class:`prunus.serve.batch_cache.BatchKVCache`
+(keys, values, each row's length); the model never sees it here, so none of the
+``KVCacheProtocol`` is needed: the graphs hold their own (``prunus.export.graphs.GraphCache``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .batch_cache import BatchKVCache
 
 
 class GraphBackend:
@@ -29,10 +35,8 @@ class GraphBackend:
         self.runner, self.name = runner, name
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         self.device = torch.device(device)
-        shape = (n_slots, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lengths = torch.zeros(n_slots, dtype=torch.long)
+        self.cache = BatchKVCache(range(n_layers), n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
+        self.k, self.v, self.lengths = self.cache.k, self.cache.v, self.cache.lengths
         self.outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
     def _long(self, x) -> torch.Tensor:

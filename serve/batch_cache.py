@@ -60,7 +60,15 @@ class BatchKVCache:
 
 
 class CacheStep:
-    """What ``Transformer.forward(tokens, cache=..., positions=...)`` sees for one pass."""
+    """What ``Transformer.forward(tokens, cache=..., positions=step.positions)`` sees for one pass.
+
+    Implements the whole ``prunus.models.kv_cache.KVCacheProtocol``: ``update`` writes each row's
+    new keys at the row's own positions, ``attn_mask`` is the ragged rows' mask (None when every
+    row has one length), ``advance`` sets the rows' lengths. ``seq_len`` is None: rows start at
+    different positions, so the caller passes :attr:`positions`.
+    """
+
+    seq_len = None
 
     def __init__(self, cache: BatchKVCache, rows: torch.Tensor, start: torch.Tensor, q_len: int, end: torch.Tensor):
         self.cache, self.q_len, self.end = cache, q_len, end
@@ -82,7 +90,6 @@ class CacheStep:
         if not self.uniform:
             keys = torch.arange(self.k_len, device=device)
             self.mask = (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)  # (batch, 1, q_len, k_len)
-        self.seq_len = int(start.min())
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.cache.k[layer_id], self.cache.v[layer_id]

@@ -30,8 +30,16 @@ def buckets(n_slots: int) -> list[int]:
     return out + [n_slots]
 
 
-class _StaticStep:
-    """The ``cache`` a compiled step's model sees: fixed shapes, rows and positions as tensors."""
+class StaticStep:
+    """The ``cache`` a compiled step's model sees: fixed shapes, rows and positions as tensors.
+
+    ``prunus.models.kv_cache.KVCacheProtocol`` over a :class:`prunus.serve.batch_cache.BatchKVCache`'s
+    storage. Needs ``update`` (writes at each row's position, returns the rows' whole cache lines) and
+    ``attn_mask`` (each row's keys up to its position). ``advance`` does nothing: the lengths move
+    outside the graph (:meth:`CompiledDecode.__call__`). ``seq_len`` is None: the step passes positions.
+    """
+
+    seq_len = None
 
     def __init__(self, cache, rows: torch.Tensor, pos: torch.Tensor):
         self.cache, self.rows, self.pos = cache, rows, pos
@@ -47,7 +55,7 @@ class _StaticStep:
     def attn_mask(self, q_len: int, k_len: int) -> torch.Tensor:
         return self.mask
 
-    def advance(self, n: int) -> None:  # the lengths move outside the graph
+    def advance(self, n: int) -> None:
         pass
 
 
@@ -60,7 +68,7 @@ class CompiledDecode:
                                  options={"freezing": True, "cpp_wrapper": True})
 
     def _step(self, tokens: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens, cache=_StaticStep(self.cache, rows, pos), positions=pos)[:, -1]
+        return self.model(tokens, cache=StaticStep(self.cache, rows, pos), positions=pos)[:, -1]
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
