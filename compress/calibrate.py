@@ -17,8 +17,18 @@ import torch
 from torch import nn
 
 from prunus.models import PrunusError
+from prunus.models.validate import short
 
 METHODS = ("minmax", "percentile")
+
+
+def check_calibration(method: str, percentile: float = 99.99) -> None:
+    """The one check of a calibration method and percentile (the quantize pass, a recipe and
+    :func:`input_absmax` all call it): one PrunusError line naming what is wrong."""
+    if method not in METHODS:
+        raise PrunusError(f"quantize: unknown calibration {short(method)}; choose one of: {', '.join(METHODS)}")
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+        raise PrunusError(f"quantize: percentile {short(percentile)} must be a number in (0, 100]")
 
 
 @torch.no_grad()
@@ -58,10 +68,7 @@ def channel_absmax(model: nn.Module, names: Iterable[str], batches: list[torch.T
 def input_absmax(model: nn.Module, names: Iterable[str], batches: list[torch.Tensor], *, method: str = "minmax",
                  percentile: float = 99.99) -> dict[str, float]:
     """name -> the |x| a per-tensor activation scale should map to the largest quantized value."""
-    if method not in METHODS:
-        raise PrunusError(f"quantize: unknown calibration {method!r}; choose one of: {', '.join(METHODS)}")
-    if not 0 < percentile <= 100:
-        raise PrunusError(f"quantize: percentile {percentile} must be in (0, 100]")
+    check_calibration(method, percentile)
     if not batches:
         raise PrunusError("quantize: static calibration needs at least one batch; set n_calib >= 1")
     if method == "minmax":

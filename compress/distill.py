@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.models.compression_state import compression_state, set_compression_state
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.launch import LAUNCHED, env_ranks, init_distributed
 
 from .distill_loss import DistillObjective
-from .student import make_student
+from .student import check_float, make_student
 
 DISTILL_WINDOW = 512  # tokens per row at most
 LOGITS_MEMORY = 1 << 30  # bytes for the student's float32 logits, their gradient and two softmax-sized buffers
@@ -120,7 +121,7 @@ def _train_config(ctx, student: Transformer, work: Path, *, steps, batch_size, s
 
 
 def _has_zeros_to_keep(model) -> bool:
-    return bool((getattr(model, "compression", None) or {}).get("sparsity"))
+    return bool(compression_state(model).sparsity)
 
 
 def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
@@ -153,7 +154,7 @@ def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: 
         zero = 0
     loss_args = dict(temperature=temperature, kd_weight=kd_weight, reverse_kl=reverse_kl, hidden_weight=hidden_weight,
                      keep_zeros=keep_zeros, seed=seed)
-    channels = getattr(student, "width_channels", None)
+    channels = compression_state(student).student_channels
     rank0 = not in_group or dist.get_rank() == 0
 
     work = None
@@ -232,19 +233,18 @@ def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = N
 
     ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"width:F"``, a
     preset name or a dict of model config fields (see ``compress/student.py``). Returns the
-    student in eval mode; ``model.compression["distillation"]`` records what was done. ``steps``,
+    student in eval mode; its CompressionState's ``distillation`` records what was done. ``steps``,
     ``batch_size`` and ``seq_len`` default to :func:`default_schedule` (scaled to the model)."""
     if student is None:
-        if any(not p.is_floating_point() for p in model.state_dict().values() if p.ndim >= 2):
-            raise PrunusError("distill: the model holds quantized weights; distill before quantizing "
-                              "(put the distill pass ahead of quantize in the recipe)")
+        check_float(model)
         teacher_storage = {p.data_ptr() for p in ctx.teacher.parameters()}
         shared = any(p.data_ptr() in teacher_storage for p in model.parameters())
         learner = copy.deepcopy(model) if shared else model  # never train the teacher itself
     else:
         learner = make_student(model, student, seed=seed)
-        if getattr(model, "compression", None):  # a derived student keeps no quantization, and no sparsity
-            learner.compression = {k: v for k, v in model.compression.items() if k not in ("quantization", "sparsity")}
+        parent, own = compression_state(model), compression_state(learner)
+        # a derived student keeps the passes and distillation record, no quantization and no sparsity
+        own.passes, own.distillation = copy.deepcopy(parent.passes), copy.deepcopy(parent.distillation)
     teacher_params = sum(p.numel() for p in ctx.teacher.parameters())
     steps, batch_size, seq_len = default_schedule(learner, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len,
                                                   nproc=nproc if isinstance(nproc, int) and nproc >= 1 else 1)
@@ -254,9 +254,9 @@ def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = N
     result = distill(learner, ctx, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature,
                      kd_weight=kd_weight, reverse_kl=reverse_kl, hidden_weight=hidden_weight, nproc=nproc, seed=seed,
                      progress=progress)
-    out = result.model
-    out.compression = dict(getattr(learner, "compression", None) or {})
-    out.compression["distillation"] = {
+    state = compression_state(learner).copy()
+    out = set_compression_state(result.model, state)
+    state.distillation = {
         "student": student, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "temperature": temperature,
         "kd_weight": kd_weight, "reverse_kl": reverse_kl, "hidden_weight": hidden_weight, "nproc": nproc,
         "teacher_params": teacher_params, "student_params": sum(p.numel() for p in out.parameters()),

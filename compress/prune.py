@@ -32,32 +32,23 @@ is left behind. The model stays dense in shape; :func:`to_semi_structured` turns
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 
+from prunus.models.compression_state import compression_state
 from prunus.models.errors import PrunusError
 
 from .calibrate import observe_inputs
+from .select import exclude_list, float_linears
 
 METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
 SCOPES = ("layer", "row", "global")
 
 
-def is_excluded(name: str, exclude) -> bool:
-    """``name`` matches a pattern exactly, by glob, or as a dotted prefix or suffix
-    (``"output"``, ``"layers.0"``, ``"w2"``, ``"layers.*.attention.wq"``)."""
-    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") or name.endswith("." + p)
-               for p in exclude)
-
-
 def prunable_linears(model: nn.Module, exclude=("output",)) -> dict[str, nn.Linear]:
-    """Every float ``nn.Linear`` of ``model`` whose name is not excluded, by name. A mixture of
-    experts' router is never pruned (its few weights decide where every token goes)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m.weight.is_floating_point() and not name.endswith(".router")
-            and not is_excluded(name, exclude)}
+    """Every float ``nn.Linear`` of ``model`` that ``exclude`` leaves (``select.py``: the rule quantize
+    follows too; a mixture of experts' router is never pruned), by name."""
+    return float_linears(model, exclude, where="prune")[0]
 
 
 @torch.no_grad()
@@ -163,9 +154,9 @@ def _check_args(method, sparsity, scope, n_calib) -> None:
 def prune_pass(model: nn.Module, ctx, *, method: str, sparsity: float = 0.5, scope: str = "layer", n_calib: int = 8,
                exclude=("output",)) -> nn.Module:
     """Zero the least important weights of every Linear not in ``exclude`` (the embedding is
-    never a Linear); record ``model.compression["sparsity"]``. Returns ``model``, pruned in place."""
+    never a Linear); record it in the model's CompressionState (``sparsity``). Returns ``model``, pruned in place."""
     _check_args(method, sparsity, scope, n_calib)
-    exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude or ())
+    exclude = exclude_list(exclude)
     linears = prunable_linears(model, exclude)
     if not linears:
         raise PrunusError("prune: the model has no float Linear weights left to prune "
@@ -186,10 +177,7 @@ def prune_pass(model: nn.Module, ctx, *, method: str, sparsity: float = 0.5, sco
               "target": float(sparsity),
               "achieved": achieved, "per_module": per_module, "excluded": excluded,
               "calibration_batches": n_calib if wanda else 0}
-    compression = getattr(model, "compression", None) or {}
-    if "sparsity" in compression:
-        record["previous"] = compression["sparsity"]
-    model.compression = {**compression, "sparsity": record}
+    compression_state(model).set_sparsity(record)
     return model
 
 

@@ -28,12 +28,11 @@ amount that removes nothing (or everything) is refused, naming the achievable am
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prunus.models.compression_state import compression_state, set_compression_state
 from prunus.models.errors import PrunusError
 from prunus.models.llama import Transformer
 
@@ -158,8 +157,7 @@ def _rebuild(model: Transformer, cfg, state: dict[str, torch.Tensor]) -> Transfo
     new.train(model.training)
     for p_new, p_old in zip(new.parameters(), model.parameters()):
         p_new.requires_grad_(p_old.requires_grad)
-    new.compression = copy.deepcopy(getattr(model, "compression", None) or {})
-    return new
+    return set_compression_state(new, compression_state(model).copy())
 
 
 def _take(state: dict, prefix: str, names, index: torch.Tensor, dim: int = 0) -> None:
@@ -249,7 +247,7 @@ def _remove_blocks(model: Transformer, amount, batches):
 def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_calib: int = 8) -> Transformer:
     """Remove ``amount`` of ``target`` (heads, channels or blocks) from every block (from the
     model, for blocks). Returns a new, smaller Transformer whose config matches its shapes, with
-    what was removed recorded in ``model.compression["sparsity"]``."""
+    what was removed recorded in its CompressionState (``sparsity``)."""
     if target not in TARGETS:
         raise PrunusError(f"prune_structured: target {target!r} is unknown; choose one of {', '.join(TARGETS)}")
     if isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1:
@@ -278,7 +276,5 @@ def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_cal
               "achieved": 1 - params_after / params_before,
               "params_before": params_before, "params_after": params_after, "per_module": removed,
               "calibration_batches": n_calib}
-    if "sparsity" in new.compression:
-        record["previous"] = new.compression["sparsity"]
-    new.compression["sparsity"] = record
+    compression_state(new).set_sparsity(record)
     return new

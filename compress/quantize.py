@@ -12,48 +12,21 @@ last block holds most of fp8's error).
 
 from __future__ import annotations
 
-from fnmatch import fnmatch
-
 import torch
 from torch import nn
 
 from prunus.models import PrunusError
+from prunus.models.compression_state import compression_state
 from prunus.models.quantized import INT8_MAX, SCHEMES, QuantizedLinear, check_scheme
 
-from .calibrate import METHODS, input_absmax
-
-
-def is_excluded(name: str, exclude) -> bool:
-    """A module is excluded by its name, a parent's name ("layers.0") or a glob ("*.w2")."""
-    return any(name == p or name.startswith(p + ".") or fnmatch(name, p) for p in exclude)
-
-
-def resolve_blocks(model: nn.Module, exclude) -> list[str]:
-    """``exclude`` with ``layers.-K`` (and ``layers.-K.rest``) resolved to the model's K-th block from the end."""
-    keys = list(getattr(model, "layers", {}) or {})
-    out = []
-    for p in exclude:
-        head, _, rest = p.partition(".")
-        index, _, tail = rest.partition(".")
-        if head == "layers" and index.startswith("-") and index[1:].isdigit():
-            k = int(index)
-            if not keys or -k > len(keys):
-                raise PrunusError(f"quantize: exclude {p!r}: the model has {len(keys)} blocks")
-            p = f"layers.{keys[k]}" + (f".{tail}" if tail else "")
-        out.append(p)
-    return out
+from .calibrate import check_calibration, input_absmax
+from .select import exclude_list, float_linears
 
 
 def linear_names(model: nn.Module, exclude=()) -> tuple[list[str], list[str]]:
-    """(names of the float Linear modules to quantize, names of those excluded)."""
-    exclude = resolve_blocks(model, exclude)
-    chosen, skipped = [], []
-    for name, module in model.named_modules():
-        if type(module) is nn.Linear:
-            # a mixture-of-experts router stays in float: rounding flips which experts a token goes to
-            excluded = is_excluded(name, exclude) or name.endswith(".router")
-            (skipped if excluded else chosen).append(name)
-    return chosen, skipped
+    """(names of the float Linear modules to quantize, names of those excluded); see ``select.py``."""
+    chosen, skipped = float_linears(model, exclude, where="quantize")
+    return list(chosen), skipped
 
 
 def untie_output(model: nn.Module) -> None:
@@ -64,16 +37,18 @@ def untie_output(model: nn.Module) -> None:
 
 def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                   calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8, exclude=("output",)):
+    """Replace every float Linear not in ``exclude`` by a QuantizedLinear of ``scheme``, in place; record the
+    layout in the model's CompressionState (``quantization``). Returns ``model``."""
     check_scheme(scheme, granularity, group_size)
-    if calibration not in METHODS:
-        raise PrunusError(f"quantize: unknown calibration {calibration!r}; choose one of: {', '.join(METHODS)}")
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    check_calibration(calibration, percentile)
+    exclude = exclude_list(exclude)
     names, skipped = linear_names(model, exclude)
     if not names:
         raise PrunusError(f"quantize: exclude={exclude} leaves no Linear module to quantize; exclude fewer")
     for name in names:
         check_scheme(scheme, granularity, group_size, model.get_submodule(name).in_features, where=f"quantize {name}")
-    info = (getattr(model, "compression", None) or {}).get("quantization") or {"modules": {}, "excluded": []}
+    state = compression_state(model)
+    info = state.quantization or {"modules": {}, "excluded": []}
     if "output" in names and model.config.tie_embeddings:
         untie_output(model)
         info["untied_output"] = True
@@ -91,10 +66,8 @@ def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", 
             model.set_submodule(name, q)
             info["modules"][name] = q.spec()
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
-    if getattr(model, "compression", None) is None:
-        model.compression = {}
-    model.compression["quantization"] = info
+    state.quantization = info
     return model
 
 
-__all__ = ["SCHEMES", "quantize_pass", "linear_names", "is_excluded"]
+__all__ = ["SCHEMES", "quantize_pass", "linear_names"]

@@ -20,7 +20,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from torch import nn
+
 from prunus.models import PrunusError, save_model
+from prunus.models.compression_state import carry_over, compression_state
 from prunus.models.paths import check_output
 from prunus.models.validate import check_int_range
 
@@ -39,6 +42,16 @@ def pass_label(name: str, args: dict) -> str:
     if not args:
         return name
     return f"{name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
+
+
+def run_pass(fn, name: str, model: nn.Module, ctx, args: dict) -> nn.Module:
+    """One pass, under the rule every pass follows: it returns the model it made (the same module
+    when it changed it in place, a new one when it rebuilt it) and the run goes on with that one.
+    A new module gets its input's CompressionState carried over when the pass did not set one."""
+    out = fn(model, ctx, **args)
+    if not isinstance(out, nn.Module):
+        raise TypeError(f"compression pass {name!r} returned {type(out).__name__}, not the model it made")
+    return carry_over(model, out)
 
 
 def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
@@ -75,11 +88,9 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
         task = bar.add_task("score the input model", total=2 * len(passes) + 1)
         rows.append(report_row("input", teacher, ctx, reference=reference, prompts=prompts, latency=latency))
         bar.advance(task)
-        model = copy.deepcopy(teacher)
+        model = copy.deepcopy(teacher)  # the teacher's CompressionState comes along (a deep copy)
         for p in model.parameters():
             p.requires_grad_(True)
-        model.compression = copy.deepcopy(getattr(teacher, "compression", None) or {})
-        model.compression.setdefault("passes", [])
         torch.manual_seed(seed)
         for name, args in passes:
             label = pass_label(name, args)
@@ -90,16 +101,14 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
                 console.print(f"[bold]pass {label}[/bold]")
             ctx.take_notes()
             t0 = time.perf_counter()
-            model = fn(model, ctx, **args, **extra)
+            model = run_pass(fn, name, model, ctx, {**args, **extra})
             pass_seconds.append(round(time.perf_counter() - t0, 2))
             notes = ctx.take_notes()
             if progress:
                 for line in notes:
                     console.print(f"  {line}")
             bar.start()
-            if getattr(model, "compression", None) is None:
-                model.compression = {"passes": []}
-            model.compression.setdefault("passes", []).append({"name": name, "args": args, **({"notes": notes} if notes else {})})
+            compression_state(model).record_pass(name, args, notes)
             bar.advance(task)
             bar.update(task, description=f"score {label}")
             row = report_row(label, model, ctx, reference=reference, prompts=prompts, base=rows[0], latency=latency,

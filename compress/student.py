@@ -23,7 +23,9 @@ import dataclasses
 import torch
 
 from prunus.models import PrunusError, Transformer, get_preset
+from prunus.models.compression_state import compression_state
 from prunus.models.config import ModelConfig
+from prunus.models.validate import check_known_fields
 
 
 def _new(cfg: ModelConfig, seed: int, like: Transformer) -> Transformer:
@@ -34,7 +36,7 @@ def _new(cfg: ModelConfig, seed: int, like: Transformer) -> Transformer:
     return model.to(device=like.tok_embeddings.weight.device, dtype=dtype)
 
 
-def _check_float(model: Transformer) -> None:
+def check_float(model: Transformer) -> None:
     if any(not p.is_floating_point() for p in model.state_dict().values() if p.ndim >= 2):
         raise PrunusError("distill: the model holds quantized weights; distill before quantizing "
                           "(put the distill pass ahead of quantize in the recipe)")
@@ -124,7 +126,7 @@ def width(teacher: Transformer, factor: float) -> Transformer:
     if cfg.tie_embeddings:
         state.pop("output.weight")
     student.load_state_dict(state, strict=not cfg.tie_embeddings)
-    student.width_channels = ch  # which teacher channels the student's residual stream holds
+    compression_state(student).student_channels = ch  # which teacher channels its residual stream holds
     return student
 
 
@@ -149,7 +151,7 @@ def parse_factor(text: str, spec: str) -> float:
 
 def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
     """The student ``spec`` describes (see the module docstring), in train mode."""
-    _check_float(teacher)
+    check_float(teacher)
     if isinstance(spec, str) and "," in spec:  # several derivations, left to right
         student = teacher
         for part in spec.split(","):
@@ -173,10 +175,7 @@ def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
         if "vocab_size" in spec and spec["vocab_size"] != teacher.config.vocab_size:
             raise PrunusError(f"distill: student vocab_size {spec['vocab_size']} differs from the teacher's "
                               f"{teacher.config.vocab_size}; logits must share the vocabulary")
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise PrunusError(f"distill: student config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        check_known_fields(spec, ModelConfig, "distill: student config")
         student = from_config(teacher, teacher.config.replace(**spec), seed)
     else:
         raise PrunusError(f"distill: student {spec!r}: give keep-every:K, width:F, a preset name or a dict of model config fields")

@@ -26,6 +26,7 @@ from .hf_families import FAMILIES, TOKEN_IDS, config_from_hf, config_to_hf, get_
 from .hf_tensors import state_from_hf, state_to_hf
 from .hf_weights import read_weights, write_weights
 from .llama import Transformer
+from .compression_state import compression_state
 from .model_dir import load_model, load_model_tokenizer, read_dir_json, save_model, state_dict_for_save
 from .paths import check_output
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
@@ -143,7 +144,7 @@ def to_hf(model_dir: str | Path, out: str | Path, *, overwrite: bool = False, fa
     model = load_model(model_dir)  # verifies the manifest's hashes
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
-    if (getattr(model, "compression", None) or {}).get("quantization"):
+    if compression_state(model).quantization:
         raise PrunusError(f"{model_dir}: holds quantized weights, which Hugging Face checkpoints do not describe; "
                           "convert the model dir from before quantization")
     origin = getattr(model, "hf_origin", None)

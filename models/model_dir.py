@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_dir, atomic_write_json
+from .compression_state import CompressionState, compression_state, set_compression_state
 from .config import ModelConfig
 from .errors import PrunusError
 from .manifest_schema import check_manifest, sha256_file, verify_files
@@ -67,8 +68,8 @@ def save_model(
 ) -> Path:
     """Write ``model`` as a model dir at ``path``, atomically.
 
-    ``model.compression`` (quantized modules, sparsity, passes), when set, goes into
-    config.json; ``extra_files`` (name -> bytes: a recipe, a report) are written
+    The model's CompressionState (quantized modules, sparsity, passes; ``compression_state.py``),
+    when it holds anything, goes into config.json; ``extra_files`` (name -> bytes: a recipe, a report) are written
     alongside and covered by the manifest's hashes."""
     path = Path(path)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
@@ -81,8 +82,9 @@ def save_model(
         stored_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         model_cfg = model.config.replace(dtype=stored_dtype).to_dict()
         config = {"format": FORMAT, "architecture": "llama", "model": model_cfg, "tokenizer": tokenizer.spec()}
-        if getattr(model, "compression", None):
-            config["compression"] = model.compression
+        compression = compression_state(model).to_json()
+        if compression:
+            config["compression"] = compression
         if getattr(model, "hf_origin", None):  # a Hugging Face family's model_type and token ids (hf_convert)
             config["hf"] = model.hf_origin
         atomic_write_json(tmp / CONFIG, config)
@@ -146,11 +148,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if verify:
         verify_model_dir(path)
     cfg, config = read_config(path)
-    compression = config.get("compression")
+    compression = CompressionState.from_json(config.get("compression"), source=str(path / CONFIG))
     with torch.device("meta"):
         model = Transformer(cfg)
-        if compression and compression.get("quantization"):
-            quantized_layout(model, compression["quantization"]["modules"])
+        quantized_layout(model, compression.quantized_modules)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.models.safetensors_header
     state = load_file(path / WEIGHTS, device=str(device))
@@ -161,8 +162,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_buffers(device=torch.device(device))
-    if compression:
-        model.compression = compression
+    set_compression_state(model, compression)
     if config.get("hf"):
         model.hf_origin = config["hf"]
     if dtype is not None:

@@ -125,6 +125,24 @@ def _scaled_mm_fits(x2d: torch.Tensor, w: torch.Tensor) -> bool:
             and x2d.shape[0] % 16 == 0 and x2d.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
 
 
+def convert_keeping_dtypes(module: nn.Module, fn) -> nn.Module:
+    """Apply a module conversion ``fn`` to ``module``'s buffers, moving them but keeping each one's dtype.
+
+    Why: ``model.to(torch.bfloat16)``, ``.half()`` and ``.to(device)`` reach a child module only
+    through the private ``nn.Module._apply(fn)`` (torch 1.x through 2.13: ``Module.to`` builds one
+    ``convert`` function and ``_apply`` walks the children with it); there is no public per-module
+    conversion hook. That conversion casts every floating-point tensor, so a float8_e4m3fn weight
+    or a float32 scale would silently become bfloat16 (int8 weights are left alone by torch).
+    A quantized module's buffers are its storage format, so its ``_apply`` calls this function,
+    the one place prunus steps around that private method: the device changes, the dtype stays.
+    """
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            moved = fn(buf)
+            module._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+    return module
+
+
 class QuantizedLinear(nn.Module):
     """A Linear whose weight is stored quantized (its bias, if any, stays float32); see the module docstring."""
 
@@ -190,12 +208,7 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        # .to(device) moves the buffers; .to(dtype) / .half() must not touch the stored values or scales
-        for name, buf in self._buffers.items():
-            if buf is not None:
-                moved = fn(buf)
-                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
-        return self
+        return convert_keeping_dtypes(self, fn)
 
     def spec(self) -> dict:
         return {"scheme": self.scheme, "granularity": self.granularity, "group_size": self.group_size}

@@ -7,6 +7,9 @@
 * :func:`check_dataclass`: every field of a config dataclass against its annotation
   (``int``, ``float | None``, ``dict``, ...), so a field added later is checked without
   anyone remembering to: integers are not booleans, numbers are finite.
+* :func:`check_known_fields`: the keys of a mapping read from outside (a JSON or TOML file, a
+  recipe, an API argument) against the fields that exist; every config and record reader
+  uses it, so an unknown name is reported the same way everywhere.
 * :func:`short`: a value for an error message, cut to a few dozen characters (an error
   never echoes a huge value back).
 """
@@ -162,6 +165,16 @@ def check_dataclass(obj, source: str) -> None:
         value = getattr(obj, f.name)
         if not _fits(value, kinds):
             raise PrunusError(f"{source}: {f.name}={short(value)} must be {_describe(kinds)}")
+
+
+def check_known_fields(data: dict, known, source: str, *, what: str = "field", fix: str | None = None) -> None:
+    """One PrunusError line naming the keys of ``data`` that are not in ``known`` (a dataclass, or names):
+    "{source}: unknown {what}(s) a, b; {fix}" (default fix: the known names). At most five are named."""
+    names = [f.name for f in dataclasses.fields(known)] if dataclasses.is_dataclass(known) else list(known)
+    unknown = sorted(str(k) for k in data if k not in names)
+    if unknown:
+        listed = ", ".join(k[:MAX_SHORT] for k in unknown[:5])
+        raise PrunusError(f"{source}: unknown {what}(s) {listed}; {fix or 'known: ' + ', '.join(sorted(names))}")
 
 
 def check_int_range(value, name: str, lo: int, hi: int, source: str = "") -> None:

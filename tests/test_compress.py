@@ -16,6 +16,7 @@ from prunus.compress.quantize import quantize_pass
 from prunus.compress.recipe import PASSES, RECIPES_DIR
 from prunus.compress.smoothquant import smoothquant_pass
 from prunus.models import PrunusError, Transformer, get_preset, load_model, read_manifest, save_model, verify_model_dir
+from prunus.models.compression_state import compression_state
 from prunus.models.quantized import INT8_MAX, QuantizedLinear
 
 # scheme, granularity, group_size, max relative error of the output against the float Linear
@@ -113,7 +114,7 @@ def test_quantized_model_dir_round_trip(tmp_path, tiny_model, ctx, scheme, granu
     loaded = load_model(path)
     tokens = torch.randint(0, 256, (2, 20))
     assert torch.equal(model(tokens), loaded(tokens))
-    assert loaded.compression == config["compression"]
+    assert compression_state(loaded).to_json() == config["compression"]
     assert read_manifest(path)["metrics"]["params"] == get_preset("tiny").num_params()
 
 
@@ -121,7 +122,7 @@ def test_exclude_counts_blocks_from_the_end(tiny_model, ctx):
     model = quantize_pass(tiny_model, ctx, scheme="fp8-weight-only", exclude=["output", "layers.-1"])
     last = str(len(model.layers) - 1)
     assert type(model.layers[last].attention.wq) is torch.nn.Linear and isinstance(model.layers["0"].attention.wq, QuantizedLinear)
-    assert f"layers.{last}.feed_forward.w2" in model.compression["quantization"]["excluded"]
+    assert f"layers.{last}.feed_forward.w2" in compression_state(model).quantization["excluded"]
     with pytest.raises(PrunusError, match="has 2 blocks"):
         quantize_pass(tiny_model, ctx, scheme="fp8-weight-only", exclude=["layers.-3"])
 
@@ -133,7 +134,7 @@ def test_quantizing_a_tied_head_unties_it(tmp_path, ctx):
     ref = model(torch.arange(10)[None])
     model = quantize_pass(model, ctx, scheme="int8-weight-only", exclude=[])
     assert isinstance(model.output, QuantizedLinear) and model.tok_embeddings.weight.dtype == torch.float32
-    assert model.config.tie_embeddings is False and model.compression["quantization"]["untied_output"] is True
+    assert model.config.tie_embeddings is False and compression_state(model).quantization["untied_output"] is True
     assert rel_err(model(torch.arange(10)[None]), ref) < 0.02
     loaded = load_model(save_model(model, tmp_path / "q", stage="compress"))
     assert torch.equal(loaded(torch.arange(10)[None]), model(torch.arange(10)[None]))
@@ -273,7 +274,7 @@ def test_runner_chains_pruning_distillation_and_quantization(tmp_path, trained_r
     assert rows[4]["bytes"] < rows[3]["bytes"]
     model = load_model(out)
     assert model.config.n_heads == get_preset("tiny").n_heads // 2
-    assert [p["name"] for p in model.compression["passes"]] == [name for name, _ in passes]
-    assert "sparsity" in model.compression and "quantization" in model.compression
+    assert [p["name"] for p in compression_state(model).passes] == [name for name, _ in passes]
+    assert compression_state(model).sparsity and compression_state(model).quantization
     tokens = torch.randint(0, 256, (1, 12))
     assert torch.isfinite(model(tokens)).all()

@@ -18,6 +18,7 @@ from prunus.compress.distill import default_schedule, distill, distill_pass
 from prunus.compress.distill_loss import DistillObjective, chunked_ce_kd, kd_loss, layer_map
 from prunus.compress.student import make_student
 from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.models.compression_state import compression_state
 from prunus.train_parallel import TrainConfig, train
 
 TOL = 1e-5
@@ -78,7 +79,7 @@ def test_width_student_takes_the_strongest_channels_heads_and_units(ctx):
     s = make_student(t, "width:2")
     c = s.config
     assert (c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.head_dim, c.n_layers) == (32, 2, 1, 96, 16, 4)
-    ch = s.width_channels
+    ch = compression_state(s).student_channels
     assert len(ch) == 32 and 5 not in ch.tolist()
     torch.testing.assert_close(s.tok_embeddings.weight, t.tok_embeddings.weight[:, ch], rtol=0, atol=0)
     torch.testing.assert_close(s.output.weight, t.output.weight[:, ch], rtol=0, atol=0)
@@ -205,7 +206,7 @@ def test_a_few_steps_reduce_the_kd_loss_and_the_pass_returns_a_clean_student(ctx
     m = distill_pass(ctx.teacher, ctx, student="width:2", steps=3, hidden_weight=1.0, **SHORT)
     assert not m.training and not hasattr(m, "distill_proj") and m.config.dim == 32
     assert set(m.state_dict()) == set(Transformer(m.config).state_dict())
-    rec = m.compression["distillation"]
+    rec = compression_state(m).distillation
     assert rec["student"] == "width:2" and rec["student_params"] < rec["teacher_params"] / 2 and rec["val_bpb"] > 0
     back = load_model(save_model(m, tmp_path / "s", tokenizer=ctx.tokenizer, stage="compress"))
     x = ctx.calibration(1, 2, 16)[0]
@@ -220,9 +221,9 @@ def test_fine_tuning_in_place_keeps_pruned_weights_at_zero(ctx):
     with torch.no_grad():
         w[:, ::2] = 0
     before = w.detach().clone()
-    model.compression = {"sparsity": {"method": "magnitude", "achieved": 0.5}}
+    compression_state(model).sparsity = {"method": "magnitude", "achieved": 0.5}
     out = distill_pass(model, ctx, student=None, steps=3, **SHORT)
-    assert out is model and out.compression["sparsity"]["achieved"] == 0.5
+    assert out is model and compression_state(out).sparsity["achieved"] == 0.5
     after = out.layers["0"].feed_forward.w1.weight
     assert bool((after[:, ::2] == 0).all()) and not torch.equal(after[:, 1::2], before[:, 1::2])
     assert not any(p._backward_hooks for p in out.parameters())  # the masks went with the run

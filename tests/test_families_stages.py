@@ -334,11 +334,12 @@ def test_structured_pruning_equals_the_model_without_those_units(family, target,
     whole blocks (each keeping its own sliding window) computes what the input model computes with those units'
     outputs zeroed, or those blocks skipped."""
     from prunus.compress.prune_structured import prune_structured_pass
+    from prunus.models.compression_state import compression_state
 
     model = family_model(family)
     amount = 1 if target == "blocks" else 0.5
     pruned = prune_structured_pass(copy.deepcopy(model), calibration_context(), target=target, amount=amount)
-    removed = pruned.compression["sparsity"]["per_module"]
+    removed = compression_state(pruned).sparsity["per_module"]
     if target == "blocks":
         ref = copy.deepcopy(model)
         for name, info in removed.items():

@@ -14,6 +14,7 @@ from prunus.compress.context import PassContext
 from prunus.compress.prune import input_norms, prunable_linears, prune_pass, semi_structured_available, to_semi_structured
 from prunus.compress.prune_structured import prune_structured_pass
 from prunus.models import ByteTokenizer, PrunusError, Transformer, get_preset, load_model, save_model
+from prunus.models.compression_state import compression_state
 
 
 def make_ctx(model, seq_len=32) -> PassContext:
@@ -43,7 +44,7 @@ def test_layer_scope_exact_sparsity(tiny_model, method, sparsity):
     params = {name: p for name, p in tiny_model.named_parameters()}
     before = {name: p.detach().clone() for name, p in params.items()}
     model = prune_pass(tiny_model, make_ctx(tiny_model), method=method, sparsity=sparsity, n_calib=2)
-    rec = model.compression["sparsity"]
+    rec = compression_state(model).sparsity
     linears = prunable_linears(model)
     assert sorted(rec["per_module"]) == sorted(linears) and len(linears) == 2 * 7 and rec["excluded"] == ["output"]
     for name, m in linears.items():
@@ -70,7 +71,7 @@ def test_global_scope_one_threshold(tiny_model, method):
     dense = {name: m.weight.detach().clone() for name, m in prunable_linears(tiny_model).items()}
     norms = input_norms(tiny_model, prunable_linears(tiny_model), ctx.calibration(2)) if method == "wanda" else None
     model = prune_pass(tiny_model, ctx, method=method, sparsity=0.6, scope="global", n_calib=2)
-    rec = model.compression["sparsity"]
+    rec = compression_state(model).sparsity
     total = sum(w.numel() for w in dense.values())
     zeros = sum(int((m.weight == 0).sum()) for m in prunable_linears(model).values())
     assert zeros == round(0.6 * total) and rec["achieved"] == zeros / total
@@ -92,7 +93,7 @@ def test_row_scope_and_records_history(tiny_model):
     for m in prunable_linears(model).values():
         assert ((m.weight == 0).sum(1) == round(0.25 * m.in_features)).all()
     model = prune_pass(model, ctx, method="magnitude", sparsity=0.5, scope="row")
-    rec = model.compression["sparsity"]
+    rec = compression_state(model).sparsity
     assert rec["achieved"] == 0.5 and rec["previous"]["target"] == 0.25
 
 
@@ -108,7 +109,7 @@ def test_two_four_pattern(tiny_model, method):
         score = dense[name].abs() * (norms[name] if method == "2:4" else 1)
         score = score.reshape(-1, 4)
         assert (score.masked_fill(~groups, -1).max(1).values <= score.masked_fill(groups, float("inf")).min(1).values).all()
-    assert model.compression["sparsity"]["pattern"] == "2:4" and model.compression["sparsity"]["achieved"] == 0.5
+    assert compression_state(model).sparsity["pattern"] == "2:4" and compression_state(model).sparsity["achieved"] == 0.5
 
 
 class Probe(nn.Module):
@@ -222,7 +223,7 @@ def test_heads_removed_by_importance(tiny_model, tmp_path):
     cfg = model.config
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim) == (2, 1, 16, 64)
     assert model.layers["0"].attention.wq.weight.shape == (32, 64) and model.layers["0"].attention.wo.weight.shape == (64, 32)
-    rec = model.compression["sparsity"]
+    rec = compression_state(model).sparsity
     assert rec["target"] == "heads" and rec["params_after"] == cfg.num_params() < rec["params_before"]
     for key in ("0", "1"):
         entry = rec["per_module"][f"layers.{key}.attention"]
@@ -237,12 +238,12 @@ def test_channels_and_blocks_give_smaller_models(tiny_model, tmp_path):
     ctx = make_ctx(tiny_model)
     model = prune_structured_pass(tiny_model, ctx, target="channels", amount=0.25, n_calib=2)
     assert model.config.ffn_dim == 144 and model.layers["1"].feed_forward.w2.weight.shape == (64, 144)
-    assert all(len(v["removed_channels"]) == 48 for v in model.compression["sparsity"]["per_module"].values())
+    assert all(len(v["removed_channels"]) == 48 for v in compression_state(model).sparsity["per_module"].values())
     check_model(model, tmp_path / "channels")
     deeper = Transformer(get_preset("tiny").replace(n_layers=3))
     deeper.init_weights()
     model = prune_structured_pass(deeper.eval(), ctx, target="blocks", amount=2, n_calib=2)
-    assert model.config.n_layers == 1 and model.compression["sparsity"]["amount"] == 2
+    assert model.config.n_layers == 1 and compression_state(model).sparsity["amount"] == 2
     check_model(model, tmp_path / "blocks")
 
 
@@ -257,15 +258,15 @@ def test_zero_importance_units_are_removed_exactly(tiny_model, tmp_path):
     ctx = make_ctx(tiny_model)
     ref = logits(tiny_model, TOKENS)
     model = prune_structured_pass(tiny_model, ctx, target="channels", amount=3 / 192, n_calib=2)
-    per_module = model.compression["sparsity"]["per_module"]
+    per_module = compression_state(model).sparsity["per_module"]
     assert per_module["layers.0.feed_forward"]["removed_channels"] == [3, 50, 100]
     assert per_module["layers.1.feed_forward"]["removed_channels"] == [0, 7, 191]
     assert torch.allclose(logits(model, TOKENS), ref, atol=1e-6, rtol=0)
     model = prune_structured_pass(model, ctx, target="heads", amount=0.5, n_calib=2)
-    per_module = model.compression["sparsity"]["per_module"]
+    per_module = compression_state(model).sparsity["per_module"]
     assert per_module["layers.0.attention"]["removed_kv_heads"] == [0]
     assert per_module["layers.1.attention"]["removed_kv_heads"] == [1]
-    assert model.compression["sparsity"]["previous"]["target"] == "channels"
+    assert compression_state(model).sparsity["previous"]["target"] == "channels"
     assert torch.allclose(logits(model, TOKENS), ref, atol=1e-6, rtol=0)
     deep = Transformer(get_preset("tiny").replace(n_layers=3))
     deep.init_weights()
@@ -275,8 +276,8 @@ def test_zero_importance_units_are_removed_exactly(tiny_model, tmp_path):
     deep.eval()
     ref = logits(deep, TOKENS)
     model = prune_structured_pass(deep, ctx, target="blocks", amount=1, n_calib=2)
-    assert model.compression["sparsity"]["per_module"]["layers.1"]["removed"]
-    assert model.compression["sparsity"]["per_module"]["layers.2"]["new_index"] == 1
+    assert compression_state(model).sparsity["per_module"]["layers.1"]["removed"]
+    assert compression_state(model).sparsity["per_module"]["layers.2"]["new_index"] == 1
     assert torch.equal(logits(model, TOKENS), ref)
     check_model(model, tmp_path)
 
@@ -288,7 +289,7 @@ def test_heads_report_what_was_actually_removed():
     model.init_weights()
     ctx = make_ctx(model)
     new = prune_structured_pass(model, ctx, target="heads", amount=0.25, n_calib=1)
-    rec = new.compression["sparsity"]
+    rec = compression_state(new).sparsity
     assert (new.config.n_heads, new.config.n_kv_heads) == (6, 2)
     assert rec["amount"] == 0.25 and rec["removed_fraction"] == pytest.approx(1 / 3)
     (note,) = ctx.take_notes()
@@ -298,7 +299,7 @@ def test_heads_report_what_was_actually_removed():
     with pytest.raises(PrunusError, match="achievable amounts: 0.333, 0.667"):
         prune_structured_pass(model, ctx, target="heads", amount=0.1, n_calib=1)
     exact = prune_structured_pass(model, ctx, target="channels", amount=0.5, n_calib=1)
-    assert "was asked" not in exact.compression["sparsity"]["summary"]
+    assert "was asked" not in compression_state(exact).sparsity["summary"]
 
 
 def test_amount_zero_is_identical(tiny_model):
@@ -344,6 +345,6 @@ def test_mixture_of_experts_router_is_kept():
     prune_pass(moe.eval(), ctx, method="wanda", n_calib=1)
     for name, w in routers.items():
         assert torch.equal(moe.get_submodule(name).weight, w)
-    assert moe.compression["sparsity"]["achieved"] == 0.5
+    assert compression_state(moe).sparsity["achieved"] == 0.5
     with pytest.raises(PrunusError, match="mixture-of-experts"):
         prune_structured_pass(moe, ctx, target="channels", amount=0.25)
