@@ -1,0 +1,166 @@
+"""The int4 weight-only pass: every chosen Linear becomes an Int4Linear (packed int4, per-group scales).
+
+``quantize: {scheme: int4-weight-only, algorithm: rtn | gptq | awq | hqq, group_size, symmetric}``
+
+* ``rtn``: round to nearest on each group's range (:mod:`prunus.models.int4`);
+* ``gptq``: error-compensating column order updates on calibration Hessians (:mod:`.gptq`);
+* ``awq``: per-channel scales searched on calibration activations and folded into the
+  model, then round to nearest (:mod:`.awq`);
+* ``hqq``: calibration-free half-quadratic fit of scales and zero points (:mod:`.hqq`).
+
+``group_size`` None takes, per layer, the largest of 128 / 64 / 32 dividing its input
+features; a given group size that does not divide a layer's width is refused naming the
+layer. ``int8`` lists modules or blocks (``layers.0``, ``layers.-1``, globs) that get
+int8 weight-only per-channel weights instead: mixed precision, recorded per module in
+config.json and listed in the report's notes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prunus.models import PrunusError
+from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, rtn_int4
+from prunus.models.quantized import QuantizedLinear
+from prunus.models.quantized_int4 import Int4Linear
+
+ALGORITHMS = ("rtn", "gptq", "awq", "hqq")
+CALIBRATED = ("gptq", "awq")
+
+
+def _state(model):
+    """The model's quantization record (a dict) and a function storing it back."""
+    try:
+        from prunus.models.compression_state import compression_state
+    except ImportError:  # before the typed state: a plain dict on the module
+        if getattr(model, "compression", None) is None:
+            model.compression = {}
+        info = model.compression.get("quantization") or {"modules": {}, "excluded": []}
+        return info, lambda value: model.compression.__setitem__("quantization", value)
+    state = compression_state(model)
+    return state.quantization or {"modules": {}, "excluded": []}, lambda value: setattr(state, "quantization", value)
+
+
+def check_args(model, algorithm: str, symmetric, act_order, damp) -> None:
+    if algorithm not in ALGORITHMS:
+        raise PrunusError(f"quantize: unknown int4 algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
+    if not isinstance(symmetric, bool) or not isinstance(act_order, bool):
+        raise PrunusError("quantize: symmetric and act_order must be true or false")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp < 1:
+        raise PrunusError(f"quantize: damp={damp!r} must be a number in (0, 1) (0.01 is usual)")
+    n_int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
+    if n_int4:
+        raise PrunusError(f"quantize: the model is already int4 ({n_int4} int4 modules); quantize its float parent instead")
+
+
+def choose_modules(model, exclude, int8) -> tuple[list[str], list[str], list[str]]:
+    """(int4 names, int8 names, names left in float)."""
+    from .quantize import linear_names
+
+    exclude = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    int8 = [int8] if isinstance(int8, str) else list(int8 or ())
+    chosen, skipped = linear_names(model, exclude)
+    int4_names = linear_names(model, exclude + int8)[0] if int8 else list(chosen)
+    int8_names = [n for n in chosen if n not in set(int4_names)]
+    if not int4_names:
+        raise PrunusError(f"quantize: exclude={exclude} and int8={int8} leave no Linear module for int4; list fewer")
+    return int4_names, int8_names, skipped
+
+
+def calibration(ctx, algorithm: str, n_calib) -> list[torch.Tensor]:
+    if algorithm not in CALIBRATED:
+        return []
+    if ctx is None or isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1:
+        raise PrunusError(f"quantize: {algorithm} needs calibration data (a corpus and n_calib >= 1); "
+                          "give --data or use algorithm hqq or rtn, which need none")
+    batches = ctx.calibration(n_calib)
+    if not batches or not all(b.numel() for b in batches):
+        raise PrunusError(f"quantize: {algorithm} found no calibration tokens; give --data with more text")
+    return batches
+
+
+def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = None, symmetric: bool = True,
+              act_order: bool = False, damp: float = 0.01, int8=(), exclude=("output",), n_calib: int = 8):
+    """Quantize ``model`` in place as described in the module docstring; returns it."""
+    check_args(model, algorithm, symmetric, act_order, damp)
+    int4_names, int8_names, skipped = choose_modules(model, exclude, int8)
+    groups = {n: check_group_size(group_size, model.get_submodule(n).in_features, f"quantize {n}") for n in int4_names}
+    batches = calibration(ctx, algorithm, n_calib)
+    info, store = _state(model)
+    if "output" in int4_names + int8_names and model.config.tie_embeddings:
+        from .quantize import untie_output
+
+        untie_output(model)
+        info["untied_output"] = True
+
+    def fake_quant(w: torch.Tensor) -> torch.Tensor:
+        g = check_group_size(group_size, w.shape[1], "quantize")
+        return dequantize_int4(*rtn_int4(w, g, symmetric), g)
+
+    with torch.no_grad():
+        hessians = {}
+        if algorithm == "awq":
+            from .awq import awq_scale
+
+            alphas = awq_scale(model, batches, set(int4_names), fake_quant)
+            if ctx is not None and alphas:
+                ctx.note(f"awq: alpha per fold, mean {sum(alphas.values()) / len(alphas):.2f} over {len(alphas)} folds")
+        if algorithm == "gptq":
+            from .gptq import hessians as gptq_hessians
+
+            hessians = gptq_hessians(model, int4_names, batches)
+        for name in int4_names:
+            linear = model.get_submodule(name)
+            q, s, z = quantize_weight(linear.weight, groups[name], symmetric, algorithm, hessians.pop(name, None),
+                                      act_order=act_order, damp=damp)
+            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm))
+            info["modules"][name] = model.get_submodule(name).spec()
+        for name in int8_names:
+            q8 = QuantizedLinear.from_linear(model.get_submodule(name), "int8-weight-only", "per_channel")
+            model.set_submodule(name, q8)
+            info["modules"][name] = q8.spec()
+    info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
+    store(info)
+    if ctx is not None:
+        ctx.note(layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric))
+    return model
+
+
+def quantize_weight(w: torch.Tensor, group_size: int, symmetric: bool, algorithm: str, hessian=None, *,
+                    act_order: bool = False, damp: float = 0.01):
+    """(unpacked int4 values, scale, zero point) of one weight by ``algorithm`` (awq: already folded, so RTN)."""
+    if algorithm == "gptq":
+        from .gptq import gptq_int4
+
+        return gptq_int4(w, hessian, group_size, symmetric, damp=damp, act_order=act_order)
+    if algorithm == "hqq":
+        from .hqq import hqq_int4
+
+        return hqq_int4(w, group_size, symmetric)
+    return rtn_int4(w, group_size, symmetric)
+
+
+def layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric) -> str:
+    """One line saying which layer got which precision."""
+    sizes = sorted(set(groups.values()))
+    line = (f"{INT4_SCHEME} ({algorithm}, {'symmetric' if symmetric else 'asymmetric'}, group "
+            f"{'/'.join(map(str, sizes))}): {len(int4_names)} modules")
+    if int8_names:
+        line += f"; int8-weight-only: {', '.join(_compact(int8_names))}"
+    if skipped:
+        line += f"; float: {', '.join(_compact(skipped))}"
+    return line
+
+
+def _compact(names: list[str]) -> list[str]:
+    """Module names with whole blocks shortened to the block (layers.0.* -> layers.0)."""
+    blocks: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else n
+        blocks.setdefault(key, []).append(n)
+    return [k if len(v) > 1 else v[0] for k, v in blocks.items()]
+
+
+__all__ = ["ALGORITHMS", "int4_pass", "quantize_weight"]

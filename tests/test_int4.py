@@ -1,0 +1,189 @@
+"""int4 weight-only: packing, the module, the algorithms (RTN, GPTQ, AWQ, HQQ) and their error bounds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prunus.compress.awq import awq_scale, fold, fold_targets
+from prunus.compress.gptq import gptq_int4, hessians
+from prunus.compress.hqq import hqq_int4
+from prunus.compress.int4 import int4_pass
+from prunus.models import PrunusError, Transformer, get_preset
+from prunus.models.int4 import (check_group_size, default_group_size, dequantize_int4, pack_int4, pack_zero_points,
+                                rtn_int4, unpack_int4)
+from prunus.models.quantized import QuantizedLinear
+from prunus.models.quantized_int4 import Int4Linear, tinygemm_available
+
+
+class Ctx:
+    """The part of a PassContext the int4 pass reads: calibration batches and notes."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.notes = vocab, []
+
+    def calibration(self, n):
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, self.vocab, (2, 32), generator=g) for _ in range(n)]
+
+    def note(self, line):
+        self.notes.append(line)
+
+
+@pytest.fixture
+def ctx(tiny_model):
+    return Ctx(tiny_model.config.vocab_size)
+
+
+def test_pack_unpack_round_trip_is_exact():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 2), (7, 64), (33, 192)]:
+        q = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+        packed = pack_int4(q)
+        assert packed.dtype == torch.uint8 and packed.shape == (shape[0], shape[1] // 2)
+        assert torch.equal(unpack_int4(packed), q)
+        assert torch.equal(packed[:, 0] & 0xF, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 1])  # low nibble first
+    z = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.uint8)  # odd group count: each row padded to a byte
+    assert pack_zero_points(z).tolist() == [1 | 2 << 4, 3 | 8 << 4, 4 | 5 << 4, 6 | 8 << 4]
+
+
+def test_default_group_size_and_bad_group_size():
+    assert default_group_size(576) == 64 and default_group_size(1536) == 128 and default_group_size(96) == 32
+    with pytest.raises(PrunusError, match="layers.0.attention.wq.*does not divide in_features 576"):
+        check_group_size(128, 576, "quantize layers.0.attention.wq")
+    with pytest.raises(PrunusError, match="must be one of 32, 64, 128"):
+        check_group_size(48, 96, "quantize x")
+    with pytest.raises(PrunusError, match="not a multiple of 32"):
+        check_group_size(None, 80, "quantize x")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_grid_and_module_forward(symmetric):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 24, bias=True)
+    q, s, z = rtn_int4(lin.weight, 64, symmetric)
+    w = dequantize_int4(q, s, z, 64)
+    assert q.max() <= 15 and (w - lin.weight).abs().max() <= s.max() / 2 + 1e-6  # within half a step
+    if symmetric:
+        assert (z == 8).all()
+    m = Int4Linear.from_quantized(lin, q, s, z, 64, symmetric, "rtn")
+    x = torch.randn(3, 5, 128)
+    torch.testing.assert_close(m(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
+    assert isinstance(m, QuantizedLinear) and m.weight.dtype == torch.uint8 and m.weight.shape == (24, 64)
+    assert torch.equal(m.to(torch.bfloat16).weight_scale.float(), m.weight_scale.float())
+
+
+def _correlated_inputs(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    scale = torch.logspace(-1, 1, k)[torch.randperm(k, generator=g)]  # some channels much larger
+    return (torch.randn(n, k, generator=g) @ mix) * scale
+
+
+@pytest.mark.parametrize("symmetric,act_order", [(True, False), (False, False), (False, True)])
+def test_gptq_beats_rtn_on_the_layer_output(symmetric, act_order):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 64, bias=False)
+    x = _correlated_inputs(2048, 256)
+    H = 2 * x.t() @ x / x.shape[0]
+    ref = x @ lin.weight.detach().t()
+    err = lambda q, s, z: float((x @ dequantize_int4(q, s, z, 64).t() - ref).pow(2).mean())  # noqa: E731
+    e_rtn = err(*rtn_int4(lin.weight, 64, symmetric))
+    e_gptq = err(*gptq_int4(lin.weight, H, 64, symmetric, act_order=act_order, block_size=128))
+    assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_hessians_are_shared_by_modules_reading_one_tensor(tiny_model, ctx):
+    names = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.feed_forward.w2"]
+    H = hessians(tiny_model, names, ctx.calibration(2))
+    assert H["layers.0.attention.wq"] is H["layers.0.attention.wk"]
+    assert H["layers.0.feed_forward.w2"].shape == (192, 192)
+    assert torch.allclose(H["layers.0.feed_forward.w2"], H["layers.0.feed_forward.w2"].t())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_hqq_weight_error_at_most_rtn(symmetric):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * 0.02
+    w[torch.rand_like(w) < 0.01] *= 20  # outliers, which stretch round-to-nearest's range
+    err = lambda q, s, z: float((dequantize_int4(q, s, z, 64) - w).pow(2).sum())  # noqa: E731
+    e_rtn, e_hqq = err(*rtn_int4(w, 64, symmetric)), err(*hqq_int4(w, 64, symmetric))
+    assert e_hqq < e_rtn, (e_hqq, e_rtn)
+
+
+def test_awq_folding_is_exact_in_float(tiny_model, ctx):
+    tokens = ctx.calibration(1)[0]
+    ref = tiny_model(tokens).detach()
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for kind, source, names in fold_targets(model):
+            k = model.get_submodule(names[0]).in_features
+            fold(kind, source, [model.get_submodule(n) for n in names], torch.rand(k, generator=g) * 4 + 0.25)
+    torch.testing.assert_close(model(tokens), ref, rtol=1e-4, atol=1e-4)
+    model = copy.deepcopy(tiny_model)  # the searched scales: still the same float function
+    names = {n for n, m in model.named_modules() if type(m) is nn.Linear and n != "output"}
+    alphas = awq_scale(model, ctx.calibration(2), names, lambda w: dequantize_int4(*rtn_int4(w, 64, True), 64))
+    assert len(alphas) == 3 * len(model.layers)
+    torch.testing.assert_close(model(tokens), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int4_pass_mixes_precisions_and_reports_them(tiny_model, ctx):
+    model = int4_pass(copy.deepcopy(tiny_model), ctx, algorithm="hqq", int8=["layers.-1"])
+    assert isinstance(model.layers["0"].attention.wq, Int4Linear)
+    assert type(model.layers["1"].feed_forward.w2) is QuantizedLinear
+    assert type(model.output) is nn.Linear
+    note = ctx.notes[-1]
+    assert "int4-weight-only (hqq, symmetric, group 64): 7 modules" in note
+    assert "int8-weight-only: layers.1" in note and "float: output" in note
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq", "hqq"])
+def test_every_algorithm_keeps_the_model_close(tiny_model, ctx, algorithm):
+    tokens = ctx.calibration(1)[0]
+    ref = tiny_model(tokens).detach()
+    model = int4_pass(copy.deepcopy(tiny_model), ctx, algorithm=algorithm, symmetric=False, n_calib=2)
+    rel = float((model(tokens).detach() - ref).norm() / ref.norm())
+    assert rel < 0.05, rel
+    spec = model.compression["quantization"]["modules"]["layers.0.attention.wq"] if isinstance(model.compression, dict) \
+        else model.compression.quantization["modules"]["layers.0.attention.wq"]
+    assert spec == {"scheme": "int4-weight-only", "granularity": "per_group", "group_size": 64, "symmetric": False,
+                    "algorithm": algorithm}
+
+
+def test_bad_int4_requests_are_one_clear_error(tiny_model, ctx):
+    with pytest.raises(PrunusError, match="unknown int4 algorithm 'awq2'"):
+        int4_pass(copy.deepcopy(tiny_model), ctx, algorithm="awq2")
+    with pytest.raises(PrunusError, match=r"quantize layers\.0\.feed_forward\.w2: group_size 128 does not divide in_features 192"):
+        int4_pass(copy.deepcopy(tiny_model), ctx, group_size=128, exclude=["output", "layers.0.attention", "layers.0.feed_forward.w1",
+                                                                           "layers.0.feed_forward.w3"])
+    with pytest.raises(PrunusError, match="gptq needs calibration data"):
+        int4_pass(copy.deepcopy(tiny_model), None, algorithm="gptq")
+    with pytest.raises(PrunusError, match="gptq needs calibration data"):
+        int4_pass(copy.deepcopy(tiny_model), ctx, algorithm="gptq", n_calib=0)
+    model = int4_pass(copy.deepcopy(tiny_model), ctx)
+    with pytest.raises(PrunusError, match="already int4"):
+        int4_pass(model, ctx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tinygemm (torch._weight_int4pack_mm) needs a CUDA GPU")
+@pytest.mark.parametrize("group_size,symmetric", [(32, True), (64, False), (128, False)])
+def test_tinygemm_matches_the_dequantizing_path(group_size, symmetric):
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 256, bias=False)
+    m = Int4Linear.from_quantized(lin, *rtn_int4(lin.weight, group_size, symmetric), group_size, symmetric, "rtn").cuda()
+    x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
+    assert tinygemm_available(x, m)
+    y = m(x).float()
+    # the reference: the same bf16 inputs, bf16-rounded scales and zeros as tinygemm takes them, float32 sums
+    _, sz = m._tinygemm_weight()
+    scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()
+    q = m.unpacked().float()
+    w = (q - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1)
+    ref = x.float() @ w.t()
+    rel = float((y - ref).norm() / ref.norm())
+    assert rel < 4e-3, rel  # the output is bfloat16 (8 mantissa bits): 1e-4 is below its resolution
