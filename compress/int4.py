@@ -18,9 +18,9 @@ config.json and listed in the report's notes.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from prunus.models import PrunusError
+from prunus.models.compression_state import compression_state
 from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, rtn_int4
 from prunus.models.quantized import QuantizedLinear
 from prunus.models.quantized_int4 import Int4Linear
@@ -30,14 +30,7 @@ CALIBRATED = ("gptq", "awq")
 
 
 def _state(model):
-    """The model's quantization record (a dict) and a function storing it back."""
-    try:
-        from prunus.models.compression_state import compression_state
-    except ImportError:  # before the typed state: a plain dict on the module
-        if getattr(model, "compression", None) is None:
-            model.compression = {}
-        info = model.compression.get("quantization") or {"modules": {}, "excluded": []}
-        return info, lambda value: model.compression.__setitem__("quantization", value)
+    """The model's quantization record (a dict) and a function storing it back in its CompressionState."""
     state = compression_state(model)
     return state.quantization or {"modules": {}, "excluded": []}, lambda value: setattr(state, "quantization", value)
 

@@ -13,7 +13,8 @@ from prunus.compress.awq import awq_scale, fold, fold_targets
 from prunus.compress.gptq import gptq_int4, hessians
 from prunus.compress.hqq import hqq_int4
 from prunus.compress.int4 import int4_pass
-from prunus.models import PrunusError, Transformer, get_preset
+from prunus.models import PrunusError
+from prunus.models.compression_state import compression_state
 from prunus.models.int4 import (check_group_size, default_group_size, dequantize_int4, pack_int4, pack_zero_points,
                                 rtn_int4, unpack_int4)
 from prunus.models.quantized import QuantizedLinear
@@ -149,8 +150,7 @@ def test_every_algorithm_keeps_the_model_close(tiny_model, ctx, algorithm):
     model = int4_pass(copy.deepcopy(tiny_model), ctx, algorithm=algorithm, symmetric=False, n_calib=2)
     rel = float((model(tokens).detach() - ref).norm() / ref.norm())
     assert rel < 0.05, rel
-    spec = model.compression["quantization"]["modules"]["layers.0.attention.wq"] if isinstance(model.compression, dict) \
-        else model.compression.quantization["modules"]["layers.0.attention.wq"]
+    spec = compression_state(model).quantized_modules["layers.0.attention.wq"]
     assert spec == {"scheme": "int4-weight-only", "granularity": "per_group", "group_size": 64, "symmetric": False,
                     "algorithm": algorithm}
 
