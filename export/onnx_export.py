@@ -14,7 +14,6 @@ int8 / float8 values and scales back into the graph.
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch.export import Dim
 from prunus.models.quantized import QuantizedLinear
 
 from .graphs import DecodeGraph, PrefillGraph, exportable, graph_names
+from .quiet_logs import quiet_loggers
 
 # For ONNX Runtime, opset 23: the exporter writes RMSNormalization-23 and Attention-23 (with
 # grouped-query heads) as single nodes where opset 18 spells them out in ~10 nodes each; on
@@ -67,9 +67,8 @@ def _example(model: nn.Module, decode: bool):
 
 
 def _export(module: nn.Module, args, input_names, output_names, dynamic_shapes, opset: int) -> onnx.ModelProto:
-    # the exporter logs progress lines and warnings we do not act on
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
+    # the exporter and its passes log progress lines and warnings we do not act on
+    with quiet_loggers(), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, None, input_names=input_names, output_names=output_names,
                                     dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset,

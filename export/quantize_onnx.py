@@ -19,7 +19,6 @@ Two sources of quantized weights:
 from __future__ import annotations
 
 import hashlib
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from prunus.models.errors import PrunusError
+
+from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 
 MS_DOMAIN = "com.microsoft"
 INT8_STYLES = ("integer", "qdq")
@@ -218,19 +219,12 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> No
     and, on CPUs without VNNI, saturates the kernel's int16 pair sums; on SmolLM2-135M that gave top-1
     agreement 0 (+5.6 bits per byte on 1,024 prose tokens), where 8-bit ``MatMulNBits`` gave +0.2% at
     accuracy level 0 and +0.6% at level 4 (benchmarks/export_latency.py)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     model = onnx.load(str(src))
     untie_weights(model)
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # the quantizer logs every node it rewrites
-    try:
-        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4,
-                                         op_types_to_quantize=("MatMul",))
+    with quiet_loggers():  # the quantizer logs every node it rewrites
+        quantizer = matmul_nbits_quantizer()(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4,
+                                             op_types_to_quantize=("MatMul",))
         quantizer.process()
-    finally:
-        root.setLevel(level)
     _save(quantizer.model.model, dst, external_data)
 
 
