@@ -79,7 +79,7 @@ class Engine:
         info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len,
                 "compile": compile}
         if backend == "torch" and tp > 1:
-            from .tp_workers import TPBackend
+            from .backend_tp import TPBackend
 
             impl = TPBackend(path, tp, n_slots=max_batch, max_len=max_len, device=device, dtype=dtype)
             tokenizer = load_model_tokenizer(path)
