@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from prunus.models import PrunusError
+from prunus.models.errors import PrunusError
 
 
 @click.command("convert")

@@ -6,25 +6,27 @@ import shlex
 import sys
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from prunus.export import FORMATS, PRECISIONS, ParityFailed, export_model
+from prunus.export.formats import FORMATS, PRECISIONS
+
+from .tables import Column, console_for_tables, print_fitted
+
+PARITY_COLUMNS = [Column("check", justify="left", text=True), Column("value", justify="left"),
+                  Column("limit", justify="left"), Column("", justify="left")]
 
 
-def _table(title: str, report: dict) -> Table:
-    table = Table(title=title)
-    for col in ("check", "value", "limit", ""):
-        table.add_column(col)
+def print_parity(console, title: str, report: dict) -> None:
+    """The parity report as a table: each check's value beside its limit."""
     tol = report["tolerances"]
-    rows = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
-            ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}")]
-    for label, key, fmt in rows:
+    checks = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
+              ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}")]
+    rows = []
+    for label, key, fmt in checks:
         limit = tol.get(key)
         ok = "[red]FAIL" if key in report["failed"] else ("[green]ok" if limit is not None else "")
-        table.add_row(label, fmt.format(report[key]), "-" if limit is None else str(limit), ok)
-    table.add_row("bits/byte torch / onnx", f"{report['bpb_torch']:.4f} / {report['bpb_onnx']:.4f}", "", "")
-    return table
+        rows.append([label, fmt.format(report[key]), "-" if limit is None else str(limit), ok])
+    rows.append(["bits/byte torch / onnx", f"{report['bpb_torch']:.4f} / {report['bpb_onnx']:.4f}", "", ""])
+    print_fitted(console, PARITY_COLUMNS, rows, title=title)
 
 
 @click.command("export")
@@ -42,17 +44,19 @@ def _table(title: str, report: dict) -> Table:
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite):
     """Export MODEL_DIR to ONNX Runtime or TensorRT and check it against PyTorch."""
-    console = Console()
+    from prunus.export import ParityFailed, export_model
+
+    console = console_for_tables()
     try:
         result = export_model(model_dir, out, format=fmt, precision=precision, opset=opset, verify=not no_verify,
                               data=data, overwrite=overwrite, external_data=external_data or None,
                               command=shlex.join(["prunus", *sys.argv[1:]]))
     except ParityFailed as e:
-        console.print(_table(f"parity {model_dir} ({e.report['precision']})", e.report))
+        print_parity(console, f"parity {model_dir} ({e.report['precision']})", e.report)
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
     exp = result.config["export"]
-    console.print(_table(f"parity {out} ({exp['format']}, {exp['precision']})", result.parity))
+    print_parity(console, f"parity {out} ({exp['format']}, {exp['precision']})", result.parity)
     if not result.parity["passed"]:
         console.print("[yellow]parity check failed; kept because of --no-verify")
     console.print(f"wrote {out}: {', '.join(exp['graphs'][k] for k in ('prefill', 'decode'))}, parity.json")

@@ -9,8 +9,9 @@ import sys
 
 import click
 
-from prunus.models import PrunusError
-from prunus.serve import Engine
+from prunus.models.errors import PrunusError
+
+from .options import backend_option, device_option, resolve_device
 
 
 @click.command("generate")
@@ -18,21 +19,23 @@ from prunus.serve import Engine
 @click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
 @click.option("--chat", is_flag=True, help="Render PROMPT as a user turn with the model's chat template; print the answer.")
 @click.option("--system", default=None, help="With --chat: a system message before the user's.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
-              help="Default: torch for a model dir, the export's runtime for an export dir.")
+@click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens. Default: all.")
+@click.option("--top-p", type=float, default=None, help="Sample among the most likely tokens whose probabilities sum to p. Default: no cut-off.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
+@backend_option
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
-def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp):
+@device_option
+def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device):
     """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
     if max_new_tokens < 1:
         raise PrunusError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     if system is not None and not chat:
         raise PrunusError("--system applies to --chat; add --chat or drop --system")
-    with Engine.load(model_dir, backend, tp=tp, max_batch=1) as engine:
+    from prunus.serve import Engine
+
+    with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device)) as engine:
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system is not None else []) + [

@@ -1,4 +1,4 @@
-"""prunus info: a model dir's config and manifest, or a run dir's settings and progress, as tables."""
+"""prunus info: a model dir's config and manifest, or a run dir's settings, model, data and progress, as tables."""
 
 from __future__ import annotations
 
@@ -6,14 +6,12 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from prunus.models import PrunusError, read_manifest
-from prunus.models.model_dir import read_config
-from prunus.train_parallel import list_checkpoints, read_metrics
-from prunus.models.validate import read_json_object
-from prunus.train_parallel.run_dir import RUN_CONFIG, read_run_config
+from prunus.models.errors import PrunusError
+
+# ModelConfig fields that describe a mixture of experts: shown only for a model that has experts
+MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "moe_aux_loss_coef", "n_shared_experts", "moe_ffn_dim",
+              "moe_norm_topk")
 
 
 def _fmt(value) -> str:
@@ -26,7 +24,9 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _table(title: str, rows: dict) -> Table:
+def _table(title: str, rows: dict):
+    from rich.table import Table
+
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -35,10 +35,20 @@ def _table(title: str, rows: dict) -> Table:
     return table
 
 
-def model_tables(path: Path) -> list[Table]:
+def architecture(fields: dict) -> dict:
+    """A model config's fields to show: the mixture-of-experts ones only when the model has experts."""
+    if fields.get("n_experts"):
+        return dict(fields)
+    return {k: v for k, v in fields.items() if k not in MOE_FIELDS}
+
+
+def model_tables(path: Path) -> list:
+    from prunus.models import read_manifest
+    from prunus.models.model_dir import read_config
+
     manifest = read_manifest(path)
     cfg, config = read_config(path)
-    model_rows = {**cfg.to_dict(), "head_dim": cfg.head_dim, "tokenizer": config.get("tokenizer")}
+    model_rows = {**architecture(cfg.to_dict()), "head_dim": cfg.head_dim, "tokenizer": config.get("tokenizer")}
     parent = manifest.get("parent") or {}
     about = {"stage": manifest.get("stage"), "created": manifest.get("created"),
              "parent": f"{parent.get('path')} ({parent.get('hash', '')[:12]})" if parent else "none",
@@ -48,7 +58,11 @@ def model_tables(path: Path) -> list[Table]:
             _table("files (sha256)", files)]
 
 
-def run_tables(path: Path) -> list[Table]:
+def run_tables(path: Path) -> list:
+    from prunus.models.validate import read_json_object
+    from prunus.train_parallel import list_checkpoints, read_metrics
+    from prunus.train_parallel.run_dir import RUN_CONFIG, read_run_config
+
     run = read_json_object(path / RUN_CONFIG, fix="re-create the run (prunus train --overwrite)")
     settings = read_run_config(path).to_dict()  # the settings, their types checked
     records = read_metrics(path)
@@ -57,17 +71,25 @@ def run_tables(path: Path) -> list[Table]:
     progress = {"steps done": last.get("step", 0), "steps planned": settings["steps"],
                 "checkpoints": ", ".join(str(s) for s, _ in list_checkpoints(path)) or "none",
                 "last loss": last.get("loss", "-"), "last val loss": evals[-1]["val_loss"] if evals else "-",
-                "last val bits/byte": evals[-1]["val_bpb"] if evals else "-", "corpus": run.get("corpus")}
+                "last val bits/byte": evals[-1]["val_bpb"] if evals else "-"}
+    overrides = settings.pop("model")
+    settings["preset"] = f"{settings['preset']}" + (f" with {json.dumps(overrides)}" if overrides else "")
+    settings["data"] = run.get("corpus") or settings["data"]
     tables = [_table(f"run {path}", progress), _table("settings", settings)]
     if (path / "model" / "prunus.json").is_file():
-        tables += model_tables(path / "model")
-    return tables
+        return tables + model_tables(path / "model")
+    model = run.get("model")
+    return tables + ([_table("model (being trained)", architecture(model))] if isinstance(model, dict) else [])
 
 
 @click.command("info")
 @click.argument("path", type=click.Path())
 def command(path: str):
     """Show what PATH (a model dir or a run dir) holds."""
+    from rich.console import Console
+
+    from prunus.train_parallel.run_dir import RUN_CONFIG
+
     p = Path(path)
     if (p / "prunus.json").is_file():
         tables = model_tables(p)

@@ -5,11 +5,17 @@ no traceback. Two checks hold for every verb, present and future: an argument th
 not UTF-8 is refused before anything runs, and a verb's ``--out`` never is, contains
 or lies inside any path it reads (every path or text option or argument that names an
 existing file or directory).
+
+Verbs are loaded on first use (click's lazy subcommands) and import torch and the
+pipeline stages inside their bodies, so ``prunus --help``, ``--version`` and a verb's
+``--help`` start in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 import sys
 
 import click
@@ -18,17 +24,51 @@ import prunus
 from prunus.models.atomic import disk_error
 from prunus.models.errors import PrunusError
 
+# verb -> the module whose ``command`` it is, in the order --help lists them
+VERBS = {"train": "train", "eval": "eval", "generate": "generate", "convert": "convert", "info": "info",
+         "compress": "compress", "export": "export", "serve": "serve"}
+
+
+# library messages name the Python API's arguments; on the command line they are these flags
+API_TO_FLAGS = {"resume=True": "--resume", "overwrite=True": "--overwrite", "another out dir": "another --out"}
+
 
 class UserError(click.ClickException):
     exit_code = 2
 
 
-class PrunusGroup(click.Group):
+def for_the_command_line(message: str) -> str:
+    """A library error message with the API arguments it names (``overwrite=True``) spelled as flags."""
+    for api, flag in API_TO_FLAGS.items():
+        message = message.replace(api, flag)
+    return message
+
+
+class LazyGroup(click.Group):
+    """click's documented lazy-subcommand group: a verb's module is imported when the verb is named (or --help lists it)."""
+
+    def __init__(self, *args, lazy_subcommands: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_subcommands = dict(lazy_subcommands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(super().list_commands(ctx)) + [name for name in self.lazy_subcommands if name not in self.commands]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy_subcommands and cmd_name not in self.commands:
+            command = importlib.import_module(f"{__package__}.{self.lazy_subcommands[cmd_name]}").command
+            _start_work(command)
+            _guard_output(command)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+class PrunusGroup(LazyGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except PrunusError as e:
-            raise UserError(str(e)) from None
+            raise UserError(for_the_command_line(str(e))) from None
         except OSError as e:  # a full, read-only or over-quota disk, wherever it is written
             reason = disk_error(e)
             if reason is None:
@@ -39,13 +79,38 @@ class PrunusGroup(click.Group):
             raise UserError(f"{e.format_message()} (see {where} --help)") from None
 
 
-@click.group(cls=PrunusGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=PrunusGroup, lazy_subcommands=VERBS,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(prunus.__version__, prog_name="prunus")
 def cli():
     """prunus: train a model, make it small, ship it fast.
 
     Every stage reads one artifact directory and writes one.
     """
+
+
+def prepare_process() -> None:
+    """Settings a prunus command makes for its process before it starts work (imports torch).
+
+    ``OMP_WAIT_POLICY=PASSIVE``: with OpenMP's default active waiting, two-thread torch on a
+    2-core CPU was 3-10x slower at times (threads spin while the other core has work:
+    34 vs 169 GFLOP/s measured). OpenMP reads the variable when torch starts its thread
+    pool, so it is set here, when a command begins, and never on ``import prunus`` (a
+    library must not change its caller's process). A value the user set is kept.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _start_work(command: click.Command) -> None:
+    """Wrap ``command`` so that :func:`prepare_process` runs when it starts (not for --help)."""
+    callback = command.callback
+
+    @functools.wraps(callback)
+    def started(*args, **kwargs):
+        prepare_process()
+        return callback(*args, **kwargs)
+
+    command.callback = started
 
 
 def _guard_output(command: click.Command) -> None:
@@ -71,18 +136,6 @@ def _guard_output(command: click.Command) -> None:
         return callback(*args, **kwargs)
 
     command.callback = guarded
-
-
-def _register() -> None:
-    from . import compress, convert, eval, export, generate, info, serve, train  # noqa: A004
-
-    for module in (train, eval, generate, convert, info, compress, export, serve):
-        cli.add_command(module.command)
-    for command in cli.commands.values():
-        _guard_output(command)
-
-
-_register()
 
 
 def check_argv(argv: list[str]) -> None:

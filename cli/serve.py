@@ -6,8 +6,7 @@ import signal
 
 import click
 
-from prunus.serve import Engine
-from prunus.serve.http_server import CompletionServer
+from .options import backend_option, device_option, resolve_device
 
 
 def _interrupt(signum, frame):
@@ -16,11 +15,10 @@ def _interrupt(signum, frame):
 
 @click.command("serve")
 @click.argument("path", type=click.Path())
-@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
-              help="Default: torch for a model dir, the export's runtime for an export dir.")
+@backend_option
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@device_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences decoded together (cache rows).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
@@ -30,9 +28,12 @@ def _interrupt(signum, frame):
               help="Decode through torch.compile (torch backend, tp=1): faster steps, 10-25 s per batch bucket at start.")
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
+    from prunus.serve import Engine
+    from prunus.serve.http_server import CompletionServer
+
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
     signal.signal(signal.SIGTERM, _interrupt)
-    with Engine.load(path, backend, tp=tp, device=device, max_batch=max_batch, max_len=max_len,
+    with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile=compile_) as engine:
         server = CompletionServer(engine, host, port)
         info = engine.info

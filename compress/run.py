@@ -74,6 +74,10 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.models.paths: never over an input
     check_int_range(seed, "--seed", 0, 2**64 - 1)
+    check_int_range(eval_tokens, "--eval-tokens", 1, 2**63 - 1)
+    for name, value in (("--seq-len", seq_len), ("--max-corpus-bytes", max_corpus_bytes)):
+        if value is not None:
+            check_int_range(value, name, 1, 2**63 - 1)
     start = time.perf_counter()
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)

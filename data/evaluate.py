@@ -147,14 +147,15 @@ def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, token_bytes: torch
 
 
 def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_tokens: int | None = DEFAULT_EVAL_TOKENS,
-                       batch_size: int | None = None, max_corpus_bytes: int | None = 16 << 20, record: bool = True) -> dict:
-    """Evaluate a model dir on a corpus (default: :func:`~prunus.data.corpus.default_data`) and, with
-    ``record``, store the figures in its manifest."""
+                       batch_size: int | None = None, max_corpus_bytes: int | None = 16 << 20, record: bool = True,
+                       device: str = "cpu") -> dict:
+    """Evaluate a model dir on a corpus (default: :func:`~prunus.data.corpus.default_data`) on ``device`` and,
+    with ``record``, store the figures in its manifest."""
     from prunus.models import PrunusError, load_model, load_model_tokenizer, update_manifest_metrics
 
     from .corpus import default_data, load_corpus
 
-    model = load_model(path)
+    model = load_model(path, device=device)
     tokenizer = load_model_tokenizer(path)
     limit = model.config.max_seq_len
     seq_len = default_seq_len(limit) if seq_len is None else seq_len
@@ -167,7 +168,8 @@ def evaluate_model_dir(path, *, data=None, seq_len: int | None = None, max_token
     corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=max_corpus_bytes,
                          vocab_size=model.config.vocab_size)
     token_bytes = tokenizer.token_bytes()
-    result = evaluate(model, corpus.val, token_bytes, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    result = evaluate(model, corpus.val, token_bytes, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
+                      device=device)
     result["unigram_bpb"] = unigram_bits_per_byte(corpus.train, corpus.val, token_bytes)
     result["eval_corpus"] = corpus.name
     if record:

@@ -181,8 +181,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
         config = {**src_config, "export": export}
         atomic_write_json(tmp / CONFIG, config)
         _write_manifest(tmp, model_dir, manifest, report, command)
-    console.print(f"[green]export written to {out}")
-    return ExportResult(out, config, report)
+    return ExportResult(out, config, report)  # the caller says it was written, after reading the parity report
 
 
 def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None) -> dict:

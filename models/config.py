@@ -124,7 +124,7 @@ class ModelConfig:
             return
         if not 1 <= self.top_k <= self.n_experts:
             raise PrunusError(f"model config: top_k={self.top_k} must be between 1 and n_experts={self.n_experts}; "
-                              "lower --top-k or raise --n-experts")
+                              "lower top_k (prunus train --moe-top-k) or raise n_experts")
         if self.moe_ffn_dim < 1:
             raise PrunusError(f"model config: moe_ffn_dim={self.moe_ffn_dim} must be a positive integer")
         if self.moe_aux_loss_coef < 0:

@@ -185,7 +185,7 @@ TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progre
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--n-experts", 2, "--top-k", 3], ["top_k=3 must be between 1 and n_experts=2"]),
+    (["--n-experts", 2, "--moe-top-k", 3], ["top_k=3 must be between 1 and n_experts=2"]),
     (["--n-experts", 3, "--nproc", 2, "--ep", 2], ["--ep 2 does not divide the model's n_experts (3)"]),
     (["--n-experts", 4, "--nproc", 2, "--ep", 4], ["--ep 4 must divide dp_shard = 2"]),
     (["--nproc", 2, "--ep", 2], ["--ep 2 needs a mixture-of-experts model"]),

@@ -32,10 +32,10 @@ RUN_CONFIG = "run.json"
 def read_run_config(run_dir: str | Path) -> TrainConfig:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
-        raise PrunusError(f"--resume: {run_dir} holds no run ({RUN_CONFIG} missing) and so no checkpoint; start a new run without --resume")
-    run = read_json_object(path, fix="re-create the run (prunus train --overwrite)")
+        raise PrunusError(f"resume=True: {run_dir} holds no run ({RUN_CONFIG} missing) and so no checkpoint; start a new run without resume=True")
+    run = read_json_object(path, fix="re-create the run (overwrite=True)")
     if not isinstance(run.get("train"), dict):
-        raise PrunusError(f"{path}: has no 'train' object; re-create the run (prunus train --overwrite)")
+        raise PrunusError(f"{path}: has no 'train' object; re-create the run (overwrite=True)")
     return TrainConfig.from_dict(run["train"], source=str(path))
 
 
@@ -90,14 +90,14 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: s
         saved = read_run_config(work)
         ckpts = list_checkpoints(work)
         if not ckpts:
-            raise PrunusError(f"--resume: no checkpoint in {work / 'checkpoints'}; start a new run without --resume")
+            raise PrunusError(f"resume=True: no checkpoint in {work / 'checkpoints'}; start a new run without resume=True")
         differ = [k for k, v in saved.to_dict().items() if k not in RESUMABLE and k != "out" and cfg.to_dict()[k] != v]
         if differ:
             k = differ[0]
-            raise PrunusError(f"--resume: {k} is {short(cfg.to_dict()[k])} but the run in {out} used {short(saved.to_dict()[k])}; keep it or start a new run with another --out")
+            raise PrunusError(f"resume=True: {k} is {short(cfg.to_dict()[k])} but the run in {out} used {short(saved.to_dict()[k])}; keep it or start a new run in another out dir")
         return newest_intact(ckpts, work, quiet)
     if _occupied(out) and not overwrite:
-        raise PrunusError(f"{out}: already holds a run or other files; pass --resume to continue it, --overwrite to replace it, or choose another --out")
+        raise PrunusError(f"{out}: already holds a run or other files; pass resume=True to continue it, overwrite=True to replace it, or choose another out dir")
     if overwrite:
         check_replaceable(out)
     writable_parent(out)
@@ -113,12 +113,12 @@ def newest_intact(ckpts: list[tuple[int, Path]], run_dir: Path, quiet: bool = Fa
         problem = checkpoint_problem(path)
         if problem is None:
             if damaged and not quiet and os.environ.get("RANK", "0") == "0":
-                print(f"--resume: {'; '.join(damaged)}; resuming from {path.name}, the newest intact checkpoint",
+                print(f"resume: {'; '.join(damaged)}; resuming from {path.name}, the newest intact checkpoint",
                       file=sys.stderr, flush=True)
             return path
         damaged.append(f"{path} is damaged ({problem})")
-    raise PrunusError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged, the newest: {damaged[0]}; "
-                      "start a new run with --overwrite")
+    raise PrunusError(f"resume=True: every checkpoint in {run_dir / 'checkpoints'} is damaged, the newest: {damaged[0]}; "
+                      "start a new run with overwrite=True")
 
 
 def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str | Path | None = None) -> Path:

@@ -1,0 +1,25 @@
+"""Options several verbs share, each defined once: the device and the serving backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from prunus.serve.backends import BACKENDS
+from prunus.train_parallel.config import TrainConfig
+
+_DEVICE = next(f for f in dataclasses.fields(TrainConfig) if f.name == "device")
+
+device_option = click.option("--device", default=_DEVICE.default, show_default=True, help=_DEVICE.metadata["help"])
+backend_option = click.option("--backend", type=click.Choice(BACKENDS), default=None,
+                              help="Default: torch for a model dir, the export's runtime for an export dir.")
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; any other name as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
