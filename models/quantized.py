@@ -51,6 +51,8 @@ def check_scheme(scheme: str, granularity: str, group_size: int | None, in_featu
     """Raise a PrunusError naming what is wrong with this combination."""
     if scheme not in SCHEMES:
         raise PrunusError(f"{where}: unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
+    if scheme == "int4-weight-only":  # stored packed by Int4Linear (prunus.models.quantized_int4)
+        raise PrunusError(f"{where}: int4-weight-only layers are Int4Linear modules; quantize with the int4 pass")
     if granularity not in GRANULARITIES:
         raise PrunusError(f"{where}: unknown granularity {granularity!r}; choose one of: {', '.join(GRANULARITIES)}")
     if granularity == "per_group":

@@ -187,3 +187,33 @@ def test_tinygemm_matches_the_dequantizing_path(group_size, symmetric):
     ref = x.float() @ w.t()
     rel = float((y - ref).norm() / ref.norm())
     assert rel < 4e-3, rel  # the output is bfloat16 (8 mantissa bits): 1e-4 is below its resolution
+
+
+def test_quantize_pass_routes_int4_and_refuses_int4_arguments_elsewhere(tiny_model, ctx):
+    from prunus.compress.quantize import quantize_pass
+
+    model = quantize_pass(copy.deepcopy(tiny_model), ctx, scheme="int4-weight-only", algorithm="gptq", group_size=32,
+                          symmetric=False, act_order=True, n_calib=2)
+    assert model.layers["0"].feed_forward.w2.group_size == 32 and model.layers["0"].feed_forward.w2.algorithm == "gptq"
+    with pytest.raises(PrunusError, match="are for scheme int4-weight-only"):
+        quantize_pass(copy.deepcopy(tiny_model), ctx, scheme="int8-weight-only", algorithm="gptq")
+
+
+def test_int4_model_dir_round_trip(tmp_path, tiny_model, ctx):
+    from prunus.models import load_model, read_manifest, save_model
+    from safetensors.torch import load_file
+
+    model = int4_pass(copy.deepcopy(tiny_model), ctx, algorithm="hqq", symmetric=False, int8=["layers.1.feed_forward"])
+    tokens = ctx.calibration(1)[0]
+    ref = model(tokens).detach()
+    save_model(model, tmp_path / "m", stage="compress")
+    back = load_model(tmp_path / "m")
+    torch.testing.assert_close(back(tokens).detach(), ref, rtol=0, atol=0)
+    wq = back.layers["0"].attention.wq
+    assert isinstance(wq, Int4Linear) and wq.symmetric is False and wq.algorithm == "hqq"
+    assert type(back.layers["1"].feed_forward.w1) is QuantizedLinear
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    assert state["layers.0.attention.wq.weight"].dtype == torch.uint8
+    assert state["layers.0.attention.wq.weight"].shape == (64, 32)
+    assert state["layers.0.attention.wq.weight_zero"].shape == (64, 1)
+    assert "model.safetensors" in read_manifest(tmp_path / "m")["files"]
