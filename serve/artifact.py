@@ -84,3 +84,29 @@ def check_graph_kind(kind: str, input_names: list[str], path: str | Path) -> Non
         other = "decode" if kind == "prefill" else "prefill"
         raise PrunusError(f"{path}: is a {other} graph where the {kind} graph belongs (inputs {short(input_names)}); "
                           "re-create the export dir with prunus export")
+
+
+def export_graph_paths(path: Path, export: dict, names: tuple[str, ...] = ("prefill", "decode"),
+                       nested: str | None = None) -> dict[str, Path]:
+    """The graph files config.json's ``export.graphs`` names (``nested``: under that key, as a TensorRT
+    dir keeps its ONNX graphs), each checked to exist."""
+    graphs = export.get("graphs") or {}
+    if nested:
+        graphs = graphs.get(nested) or {}
+    paths = {}
+    for kind in names:
+        if kind not in graphs:
+            raise PrunusError(f"{path}/config.json: export.graphs has no {kind!r} entry; re-create the export dir")
+        paths[kind] = path / graphs[kind]
+        if not paths[kind].is_file():
+            raise PrunusError(f"{paths[kind]}: missing from the export dir; re-create it with prunus export")
+    return paths
+
+
+def export_dims(path: Path, export: dict) -> dict[str, int]:
+    """The cache and logits dimensions an export dir's config.json records, for the graph backend."""
+    try:
+        return {k: int(export[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    except (KeyError, TypeError, ValueError):
+        raise PrunusError(f"{path}/config.json: export needs n_layers, n_kv_heads, head_dim and vocab_size; "
+                          "re-create the export dir") from None

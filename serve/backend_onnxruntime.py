@@ -9,7 +9,7 @@ import torch
 
 from prunus.models import PrunusError
 
-from .artifact import check_graph_kind
+from .artifact import check_graph_kind, export_dims, export_graph_paths
 from .backend_graph import GraphBackend
 
 PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.float32, "fp16": torch.float16}
@@ -38,28 +38,10 @@ class OrtRunner:
         self.sessions.clear()
 
 
-def export_graph_paths(path: Path, export: dict, names: tuple[str, ...] = ("prefill", "decode"), nested: str | None = None) -> dict[str, Path]:
-    graphs = export.get("graphs") or {}
-    if nested:
-        graphs = graphs.get(nested) or {}
-    paths = {}
-    for kind in names:
-        if kind not in graphs:
-            raise PrunusError(f"{path}/config.json: export.graphs has no {kind!r} entry; re-create the export dir")
-        paths[kind] = path / graphs[kind]
-        if not paths[kind].is_file():
-            raise PrunusError(f"{paths[kind]}: missing from the export dir; re-create it with prunus export")
-    return paths
-
-
 def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None) -> GraphBackend:
     export = config["export"]
     graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
-    try:
-        dims = {k: int(export[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
-    except (KeyError, TypeError, ValueError):
-        raise PrunusError(f"{path}/config.json: export needs n_layers, n_kv_heads, head_dim and vocab_size; "
-                          "re-create the export dir") from None
+    dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)
     return GraphBackend(OrtRunner(graphs, threads), **dims, n_slots=n_slots, max_len=max_len, dtype=dtype,
                         name="onnxruntime")

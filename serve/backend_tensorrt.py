@@ -2,7 +2,8 @@
 
 Each engine is deserialized once with its execution context; a pass sets every
 input's shape, points every input and output at a torch CUDA tensor
-(``set_tensor_address``), and runs ``execute_async_v3`` on a torch CUDA stream. The
+(``set_tensor_address``), and runs ``execute_async_v3`` on a CUDA stream of its own
+that first waits for torch's current stream (where the feeds were made). The
 KV cache and continuous batching are the graph backend's, the same as ONNX Runtime's.
 Needs the ``tensorrt`` package and a CUDA GPU; without them, one clear error.
 """
@@ -13,12 +14,11 @@ from pathlib import Path
 
 import torch
 
+from prunus.export.tensorrt_build import check_tensorrt as export_check_tensorrt
 from prunus.models import PrunusError
 
-from prunus.export.tensorrt_build import check_tensorrt as export_check_tensorrt
-
+from .artifact import export_dims, export_graph_paths
 from .backend_graph import GraphBackend
-from .backend_onnxruntime import export_graph_paths
 
 
 def check_tensorrt():
@@ -27,43 +27,57 @@ def check_tensorrt():
                                  "serve an ONNX export with --backend onnxruntime on this machine")
 
 
+def trt_dtypes(trt) -> dict:
+    """TensorRT's tensor data types -> torch dtypes, for the ones our engines take and return."""
+    return {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.INT64: torch.int64,
+            trt.DataType.INT32: torch.int32, trt.DataType.BF16: torch.bfloat16}
+
+
 class TrtRunner:
-    def __init__(self, plans: dict[str, Path], device: str = "cuda"):
-        trt = check_tensorrt()
-        self.trt = trt
-        self.device = torch.device(device if device.startswith("cuda") else "cuda")
-        self.logger = trt.Logger(trt.Logger.WARNING)
-        self.runtime = trt.Runtime(self.logger)
+    """The graph runner (``run(graph, feeds, outputs)``, see :mod:`prunus.serve.backend_graph`) over TensorRT.
+
+    Its boundary is given, not imported, so its own logic runs under test with stand-ins: ``runtime``
+    (``deserialize_cuda_engine``; kept, as TensorRT wants it to outlive its engines), the engines it
+    returns (``get_tensor_dtype``, ``create_execution_context``), their contexts (``set_input_shape``,
+    ``set_tensor_address``, ``get_tensor_shape``, ``execute_async_v3``), ``dtypes`` (:func:`trt_dtypes`)
+    and ``stream`` (a ``torch.cuda.Stream``: ``wait_stream``, ``cuda_stream``, ``synchronize``).
+    :meth:`load` builds the real ones."""
+
+    def __init__(self, runtime, plans: dict[str, Path], dtypes: dict, device: torch.device, stream):
+        self.runtime, self.dtypes, self.device, self.stream = runtime, dtypes, torch.device(device), stream
         self.engines, self.contexts = {}, {}
         for kind, path in plans.items():
-            engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+            engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
             if engine is None:
                 raise PrunusError(f"{path}: TensorRT cannot deserialize this engine (built by another TensorRT "
                                   "version or for another GPU?); rebuild it with prunus export --format tensorrt")
             self.engines[kind] = engine
             self.contexts[kind] = engine.create_execution_context()
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-                       trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32,
-                       trt.DataType.BF16: torch.bfloat16}
+
+    @classmethod
+    def load(cls, plans: dict[str, Path], device: str = "cuda") -> "TrtRunner":
+        trt = check_tensorrt()
+        dev = torch.device(device if device.startswith("cuda") else "cuda")
+        return cls(trt.Runtime(trt.Logger(trt.Logger.WARNING)), plans, trt_dtypes(trt), dev,
+                   torch.cuda.Stream(device=dev))
 
     def run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
         engine, ctx = self.engines[graph], self.contexts[graph]
-        keep = []
+        keep = []  # the inputs live until the engine has run
         for name, t in feeds.items():
             t = t.to(self.device, self.dtypes[engine.get_tensor_dtype(name)]).contiguous()
             keep.append(t)
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr())
         outs = []
-        for name in outputs:
+        for name in outputs:  # shapes known once every input's shape is set
             o = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.dtypes[engine.get_tensor_dtype(name)],
                             device=self.device)
             ctx.set_tensor_address(name, o.data_ptr())
             outs.append(o)
-        with torch.cuda.stream(self.stream):
-            if not ctx.execute_async_v3(self.stream.cuda_stream):
-                raise PrunusError(f"TensorRT: the {graph} engine failed to run (shapes outside its profile?)")
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the feeds' copies and gathers first
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise PrunusError(f"TensorRT: the {graph} engine failed to run (shapes outside its profile?)")
         self.stream.synchronize()
         return outs
 
@@ -76,8 +90,7 @@ def load_tensorrt_backend(path: Path, config: dict, n_slots: int, max_len: int, 
     check_tensorrt()
     export = config["export"]
     plans = export_graph_paths(path, export)
-    dims = {k: int(export[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     dtype = torch.float16 if export.get("precision") == "fp16" else torch.float32
     dev = device if device.startswith("cuda") else "cuda"
-    return GraphBackend(TrtRunner(plans, dev), **dims, n_slots=n_slots, max_len=max_len, dtype=dtype, device=dev,
-                        name="tensorrt")
+    return GraphBackend(TrtRunner.load(plans, dev), **export_dims(path, export), n_slots=n_slots, max_len=max_len,
+                        dtype=dtype, device=dev, name="tensorrt")
