@@ -17,18 +17,10 @@ import torch
 from torch import nn
 
 from prunus.models import PrunusError
-from prunus.models.validate import short
 
-METHODS = ("minmax", "percentile")
+from .options import CALIBRATION_METHODS, check_calibration
 
-
-def check_calibration(method: str, percentile: float = 99.99) -> None:
-    """The one check of a calibration method and percentile (the quantize pass, a recipe and
-    :func:`input_absmax` all call it): one PrunusError line naming what is wrong."""
-    if method not in METHODS:
-        raise PrunusError(f"quantize: unknown calibration {short(method)}; choose one of: {', '.join(METHODS)}")
-    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
-        raise PrunusError(f"quantize: percentile {short(percentile)} must be a number in (0, 100]")
+METHODS = CALIBRATION_METHODS  # prunus.compress.options
 
 
 @torch.no_grad()

@@ -11,8 +11,8 @@ on the context's training tokens, with the engine's AdamW, warmup + cosine sched
   calls it, the engine runs data-parallel across them (its default layout: FSDP; DDP when
   pruned weights must stay zero), every rank returns the consolidated student.
 * ``nproc > 1`` otherwise: teacher, student and tokens are written to a temporary dir and
-  ``torchrun --standalone`` runs ``python -m prunus.compress.distill SPEC`` on ``nproc``
-  processes; the consolidated student is read back.
+  ``torchrun --standalone`` runs them on ``nproc`` processes (``distill_spawn.py``); the
+  consolidated student is read back.
 
 Defaults scale with the model (:func:`default_schedule`): windows of at most
 ``DISTILL_WINDOW`` tokens, as many rows (up to 16) as keep the student's logits and their
@@ -32,24 +32,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
-from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.models import PrunusError, Transformer, load_model
 from prunus.models.compression_state import compression_state, set_compression_state
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.launch import LAUNCHED, env_ranks, init_distributed
+from prunus.train_parallel.launch import env_ranks, init_distributed
 
 from .distill_loss import DistillObjective
+from .distill_spawn import spawn
 from .student import check_float, make_student
 
 DISTILL_WINDOW = 512  # tokens per row at most
@@ -102,7 +99,14 @@ def _write_corpus(ctx, root: Path) -> str | None:
     root.mkdir(parents=True)
     np.asarray(ctx.train_tokens, dtype=np.uint16).tofile(root / "train.bin")
     np.asarray(ctx.val_tokens, dtype=np.uint16).tofile(root / "val.bin")
+    # the engine's progress and run.json name the corpus the user gave, not this temporary dir
+    (root / "corpus.json").write_text(json.dumps({"name": corpus_label(ctx)}))
     return str(root)
+
+
+def corpus_label(ctx) -> str:
+    """What a distillation run's progress calls its corpus: the name of the one compress loaded."""
+    return getattr(ctx, "corpus_name", "") or (str(ctx.data) if getattr(ctx, "data", None) else "built-in corpus")
 
 
 def _train_config(ctx, student: Transformer, work: Path, *, steps, batch_size, seq_len, lr, seed, nproc, zero,
@@ -183,46 +187,14 @@ def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: 
             model = student if world == 1 else load_model(Path(cfg.out) / "model", device=ctx.device)
             result = DistillResult(model.eval(), r.losses, r.metrics)
         else:
-            result = _spawn(ctx, student, cfg, work, loss_args, channels, nproc)
+            model, losses, metrics = spawn(ctx, student, cfg, work, loss_args, channels, nproc)
+            result = DistillResult(model.eval(), losses, metrics)
         if in_group:
             dist.barrier()  # every rank has read the consolidated model before the dir goes
         return result
     finally:
         if rank0:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def _spawn(ctx, student, cfg: TrainConfig, work: Path, loss_args: dict, channels, nproc: int) -> DistillResult:
-    save_model(ctx.teacher, work / "teacher", tokenizer=ctx.tokenizer, stage="distill-teacher")
-    save_model(student, work / "student", tokenizer=ctx.tokenizer, stage="distill-student")
-    spec = {"teacher": str(work / "teacher"), "student": str(work / "student"), "config": cfg.to_dict(),
-            "loss": loss_args, "channels": channels.tolist() if channels is not None else None,
-            "result": str(work / "result.json")}
-    (work / "spec.json").write_text(json.dumps(spec))
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "prunus.compress.distill", str(work / "spec.json")]
-    rc = subprocess.call(cmd, env=env)
-    if rc != 0 or not (work / "result.json").is_file():
-        raise PrunusError(f"distill: the {nproc}-process run failed (exit code {rc}); its output above says why")
-    out = json.loads((work / "result.json").read_text())
-    model = load_model(Path(cfg.out) / "model", device=ctx.device)
-    return DistillResult(model.eval(), out["losses"], out["metrics"])
-
-
-def run_spec(spec_path: str) -> None:
-    """One rank of a spawned distillation run (``python -m prunus.compress.distill SPEC`` under torchrun)."""
-    spec = json.loads(Path(spec_path).read_text())
-    teacher = load_model(spec["teacher"])
-    student = load_model(spec["student"]).train()
-    channels = torch.tensor(spec["channels"]) if spec["channels"] is not None else None
-    objective = DistillObjective(teacher, student, channels=channels, **spec["loss"])
-    r = train(TrainConfig.from_dict(spec["config"]), model=student, objective=objective)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(spec["result"]).write_text(json.dumps({"losses": r.losses, "metrics": r.metrics}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = None, batch_size: int | None = None,
@@ -264,6 +236,3 @@ def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = N
     }
     return out
 
-
-if __name__ == "__main__":
-    run_spec(sys.argv[1])

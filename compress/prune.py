@@ -39,10 +39,10 @@ from prunus.models.compression_state import compression_state
 from prunus.models.errors import PrunusError
 
 from .calibrate import observe_inputs
+from .options import PRUNE_METHODS, PRUNE_SCOPES
 from .select import exclude_list, float_linears
 
-METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
-SCOPES = ("layer", "row", "global")
+METHODS, SCOPES = PRUNE_METHODS, PRUNE_SCOPES  # prunus.compress.options
 
 
 def prunable_linears(model: nn.Module, exclude=("output",)) -> dict[str, nn.Linear]:

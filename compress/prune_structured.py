@@ -36,7 +36,9 @@ from prunus.models.compression_state import compression_state, set_compression_s
 from prunus.models.errors import PrunusError
 from prunus.models.llama import Transformer
 
-TARGETS = ("heads", "channels", "blocks")
+from .options import STRUCTURED_TARGETS
+
+TARGETS = STRUCTURED_TARGETS  # prunus.compress.options
 
 
 def _run(model: Transformer, batches) -> None:

@@ -19,7 +19,8 @@ from prunus.models import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.quantized import INT8_MAX, SCHEMES, QuantizedLinear, check_scheme
 
-from .calibrate import check_calibration, input_absmax
+from .calibrate import input_absmax
+from .options import check_calibration
 from .select import exclude_list, float_linears
 
 

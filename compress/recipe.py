@@ -23,8 +23,10 @@ from pathlib import Path
 import yaml
 
 from prunus.models import PrunusError
-from prunus.models.quantized import GRANULARITIES, SCHEMES
-from prunus.models.validate import check_size, read_text, short
+from prunus.models.schemes import GRANULARITIES, SCHEMES
+from prunus.models.validate import check_size, parse_document, read_text, short
+
+from .options import CALIBRATION_METHODS, PRUNE_METHODS, PRUNE_SCOPES, STRUCTURED_TARGETS, accepts, check_calibration
 
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -39,8 +41,6 @@ PASSES = {
     "distill": "prunus.compress.distill:distill_pass",
 }
 
-PRUNE_METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
-STRUCTURED_TARGETS = ("heads", "channels", "blocks")
 
 
 def _fraction(v):
@@ -60,13 +60,13 @@ VALUE_CHECKS = {
     ("quantize", "scheme"): (lambda v: v in SCHEMES, f"one of {', '.join(SCHEMES)}"),
     ("quantize", "granularity"): (lambda v: v in GRANULARITIES, f"one of {', '.join(GRANULARITIES)}"),
     ("quantize", "group_size"): (lambda v: v is None or _positive_int(v), "a positive integer"),
-    ("quantize", "calibration"): (lambda v: v in ("minmax", "percentile"), "minmax or percentile"),
-    ("quantize", "percentile"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100, "a number in (0, 100]"),
+    ("quantize", "calibration"): (lambda v: accepts(check_calibration, v), " or ".join(CALIBRATION_METHODS)),
+    ("quantize", "percentile"): (lambda v: accepts(check_calibration, "minmax", v), "a number in (0, 100]"),
     ("quantize", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
     ("smoothquant", "alpha"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1, "a number in [0, 1]"),
     ("prune", "method"): (lambda v: v in PRUNE_METHODS, f"one of {', '.join(PRUNE_METHODS)}"),
     ("prune", "sparsity"): (_fraction, "a fraction in [0, 1)"),
-    ("prune", "scope"): (lambda v: v in ("layer", "global"), "layer or global"),
+    ("prune", "scope"): (lambda v: v in PRUNE_SCOPES, f"one of {', '.join(PRUNE_SCOPES)}"),
     ("prune", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
     ("prune_structured", "target"): (lambda v: v in STRUCTURED_TARGETS, f"one of {', '.join(STRUCTURED_TARGETS)}"),
     ("prune_structured", "amount"): (_amount, "a fraction in [0, 1) (or for blocks a count)"),
@@ -115,12 +115,7 @@ def check_pass(name: str, args: dict, where: str = "recipe") -> None:
 def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
     """A parsed YAML document (or its text) -> [(pass name, arguments)], checked."""
     if isinstance(data, str):
-        try:
-            data = yaml.safe_load(data)
-        except yaml.YAMLError as e:
-            raise PrunusError(f"{source}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
-        except RecursionError:
-            raise PrunusError(f"{source}: nested too deeply; fix the file") from None
+        data = parse_document(data, yaml.safe_load, yaml.YAMLError, source, "YAML")
     check_size(data, source)  # prunus.models.validate: YAML aliases can name an exponentially large value
     if not isinstance(data, dict) or not isinstance(data.get("passes"), list) or not data["passes"]:
         raise PrunusError(f"{source}: needs a non-empty 'passes:' list (e.g. passes: [{{quantize: {{scheme: int8-weight-only}}}}])")

@@ -11,7 +11,8 @@
 * a directory of text files: split by a hash of each file's relative path.
 * a ``.bin`` file of uint16 token ids (memory-mapped): its last
   ``val_fraction`` of tokens is validation; or a directory holding ``train.bin``
-  and ``val.bin``.
+  and ``val.bin`` (and optionally ``corpus.json``, ``{"name": ...}``: the corpus those
+  tokens came from, shown instead of the directory's path).
 
 Documents are joined with the tokenizer's end-of-text token when it has one.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from prunus.models.errors import PrunusError
+from prunus.models.validate import read_json_object
 
 from .prose import PROSE, prose_documents, tokenize_documents
 
@@ -164,6 +166,14 @@ def _prose_corpus(tokenizer, max_bytes: int | None) -> Corpus:
                   size, sum(map(len, val_docs)))
 
 
+def _token_dir_name(path: Path) -> str:
+    """The name a token dir's ``corpus.json`` gives (written by whoever tokenized it), else its path."""
+    if not (path / "corpus.json").is_file():
+        return str(path)
+    name = read_json_object(path / "corpus.json", fix="remove it or write {\"name\": ...}").get("name")
+    return name if isinstance(name, str) and name else str(path)
+
+
 def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
                 val_fraction: float = VAL_FRACTION, vocab_size: int | None = None) -> Corpus:
     """Token streams for ``data`` (see the module docstring). Raises PrunusError on unusable input."""
@@ -189,7 +199,7 @@ def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = D
             else:
                 n_val = int(len(train) * val_fraction)
                 train, val = train[: len(train) - n_val], train[len(train) - n_val :]
-            corpus = Corpus(str(path), train, val)
+            corpus = Corpus(_token_dir_name(path), train, val)
         elif path.is_file() and path.suffix == ".bin":
             tokens = _memmap(path, vocab_size)
             n_val = int(len(tokens) * val_fraction)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import PrunusError
-from .validate import check_dataclass, short
+from .validate import check_dataclass, check_known_fields, short
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -208,10 +208,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise PrunusError(f"{source}: unknown model field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        check_known_fields(d, cls, source, what="model field")  # prunus.models.validate
         try:
             return cls(**d)
         except PrunusError as e:  # name the file the bad value came from

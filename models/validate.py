@@ -71,6 +71,17 @@ def parse_json(text: str | bytes, source: str, fix: str):
         raise PrunusError(f"{source}: not valid JSON ({str(e).splitlines()[0][:100]}); {fix}") from None
 
 
+def parse_document(text: str, loads, errors, source: str, kind: str):
+    """``loads(text)`` for a TOML or YAML parser (``errors``: the exception types it raises on bad
+    input), every failure one PrunusError line: "{source}: not valid {kind} (...); fix the file"."""
+    try:
+        return loads(text)
+    except errors as e:
+        raise PrunusError(f"{source}: not valid {kind} ({(str(e).splitlines() or [''])[0][:120]}); fix the file") from None
+    except RecursionError:
+        raise PrunusError(f"{source}: nested too deeply; fix the file") from None
+
+
 def read_json_object(path: str | Path, *, fix: str, max_bytes: int = MAX_SMALL_FILE_BYTES) -> dict:
     """A small JSON file that must hold an object, or one PrunusError line naming it."""
     data = parse_json(read_text(path, fix=fix, max_bytes=max_bytes), str(path), fix)
@@ -175,6 +186,15 @@ def check_known_fields(data: dict, known, source: str, *, what: str = "field", f
     if unknown:
         listed = ", ".join(k[:MAX_SHORT] for k in unknown[:5])
         raise PrunusError(f"{source}: unknown {what}(s) {listed}; {fix or 'known: ' + ', '.join(sorted(names))}")
+
+
+def dataclass_from_dict(cls, data: dict, source: str, *, what: str = "field", fix: str | None = None):
+    """``cls(**data)`` for a mapping read from outside: unknown keys (:func:`check_known_fields`) and
+    values that do not fit their annotation (:func:`check_dataclass`) are one line naming ``source``."""
+    check_known_fields(data, cls, source, what=what, fix=fix)
+    obj = cls(**data)
+    check_dataclass(obj, source)
+    return obj
 
 
 def check_int_range(value, name: str, lo: int, hi: int, source: str = "") -> None:

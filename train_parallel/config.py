@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.models.errors import PrunusError
-from prunus.models.validate import check_dataclass, short
+from prunus.models.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
+SETTINGS_FIX = "see prunus train --print-config"  # what an unknown setting's error suggests
 # torch.distributed.pipelining schedules prunus drives (pipeline_parallel.py builds them)
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -89,10 +90,7 @@ class TrainConfig:
         base = get_preset(self.preset)
         if not self.model:
             return base
-        unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)})
-        if unknown:
-            raise PrunusError(f"model settings: unknown field(s) {', '.join(str(k)[:60] for k in unknown[:5])}; "
-                              "see prunus info of a model dir for the known ones")
+        check_known_fields(self.model, ModelConfig, "model settings", fix="see prunus info of a model dir for the known ones")
         return base.replace(**self.model)
 
     def resolved_seq_len(self) -> int:
@@ -154,10 +152,4 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "training config") -> "TrainConfig":
         """Settings read from a file (run.json): unknown names and wrong types are one line naming ``source``."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise PrunusError(f"{source}: unknown setting(s) {', '.join(str(k)[:60] for k in unknown[:5])}")
-        cfg = cls(**d)
-        check_dataclass(cfg, source)
-        return cfg
+        return dataclass_from_dict(cls, d, source, what="setting", fix=SETTINGS_FIX)  # prunus.models.validate

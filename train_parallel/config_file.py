@@ -11,15 +11,14 @@ Keys are TrainConfig's field names; ``[model]`` holds overrides of the preset::
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 from prunus.models.errors import PrunusError
 
-from prunus.models.validate import read_text
+from prunus.models.validate import check_known_fields, parse_document, read_text
 
-from .config import TrainConfig
+from .config import SETTINGS_FIX, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,17 +31,8 @@ def read_config_file(path: str | Path) -> dict:
     if not path.exists():
         raise PrunusError(f"--config {path}: no such file; give a TOML file of training settings")
     text = read_text(path, fix="give a TOML file of training settings", max_bytes=1 << 20)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PrunusError(f"--config {path}: not valid TOML ({str(e)[:120]}); fix the file") from None
-    except RecursionError:
-        raise PrunusError(f"--config {path}: nested too deeply; fix the file") from None
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise PrunusError(f"--config {path}: unknown setting(s) {', '.join(str(k)[:60] for k in unknown[:5])}; "
-                          "see prunus train --print-config")
+    data = parse_document(text, tomllib.loads, tomllib.TOMLDecodeError, f"--config {path}", "TOML")
+    check_known_fields(data, TrainConfig, f"--config {path}", what="setting", fix=SETTINGS_FIX)
     return data
 
 
