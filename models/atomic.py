@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from .errors import PrunusError
+from .pids import pid_alive
 
 _TEMP = re.compile(r"^\.(.+)\.(tmp|old)-(\d+)$")
 
@@ -56,18 +57,6 @@ def _finish_tree(path: Path) -> None:
         _fsync_dir(Path(root))
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_temps(parent: str | Path) -> list[Path]:
     """Remove ``.X.tmp-PID`` entries of dead processes in ``parent``; restore an orphaned ``.X.old-PID``
     whose ``X`` is missing. Returns what was removed or restored."""
@@ -79,7 +68,7 @@ def clean_stale_temps(parent: str | Path) -> list[Path]:
     done = []
     for name in names:
         m = _TEMP.match(name)
-        if not m or _pid_alive(int(m.group(3))):
+        if not m or pid_alive(int(m.group(3))):
             continue
         entry, target = parent / name, parent / m.group(1)
         try:

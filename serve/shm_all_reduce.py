@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prunus.models.pids import pid_alive
+
 SLOT_FLOATS = 1 << 20  # 4 MiB per slot; larger tensors go through in chunks
 HEADER = 64  # int64 words: pids, then two flag rows
 SPIN_BEFORE_YIELD = 200
@@ -39,20 +41,6 @@ def supported(device: str) -> bool:
 
 def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-
-
-def _alive(pid: int) -> bool:
-    """A zombie (exited, not yet reaped by its parent) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _size(world: int, slot_floats: int) -> int:
@@ -114,7 +102,7 @@ class ShmAllReduce:
 
     def _check_peers(self) -> None:
         for r, pid in enumerate(self._pids.tolist()):
-            if r != self.rank and pid and not _alive(pid):
+            if r != self.rank and pid and not pid_alive(pid):
                 raise RuntimeError(f"tensor-parallel rank {r} (pid {pid}) exited during an all-reduce")
 
     def close(self) -> None:
