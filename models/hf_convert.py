@@ -27,8 +27,9 @@ from .hf_tensors import state_from_hf, state_to_hf
 from .hf_weights import read_weights, write_weights
 from .llama import Transformer
 from .compression_state import compression_state
-from .model_dir import load_model, load_model_tokenizer, read_dir_json, save_model, state_dict_for_save
+from .model_dir import load_model, load_model_tokenizer, save_model, state_dict_for_save
 from .paths import check_output
+from .validate import read_dir_json
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .errors import PrunusError
 from .manifest_schema import check_manifest, sha256_file, verify_files
 from .safetensors_header import check_shapes, read_header
-from .validate import read_json_object
+from .validate import read_dir_json, read_json_object
 from .llama import Transformer
 from .quantized import count_params, quantized_layout
 from .tokenizer import check_vocab, load_tokenizer
@@ -106,18 +106,6 @@ def save_model(
         }
         atomic_write_json(tmp / MANIFEST, manifest)
     return path
-
-
-def read_dir_json(path: str | Path, name: str, *, no_dir: str, no_file: str, bad_json: str) -> dict:
-    """``path/name`` parsed, or one PrunusError line: "{path}: {no_dir}", "{path}: {no_file}",
-    or "{path/name}: not valid JSON (...); {bad_json}"."""
-    path = Path(path)
-    if not path.is_dir():
-        raise PrunusError(f"{path}: {no_dir}")
-    fpath = path / name
-    if not fpath.is_file():
-        raise PrunusError(f"{path}: {no_file}")
-    return read_json_object(fpath, fix=bad_json)  # prunus.models.validate: UTF-8, size, JSON, an object
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -1,6 +1,6 @@
 """Checks at the boundary: a file or value from outside becomes one PrunusError line, never a traceback.
 
-* :func:`read_text` / :func:`read_json_object`: a bounded read of a small text file
+* :func:`read_text` / :func:`read_json_object` / :func:`read_dir_json`: a bounded read of a small text file
   (config.json, prunus.json, run.json, train_state.json, TOML, YAML), UTF-8 checked,
   JSON parsed without NaN, without digit strings Python refuses, without nesting
   that exhausts the stack, and required to be an object.
@@ -88,6 +88,18 @@ def read_json_object(path: str | Path, *, fix: str, max_bytes: int = MAX_SMALL_F
     if not isinstance(data, dict):
         raise PrunusError(f"{path}: holds a JSON {type(data).__name__}, not an object; {fix}")
     return data
+
+
+def read_dir_json(path: str | Path, name: str, *, no_dir: str, no_file: str, bad_json: str) -> dict:
+    """``path/name`` parsed, or one PrunusError line: "{path}: {no_dir}", "{path}: {no_file}",
+    or "{path/name}: not valid JSON (...); {bad_json}"."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PrunusError(f"{path}: {no_dir}")
+    fpath = path / name
+    if not fpath.is_file():
+        raise PrunusError(f"{path}: {no_file}")
+    return read_json_object(fpath, fix=bad_json)  # UTF-8, size, JSON, an object
 
 
 MAX_NODES = 100_000  # values, keys and items in one parsed recipe or config: far above any real one

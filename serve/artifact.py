@@ -16,8 +16,7 @@ from pathlib import Path
 
 from prunus.models import PrunusError
 from prunus.models.manifest_schema import MANIFEST, verify_files
-from prunus.models.model_dir import read_dir_json
-from prunus.models.validate import short
+from prunus.models.validate import read_dir_json, short
 
 from .backends import BACKENDS, EXPORT_BACKEND
 
