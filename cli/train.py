@@ -52,11 +52,11 @@ def field_option(f: dataclasses.Field, annotation, default) -> click.Option:
     return click.Option([flag, f.name], type=kind, default=default, show_default=default is not None, help=help_text)
 
 
-def config_options() -> list[click.Option]:
-    """One option per TrainConfig field (those with ``cli=False`` in their metadata excepted)."""
-    hints = typing.get_type_hints(TrainConfig)
-    defaults = TrainConfig()
-    return [field_option(f, hints[f.name], getattr(defaults, f.name)) for f in dataclasses.fields(TrainConfig)
+def config_options(settings: type = TrainConfig) -> list[click.Option]:
+    """One option per field of the dataclass ``settings`` (those with ``cli=False`` in their metadata excepted)."""
+    hints = typing.get_type_hints(settings)
+    defaults = settings()
+    return [field_option(f, hints[f.name], getattr(defaults, f.name)) for f in dataclasses.fields(settings)
             if f.metadata.get("cli", True)]
 
 

@@ -205,9 +205,9 @@ class CompletionHandler(BaseHTTPRequestHandler):
         except QueueFull as e:
             status = 429
             self._error(429, str(e), "rate_limit_error")
-        except PrunusError as e:
+        except PrunusError as e:  # the Engine's argument max_new_tokens is the request's field max_tokens
             status = 400
-            self._error(400, str(e), "invalid_request_error")
+            self._error(400, str(e).replace("max_new_tokens", "max_tokens"), "invalid_request_error")
         except (ConnectionError, TimeoutError) as e:
             status = 499  # the client went away (or stopped reading)
             self.close_connection = True
