@@ -23,6 +23,7 @@ from torch import nn
 
 from prunus.models.llama import OffsetRMSNorm
 
+from .calibrate import observe_inputs
 from .smoothquant import FOLDS
 
 MAX_ROWS = 512  # calibration tokens kept per input for the search
@@ -53,25 +54,15 @@ def fold_targets(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
 @torch.no_grad()
 def input_samples(model: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (mean |x| per input channel over every calibration token, up to MAX_ROWS token rows of x)."""
-    sums, counts, rows, hooks = {}, {}, {}, []
     per_batch = max(1, MAX_ROWS // max(1, len(batches)))
-    for name in names:
-        def hook(module, args, name=name):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            sums[name] = x.abs().sum(0) + (sums[name] if name in sums else 0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-            step = max(1, x.shape[0] // per_batch)
-            rows.setdefault(name, []).append(x[::step][:per_batch].clone())
 
-        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    device = next(model.parameters()).device
-    try:
-        for tokens in batches:
-            model(tokens.to(device))
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: (sums[n] / counts[n], torch.cat(rows[n])) for n in names}
+    def reduce(x, prev):  # (sum of |x| per channel, token count, sampled rows)
+        total, count, rows = prev if prev is not None else (0, 0, [])
+        rows.append(x[::max(1, x.shape[0] // per_batch)][:per_batch].clone())
+        return x.abs().sum(0) + total, count + x.shape[0], rows
+
+    stats = observe_inputs(model, names, batches, reduce)  # calibrate.py: forward pre-hooks on the inputs
+    return {n: (stats[n][0] / stats[n][1], torch.cat(stats[n][2])) for n in names}
 
 
 def search_scale(x_mean: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor],

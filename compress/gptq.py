@@ -26,6 +26,8 @@ from torch import nn
 
 from prunus.models.int4 import QMAX, rtn_params
 
+from .calibrate import observe_inputs
+
 
 # Linear modules of a block that read the same tensor: one Hessian serves them all
 SHARED_INPUTS = (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
@@ -49,24 +51,13 @@ def hessians(model: nn.Module, names: list[str], batches: list[torch.Tensor]) ->
     """name -> H = 2 X^T X / n (float32, (in, in)) of the module's inputs over ``batches``.
     Modules reading the same tensor (wq, wk, wv) share one matrix."""
     rep = input_groups(names)
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    for name in sorted(set(rep.values())):
-        def hook(module, args, name=name):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            sums[name] = x.t() @ x + (sums[name] if name in sums else 0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
 
-        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    device = next(model.parameters()).device
-    try:
-        for tokens in batches:
-            model(tokens.to(device))
-    finally:
-        for h in hooks:
-            h.remove()
-    shared = {r: 2 * s / counts[r] for r, s in sums.items()}
+    def reduce(x, prev):  # (sum of x^T x, token count)
+        total, count = prev if prev is not None else (0, 0)
+        return x.t() @ x + total, count + x.shape[0]
+
+    stats = observe_inputs(model, sorted(set(rep.values())), batches, reduce)  # calibrate.py
+    shared = {r: 2 * s / n for r, (s, n) in stats.items()}
     return {n: shared[r] for n, r in rep.items()}
 
 
