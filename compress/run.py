@@ -54,16 +54,9 @@ def run_pass(fn, name: str, model: nn.Module, ctx, args: dict) -> nn.Module:
     return carry_over(model, out)
 
 
-def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
-             max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
-             seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
-             latency: bool = True, progress: bool = True, recipe_text: str | None = None,
-             command: str | None = None) -> dict:
-    """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report.
-
-    ``seq_len``: the evaluation window (default: the model's context, at most 1,024 tokens);
-    ``eval_tokens``: held-out tokens scored per row (the same slice as ``prunus eval``)."""
-    model_dir, out = Path(model_dir), Path(out)
+def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_drop, overwrite, seed, seq_len,
+                    eval_tokens, max_corpus_bytes) -> None:
+    """Everything about a compress call that can be refused before any model is loaded."""
     if not passes:
         raise PrunusError("compress: no pass given; pass --recipe, --quantize, --prune or --distill")
     for i, (name, args) in enumerate(passes, 1):
@@ -78,6 +71,20 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
     for name, value in (("--seq-len", seq_len), ("--max-corpus-bytes", max_corpus_bytes)):
         if value is not None:
             check_int_range(value, name, 1, 2**63 - 1)
+
+
+def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
+             max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
+             seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
+             latency: bool = True, progress: bool = True, recipe_text: str | None = None,
+             command: str | None = None) -> dict:
+    """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report.
+
+    ``seq_len``: the evaluation window (default: the model's context, at most 1,024 tokens);
+    ``eval_tokens``: held-out tokens scored per row (the same slice as ``prunus eval``)."""
+    model_dir, out = Path(model_dir), Path(out)
+    check_arguments(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
+                    seed=seed, seq_len=seq_len, eval_tokens=eval_tokens, max_corpus_bytes=max_corpus_bytes)
     start = time.perf_counter()
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)

@@ -73,7 +73,7 @@ def test_state_is_typed_and_copies_are_independent(tiny_model):
     tiny_model.compression = {"sparsity": {}}  # a loose dict is no longer a state
     with pytest.raises(TypeError, match="set_compression_state"):
         compression_state(tiny_model)
-    state = set_compression_state(tiny_model, CompressionState(sparsity={"achieved": 0.1})).compression
+    state = compression_state(set_compression_state(tiny_model, CompressionState(sparsity={"achieved": 0.1})))
     copy = state.copy()
     copy.sparsity["achieved"] = 0.9
     assert compression_state(tiny_model).sparsity["achieved"] == 0.1
