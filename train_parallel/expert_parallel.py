@@ -14,10 +14,10 @@ token reaches the rank that holds its expert:
    arrival order and returned by the reverse all-to-all; the layer then
    weights and sums them per token as in one process.
 
-Only ``GroupedExperts``' forward is replaced (its class is swapped for a
-subclass here), so parameter names, the router and capacity dropping are those
-of one process: the same tokens are dropped, since dropping is decided per
-sequence before dispatch.
+Only ``GroupedExperts`` is replaced, by an ``ExpertParallelExperts`` module
+registered under the same name and holding the same parameter names, so the
+router and capacity dropping are those of one process: the same tokens are
+dropped, since dropping is decided per sequence before dispatch.
 
 Parameters: each expert weight becomes a DTensor ``Shard(0)`` over the ``ep``
 mesh (so checkpoints save and reload it under any layout). FSDP leaves these
@@ -62,10 +62,28 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-class ExpertParallelExperts(GroupedExperts):
-    """GroupedExperts whose weights are this rank's experts (DTensor shards); tokens travel by all-to-all."""
+class ExpertParallelExperts(torch.nn.Module):
+    """GroupedExperts whose weights are this rank's experts (DTensor shards); tokens travel by all-to-all.
 
-    ep_group = None
+    Built from a ``GroupedExperts`` (:meth:`from_experts`); its parameters keep their names (w1, w2, w3)."""
+
+    def __init__(self, w1: torch.nn.Parameter, w2: torch.nn.Parameter, w3: torch.nn.Parameter, ep_group):
+        super().__init__()
+        self.w1, self.w2, self.w3 = w1, w2, w3
+        self.ep_group = ep_group
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, ep_mesh, replica_group, dp: int) -> "ExpertParallelExperts":
+        """This rank's share of ``experts``' weights (every rank built the same ones, from the same seed)."""
+        ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        params = []
+        for name in ("w1", "w2", "w3"):
+            local = getattr(experts, name).detach().chunk(ep, dim=0)[rank].clone()
+            p = torch.nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
+            if not p.is_meta:
+                p.register_hook(_grad_hook(replica_group, dp))
+            params.append(p)
+        return cls(*params, ep_mesh.get_group())
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group = self.ep_group
@@ -104,18 +122,8 @@ def apply_ep(model: torch.nn.Module, ep_mesh, replica_group, dp: int) -> list[to
     ``replica_group``: the ranks that hold the same experts (None when ep covers all of dp); ``dp``: data-parallel
     ranks, which the expert gradients are averaged over. Returns the expert parameters (for FSDP to leave out).
     """
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     params = []
     for layer in moe_layers(model):
-        experts = layer.experts
-        for name in ("w1", "w2", "w3"):
-            full = getattr(experts, name)
-            local = full.detach().chunk(ep, dim=0)[rank].clone()  # every rank built the same weights (same seed)
-            p = torch.nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
-            if not p.is_meta:
-                p.register_hook(_grad_hook(replica_group, dp))
-            setattr(experts, name, p)
-            params.append(p)
-        experts.__class__ = ExpertParallelExperts
-        experts.ep_group = ep_mesh.get_group()
+        layer.experts = ExpertParallelExperts.from_experts(layer.experts, ep_mesh, replica_group, dp)
+        params += [layer.experts.w1, layer.experts.w2, layer.experts.w3]
     return params

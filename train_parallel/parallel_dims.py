@@ -8,6 +8,10 @@ parallel dims are flattened into ``dp`` for batches. Context-parallel ranks see 
 same batch but hold replicas of the same parameters: FSDP shards over
 ``dp_shard_cp`` (dp_shard x cp flattened, as in torchtitan) and losses and DDP's
 gradients average over ``dp_cp`` (every data- and context-parallel rank).
+
+The value also carries the decisions that follow from the dims (the ZeRO stage
+when none is given, whether FSDP, DDP, ZeRO-1, HSDP, loss parallelism are on), so
+the trainer, the dry run and the launchers read them instead of working them out.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    zero: int | None = None  # None: 3 when sharding over dp_shard x cp > 1, else 0
+    device_type: str | None = None  # the mesh's device type; None: cuda when available, else cpu
 
     def __post_init__(self) -> None:
         for name in ("world_size", "dp_replicate", "cp", "tp", "pp", "ep"):
@@ -52,10 +58,73 @@ class ParallelDims:
         if self.ep > 1 and self.dp_shard % self.ep:
             raise PrunusError(f"parallel dims: --ep {self.ep} must divide dp_shard = {self.dp_shard} "
                               "(expert parallelism borrows data-parallel ranks); change --ep or --nproc")
+        if self.zero is None:  # FSDP shards over dp_shard x cp
+            object.__setattr__(self, "zero", 3 if self.dp_shard * self.cp > 1 else 0)
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, device_type: str | None = None) -> "ParallelDims":
+        """The layout ``cfg`` (a TrainConfig) asks for on ``world_size`` ranks (not yet checked against the model)."""
+        return cls(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp,
+                   pp=cfg.pp, ep=cfg.ep, zero=cfg.zero, device_type=device_type)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold replicas (or FSDP shards) of the same parameters: data x context parallel."""
+        return self.dp * self.cp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 (ZeRO-2/3) over the data- and context-parallel ranks."""
+        return self.dp_cp > 1 and self.zero in (2, 3)
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """DDP (ZeRO-0/1): gradients all-reduced over the data- and context-parallel ranks."""
+        return self.dp_cp > 1 and self.zero in (0, 1)
+
+    @property
+    def zero1_enabled(self) -> bool:
+        """ZeroRedundancyOptimizer over the data- and context-parallel ranks."""
+        return self.dp_cp > 1 and self.zero == 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """FSDP replicating over dp_replicate and sharding over dp_shard x cp."""
+        return self.zero in (2, 3) and self.dp_replicate > 1 and self.dp_shard * self.cp > 1
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Logits stay vocabulary-sharded under TP (the pipeline's last stage gathers them)."""
+        return self.tp > 1 and self.pp == 1
+
+    def describe(self) -> str:
+        """The layout in one line, for progress output."""
+        return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} pp={self.pp} "
+                f"zero={self.zero}" + (f" ep={self.ep}" if self.ep > 1 else ""))
 
     @property
     def shape(self) -> dict[str, int]:
@@ -94,7 +163,7 @@ class ParallelDims:
 
         shape = self.mesh_shape
         names = [n for n in shape if shape[n] > 1] or ["dp_shard"]
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         mesh = init_device_mesh(device_type, tuple(shape[n] for n in names), mesh_dim_names=tuple(names))
         if self.ep > 1:  # dp_shard, for FSDP of the dense parameters and for batches, spans both parts
             mesh[tuple(n for n in ("dp_shard_mod_ep", "ep") if n in names)]._flatten("dp_shard")
@@ -127,3 +196,23 @@ class ParallelDims:
         if name == "dp_shard_mod_ep":  # the ranks holding the same experts
             return self.mesh[name] if self.ep > 1 and self.dp_shard > self.ep else None
         return self.mesh[name] if {**self.shape, "ep": self.ep}.get(name, 1) > 1 else None
+
+    def submesh_rank(self, name: str) -> int:
+        """This rank's index along one dim (0 when that dim is 1)."""
+        mesh = self.submesh(name)
+        return mesh.get_local_rank() if mesh is not None else 0
+
+    def submesh_group(self, name: str):
+        """The process group of one dim; None when that dim is 1."""
+        mesh = self.submesh(name)
+        return mesh.get_group() if mesh is not None else None
+
+    @property
+    def data_parallel_mesh(self):
+        """The mesh DDP / FSDP spans: dp x cp, or HSDP's (replicate, shard) mesh; None without data parallelism."""
+        return self.submesh("hsdp") if self.hsdp_enabled else self.submesh("dp_cp")
+
+    @property
+    def zero1_mesh(self):
+        """The mesh ZeRO-1's optimizer partitions its states over; None when ZeRO-1 is off."""
+        return self.submesh("dp_cp") if self.zero1_enabled else None

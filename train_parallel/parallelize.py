@@ -3,7 +3,12 @@ pipeline split -> tensor/sequence parallel -> context parallel -> expert paralle
 -> FSDP / DDP.
 
 Returns what the training step needs: the model parts this rank holds, the
-pipeline schedule (or None), and whether this rank holds the first / last stage.
+pipeline schedule (or None), whether this rank holds the first / last stage, and
+the layout whose decisions were applied (``Parallelized.dims``).
+
+:func:`resolve_layout` is the one check of a layout against the model: training,
+the dry run, the local launcher and the Slurm script all call it before anything
+starts.
 """
 
 from __future__ import annotations
@@ -31,8 +36,20 @@ class Parallelized:
     schedule: object | None  # a torch.distributed.pipelining schedule under --pp
     stage_ids: list[int]  # the pipeline stages the parts are
     n_stages: int
-    ddp: bool
-    loss_parallel: bool  # logits stay vocabulary-sharded: compute the loss under loss_parallel()
+    dims: ParallelDims  # the layout applied, with its decisions (fsdp_enabled, ddp_enabled, ...)
+
+    @property
+    def ddp(self) -> bool:
+        return self.dims.ddp_enabled
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dims.fsdp_enabled
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Logits stay vocabulary-sharded: compute the loss under loss_parallel()."""
+        return self.dims.loss_parallel
 
     @property
     def has_first(self) -> bool:
@@ -51,18 +68,31 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tuple:
+    """The validated layout of ``cfg`` (a TrainConfig) on ``world_size`` ranks, checked against its model:
+    ``(cfg with the ZeRO stage resolved, ParallelDims)``. Raises PrunusError (one line) for any layout a run
+    would refuse; training, the dry run and both launchers call this, before any process starts or waits."""
+    import dataclasses
+
+    cfg.validate()
+    dims = ParallelDims.from_config(cfg, world_size, device_type)
+    cfg = dataclasses.replace(cfg, zero=dims.zero)
+    validate_layout(dims, cfg, cfg.model_config())
+    return cfg, dims
+
+
 def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
     dims.validate_model(model_cfg)
     validate_cp(dims.cp, cfg.cp_impl, cfg.resolved_seq_len(), model_cfg.n_heads, dims.tp, dims.pp,
                 moe=bool(getattr(model_cfg, "n_experts", 0)) or dims.ep > 1)
-    if dims.ep > 1 and (cfg.zero not in (2, 3) or dims.dp_replicate > 1):
+    if dims.ep > 1 and (dims.zero not in (2, 3) or dims.dp_replicate > 1):
         raise PrunusError(f"--ep {dims.ep} composes with FSDP over --dp-shard: use --zero 2 or 3 and --dp-replicate 1")
-    if cfg.zero in (0, 1) and dims.dp_shard > 1 and dims.dp_replicate > 1:
-        raise PrunusError(f"--zero {cfg.zero} replicates over all data-parallel ranks; set --dp-replicate or --dp-shard, not both")
-    if cfg.zero in (0, 1) and (dims.tp > 1 or dims.pp > 1) and dims.dp * dims.cp > 1:
-        raise PrunusError(f"--zero {cfg.zero} (DDP) composes with data parallelism alone; use --zero 2 or 3 with --tp or --pp")
-    if cfg.zero in (2, 3) and dims.dp_shard * dims.cp == 1 and dims.dp_replicate > 1:
-        raise PrunusError(f"--zero {cfg.zero} shards over --dp-shard, which is 1; raise --dp-shard or use --zero 0/1")
+    if dims.zero in (0, 1) and dims.dp_shard > 1 and dims.dp_replicate > 1:
+        raise PrunusError(f"--zero {dims.zero} replicates over all data-parallel ranks; set --dp-replicate or --dp-shard, not both")
+    if dims.zero in (0, 1) and (dims.tp > 1 or dims.pp > 1) and dims.dp * dims.cp > 1:
+        raise PrunusError(f"--zero {dims.zero} (DDP) composes with data parallelism alone; use --zero 2 or 3 with --tp or --pp")
+    if dims.zero in (2, 3) and dims.dp_shard * dims.cp == 1 and dims.dp_replicate > 1:
+        raise PrunusError(f"--zero {dims.zero} shards over --dp-shard, which is 1; raise --dp-shard or use --zero 0/1")
     if cfg.batch_size % (dims.dp * cfg.grad_accum):
         raise PrunusError(f"--batch-size {cfg.batch_size} is not divisible by data-parallel ranks x --grad-accum = "
                           f"{dims.dp * cfg.grad_accum}; make it a multiple")
@@ -77,38 +107,36 @@ def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
             raise PrunusError(f"--microbatches {cfg.microbatches} does not divide the per-rank batch {local}; choose a divisor")
 
 
-def parallelize(model, dims: ParallelDims, cfg, device: torch.device) -> Parallelized:
-    tp_enabled = dims.tp > 1
-    loss_parallel = tp_enabled and dims.pp == 1
-    dp_mesh = dims.submesh("dp_cp")  # parameters are replicated over data- and context-parallel ranks
-    if cfg.zero in (2, 3) and dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1:
-        dp_mesh = dims.submesh("hsdp")  # HSDP: replicate x shard (dp_shard x cp)
-    fsdp = dp_mesh is not None and cfg.zero in (2, 3)
+def parallelize(model, dims: ParallelDims, cfg, device: torch.device, *, wrap_ddp: bool = True) -> Parallelized:
+    """Apply ``dims``' layout to ``model`` (see the module docstring).
+
+    ``wrap_ddp=False``: leave a DDP layout's model unwrapped (``Parallelized.ddp`` still says DDP); the dry run
+    plans on meta tensors, which DDP cannot wrap (it checks shapes with a collective and broadcasts weights),
+    and DDP's wrapper changes no parameter."""
+    dp_mesh = dims.data_parallel_mesh  # parameters are replicated over data- and context-parallel ranks
 
     def parallelize_part(part):
-        if tp_enabled:
-            apply_tp(part, dims.submesh("tp"), loss_parallel=loss_parallel)
-        if dims.cp > 1:
+        if dims.tp_enabled:
+            apply_tp(part, dims.submesh("tp"), loss_parallel=dims.loss_parallel)
+        if dims.cp_enabled:
             apply_cp(part, dims.submesh("cp"), cfg.cp_impl)
         experts = []
-        if dims.ep > 1:
-            replicas = dims.submesh("dp_shard_mod_ep")
-            experts = apply_ep(part, dims.submesh("ep"), replicas.get_group() if replicas is not None else None, dims.dp)
+        if dims.ep_enabled:
+            experts = apply_ep(part, dims.submesh("ep"), dims.submesh_group("dp_shard_mod_ep"), dims.dp)
         apply_ac(part, cfg.activation_checkpointing)
-        if fsdp:
-            apply_fsdp(part, dp_mesh, zero=cfg.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload, ignored_params=experts)
+        if dims.fsdp_enabled:
+            apply_fsdp(part, dp_mesh, zero=dims.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload, ignored_params=experts)
         return part
 
-    if dims.pp > 1:
+    if dims.pp_enabled:
         def loss_fn(logits, targets):
             return cross_entropy(logits, targets)
 
         parts, ids, n_stages, schedule = build_pipeline(
             model, dims.submesh("pp"), schedule=cfg.pp_schedule, microbatches=cfg.microbatches, loss_fn=loss_fn,
             device=device, parallelize_part=parallelize_part)
-        return Parallelized(parts, schedule, ids, n_stages, ddp=False, loss_parallel=loss_parallel)
+        return Parallelized(parts, schedule, ids, n_stages, dims)
     part = parallelize_part(model)
-    ddp = dp_mesh is not None and not fsdp
-    if ddp:
+    if dims.ddp_enabled and wrap_ddp:
         part = apply_ddp(part, dp_mesh)
-    return Parallelized([part], None, [0], 1, ddp, loss_parallel)
+    return Parallelized([part], None, [0], 1, dims)
