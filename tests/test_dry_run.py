@@ -12,7 +12,8 @@ from rich.console import Console
 from prunus.models import PrunusError, Transformer, get_preset
 from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.activation_checkpointing import apply_ac
-from prunus.train_parallel.dry_run import memory_plan, render_plan
+from prunus.train_parallel.dry_run import memory_plan
+from prunus.train_parallel.dry_run_table import render_plan
 from prunus.train_parallel.parallelize import cross_entropy
 from prunus.train_parallel.saved_activations import SavedActivations
 from prunus.train_parallel.trainer import build_optimizer
@@ -89,7 +90,7 @@ def test_one_process_model_state_matches_a_real_step(preset):
     assert abs(planned / measured - 1) < 0.05, (planned, measured)
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+@pytest.mark.parametrize("ac", ["none", "full", "every-other", "selective"])  # selective: the old name of every-other
 def test_one_process_activations_match_autograd(ac):
     """What autograd saves in one forward (plus the logits held for the loss), against the estimate;
     checkpointing adds one block's recomputation, which happens in backward."""

@@ -55,7 +55,8 @@ memory: it is reported as ``host`` and left out of ``total_peak``, the device's.
 
 The mesh is built on the CPU whatever the machine (the fake process group
 needs no device, and the plan touches none); --cpu-offload is planned, not
-applied, so it can be planned on a machine without a GPU.
+applied, so it can be planned on a machine without a GPU. The table the CLI
+prints is drawn by :mod:`.dry_run_table`.
 
 Activations (Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", 2022, derived again for this model: SwiGLU, grouped-query
@@ -79,7 +80,7 @@ one process this matches what autograd saves exactly (tests/test_dry_run.py);
 under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
 
 * activation checkpointing: a wrapped block keeps only its input,
-  ``s*b*h/t * B`` (``full`` wraps every block, ``selective`` every other one:
+  ``s*b*h/t * B`` (``full`` wraps every block, ``every-other`` every other one:
   counted from the wrapped modules), and one block's full activations are
   added for the recomputation in backward;
 * the rank holding the head adds ``s*b*(2*h/t + h)*B + s*b*4`` (the final
@@ -103,9 +104,8 @@ under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import sys
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,7 @@ from prunus.models.errors import PrunusError
 
 from .config import TrainConfig
 from .parallel_dims import ParallelDims
-from .parallelize import parallelize, validate_layout
+from .parallelize import Parallelized, parallelize, resolve_layout
 
 FORWARD_FIRST = ("GPipe", "LoopedBFS")  # schedules that run every micro-batch forward before any backward
 
@@ -156,6 +156,24 @@ def _in_flight(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> tuple[int,
     return min(cfg.microbatches, dims.pp), 1
 
 
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """Join torch's *fake* process group as ``rank`` of ``world_size`` for the duration (collectives do nothing).
+
+    Why no public alternative: planning a layout needs a DeviceMesh of the real size, and a mesh needs a process
+    group; the fake backend is the one that needs no other process. Since torch 2.13 (the version prunus is
+    tested with) ``init_process_group("fake")`` registers that backend and makes its store itself, so nothing
+    from ``torch.testing`` is imported here."""
+    if dist.is_initialized():
+        raise PrunusError("dry run: a process group is already initialised in this process; "
+                          "run the dry run outside a distributed job")
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     """Per-rank memory of ``cfg``'s layout on ``world_size`` ranks, as seen by ``rank``; see the module docstring.
 
@@ -163,116 +181,123 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     group is already initialised in this process (the dry run needs its own, fake one).
     """
     cfg.validate()
-    model_cfg = cfg.model_config()
     if not 0 <= rank < world_size:
         raise PrunusError(f"dry run: rank {rank} is outside the world of {world_size} ranks; choose 0..{world_size - 1}")
-    dims = ParallelDims(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
-                       ep=cfg.ep, cp=cfg.cp)
-    if cfg.zero is None:
-        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard * dims.cp > 1 else 0)
-    validate_layout(dims, cfg, model_cfg)
-    if dist.is_initialized():
-        raise PrunusError("dry run: a process group is already initialised in this process; "
-                          "run the dry run outside a distributed job")
-
-    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
+    cfg, dims = resolve_layout(cfg, world_size, device_type="cpu")  # the mesh on the CPU, whatever the machine
 
     from prunus.models import Transformer
 
     from .trainer import build_optimizer
 
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_pg.FakeStore())
-    try:
-        with mock.patch("torch.cuda.is_available", return_value=False):
-            dims.mesh  # noqa: B018 (cached: every later use of the mesh gets this CPU one)
+    with fake_process_group(rank, world_size):
+        dims.mesh  # noqa: B018 (cached: every later use of the mesh gets this one)
         with torch.device("meta"):
-            model = Transformer(model_cfg)
+            model = Transformer(cfg.model_config())
         model.train()
         # parallelize places nothing (meta stays meta); pipeline stages want a concrete device. DDP cannot wrap
-        # meta tensors (it checks shapes with a collective and broadcasts the weights) and its wrapper changes no
-        # parameter: the part stays unwrapped (par.ddp still says DDP) and its buckets are counted below.
-        with mock.patch.object(sys.modules[parallelize.__module__], "apply_ddp", lambda part, mesh: part):
-            par = parallelize(model, dims, dataclasses.replace(cfg, cpu_offload=False), torch.device("cpu"))
-        zero1_mesh = dims.submesh("dp_cp") if cfg.zero == 1 and dims.dp * dims.cp > 1 else None
-        optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
-        pp_rank = dims.submesh("pp").get_local_rank() if dims.pp > 1 else 0
-        return _plan(cfg, dims, model_cfg, par, optimizers, rank, pp_rank)
-    finally:
-        dist.destroy_process_group()
+        # meta tensors: the part stays unwrapped (par.ddp still says DDP) and its buckets are counted below.
+        par = parallelize(model, dims, dataclasses.replace(cfg, cpu_offload=False), torch.device("cpu"), wrap_ddp=False)
+        optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in par.parts]
+        return _plan(cfg, par, optimizers, rank, dims.submesh_rank("pp"))
 
 
-def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank: int, pp_rank: int) -> dict:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    fsdp = dims.dp * dims.cp > 1 and cfg.zero in (2, 3)
-    compute_bytes = 2 if cfg.bf16 else 4
-
-    params = sum(_nbytes(_local(p)) for part in par.parts for p in part.parameters())
-    local_params = sum(_local(p).numel() for part in par.parts for p in part.parameters())
-    buffers = sum(_nbytes(b) for part in par.parts for b in part.buffers())
-    stepped = [p for opt in optimizers for p in _optimizer_params(opt)]
-    optimizer = sum(2 * _nbytes(_local(p)) + 4 for p in stepped)  # exp_avg, exp_avg_sq, fp32 step
-
-    extra = 0  # working copies above the persistent parameters
-    if fsdp and cfg.zero == 2:
-        extra = sum(_tp_local_numel(p) for part in par.parts for p in part.parameters()) * compute_bytes
-    elif fsdp:
+def _working_copies(cfg: TrainConfig, par: Parallelized, compute_bytes: int) -> int:
+    """Bytes of the parameters' working copies above the persistent ones (gathered by FSDP, cast by autocast)."""
+    if par.fsdp and par.dims.zero == 2:
+        return sum(_tp_local_numel(p) for part in par.parts for p in part.parameters()) * compute_bytes
+    if par.fsdp:
+        extra = 0
         for part in par.parts:
             blocks = [sum(_tp_local_numel(p) for p in block.parameters()) for block in part.layers.values()]
             in_blocks = {id(p) for block in part.layers.values() for p in block.parameters()}
             root = sum(_tp_local_numel(p) for p in part.parameters() if id(p) not in in_blocks)
             extra = max(extra, (root + sum(sorted(blocks)[-2:])) * compute_bytes)
-    elif cfg.bf16:
-        extra = 2 * sum(_local(m.weight).numel() for part in par.parts for m in part.modules()
-                        if isinstance(m, torch.nn.Linear))
+        return extra
+    if cfg.bf16:
+        return 2 * sum(_local(m.weight).numel() for part in par.parts for m in part.modules()
+                       if isinstance(m, torch.nn.Linear))
+    return 0
 
-    # activations (module docstring)
-    # s: the tokens of each sequence on this rank (all of them but under context parallelism)
-    s, h, f, n, t, V = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp, model_cfg.vocab_size
+
+def _micro_batch(cfg: TrainConfig, dims: ParallelDims) -> int:
     per_rank_batch = cfg.batch_size // dims.dp
-    b = per_rank_batch // cfg.microbatches if dims.pp > 1 else per_rank_batch // cfg.grad_accum
-    block_full = s * b * (2 * h + (8 * h + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
+    return per_rank_batch // cfg.microbatches if dims.pp > 1 else per_rank_batch // cfg.grad_accum
+
+
+def _block_activations(cfg: TrainConfig, dims: ParallelDims, compute_bytes: int) -> float:
+    """Bytes one block's backward keeps for one micro-batch (module docstring)."""
+    model_cfg = cfg.model_config()
+    # s: the tokens of each sequence on this rank (all of them but under context parallelism)
+    s, h, f, n, t = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp
+    b = _micro_batch(cfg, dims)
+    block = s * b * (2 * h + (8 * h + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
     if model_cfg.n_experts:  # mixture of experts: the routed and shared experts' hidden, gathered inputs, router
         k, f_moe, e = model_cfg.top_k, model_cfg.moe_ffn_dim, model_cfg.n_experts
-        block_full += s * b * (4 * f_moe * (k + model_cfg.n_shared_experts) - 4 * f + 2 * k * h) * compute_bytes
-        block_full += s * b * 2 * e * 4
+        block += s * b * (4 * f_moe * (k + model_cfg.n_shared_experts) - 4 * f + 2 * k * h) * compute_bytes
+        block += s * b * 2 * e * 4
     if dims.cp > 1 and cfg.cp_impl == "ulysses":  # SDPA's head-sharded output is kept apart from wo's input
-        block_full += s * b * h / t * compute_bytes
-    block_input = s * b * h / t * compute_bytes
+        block += s * b * h / t * compute_bytes
+    return block
+
+
+def _activations(cfg: TrainConfig, par: Parallelized, pp_rank: int, compute_bytes: int) -> dict:
+    """Activation bytes of this rank (an estimate, module docstring), with the counts the plan reports."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    dims, model_cfg = par.dims, cfg.model_config()
+    s, h, t, V = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, dims.tp, model_cfg.vocab_size
+    b = _micro_batch(cfg, dims)
+    block_full = _block_activations(cfg, dims, compute_bytes)
     blocks = [blk for part in par.parts for blk in part.layers.values()]
     n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)
-    per_micro = n_ckpt * block_input + (len(blocks) - n_ckpt) * block_full
+    per_micro = n_ckpt * s * b * h / t * compute_bytes + (len(blocks) - n_ckpt) * block_full  # wrapped: the input
     blocks_in_flight, heads_in_flight = _in_flight(cfg, dims, pp_rank)
     activations = per_micro * blocks_in_flight + (block_full if n_ckpt else 0)
     if dims.cp > 1:  # the rotary tables gathered at this rank's positions
         activations += 2 * s * model_cfg.head_dim * 4
     if par.has_last:
-        t_head = t if dims.tp > 1 and dims.pp == 1 else 1  # loss parallelism keeps logits vocabulary-sharded
+        t_head = t if dims.loss_parallel else 1  # loss parallelism keeps logits vocabulary-sharded
         head = s * b * (2 * h / t + h) * compute_bytes + s * b * 4 + s * b * V / t_head * (compute_bytes + 4)
         activations += head * heads_in_flight
-    activations = int(activations)
+    return {"activations": int(activations), "blocks": len(blocks), "checkpointed_blocks": n_ckpt,
+            "local_seq_len": s, "micro_batch": b, "in_flight": blocks_in_flight}
 
+
+def _layout(cfg: TrainConfig, par: Parallelized) -> dict:
+    dims = par.dims
+    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "cp_impl": cfg.cp_impl,
+            "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "zero": dims.zero, "fsdp": par.fsdp, "ddp": par.ddp,
+            "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
+            "microbatches": cfg.microbatches if dims.pp > 1 else None,
+            "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
+            "cpu_offload": par.fsdp and cfg.cpu_offload}
+
+
+def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: int) -> dict:
+    compute_bytes = 2 if cfg.bf16 else 4
+    params = sum(_nbytes(_local(p)) for part in par.parts for p in part.parameters())
+    buffers = sum(_nbytes(b) for part in par.parts for b in part.buffers())
+    stepped = [p for opt in optimizers for p in _optimizer_params(opt)]
+    optimizer = sum(2 * _nbytes(_local(p)) + 4 for p in stepped)  # exp_avg, exp_avg_sq, fp32 step
+    extra = _working_copies(cfg, par, compute_bytes)
+    act = _activations(cfg, par, pp_rank, compute_bytes)
     grads = params
     ddp_buckets = grads if par.ddp else 0
     model_state = params + grads + optimizer
-    host = model_state if fsdp and cfg.cpu_offload else 0  # FSDP's CPUOffloadPolicy keeps the shards on the host
+    host = model_state if par.fsdp and cfg.cpu_offload else 0  # FSDP's CPUOffloadPolicy keeps the shards on the host
     return {
-        "world_size": dims.world_size,
+        "world_size": par.dims.world_size,
         "rank": rank,
-        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "cp_impl": cfg.cp_impl, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
-                   "zero": cfg.zero, "fsdp": fsdp, "ddp": par.ddp, "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
-                   "microbatches": cfg.microbatches if dims.pp > 1 else None,
-                   "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
-                   "cpu_offload": fsdp and cfg.cpu_offload},
-        "model_params": model_cfg.num_params(),
-        "local_params": local_params,
+        "layout": _layout(cfg, par),
+        "model_params": cfg.model_config().num_params(),
+        "local_params": sum(_local(p).numel() for part in par.parts for p in part.parameters()),
         "stage_ids": list(par.stage_ids),
-        "blocks": len(blocks),
-        "checkpointed_blocks": n_ckpt,
-        "seq_len": s * dims.cp,
-        "local_seq_len": s,
-        "micro_batch": b,
-        "in_flight": blocks_in_flight,
+        "blocks": act["blocks"],
+        "checkpointed_blocks": act["checkpointed_blocks"],
+        "seq_len": act["local_seq_len"] * par.dims.cp,
+        "local_seq_len": act["local_seq_len"],
+        "micro_batch": act["micro_batch"],
+        "in_flight": act["in_flight"],
         "bytes": {
             "params": params,
             "params_peak": params + extra,
@@ -280,54 +305,9 @@ def _plan(cfg: TrainConfig, dims: ParallelDims, model_cfg, par, optimizers, rank
             "optimizer": optimizer,
             "ddp_buckets": ddp_buckets,
             "buffers": buffers,
-            "activations": activations,
+            "activations": act["activations"],
             "model_state": model_state,
             "host": host,
-            "total_peak": model_state - host + extra + ddp_buckets + buffers + activations,
+            "total_peak": model_state - host + extra + ddp_buckets + buffers + act["activations"],
         },
     }
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
-
-
-ROWS = (
-    ("params", "parameters (persistent, local shards)"),
-    ("params_peak", "parameters at peak (+ gathered / cast copies)"),
-    ("grads", "gradients (fp32)"),
-    ("optimizer", "optimizer state (AdamW)"),
-    ("ddp_buckets", "DDP all-reduce buckets"),
-    ("buffers", "buffers (rotary tables)"),
-    ("activations", "activations (estimate)"),
-    ("model_state", "model state (params + grads + optimizer)"),
-    ("host", "held in host memory (--cpu-offload)"),
-    ("total_peak", "peak total on the device (upper bound)"),
-)
-
-
-def render_plan(plan: dict):
-    """The plan as one rich Table: layout in the title, one row per figure (bytes and GiB/MiB)."""
-    from rich.table import Table
-
-    lay = plan["layout"]
-    title = (f"dry run: rank {plan['rank']:,} of {plan['world_size']:,} ranks, dp_replicate={lay['dp_replicate']} "
-             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']}" + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
-             + (f" cp={lay['cp']} ({lay['cp_impl']})" if lay.get("cp", 1) > 1 else "") + f" zero={lay['zero']}"
-             + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
-             + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
-             + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] else ""))
-    caption = (f"{plan['model_params']:,} model parameters, {plan['local_params']:,} on this rank "
-               f"(stages {plan['stage_ids']}, {plan['blocks']} blocks); activations for micro-batch "
-               f"{plan['micro_batch']} x {plan['local_seq_len']} tokens, {plan['in_flight']} in flight")
-    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
-    table.add_column("per rank")
-    table.add_column("bytes", justify="right")
-    table.add_column("size", justify="right")
-    for key, label in ROWS:
-        value = plan["bytes"][key]
-        if key in ("ddp_buckets", "host") and not value:
-            continue
-        style = "bold" if key in ("model_state", "total_peak") else None
-        table.add_row(label, f"{value:,}", _gib(value), style=style)
-    return table

@@ -1,0 +1,47 @@
+"""The dry run's memory plan (:func:`prunus.train_parallel.dry_run.memory_plan`) as a table for the terminal."""
+
+from __future__ import annotations
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+ROWS = (
+    ("params", "parameters (persistent, local shards)"),
+    ("params_peak", "parameters at peak (+ gathered / cast copies)"),
+    ("grads", "gradients (fp32)"),
+    ("optimizer", "optimizer state (AdamW)"),
+    ("ddp_buckets", "DDP all-reduce buckets"),
+    ("buffers", "buffers (rotary tables)"),
+    ("activations", "activations (estimate)"),
+    ("model_state", "model state (params + grads + optimizer)"),
+    ("host", "held in host memory (--cpu-offload)"),
+    ("total_peak", "peak total on the device (upper bound)"),
+)
+
+
+def render_plan(plan: dict):
+    """The plan as one rich Table: layout in the title, one row per figure (bytes and GiB/MiB)."""
+    from rich.table import Table
+
+    lay = plan["layout"]
+    title = (f"dry run: rank {plan['rank']:,} of {plan['world_size']:,} ranks, dp_replicate={lay['dp_replicate']} "
+             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']}" + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
+             + (f" cp={lay['cp']} ({lay['cp_impl']})" if lay.get("cp", 1) > 1 else "") + f" zero={lay['zero']}"
+             + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
+             + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
+             + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] else ""))
+    caption = (f"{plan['model_params']:,} model parameters, {plan['local_params']:,} on this rank "
+               f"(stages {plan['stage_ids']}, {plan['blocks']} blocks); activations for micro-batch "
+               f"{plan['micro_batch']} x {plan['local_seq_len']} tokens, {plan['in_flight']} in flight")
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("per rank")
+    table.add_column("bytes", justify="right")
+    table.add_column("size", justify="right")
+    for key, label in ROWS:
+        value = plan["bytes"][key]
+        if key in ("ddp_buckets", "host") and not value:
+            continue
+        style = "bold" if key in ("model_state", "total_peak") else None
+        table.add_row(label, f"{value:,}", _gib(value), style=style)
+    return table
