@@ -69,10 +69,34 @@ def test_print_config_and_config_file(tmp_path, assert_user_error):
 
 
 def test_print_slurm():
-    r = run("train", "--preset", "small", "--tp", 8, "--print-slurm", "--nodes", 4, "--gpus-per-node", 8)
-    assert r.exit_code == 0
+    r = run("train", "--preset", "small", "--tp", 4, "--pp", 4, "--print-slurm", "--nodes", 4, "--gpus-per-node", 8)
+    assert r.exit_code == 0, r.output
     assert "#SBATCH --nodes=4" in r.stdout and "#SBATCH --ntasks-per-node=8" in r.stdout
-    assert "srun prunus train --preset small --tp 8" in r.stdout and "--nodes" not in r.stdout.split("srun")[1]
+    assert "srun prunus train --preset small --tp 4 --pp 4" in r.stdout and "--nodes" not in r.stdout.split("srun")[1]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--tp", 8, "--pp", 4, "--nodes", 4, "--gpus-per-node", 8], ["--tp 8 does not divide", "n_kv_heads"]),
+    (["--tp", 3, "--nodes", 1, "--gpus-per-node", 2], ["world size 2"]),
+])
+def test_print_slurm_refuses_a_layout_the_job_would_refuse(args, needles, assert_user_error):
+    """The layout is checked against the model for nodes x gpus-per-node ranks, as --dry-run checks it."""
+    r = run("train", "--print-slurm", *args)
+    assert_user_error(r, *needles)
+    assert "#SBATCH" not in r.stdout
+
+
+def test_launchers_check_the_layout_first():
+    """The library's launchers refuse a bad layout before writing or starting anything."""
+    from prunus.models.errors import PrunusError
+    from prunus.train_parallel import TrainConfig
+    from prunus.train_parallel.launch import launch_local
+    from prunus.train_parallel.slurm import sbatch_script
+
+    with pytest.raises(PrunusError, match="does not divide"):
+        sbatch_script(TrainConfig(tp=8, pp=4), 4, 8, ["--tp", "8", "--pp", "4"])
+    with pytest.raises(PrunusError, match="world size 2"):
+        launch_local(TrainConfig(nproc=2, tp=3), ["train", "--nproc", "2", "--tp", "3"])
 
 
 def test_nproc_launch_trains_like_one_process(tmp_path):

@@ -1,5 +1,7 @@
 """Process-group setup and launch: torchrun (one host or many), Slurm, or ``--nproc N`` on this host.
 
+(The Slurm job script ``prunus train --print-slurm`` prints is written by :mod:`.slurm`.)
+
 * Under torchrun the environment gives RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT.
 * Under Slurm (srun, one task per device) SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
   give rank, world and local rank; the first host of SLURM_JOB_NODELIST is the master.
@@ -102,11 +104,18 @@ def die_with_launcher() -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``prunus <argv>`` in ``nproc`` processes on this host under torchrun's agent, in this process;
-    return the job's exit code (the first failed rank's, or 128 + the signal that stopped it)."""
+def launch_local(cfg, argv: list[str]) -> int:
+    """Run ``prunus <argv>`` in ``cfg.nproc`` processes on this host under torchrun's agent, in this process;
+    return the job's exit code (the first failed rank's, or 128 + the signal that stopped it).
+
+    ``cfg`` (the TrainConfig ``argv`` describes) is checked first, layout against the model included
+    (:func:`~.parallelize.resolve_layout`): a layout a run would refuse starts no process."""
     import logging
 
+    from .parallelize import resolve_layout
+
+    nproc = cfg.nproc
+    resolve_layout(cfg, nproc)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -173,24 +182,3 @@ def reports_collective_timeouts(fn):
             raise err from None
 
     return wrapper
-
-
-SBATCH = """#!/bin/bash
-#SBATCH --job-name=prunus-train
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node={gpus}
-#SBATCH --gpus-per-node={gpus}
-#SBATCH --cpus-per-task={cpus}
-#SBATCH --output=%x-%j.out
-# One task per GPU; prunus reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the node list.
-export OMP_NUM_THREADS={cpus}
-srun prunus train {args}
-"""
-
-
-def sbatch_script(nodes: int, gpus_per_node: int, train_args: list[str], cpus_per_task: int = 8) -> str:
-    if nodes < 1 or gpus_per_node < 1:
-        raise PrunusError("--nodes and --gpus-per-node must be at least 1")
-    import shlex
-
-    return SBATCH.format(nodes=nodes, gpus=gpus_per_node, cpus=cpus_per_task, args=shlex.join(train_args))
