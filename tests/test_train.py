@@ -86,3 +86,13 @@ def test_async_checkpoints_resume_like_sync_ones(tmp_path, tiny_cfg):
     rest = train(resume_config(tmp_path / "bg"), resume=True)
     full = train(tiny_cfg(tmp_path / "full", steps=6))
     assert bg.losses + rest.losses == full.losses
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path, tiny_cfg, capsys):
+    """--warmup-steps above --steps: one warning line on stderr (the learning rate never reaches --lr), also
+    with the progress output off; a warmup within the run gives none."""
+    train(tiny_cfg(tmp_path / "long", steps=2, warmup_steps=5, eval_every=2))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "--warmup-steps 5 exceeds --steps 2" in lines[0] and "lower --warmup-steps" in lines[0]
+    train(tiny_cfg(tmp_path / "short", steps=2, warmup_steps=2, eval_every=2))
+    assert "warning" not in capsys.readouterr().err

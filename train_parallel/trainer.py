@@ -9,12 +9,17 @@ that resume bit-exactly under any layout, the final model dir at
 Every layout sees the same global batch per step (``--batch-size`` sequences,
 split over data-parallel ranks and micro-steps), so any layout trains to the
 same losses as one process.
+
+:class:`Trainer` owns a run's state and splits the work into steps (as
+torchtitan's does): ``forward_backward_step`` (one optimizer step's gradients),
+``train_step`` (learning rate, clipping, the optimizer, the step's record),
+``evaluate``, ``maybe_checkpoint``, ``log`` and ``train`` (the loop and the
+final model dir). :func:`train` is the one-call entry point.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import shlex
 import sys
 import time
@@ -37,7 +42,7 @@ from .launch import env_ranks, init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import pipeline_score
-from .parallelize import cross_entropy, local_value, parallelize, validate_layout
+from .parallelize import Parallelized, cross_entropy, local_value, parallelize, resolve_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
 from .run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
@@ -103,249 +108,355 @@ def rank_peaks(device: torch.device, world: int) -> list[int]:
     return [int(t) for t in out]
 
 
+@dataclass
+class MoEStats:
+    """One optimizer step's load-balancing loss and dropped routed choices, on this rank."""
+
+    aux: float = 0.0
+    dropped: int = 0
+
+
 def _all_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum over pipeline stages (only the last holds the loss), mean over data- and context-parallel ranks
     (context-parallel ranks hold equal shares of the tokens: the mean of their means is the token mean)."""
-    if dims.pp > 1:
-        dist.all_reduce(value, group=dims.submesh("pp").get_group())
-    if dims.dp * dims.cp > 1:
-        dist.all_reduce(value, group=dims.submesh("dp_cp").get_group())
-        value = value / (dims.dp * dims.cp)
+    if dims.pp_enabled:
+        dist.all_reduce(value, group=dims.submesh_group("pp"))
+    if dims.dp_cp > 1:
+        dist.all_reduce(value, group=dims.submesh_group("dp_cp"))
+        value = value / dims.dp_cp
     return value
 
 
-def _moe_metrics(step: dict, dims: ParallelDims) -> dict:
+def _moe_metrics(stats: MoEStats, dims: ParallelDims) -> dict:
     """The step's load-balancing loss (mean over data-parallel ranks) and dropped routed choices (their sum)."""
-    stats = torch.tensor([step["aux"], step["dropped"]], dtype=torch.float64)
-    if dims.dp > 1:
-        dist.all_reduce(stats, group=dims.submesh("dp").get_group())
-    return {"moe_aux_loss": float(stats[0]) / dims.dp, "moe_dropped": int(stats[1])}
-
-
-def resolve_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, ParallelDims]:
-    """The validated layout for ``world`` ranks, with the ZeRO stage resolved (3 when sharding, else 0)."""
-    dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
-                       ep=cfg.ep, cp=cfg.cp)
-    if cfg.zero is None:  # FSDP shards over dp_shard x cp
-        cfg = dataclasses.replace(cfg, zero=3 if dims.dp_shard * dims.cp > 1 else 0)
-    validate_layout(dims, cfg, cfg.model_config())
-    return cfg, dims
+    totals = torch.tensor([stats.aux, stats.dropped], dtype=torch.float64)
+    if dims.dp_enabled:
+        dist.all_reduce(totals, group=dims.submesh_group("dp"))
+    return {"moe_aux_loss": float(totals[0]) / dims.dp, "moe_dropped": int(totals[1])}
 
 
 def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check train() makes before it starts, for ``cfg.nproc`` ranks, without starting them."""
-    cfg.validate()
     resolve_layout(cfg, cfg.nproc)
     check_run_dir(cfg, resume=resume, overwrite=overwrite, quiet=True)
     model_cfg = cfg.model_config()
     load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
 
 
-@reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
-          objective=None) -> TrainResult:
-    """Run (or resume) a training run described by ``cfg``; see the module docstring.
+def warmup_warning(cfg: TrainConfig) -> str | None:
+    """One line when the warmup outlasts the run (its learning rate never reaches --lr), else None."""
+    if cfg.warmup_steps <= cfg.steps:
+        return None
+    reached = lr_at(cfg.steps - 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+    return (f"warning: --warmup-steps {cfg.warmup_steps} exceeds --steps {cfg.steps}: the learning rate only reaches "
+            f"{reached:.2e} of --lr {cfg.lr:.2e} and never decays; lower --warmup-steps")
 
-    ``model``: start from these weights (its config must be ``cfg.model_config()``) instead of
-    a fresh initialisation. ``objective``: replaces cross-entropy as ``objective(logits, x, y)
-    -> loss`` (distillation, say; any frozen teacher it holds stays on every rank). Modules it
-    trains, ``objective.modules() -> {name: module}``, are attached to the model for the run, so
-    every data-parallel layout synchronises, shards and checkpoints them like the model's own;
-    they are not part of the model dir written at the end."""
+
+def _check_launch(cfg: TrainConfig, objective) -> tuple[TrainConfig, ParallelDims]:
+    """The run's layout for the ranks the launcher started; refused before any process waits on another."""
     cfg.validate()
     world = env_ranks()[1]
     if cfg.nproc > 1 and world != cfg.nproc:
         raise PrunusError(f"--nproc {cfg.nproc} but the launcher started {world} processes (WORLD_SIZE / SLURM_NTASKS); make them agree")
-    cfg, dims = resolve_layout(cfg, world)  # a bad layout fails here, before any process waits on another
-    if objective is not None and (dims.tp > 1 or dims.pp > 1):
+    cfg, dims = resolve_layout(cfg, world)
+    if objective is not None and (dims.tp_enabled or dims.pp_enabled):
         raise PrunusError("a training objective other than cross-entropy runs on data-parallel layouts only; set --tp 1 --pp 1")
-    if objective is not None and dims.cp > 1:
+    if objective is not None and dims.cp_enabled:
         raise PrunusError("a training objective other than cross-entropy sees whole sequences; set --cp 1")
-    rank, world, launched_device = init_distributed(cfg.timeout_s)
-    main = rank == 0
-    model_cfg = cfg.model_config()
-    # the dir this invocation writes: OUT, or a staging dir that replaces OUT once complete (--overwrite)
-    run_dir, resume, overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
-    resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=run_dir)
-    if world > 1:
-        dist.barrier()  # every rank has checked the run dir before rank 0 writes to it
-    seq_len = cfg.resolved_seq_len()
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    corpus = load_corpus(cfg.data, tokenizer, max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
-    device = resolve_device(cfg.device, launched_device)
-    token_bytes = tokenizer.token_bytes()
-    dp_rank = dims.submesh("dp").get_local_rank() if dims.dp > 1 else 0
-    pp_group = dims.submesh("pp").get_group() if dims.pp > 1 else None
-    cp_mesh = dims.submesh("cp")  # None without context parallelism
+    return cfg, dims
 
-    torch.manual_seed(cfg.seed)
-    if model is None:
-        model = Transformer(model_cfg)
-        model.init_weights()
-    elif model.config != model_cfg:
-        raise ValueError(f"train(model=...): its config {model.config} is not the run's {model_cfg}")
-    extras = dict(objective.modules()) if objective is not None else {}
-    for name, module in extras.items():
-        model.add_module(name, module)
-    model.to(device).train()
-    par = parallelize(model, dims, cfg, device)
-    fsdp = dims.dp * dims.cp > 1 and cfg.zero in (2, 3)
-    zero1_mesh = dims.submesh("dp_cp") if cfg.zero == 1 and dims.dp * dims.cp > 1 else None
-    optimizers = [build_optimizer(part, cfg, zero1_mesh) for part in par.parts]
 
-    checkpointer = Checkpointer(run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
-    start, train_state = 0, {"tokens": 0, "elapsed_s": 0.0}
-    if resume_from is not None:
+@contextlib.contextmanager
+def loss_modules_attached(model: torch.nn.Module, modules: dict[str, torch.nn.Module]):
+    """The objective's trainable modules as submodules of ``model`` for as long as the run lasts.
+
+    Attached, every data-parallel layout wraps, synchronises, shards and checkpoints them with the model's own
+    parameters (DDP and FSDP act on the module they wrap, and the objective calls its modules directly, outside
+    the model's forward); they leave the model when the run ends, on an error too, so the model dir holds the
+    model alone."""
+    for name, module in modules.items():
+        model.register_module(name, module)
+    try:
+        yield
+    finally:
+        for name in modules:
+            delattr(model, name)
+
+
+class Trainer:
+    """One run (or its resumption) on this rank: the layout, the parallelized model, its optimizers, the data,
+    the run dir and the step's state. Build it, then call :meth:`train`; see the module docstring.
+
+    ``model``: start from these weights (its config must be ``cfg.model_config()``) instead of a fresh
+    initialisation. ``objective``: replaces cross-entropy as ``objective(logits, x, y) -> loss`` (distillation,
+    say; any frozen teacher it holds stays on every rank); the modules it trains,
+    ``objective.modules() -> {name: module}``, train with the model (:func:`loss_modules_attached`)."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
+                 model: Transformer | None = None, objective=None):
+        cfg, dims = _check_launch(cfg, objective)  # a bad layout fails here, before any process waits on another
+        self.rank, self.world, launched_device = init_distributed(cfg.timeout_s)
+        self.main = self.rank == 0
+        self.cfg, self.dims, self.objective = cfg, dims, objective
+        self.model_cfg = cfg.model_config()
+        # the dir this invocation writes: OUT, or a staging dir that replaces OUT once complete (--overwrite)
+        self.run_dir, resume, overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
+        self.resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=self.run_dir)
+        self._barrier()  # every rank has checked the run dir before rank 0 writes to it
+        self.seq_len = cfg.resolved_seq_len()
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.corpus = load_corpus(cfg.data, self.tokenizer, max_bytes=cfg.max_corpus_bytes,
+                                  vocab_size=self.model_cfg.vocab_size)
+        self.device = resolve_device(cfg.device, launched_device)
+        self.token_bytes = self.tokenizer.token_bytes()
+        self.dp_rank, self.pp_group, self.cp_mesh = dims.submesh_rank("dp"), dims.submesh_group("pp"), dims.submesh("cp")
+        self.model = self._build_model(model)
+        self._loss_modules = contextlib.ExitStack()
+        self._loss_modules.enter_context(loss_modules_attached(self.model, dict(objective.modules()) if objective else {}))
         try:
-            train_state = load_checkpoint(resume_from, par.parts, optimizers)
+            self.model.to(self.device).train()
+            self.par: Parallelized = parallelize(self.model, dims, cfg, self.device)
+            self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
+            self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
+            self.start, self.train_state = self._load_checkpoint()
+            self._init_run_dir(overwrite=overwrite and not resume)
+        except BaseException:
+            self._loss_modules.close()
+            raise
+        self.stop = cfg.stop_at or cfg.steps
+        fsdp_casts = dims.fsdp_enabled  # FSDP's mixed precision casts instead of autocast
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 and not fsdp_casts
+                         else contextlib.nullcontext())
+        self.local_batch = cfg.batch_size // (dims.dp * cfg.grad_accum)
+        self.step_flops = flops_per_token(self.model_cfg, self.seq_len) * cfg.tokens_per_step
+        self.peak = peak_tflops(self.device, cfg.peak_tflops)
+        self.losses: list[float] = []  # training loss of each step run in this invocation
+        self.record: dict = {}  # the last step's record
+        self.progress = TrainProgress(cfg.steps, self.start, enabled=cfg.progress and self.main, log_every=cfg.log_every)
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _build_model(self, model: Transformer | None) -> Transformer:
+        torch.manual_seed(self.cfg.seed)
+        if model is None:
+            model = Transformer(self.model_cfg)
+            model.init_weights()
+        elif model.config != self.model_cfg:
+            raise ValueError(f"train(model=...): its config {model.config} is not the run's {self.model_cfg}")
+        return model
+
+    def _load_checkpoint(self) -> tuple[int, dict]:
+        """(the first step to run, the train state: tokens and elapsed seconds so far)."""
+        if self.resume_from is None:
+            return 0, {"tokens": 0, "elapsed_s": 0.0}
+        try:
+            state = load_checkpoint(self.resume_from, self.par.parts, self.optimizers)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
             cause = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
             reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
-            raise PrunusError(f"--resume: {resume_from} does not fit this model ({reason}); "
+            raise PrunusError(f"--resume: {self.resume_from} does not fit this model ({reason}); "
                               "resume with the model it was written for") from None
-        start = train_state.pop("step")
-    if main:
-        init_run_dir(cfg, overwrite=overwrite and not resume, run_dir=run_dir, extra={
-            "model": model_cfg.to_dict(), "corpus": corpus.name, "train_tokens": len(corpus.train),
-            "val_tokens": len(corpus.val), "world_size": world, "command": shlex.join(sys.argv),
-        })
-    if world > 1:
-        dist.barrier()
-    log = MetricsLog(run_dir, resume_step=start if resume_from is not None else None) if main else None
-    stop = cfg.stop_at or cfg.steps
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 and not fsdp else contextlib.nullcontext()
-    local_batch = cfg.batch_size // (dims.dp * cfg.grad_accum)
-    step_flops = flops_per_token(model_cfg, seq_len) * cfg.tokens_per_step
-    peak = peak_tflops(device, cfg.peak_tflops)
+        return state.pop("step"), state
 
-    def make_step_batches(step: int):
-        return [get_batch(corpus.train, seed=cfg.seed, step=step, micro_batch=local_batch, seq_len=seq_len,
-                          grad_accum=cfg.grad_accum, micro=m, rank=dp_rank, world=dims.dp) for m in range(cfg.grad_accum)]
+    def _init_run_dir(self, *, overwrite: bool) -> None:
+        if self.main:
+            init_run_dir(self.cfg, overwrite=overwrite, run_dir=self.run_dir, extra={
+                "model": self.model_cfg.to_dict(), "corpus": self.corpus.name, "train_tokens": len(self.corpus.train),
+                "val_tokens": len(self.corpus.val), "world_size": self.world, "command": shlex.join(sys.argv),
+            })
+        self._barrier()
 
-    moe_step = {"aux": 0.0, "dropped": 0}  # this step's load-balancing loss and dropped routed choices, on this rank
+    # -- one step ------------------------------------------------------------------------------------------------
 
-    def forward_backward(micro_batches) -> torch.Tensor:
-        if par.schedule is not None:
-            (x, y), losses = micro_batches[0], []
-            with autocast:
-                par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses)
-            if par.has_last:
-                return torch.stack([local_value(l).detach().float() for l in losses]).mean()
-            return torch.zeros((), device=device)
-        total = torch.zeros((), device=device)
-        model_part = par.parts[0]
-        moe_step.update(aux=0.0, dropped=0)
+    def step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of optimizer step ``step`` (a pure function of the seed and the step)."""
+        cfg = self.cfg
+        return [get_batch(self.corpus.train, seed=cfg.seed, step=step, micro_batch=self.local_batch,
+                          seq_len=self.seq_len, grad_accum=cfg.grad_accum, micro=m, rank=self.dp_rank,
+                          world=self.dims.dp) for m in range(cfg.grad_accum)]
+
+    def loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, y) if self.objective is None else self.objective(logits, x, y)
+
+    def forward_backward_step(self, micro_batches) -> tuple[torch.Tensor, MoEStats]:
+        """Gradients of one optimizer step; returns (the mean loss on this rank, its MoE statistics)."""
+        if self.par.schedule is not None:
+            return self._pipeline_forward_backward(micro_batches[0]), MoEStats()
+        part, accum, moe = self.par.parts[0], self.cfg.grad_accum, MoEStats()
+        total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y, positions = shard_batch(x, y, cp_mesh)  # context parallel: this rank's chunks of the sequences
-            sync = not par.ddp or i == len(micro_batches) - 1
-            with (contextlib.nullcontext() if sync else model_part.no_sync()), loss_context(par.loss_parallel):
-                with autocast:
-                    logits = model_part(x, positions=positions)
-                loss = cross_entropy(logits, y) if objective is None else objective(logits, x, y)
+            x, y, positions = shard_batch(x, y, self.cp_mesh)  # context parallel: this rank's chunks of the sequences
+            sync = not self.par.ddp or i == len(micro_batches) - 1
+            with (contextlib.nullcontext() if sync else part.no_sync()), loss_context(self.par.loss_parallel):
+                with self.autocast:
+                    logits = part(x, positions=positions)
+                loss = self.loss(logits, x, y)
                 # mixture of experts: the load-balancing loss joins the gradient
-                aux = moe_aux_loss(model_part) if model_cfg.n_experts else None
-                ((loss if aux is None else loss + aux) / cfg.grad_accum).backward()
+                aux = moe_aux_loss(part) if self.model_cfg.n_experts else None
+                ((loss if aux is None else loss + aux) / accum).backward()
             total += local_value(loss).detach().float()
             if aux is not None:
-                moe_step["aux"] += float(aux.detach()) / cfg.grad_accum
-            if model_cfg.n_experts:
-                moe_step["dropped"] += moe_dropped(model_part)
-        return total / cfg.grad_accum
+                moe.aux += float(aux.detach()) / accum
+            if self.model_cfg.n_experts:
+                moe.dropped += moe_dropped(part)
+        return total / accum, moe
 
-    def score(x, y) -> float:
+    def _pipeline_forward_backward(self, batch) -> torch.Tensor:
+        (x, y), losses, par = batch, [], self.par
+        with self.autocast:
+            par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses)
+        if par.has_last:
+            return torch.stack([local_value(l).detach().float() for l in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    def _set_lr(self, step: int) -> float:
+        cfg = self.cfg
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def train_step(self, step: int, micro_batches) -> dict:
+        """One optimizer step (0-based ``step``); returns its record for metrics.jsonl."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = self._set_lr(step)
+        loss, moe = self.forward_backward_step(micro_batches)
+        grad_norm = clip_grad_norm(self.par.parts, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"), self.pp_group)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss_val = float(_all_mean(loss, self.dims)) if self.world > 1 else float(loss)
+        dt = time.perf_counter() - t0
+        done = step + 1
+        self.train_state["tokens"] += cfg.tokens_per_step
+        self.train_state["elapsed_s"] += dt
+        self.losses.append(loss_val)
+        record = {"step": done, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": cfg.tokens_per_step / dt, "elapsed_s": self.train_state["elapsed_s"],
+                  "tokens": self.train_state["tokens"]}
+        if self.model_cfg.n_experts:
+            record.update(_moe_metrics(moe, self.dims))
+        if self.peak:
+            record["mfu"] = self.step_flops / dt / (self.world * self.peak * 1e12)
+        if done % cfg.log_every == 0 or done == self.stop:
+            record["peak_mem_bytes"] = rank_peaks(self.device, self.world)
+        if done % cfg.eval_every == 0 or done == self.stop:
+            record.update(self.evaluate())
+        self.record = record
+        return record
+
+    # -- evaluation, checkpoints, logging ------------------------------------------------------------------------
+
+    def score(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Summed negative log-likelihood of one evaluation batch, the same on every rank."""
         def nll(logits, targets):
             return float(cross_entropy(local_value(logits), targets, reduction="sum"))
 
+        par = self.par
         if par.schedule is not None:
-            return pipeline_score(par.parts, par.stage_ids, par.n_stages, cfg.pp_schedule, pp_group, x, y, nll)
-        x, y, positions = shard_batch(x, y, cp_mesh)
-        return cp_sum(nll(par.parts[0](x, positions=positions), y), cp_mesh)
+            return pipeline_score(par.parts, par.stage_ids, par.n_stages, self.cfg.pp_schedule, self.pp_group, x, y, nll)
+        x, y, positions = shard_batch(x, y, self.cp_mesh)
+        return cp_sum(nll(par.parts[0](x, positions=positions), y), self.cp_mesh)
 
-    def run_eval() -> dict:
-        for p in par.parts:
+    def evaluate(self) -> dict:
+        """Validation loss and bits per byte of the model as it is now."""
+        for p in self.par.parts:
             p.eval()
-        result = evaluate(None, corpus.val, token_bytes, seq_len=seq_len, batch_size=local_batch * cfg.grad_accum,
-                          max_tokens=cfg.eval_tokens, device=device, score=score)
-        for p in par.parts:
+        result = evaluate(None, self.corpus.val, self.token_bytes, seq_len=self.seq_len,
+                          batch_size=self.local_batch * self.cfg.grad_accum, max_tokens=self.cfg.eval_tokens,
+                          device=self.device, score=self.score)
+        for p in self.par.parts:
             p.train()
         return result
 
-    losses: list[float] = []
-    record: dict = {}
-    progress = TrainProgress(cfg.steps, start, enabled=cfg.progress and main, log_every=cfg.log_every)
-    progress.print(f"training {model_cfg.num_params():,} parameters on {corpus.name}: "
-                   f"{len(corpus.train):,} train tokens, steps {start + 1}..{stop} of {cfg.steps}, "
-                   f"{cfg.tokens_per_step:,} tokens per step, {world} x {device}"
-                   + (f", layout dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} pp={dims.pp} "
-                      f"zero={cfg.zero}" + (f" ep={dims.ep}" if dims.ep > 1 else "") if world > 1 else ""))
-    prefetch = Prefetcher(make_step_batches, range(start, stop), device=device)
-    try:
-        with progress:
-            for step, micro_batches in prefetch:
-                t0 = time.perf_counter()
-                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-                for opt in optimizers:
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                loss = forward_backward(micro_batches)
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                grad_norm = clip_grad_norm(par.parts, max_norm, pp_group)
-                for opt in optimizers:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                loss_val = float(_all_mean(loss, dims)) if world > 1 else float(loss)
-                dt = time.perf_counter() - t0
-                done = step + 1
-                train_state["tokens"] += cfg.tokens_per_step
-                train_state["elapsed_s"] += dt
-                losses.append(loss_val)
-                record = {"step": done, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
-                          "tokens_per_s": cfg.tokens_per_step / dt, "elapsed_s": train_state["elapsed_s"],
-                          "tokens": train_state["tokens"]}
-                if model_cfg.n_experts:
-                    record.update(_moe_metrics(moe_step, dims))
-                if peak:
-                    record["mfu"] = step_flops / dt / (world * peak * 1e12)
-                if done % cfg.log_every == 0 or done == stop:
-                    record["peak_mem_bytes"] = rank_peaks(device, world)
-                if done % cfg.eval_every == 0 or done == stop:
-                    record.update(run_eval())
-                if main:
-                    log.write(record)
-                progress.update(record)
-                final_consolidation = world > 1 and done == cfg.steps
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == stop and stop < cfg.steps) or final_consolidation:
-                    checkpointer.save(done, par.parts, optimizers, train_state)
-        checkpointer.wait()  # the last checkpoint is published before the model dir is made from it
-    finally:
-        prefetch.close()
-        if log is not None:
-            log.close()
-    for name in extras:  # the objective's modules belong to the run, not to the model
-        delattr(model, name)
+    def maybe_checkpoint(self, done: int) -> None:
+        """Checkpoint after step ``done`` when due: every --ckpt-every, at --stop-at, and at the end of a
+        multi-rank run (the model dir is consolidated from it)."""
+        cfg = self.cfg
+        final_consolidation = self.world > 1 and done == cfg.steps
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps) or final_consolidation:
+            self.checkpointer.save(done, self.par.parts, self.optimizers, self.train_state)
 
-    model_dir = None
-    if main:
-        plot_loss_curves(read_metrics(run_dir), run_dir / "loss.png", title=f"prunus train ({cfg.preset})")
-    if stop == cfg.steps:
-        if not record:  # resumed at the very end: evaluate what was loaded
-            record = {"step": stop, **run_eval()}
-        if main:
-            if world > 1:  # consolidate from the final (sharded) checkpoint in this process
-                model = Transformer(model_cfg)
-                load_model_weights(list_checkpoints(run_dir)[-1][1], model)
-            model_dir = save_model(
-                model.cpu(), run_dir / "model", tokenizer=tokenizer, stage="train", overwrite=True,
-                metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": stop,
-                         "train_tokens": train_state["tokens"], "corpus": corpus.name, "world_size": world},
-            )
-            progress.print(f"model dir: {Path(cfg.out) / 'model'}  (val loss {record['val_loss']:.4f}, {record['val_bpb']:.3f} bits/byte)")
-    else:
-        progress.print(f"stopped at step {stop}; continue with --resume")
-    if world > 1:
-        dist.barrier()
-    if main:
-        run_dir = publish_run_dir(cfg, run_dir)  # an overwritten run's old dir goes only now
-        model_dir = run_dir / "model" if model_dir is not None else None
-    return TrainResult(Path(cfg.out), model_dir, stop, record, losses)
+    def log(self, record: dict, metrics: MetricsLog | None) -> None:
+        if metrics is not None:
+            metrics.write(record)
+        self.progress.update(record)
+
+    def _announce(self) -> None:
+        cfg, dims = self.cfg, self.dims
+        self.progress.print(f"training {self.model_cfg.num_params():,} parameters on {self.corpus.name}: "
+                            f"{len(self.corpus.train):,} train tokens, steps {self.start + 1}..{self.stop} of {cfg.steps}, "
+                            f"{cfg.tokens_per_step:,} tokens per step, {self.world} x {self.device}"
+                            + (f", layout {dims.describe()}" if self.world > 1 else ""))
+        warning = warmup_warning(cfg)
+        if warning and self.main:
+            self.progress.console.print(warning, highlight=False, markup=False, soft_wrap=True)  # one line
+
+    # -- the run -------------------------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Run steps start..stop, then (at the last step) write the model dir; publish the run dir."""
+        with self._loss_modules:  # the objective's modules leave the model before it is saved
+            self._run_steps()
+        return self._finish()
+
+    def _run_steps(self) -> None:
+        metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from is not None else None) if self.main else None
+        self._announce()
+        prefetch = Prefetcher(self.step_batches, range(self.start, self.stop), device=self.device)
+        try:
+            with self.progress:
+                for step, micro_batches in prefetch:
+                    record = self.train_step(step, micro_batches)
+                    self.log(record, metrics)
+                    self.maybe_checkpoint(record["step"])
+            self.checkpointer.wait()  # the last checkpoint is published before the model dir is made from it
+        finally:
+            prefetch.close()
+            if metrics is not None:
+                metrics.close()
+
+    def save_model(self, record: dict) -> Path:
+        """The model dir at RUN_DIR/model (rank 0), consolidated from the final checkpoint when sharded."""
+        model = self.model
+        if self.world > 1:  # consolidate from the final (sharded) checkpoint in this process
+            model = Transformer(self.model_cfg)
+            load_model_weights(list_checkpoints(self.run_dir)[-1][1], model)
+        model_dir = save_model(
+            model.cpu(), self.run_dir / "model", tokenizer=self.tokenizer, stage="train", overwrite=True,
+            metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": self.stop,
+                     "train_tokens": self.train_state["tokens"], "corpus": self.corpus.name, "world_size": self.world},
+        )
+        self.progress.print(f"model dir: {Path(self.cfg.out) / 'model'}  (val loss {record['val_loss']:.4f}, "
+                            f"{record['val_bpb']:.3f} bits/byte)")
+        return model_dir
+
+    def _finish(self) -> TrainResult:
+        cfg, record, model_dir = self.cfg, self.record, None
+        if self.main:
+            plot_loss_curves(read_metrics(self.run_dir), self.run_dir / "loss.png", title=f"prunus train ({cfg.preset})")
+        if self.stop == cfg.steps:
+            if not record:  # resumed at the very end: evaluate what was loaded
+                record = {"step": self.stop, **self.evaluate()}
+            if self.main:
+                model_dir = self.save_model(record)
+        else:
+            self.progress.print(f"stopped at step {self.stop}; continue with --resume")
+        self._barrier()
+        if self.main:
+            run_dir = publish_run_dir(cfg, self.run_dir)  # an overwritten run's old dir goes only now
+            model_dir = run_dir / "model" if model_dir is not None else None
+        return TrainResult(Path(cfg.out), model_dir, self.stop, record, self.losses)
+
+
+@reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
+          objective=None) -> TrainResult:
+    """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()``; see :class:`Trainer`."""
+    return Trainer(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective).train()
