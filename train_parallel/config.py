@@ -118,8 +118,8 @@ class TrainConfig:
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
         if self.cp_impl not in ("ring", "ulysses"):
             raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
-        if self.activation_checkpointing not in ("none", "selective", "full"):
-            raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, selective or full")
+        if self.activation_checkpointing not in ("none", "every-other", "full", "selective"):  # selective: the old name
+            raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, every-other or full")
         if self.batch_size % self.grad_accum:
             raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
 

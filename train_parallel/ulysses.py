@@ -6,8 +6,9 @@ group ``j`` of every rank's chunks. Attention then runs unchanged (the model's o
 causal core) on whole sequences, and a second all-to-all returns the output to the
 sequence sharding. Two all-to-alls per direction per block; the heads must divide
 by the context-parallel degree (after tensor parallelism's split). Keys and values
-arrive with their grouped-query heads already repeated (the core's contract), so
-they are exchanged as full heads.
+arrive with their grouped-query (kv) heads only, as the model's core receives them;
+they are repeated to all query heads here (``repeat_kv``) before the exchange, so
+every head group travels with its own keys and values whatever the kv heads divide.
 
 The attention that runs on whole sequences is the layer's own core (``inner``), so its
 sliding window, soft-cap and scale apply unchanged.
