@@ -168,18 +168,27 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
     clean_stale_temps(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with discard_on_error(tmp, f"{path}: writing failed ({{reason}}); nothing was written, free space or choose "
+                               "another --out"):
         try:
             tmp.mkdir()
         except OSError as e:
             raise PrunusError(f"--out {path}: cannot be created ({e.strerror}); choose another --out") from None
         yield tmp
         _finish_tree(tmp)
+    replace_dir(tmp, path)
+
+
+@contextlib.contextmanager
+def discard_on_error(tmp: str | Path, message: str, remove: bool = True):
+    """When the block raises, remove ``tmp`` (a half-written output; only where ``remove``) and turn a write the
+    disk refused (full, quota, read-only) into one PrunusError line: ``message`` with ``{reason}`` filled in."""
+    try:
+        yield
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
         reason = disk_error(e)
         if reason:
-            raise PrunusError(f"{path}: writing failed ({reason}); nothing was written, free space or choose "
-                              "another --out") from None
+            raise PrunusError(message.replace("{reason}", reason)) from None
         raise
-    replace_dir(tmp, path)

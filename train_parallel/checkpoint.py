@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from prunus.models.atomic import atomic_write_json, disk_error, replace_dir
+from prunus.models.atomic import atomic_write_json, discard_on_error, replace_dir
 from prunus.models.errors import PrunusError
 from prunus.models.validate import read_json_object, short
 
@@ -110,19 +110,10 @@ def _publish(run_dir: str | Path, step: int, tmp: Path, final: Path, train_state
     return final
 
 
-@contextlib.contextmanager
 def _discard_on_error(tmp: Path):
     """A checkpoint that fails to write leaves no ``.step-N.tmp`` behind; a full or read-only disk is one line."""
-    try:
-        yield
-    except BaseException as e:
-        if _is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-        reason = disk_error(e)
-        if reason:
-            raise PrunusError(f"{tmp.parent}: writing a checkpoint failed ({reason}); free space and continue "
-                              "with --resume from the last checkpoint") from None
-        raise
+    return discard_on_error(tmp, f"{tmp.parent}: writing a checkpoint failed ({{reason}}); free space and continue "
+                                 "with --resume from the last checkpoint", remove=_is_main())
 
 
 def save_checkpoint(run_dir: str | Path, step: int, parts, optimizers, train_state: dict, keep: int = 2) -> Path:
