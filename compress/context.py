@@ -1,7 +1,11 @@
 """What every compression pass is given: the input model, data and a way to score.
 
-A pass is a function ``(model, ctx, **args) -> model``. The context holds what
-passes need beyond the model itself, built once per ``prunus compress`` run:
+A pass is a function ``(model, ctx, **args) -> model`` that returns the model it made
+(the same module when it changed it in place, a new one when it rebuilt it; the runner
+goes on with what it returns) and records what it did in the model's CompressionState
+(``prunus.models.compression_state``), which travels with the model into config.json.
+The context holds what passes need beyond the model itself, built once per
+``prunus compress`` run:
 
 * ``teacher``: the model the run started from (frozen, eval mode), for
   distillation and for greedy-agreement in the report;
