@@ -205,7 +205,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     r = run("train", "--resume", "--out", out, "--no-progress")
     assert r.exit_code == 0, r.output
     assert not (out / "checkpoints" / ".step-99.tmp").exists()
-    note = [line for line in r.stderr.splitlines() if line.startswith("--resume:")]
+    note = [line for line in r.stderr.splitlines() if line.startswith("resume:")]
     assert len(note) == 1 and "step-4 is damaged" in note[0] and "resuming from step-2" in note[0], r.stderr
     assert (out / "model" / "prunus.json").is_file()
 
