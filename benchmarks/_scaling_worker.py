@@ -27,15 +27,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from _baseline import hand_written_loop  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from prunus.data import get_batch, load_corpus  # noqa: E402
+from prunus.models.atomic import atomic_write_json  # noqa: E402
 from prunus.models import Transformer, load_tokenizer  # noqa: E402
-from prunus.train_parallel import TrainConfig, lr_at, read_metrics, train  # noqa: E402
+from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
 from prunus.train_parallel.launch import init_distributed  # noqa: E402
-from prunus.train_parallel.parallel_dims import ParallelDims  # noqa: E402
-from prunus.train_parallel.parallelize import cross_entropy, parallelize  # noqa: E402
+from prunus.train_parallel.parallelize import cross_entropy, parallelize, resolve_layout  # noqa: E402
 from prunus.train_parallel.trainer import build_optimizer, clip_grad_norm  # noqa: E402
 
 
@@ -50,41 +50,11 @@ def run_prunus(cfg: TrainConfig) -> dict:
 
 
 def run_raw(cfg: TrainConfig) -> dict:
-    """The DDP loop a person would write in a few minutes: tokens/s (global) of each step, on rank 0."""
+    """The DDP loop a person would write in a few minutes (``_baseline.py``): tokens/s (global) of each step, on rank 0."""
     rank, world = rank_world()
-    mc = cfg.model_config()
-    seq_len = cfg.resolved_seq_len()
-    corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=mc.vocab_size)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(mc)
-    model.init_weights()
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    local = cfg.batch_size // world
-    batches = [get_batch(corpus.train, seed=cfg.seed, step=s, micro_batch=local, seq_len=seq_len, rank=rank, world=world)
-               for s in range(cfg.steps)]
-    global_tokens = cfg.batch_size * seq_len
-    rates, losses = [], []
-    for step, (x, y) in enumerate(batches):
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        rates.append(global_tokens / (time.perf_counter() - t0))
-    mean_losses = torch.tensor(losses, dtype=torch.float64)  # off the clock: the global mean, as prunus logs it
-    if world > 1:
-        dist.all_reduce(mean_losses)
-        mean_losses /= world
-    return {"tokens_per_s": rates, "losses": mean_losses.tolist()}
+    corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes,
+                         vocab_size=cfg.model_config().vocab_size)
+    return hand_written_loop(cfg, corpus.train, rank=rank, world=world)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -96,22 +66,21 @@ def run_memory(cfg: TrainConfig) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank after one optimizer step."""
     rank, world = rank_world()
     mc = cfg.model_config()
-    dims = ParallelDims(world_size=world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp)
+    cfg, dims = resolve_layout(cfg, world)
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)
     model = Transformer(mc)
     model.init_weights()
     par = parallelize(model, dims, cfg, device)
     part = par.parts[0]
-    zero1_mesh = dims.submesh("dp") if cfg.zero == 1 and dims.dp > 1 else None
-    opt = build_optimizer(part, cfg, zero1_mesh)
-    dp_rank = dims.submesh("dp").get_local_rank() if dims.dp > 1 else 0
+    opt = build_optimizer(part, cfg, dims.zero1_mesh)
+    dp_rank = dims.submesh_rank("dp")
     # the state's bytes do not depend on the tokens: a synthetic stream spares loading the corpus
     x, y = get_batch(np.arange(100_000) % mc.vocab_size, seed=cfg.seed, step=0,
                      micro_batch=cfg.batch_size // dims.dp, seq_len=cfg.resolved_seq_len(), rank=dp_rank, world=dims.dp)
     logits = part(x)
     # FSDP: parameters it holds gathered (unsharded) from forward to backward, on top of their shards
-    gathered = sum(nbytes(p) for p in part.parameters() if not isinstance(p, DTensor)) if cfg.zero in (2, 3) else 0
+    gathered = sum(nbytes(p) for p in part.parameters() if not isinstance(p, DTensor)) if dims.fsdp_enabled else 0
     cross_entropy(logits, y).backward()
     del logits
     clip_grad_norm([part], cfg.grad_clip)
@@ -135,22 +104,26 @@ def run_memory(cfg: TrainConfig) -> dict:
 KINDS = {"prunus": run_prunus, "raw": run_raw, "memory": run_memory}
 
 
+def run_job(job: dict, rank: int) -> dict:
+    """One job's result, or its error (recorded: the group goes on with the next job), with its wall time."""
+    t0 = time.perf_counter()
+    try:
+        result = KINDS[job["kind"]](TrainConfig(**job["config"]))
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        print(f"rank {rank}, {job['name']}: {traceback.format_exc()}", file=sys.stderr)
+    return {**result, "wall_s": time.perf_counter() - t0}
+
+
 def main(spec_path: str, out_path: str) -> None:
     rank, world, _ = init_distributed(600.0)
     results = {"_env": {"world": world, "torch_threads": torch.get_num_threads(),
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}}
     for job in json.loads(open(spec_path).read()):
-        t0 = time.perf_counter()
-        try:
-            results[job["name"]] = KINDS[job["kind"]](TrainConfig(**job["config"]))
-        except Exception as e:  # recorded; the group goes on with the next job
-            results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-            print(f"rank {rank}, {job['name']}: {traceback.format_exc()}", file=sys.stderr)
-        results[job["name"]]["wall_s"] = time.perf_counter() - t0
+        results[job["name"]] = run_job(job, rank)
         if rank == 0:  # after every job: a later hang keeps these
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
+            atomic_write_json(out_path, results)
     if dist.is_initialized():
         dist.destroy_process_group()
 

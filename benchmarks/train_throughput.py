@@ -15,42 +15,15 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from _baseline import hand_written_loop  # noqa: E402
 
-from prunus.data import get_batch, load_corpus  # noqa: E402
-from prunus.models import ByteTokenizer, Transformer  # noqa: E402
-from prunus.train_parallel import TrainConfig, lr_at, read_metrics, train  # noqa: E402
-
-
-def hand_written(cfg: TrainConfig, tokens) -> list[float]:
-    """The loop a person would write in a few minutes: tokens/s of each step."""
-    torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model_config())
-    model.init_weights()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    seq_len = cfg.resolved_seq_len()
-    batches = [get_batch(tokens, seed=cfg.seed, step=s, micro_batch=cfg.batch_size, seq_len=seq_len) for s in range(cfg.steps)]
-    rates = []
-    for step, (x, y) in enumerate(batches):
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        rates.append(x.numel() / (time.perf_counter() - t0))
-    return rates
+from prunus.data import load_corpus  # noqa: E402
+from prunus.models import ByteTokenizer  # noqa: E402
+from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
 
 
 def prunus_trainer(cfg: TrainConfig) -> list[float]:
@@ -73,7 +46,7 @@ def main() -> None:
     corpus = load_corpus(None, ByteTokenizer(), max_bytes=cfg.max_corpus_bytes)
     ours, ref = [], []
     for _ in range(args.rounds):
-        ref += hand_written(cfg, corpus.train)[args.skip :]
+        ref += hand_written_loop(cfg, corpus.train)["tokens_per_s"][args.skip :]
         ours += prunus_trainer(TrainConfig(**cfg.to_dict()))[args.skip :]
     m_ours, m_ref = statistics.median(ours), statistics.median(ref)
     print(f"machine: {os.cpu_count()} CPU threads, torch {torch.__version__}, threads {torch.get_num_threads()}, "

@@ -19,6 +19,7 @@ import traceback
 
 import torch.distributed as dist
 
+from prunus.models.atomic import atomic_write_json
 from prunus.train_parallel import TrainConfig, resume_config, train
 
 
@@ -89,8 +90,7 @@ def main(spec_path: str, out_path: str) -> None:
             print(f"rank {dist.get_rank() if dist.is_initialized() else 0}, {job['name']}: {traceback.format_exc()}",
                   file=sys.stderr)
         if not dist.is_initialized() or dist.get_rank() == 0:  # after every layout: a later hang keeps these
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
+            atomic_write_json(out_path, results)
     if dist.is_initialized():
         dist.destroy_process_group()
 
