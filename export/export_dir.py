@@ -61,7 +61,10 @@ class ExportResult:
 
 
 def _stored_precision(modules: dict[str, QuantizedLinear]) -> str | None:
-    kinds = {"fp8" if m.scheme.startswith("fp8") else "int8" for m in modules.values()}
+    kinds = {"fp8" if m.scheme.startswith("fp8") else "int4" if m.scheme.startswith("int4") else "int8"
+             for m in modules.values()}
+    if kinds == {"int4", "int8"}:  # a mixed-precision recipe (int8 blocks, int4 elsewhere): MatMulNBits and int8
+        return "int4"
     if len(kinds) > 1:
         raise PrunusError("export: the model mixes int8 and fp8 modules; export needs one of them (re-compress)")
     return kinds.pop() if kinds else None
@@ -78,6 +81,8 @@ def _check_request(fmt: str, precision: str | None, stored: str | None, model_di
                               f"(or export its uncompressed parent at {precision})")
         return stored
     precision = precision or "fp32"
+    if fmt == "tensorrt" and precision == "int4":
+        raise PrunusError("--format tensorrt: int4 weights export to ONNX Runtime's MatMulNBits only; use --format onnx")
     if fmt == "tensorrt" and precision == "int8":
         raise PrunusError(f"--format tensorrt --precision int8 takes int8 scales from the graph: compress {model_dir} "
                           "to int8 first (prunus compress) and export the compressed dir")
@@ -154,11 +159,11 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                 if modules:
                     status.update(f"export: {kind} graph, stored {precision} weights ({style})")
                     apply_stored_quantization(proto, modules, style)
-                if precision == "int8" and not modules:
-                    status.update(f"export: {kind} graph, onnxruntime quantize_dynamic (int8)")
+                if precision in ("int8", "int4") and not modules:
+                    status.update(f"export: {kind} graph, onnxruntime MatMulNBits ({precision})")
                     fp32_path = tmp / f".{kind}.fp32.onnx"
                     save_graph(proto, fp32_path, external)
-                    quantize_fp32_graph(fp32_path, path, external)
+                    quantize_fp32_graph(fp32_path, path, external, bits=4 if precision == "int4" else 8)
                     for f in tmp.glob(f".{kind}.fp32.onnx*"):
                         f.unlink()
                     onnx.checker.check_model(str(path))

@@ -1,4 +1,4 @@
 """What an export can be: its formats and its weight precisions (read by the CLI without importing torch)."""
 
 FORMATS = ("onnx", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "int8", "fp8")
+PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")

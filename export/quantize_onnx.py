@@ -10,8 +10,11 @@ Two sources of quantized weights:
   scales (``style="qdq"``, the form TensorRT consumes). float8 is always QDQ with
   FLOAT8E4M3FN weights. Activation quantization of w8a8 schemes is written out in the
   graph as the PyTorch module computes it (per-token absmax, or the calibrated scale).
-* an fp32 graph (``--precision int8``): ONNX Runtime's ``MatMulNBitsQuantizer`` (8-bit
-  symmetric weights in blocks of 32, ``MatMulNBits`` nodes), after :func:`untie_weights`
+* int4 modules (``Int4Linear``) always become ONNX Runtime's ``com.microsoft.MatMulNBits``
+  (bits 4, block = the group size, accuracy level 4) holding the module's own packed bytes,
+  scales and zero points: the same integers, no re-quantization (:func:`_matmul_nbits`).
+* an fp32 graph (``--precision int8`` / ``int4``): ONNX Runtime's ``MatMulNBitsQuantizer`` (8-bit
+  or 4-bit symmetric weights in blocks of 32, ``MatMulNBits`` nodes), after :func:`untie_weights`
   gives a tied output head its own initializer (a weight reached through a Transpose of
   the embedding is not a MatMul initializer).
 """
@@ -147,6 +150,24 @@ def _weight_dq(prefix: str, module) -> tuple[list, list, str]:
     return [node], inits, node.output[0]
 
 
+def _matmul_nbits(a: str, outputs: list[str], prefix: str, module) -> tuple[list, list]:
+    """``MatMulNBits`` of activation ``a`` with an Int4Linear's stored weight: B is its packed bytes viewed as
+    (out, n_blocks, group_size / 2) (prunus packs as MatMulNBits does: low nibble first, groups along the input
+    features), scales (out * n_blocks,), and for asymmetric modules the zero points packed two per byte.
+    ONNX Runtime dequantizes (q - zero_point) * scale with a default zero point of 8, which is prunus's
+    symmetric grid, so a symmetric module writes none."""
+    from prunus.models.int4 import pack_zero_points
+
+    n, k, g = module.out_features, module.in_features, module.group_size
+    inits = [_tensor(f"{prefix}.weight_q4", module.weight.reshape(n, k // g, g // 2)),
+             _tensor(f"{prefix}.weight_scale", module.weight_scale.float().reshape(-1))]
+    if not module.symmetric:
+        inits.append(_tensor(f"{prefix}.weight_zero_point", pack_zero_points(module.weight_zero)))
+    node = helper.make_node("MatMulNBits", [a, *(i.name for i in inits)], outputs, domain=MS_DOMAIN,
+                            name=f"{prefix}.matmul", K=k, N=n, bits=4, block_size=g, accuracy_level=4)
+    return [node], inits
+
+
 def required_opset(modules: dict) -> int:
     """The lowest opset the stored quantization needs: 21 for per-block scales, 19 for float8."""
     if any(m.granularity == "per_group" for m in modules.values()):
@@ -180,6 +201,11 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         name = names.pop(0) if len(names) > 1 else names[0]
         found.add(name)
         m, prefix = modules[name], name
+        if m.scheme == "int4-weight-only":
+            nodes, inits4 = _matmul_nbits(node.input[0], list(node.output), prefix, m)
+            new_nodes += nodes
+            new_inits += inits4
+            continue
         if style == "integer" and not m.scheme.startswith("fp8") and m.granularity != "per_group" \
                 and m.scheme != "w8a8-static":
             wq = m.weight.t().contiguous()
@@ -202,15 +228,16 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
     g.node.extend(new_nodes)
     g.initializer.extend(new_inits)
     _prune_unused(g)
-    if style == "integer" and any(n.domain == MS_DOMAIN for n in g.node):
+    if any(n.domain == MS_DOMAIN for n in g.node):
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return len(found)
 
 
-def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> None:
-    """Weight-only int8 quantization of an fp32 graph with ONNX Runtime's ``MatMulNBitsQuantizer``:
-    8-bit symmetric weights in blocks of 32 along the input features, as ``MatMulNBits`` nodes
+def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False, bits: int = 8) -> None:
+    """Weight-only int8 (``bits`` 8) or int4 (``bits`` 4) quantization of an fp32 graph with ONNX Runtime's
+    ``MatMulNBitsQuantizer`` (its default RTN): symmetric weights in blocks of 32 along the input features, as
+    ``MatMulNBits`` nodes
     (accuracy level 4: activations quantized to int8 per block inside the kernel, the fast CPU path; level 0
     computes in float and decoded SmolLM2-135M at 0.07x of level 4's speed). A tied output head is untied
     first so it is quantized too.
@@ -222,7 +249,7 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False) -> No
     model = onnx.load(str(src))
     untie_weights(model)
     with quiet_loggers():  # the quantizer logs every node it rewrites
-        quantizer = matmul_nbits_quantizer()(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4,
+        quantizer = matmul_nbits_quantizer()(model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
                                              op_types_to_quantize=("MatMul",))
         quantizer.process()
     _save(quantizer.model.model, dst, external_data)
