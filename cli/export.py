@@ -31,7 +31,8 @@ def print_parity(console, title: str, report: dict) -> None:
 
 @click.command("export")
 @click.argument("model_dir", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="onnx", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="onnx", show_default=True,
+              help="onnx: ONNX Runtime graphs; tensorrt: TensorRT engines built from them (needs a GPU).")
 @click.option("--out", required=True, type=click.Path(), help="Export dir to write.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Default: the model's own (fp32, or int8 / fp8 for a compressed dir).")

@@ -42,6 +42,14 @@ def test_every_train_setting_is_an_option_with_help():
     assert options["async_checkpoint"].secondary_opts == ["--sync-checkpoint"]
 
 
+def test_every_option_of_every_verb_has_help():
+    from prunus.cli.main import VERBS
+
+    for verb in VERBS:
+        for p in params(verb).values():
+            assert not isinstance(p, click.Option) or p.hidden or (p.help or "").strip(), (verb, p.opts)
+
+
 def test_a_new_setting_is_one_field():
     @dataclasses.dataclass
     class Settings:
