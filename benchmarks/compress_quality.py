@@ -132,7 +132,64 @@ def section_fp8(bench: Bench) -> None:
                 rows, target=("fp8-weight-only per_channel, last block float (recipe fp8)", 0.01))
 
 
-SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8]
+INT4_GROUP = 64
+
+
+def _torchao_int4(model, names: list[str], method: str, group: int):
+    """``model`` with each named Linear's weight replaced by torchao's int4 rounding of it, dequantized (a peer
+    on the same weights; torchao's int4 kernels do not run on CPU, so the rounding is applied in float):
+    ``tinygemm`` is what ``Int4WeightOnlyConfig`` stores (asymmetric, bfloat16 scales and float zeros),
+    ``hqq`` torchao's HQQ (float zero points)."""
+    from torchao.quantization import quant_primitives as qp
+
+    with torch.no_grad():
+        for name in names:
+            lin = model.get_submodule(name)
+            w = lin.weight.detach().float()
+            if method == "hqq":
+                q, scale, zero, _ = qp._choose_qparams_and_quantize_affine_hqq(
+                    w, nbits=4, group_size=group, axis=1, compute_dtype=torch.float32, device="cpu", raw_output=True)
+                deq = ((q.float().reshape(-1, group) - zero.reshape(-1, 1)) * scale.reshape(-1, 1)).reshape(w.shape)
+            else:
+                block = (1, group)
+                scale, zero = qp._choose_qparams_affine_tinygemm(w, qp.MappingType.ASYMMETRIC, block, torch.int32, 0, 15,
+                                                                 1e-6, torch.bfloat16, torch.bfloat16)
+                q = qp._quantize_affine_tinygemm(w, block, scale, zero, torch.int32, 0, 15)
+                deq = qp._dequantize_affine_tinygemm(q, block, scale, zero, torch.int32, 0, 15, output_dtype=torch.float32)
+            lin.weight.copy_(deq.to(lin.weight.dtype))
+    return model
+
+
+def section_int4(bench: Bench) -> None:
+    """int4 weight-only at group 64, asymmetric: each algorithm, a mixed-precision recipe, and torchao's rounding."""
+    rows = []
+    for algorithm in ("rtn", "gptq", "awq", "hqq"):
+        model = quantize_pass(bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm=algorithm,
+                              group_size=INT4_GROUP, symmetric=False)
+        rows.append(bench.row(f"int4 {algorithm} g{INT4_GROUP}", model))
+    rows.append(bench.row(f"int4 rtn g{INT4_GROUP} symmetric", quantize_pass(
+        bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm="rtn", group_size=INT4_GROUP)))
+    rows.append(bench.row(f"int4 gptq g{INT4_GROUP}, int8 first and last blocks", quantize_pass(
+        bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm="gptq", group_size=INT4_GROUP, symmetric=False,
+        int8=["layers.0", "layers.-1"])))
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        console.print(f"[{bench.name}] torchao peer rows skipped: torchao is not installed")
+    else:
+        from prunus.compress.quantize import linear_names
+
+        names = linear_names(bench.ctx.teacher, ["output"])[0]
+        for method in ("tinygemm", "hqq"):
+            peer = _torchao_int4(bench.fresh(), names, method, INT4_GROUP)
+            rows.append(bench.row(f"peer: torchao int4 {method} g{INT4_GROUP} (float copy)", peer))
+    best = min((r for r in rows if r["pass"] in (f"int4 gptq g{INT4_GROUP}", f"int4 awq g{INT4_GROUP}")),
+               key=lambda r: r["bpb_change"])
+    bench.table(f"int4 weight-only, group {INT4_GROUP}, asymmetric unless said (target: GPTQ or AWQ within +3%); "
+                "torchao rows hold float weights rounded as torchao rounds them", rows, target=(best["pass"], 0.03))
+
+
+SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8, section_int4]
 
 from compress_quality_distill import section_distill as _section_distill  # noqa: E402
 
