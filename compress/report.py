@@ -6,12 +6,12 @@ model), size (parameters, non-zero parameters, exact bytes of model.safetensors)
 latency (prefill of up to 128 tokens, one decode step with the KV cache; the median of
 at most ``LATENCY_RUNS`` runs, fewer once they took ``LATENCY_SECONDS``) and the notes a
 pass left (what it actually removed, say). Written as ``report.json``, ``report.md``
-and ``report.png`` (bits per byte against size).
+and ``report.png`` (the change in bits per byte against size; for unstructured pruning, against
+the effective size of the non-zero weights).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
@@ -131,28 +131,65 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_png(report: dict) -> bytes:
-    import matplotlib
+def is_sparse(report: dict) -> bool:
+    """Whether a pass of the report zeroes weights in place (unstructured or 2:4 pruning): the file does not
+    shrink, the non-zero parameters do."""
+    return any(r["pass"].startswith("prune(") for r in report["rows"])
 
-    matplotlib.use("Agg")
+
+def plot_size(report: dict) -> tuple[list[float], str]:
+    """The x values of the report's plot and their label: MB on disk, or for a report with unstructured pruning
+    the effective size (MB on disk x the non-zero share: what a format storing no zeros would take, before indices)."""
+    rows = report["rows"]
+    if is_sparse(report):
+        return ([r["bytes"] * r["nonzero_params"] / r["params"] / 1e6 for r in rows],
+                "effective size, MB (on disk × non-zero share)")
+    return [r["bytes"] / 1e6 for r in rows], "model.safetensors (MB)"
+
+
+MIN_SPAN_PERCENT = 1.0  # the y axis spans at least one percentage point of bits per byte
+
+
+def report_figure(report: dict):
+    """The report's plot: change in bits per byte (%) against size, one numbered point per row, and a key of
+    the rows beside it. Plain tick values, a minimum span, labels placed clear of each other."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
+    from prunus.train_parallel.plot import fit_text, place_point_labels, plain_ticks, span_limits
+
     rows = report["rows"]
-    mb = [r["bytes"] / 1e6 for r in rows]
-    bpb = [r["val_bpb"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    ax.plot(mb, bpb, "-o", color="tab:blue")
-    for i, r in enumerate(rows):
-        ax.annotate(f"{i}: {r['pass']}", (mb[i], bpb[i]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xlabel("model.safetensors (MB)")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title("quality against size over the passes")
+    xs, xlabel = plot_size(report)
+    ys = [100 * r["bpb_change"] for r in rows]
+    fig = plt.figure(figsize=(8.5, 4.5), dpi=110, layout="constrained")
+    ax, key = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.4, 1]})
+    ax.axhline(0, color="0.6", linewidth=0.8, linestyle="--")
+    ax.plot(xs, ys, "-o", color="tab:blue")
+    ax.set_xlim(*span_limits(xs, min_span=0.1 * max(xs)))
+    ax.set_ylim(*span_limits(ys, min_span=MIN_SPAN_PERCENT))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("Δ bits per byte against the input (%)")
+    ax.set_title("quality against size, pass by pass", fontsize=10)
+    plain_ticks(ax)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    key.set_axis_off()
+    lines = [f"input: {rows[0]['val_bpb']:.4f} bits/byte", f"on {rows[0]['val_tokens']:,} held-out tokens", ""]
+    for i, r in enumerate(rows):
+        name = textwrap.wrap(f"{i}: {r['pass']}", 36, subsequent_indent="   ", break_on_hyphens=False,
+                             break_long_words=False)
+        lines += [*name, f"   {r['val_bpb']:.4f} ({100 * r['bpb_change']:+.2f}%), {xs[i]:.3f} MB"]
+    text = key.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=8, family="monospace",
+                    transform=key.transAxes)
+    fit_text(fig, key, text)  # a long recipe's key shrinks to stay inside the figure
+    place_point_labels(fig, ax, xs, ys, [str(i) for i in range(len(rows))])
+    return fig
+
+
+def render_png(report: dict) -> bytes:
+    from prunus.train_parallel.plot import figure_png
+
+    return figure_png(report_figure(report))
 
 
 def report_files(report: dict) -> dict[str, bytes]:
