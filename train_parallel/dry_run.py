@@ -60,18 +60,19 @@ prints is drawn by :mod:`.dry_run_table`.
 
 Activations (Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", 2022, derived again for this model: SwiGLU, grouped-query
-attention with K/V repeated to all heads, fused SDPA, no dropout). With ``s``
-the sequence length, ``b`` the micro-batch (sequences), ``h`` dim, ``f``
+attention read in place by SDPA (``enable_gqa``), fused SDPA, no dropout). With
+``s`` the sequence length, ``b`` the micro-batch (sequences), ``h`` dim, ``g``
+the width of the keys (and of the values), ``n_kv_heads * head_dim``, ``f``
 ffn_dim, ``n`` n_heads, ``t`` tp, ``B`` bytes per activation element (2 under
 --bf16, else 4), autograd keeps for backward, per block and micro-batch::
 
-    block  = s*b*(2*h + (8*h + 4*f)/t) * B  +  s*b*(2 + n/t) * 4
+    block  = s*b*(2*h + (6*h + 2*g + 4*f)/t) * B  +  s*b*(2 + n/t) * 4
 
 ``2h``: the inputs of the q/k/v and w1/w3 projections, gathered over the
 sequence (torch's sequence parallelism saves the gathered tensor, where
-Megatron saves the shard); ``8h/t``: each RMSNorm's input and normalised
-output (sequence-sharded under SP), q, the repeated k and v, the attention
-output (its reshape for wo is a view); ``4f/t``: w1's output, silu's, w3's and
+Megatron saves the shard); ``(6h + 2g)/t``: each RMSNorm's input and normalised
+output (sequence-sharded under SP), q, k and v (at the kv heads' width), the
+attention output (its reshape for wo is a view); ``4f/t``: w1's output, silu's, w3's and
 their product; fp32: the norms' rstd and attention's logsumexp. Fused
 attention (flash / memory-efficient) keeps no ``s^2`` scores, so Megatron's
 ``5*a*s^2*b`` term is absent. For comparison, Megatron's GPT block (GeLU MLP
@@ -95,7 +96,8 @@ under --bf16 autocast keeps the residual stream in fp32, so it is a little low.
   activations are counted for one micro-batch, except under GPipe / LoopedBFS.
 * context parallelism (``--cp``): every term above is per token and each rank
   holds ``s/cp`` tokens of every sequence, so ``s`` is ``s/cp`` throughout (ring
-  attention saves what fused SDPA saves, for the local queries), plus the rotary
+  attention saves what fused SDPA saves, for the local queries; both ring and
+  Ulysses repeat the keys and values to every head first, so ``g`` is ``h``), plus the rotary
   tables gathered at the rank's positions, ``2 * s/cp * head_dim * 4`` per
   micro-batch. Ulysses' SDPA saves head-sharded whole sequences (the same bytes as
   q, k, v) and its own output, which is no longer the tensor wo keeps: one more
@@ -230,7 +232,9 @@ def _block_activations(cfg: TrainConfig, dims: ParallelDims, compute_bytes: int)
     # s: the tokens of each sequence on this rank (all of them but under context parallelism)
     s, h, f, n, t = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, dims.tp
     b = _micro_batch(cfg, dims)
-    block = s * b * (2 * h + (8 * h + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
+    # keys and values: at the kv heads' width; context parallelism repeats them to every head before attention
+    g = h if dims.cp > 1 else model_cfg.n_kv_heads * model_cfg.head_dim
+    block = s * b * (2 * h + (6 * h + 2 * g + 4 * f) / t) * compute_bytes + s * b * (2 + n / t) * 4
     if model_cfg.n_experts:  # mixture of experts: the routed and shared experts' hidden, gathered inputs, router
         k, f_moe, e = model_cfg.top_k, model_cfg.moe_ffn_dim, model_cfg.n_experts
         block += s * b * (4 * f_moe * (k + model_cfg.n_shared_experts) - 4 * f + 2 * k * h) * compute_bytes
