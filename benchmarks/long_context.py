@@ -39,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _tables import fmt, goal, ratio, show  # noqa: E402
 
 MiB = 1 << 20
 VARIANTS = ("cp1", "ring", "ulysses")
@@ -128,22 +129,6 @@ def worker(spec: dict, out_path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- sections (parent)
 
-def show(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    Console(width=120).print(table)
-
-
-def fmt(v, spec: str = ",.0f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def planned_activations(args, cp: int, impl: str) -> int:
     """The dry run's activation estimate per rank for this benchmark's shape (``prunus train --dry-run``)."""
     from prunus.train_parallel import TrainConfig
@@ -196,14 +181,10 @@ def long_context_section(args) -> dict:
          [[label[v], fmt(mem.get(v, None) and mem[v] / MiB, ",.1f"), fmt(plans[v] / MiB, ",.1f"), fmt(rate.get(v)),
            fmt(loss.get(v) - loss["cp1"] if v in loss and "cp1" in loss else None, ".2e")] for v in VARIANTS])
 
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
     rows = []
     for v in ("ring", "ulysses"):
         m = ratio(mem.get(v), mem.get("cp1"))
-        rows.append([f"activation memory per rank, {v} / cp=1", fmt(m, ".3f"), "<= 0.6",
-                     "n/a" if m is None else ("yes" if m <= 0.6 else "no")])
+        rows.append([f"activation memory per rank, {v} / cp=1", fmt(m, ".3f"), "<= 0.6", goal(m, lambda x: x <= 0.6)])
     for v in ("ring", "ulysses"):
         rows.append([f"tokens/s, {v} / cp=1", fmt(ratio(rate.get(v), rate.get("cp1")), ".3f"), "", ""])
     rows.append(["tokens/s, ring / ulysses", fmt(ratio(rate.get("ring"), rate.get("ulysses")), ".3f"), "", ""])

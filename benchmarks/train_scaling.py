@@ -40,6 +40,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _tables import fmt, goal, ratio, show  # noqa: E402
 
 from prunus.train_parallel import TrainConfig  # noqa: E402
 
@@ -88,38 +89,8 @@ def max_loss_diff(a: dict | None, b: dict | None) -> float | None:
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
-def show(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        print(f"\n{title}")
-        print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths))))
-        for r in rows:
-            print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        return
-    table = Table(title=title, title_justify="left")
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=max(120, len(title) + 4)).print(table)
-
-
-def fmt(v: float | None, spec: str = ",.0f", none: str = "n/a") -> str:
-    return none if v is None else format(v, spec)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def goal(v: float | None, ok) -> str:
-    return "n/a" if v is None else ("yes" if ok(v) else "no")
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The arguments, with --steps, --rounds, --skip and --seq-len resolved (--quick changes their defaults)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=None, help="steps of each timed run (default 20; 5 with --quick)")
@@ -131,19 +102,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a fast smoke run: few short steps, one round (figures meaningless)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed to each spawn")
     args = ap.parse_args()
-    steps = args.steps or (5 if args.quick else 20)
-    rounds = args.rounds or (1 if args.quick else 2)
-    skip = args.skip if args.skip is not None else (2 if args.quick else 3)
-    seq_len = args.seq_len or (64 if args.quick else None)
-    if skip >= steps:
-        ap.error(f"--skip {skip} leaves no timed step of --steps {steps}")
+    args.steps = args.steps or (5 if args.quick else 20)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.skip = args.skip if args.skip is not None else (2 if args.quick else 3)
+    args.seq_len = args.seq_len or (64 if args.quick else None)
+    if args.skip >= args.steps:
+        ap.error(f"--skip {args.skip} leaves no timed step of --steps {args.steps}")
     if args.batch_size % 2:
         ap.error(f"--batch-size {args.batch_size} must split over 2 ranks")
+    return args
 
-    base = TrainConfig(preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=seq_len, warmup_steps=5,
-                       eval_every=10**9, eval_tokens=4096, ckpt_every=0, progress=False, max_corpus_bytes=4 << 20,
-                       timeout_s=600)
-    base.validate()
+
+def run_all(args, base: TrainConfig) -> dict:
+    """Every spawn: 2 ranks (the two DDP loops alternating, then memory at 2 ranks), one process at 1 and 2
+    threads, memory at the other world sizes. Results by spawn, with the load average and the wall time."""
+    rounds = args.rounds
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prunus-scaling-") as d:
@@ -152,7 +125,6 @@ def main() -> None:
         def job(kind: str, name: str, **changes) -> dict:
             return {"kind": kind, "name": name, "config": {**base.to_dict(), "out": str(tmp / name), **changes}}
 
-        # 2 ranks: the two DDP loops alternate, then the memory measurement at 2 ranks
         two = [j for r in range(rounds) for j in (job("raw", f"raw_ddp{r}"), job("prunus", f"prunus_ddp{r}", zero=0))]
         mem_cfg = dict(steps=1, seq_len=min(64, base.resolved_seq_len()))
         mem = {n: [job("memory", f"mem{n}_zero{z}", zero=z, batch_size=n, **mem_cfg) for z in STAGES]
@@ -163,26 +135,29 @@ def main() -> None:
         r_mem = {2: r2}
         for n, jobs in mem.items():
             r_mem[n] = spawn(n, 1, jobs, tmp, f"memory-x{n}", args.timeout)
-    wall = time.perf_counter() - t_start
-    load_after = os.getloadavg()
+    return {"r2": r2, "r1t1": r1t1, "r1t2": r1t2, "mem": r_mem, "load": (load_before, os.getloadavg()),
+            "wall": time.perf_counter() - t_start}
 
-    # ---- throughput
+
+def throughput_section(args, base: TrainConfig, res: dict) -> None:
+    """Tokens/s of each loop, the ratios against their goals, and the loss agreement that shows equal work."""
+    rounds, skip, r2, r1t1, r1t2 = args.rounds, args.skip, res["r2"], res["r1t1"], res["r1t2"]
     names = lambda prefix: [f"{prefix}{r}" for r in range(rounds)]  # noqa: E731
     ddp, n_ddp = timed(r2, names("prunus_ddp"), skip)
     raw, n_raw = timed(r2, names("raw_ddp"), skip)
     one1, n_one1 = timed(r1t1, names("prunus_1t"), skip)
     one2, n_one2 = timed(r1t2, names("prunus_2t"), skip)
 
-    def threads(res: dict) -> str:
-        env = res.get("_env", {})
+    def threads(r: dict) -> str:
+        env = r.get("_env", {})
         return f"{env.get('torch_threads', '?')}" if env else "?"
 
-    mc = base.model_config()
+    (load_before, load_after), mc = res["load"], base.model_config()
     print(f"\nmachine: {os.cpu_count()} CPU threads ({len(os.sched_getaffinity(0))} usable), {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min), {wall:.0f} s in all")
+          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min), {res['wall']:.0f} s in all")
     print(f"model: {args.preset} ({mc.num_params():,} params), global batch {base.batch_size} x seq {base.resolved_seq_len()} "
-          f"= {base.tokens_per_step:,} tokens/step, {steps} steps x {rounds} round(s), median of steps after {skip}")
+          f"= {base.tokens_per_step:,} tokens/step, {args.steps} steps x {rounds} round(s), median of steps after {skip}")
     show("Throughput (same global batch, same batches)", ["run", "procs x threads", "tokens/s", "steps timed"], [
         ["prunus DDP (zero 0)", f"2 x {threads(r2)}", fmt(ddp), str(n_ddp)],
         ["raw torch DDP loop", f"2 x {threads(r2)}", fmt(raw), str(n_raw)],
@@ -196,32 +171,32 @@ def main() -> None:
         ["prunus DDP x2 / prunus 1 process, 2 threads", fmt(q_2, ".3f"), ">= 1.4", goal(q_2, lambda v: v >= 1.4)],
     ])
     checks = [(f"raw DDP round {r + 1}", r2.get(f"raw_ddp{r}")) for r in range(rounds)]
-    checks += [(f"prunus 1 process x {t} thread(s), round {r + 1}", res.get(f"prunus_{t}t{r}"))
-               for t, res in ((1, r1t1), (2, r1t2)) for r in range(rounds)]
+    checks += [(f"prunus 1 process x {t} thread(s), round {r + 1}", one.get(f"prunus_{t}t{r}"))
+               for t, one in ((1, r1t1), (2, r1t2)) for r in range(rounds)]
     diffs = [(label, max_loss_diff(r2.get("prunus_ddp0"), other)) for label, other in checks]
     print("same computation (max |loss difference| per step against prunus DDP round 1): "
           + ", ".join(f"{label} {fmt(v, '.1e')}" for label, v in diffs))
 
-    # ---- memory
-    rows = []
-    for n in args.memory_ranks:
-        res = r_mem.get(n, {})
-        ref = res.get(f"mem{n}_zero0", {}).get("per_rank")
-        P, G, O = (max(r[k] for r in ref) for k in ("params", "grads", "opt_state")) if ref else (None, None, None)
-        for z, stage in STAGES.items():
-            per_rank = res.get(f"mem{n}_zero{z}", {}).get("per_rank")
-            if not per_rank:
-                rows.append([f"{stage} x {n}"] + ["n/a"] * 9)
-                continue
-            totals = [r["params"] + r["grads"] + r["opt_state"] for r in per_rank]
-            worst = per_rank[totals.index(max(totals))]
-            ideal = {0: P + G + O, 1: P + G + O / n, 2: P + (G + O) / n, 3: (P + G + O) / n}[z] if ref else None
-            m_i = ratio(max(totals), ideal)
-            rows.append([f"{stage} x {n}", f"{worst['params'] / MiB:.2f}", f"{worst['grads'] / MiB:.2f}",
-                         f"{worst['opt_state'] / MiB:.2f}", f"{max(totals) / MiB:.2f} ({min(totals) / MiB:.2f})",
-                         fmt(ratio(max(totals), P + G + O if ref else None), ".3f"), fmt(ideal and ideal / MiB, ".2f"),
-                         fmt(m_i, ".3f"), goal(m_i, lambda v: v <= 1.05),
-                         f"{max(r['gathered_fwd'] for r in per_rank) / MiB:.2f}"])
+
+def memory_row(n: int, z: int, res: dict) -> list[str]:
+    """One row of the memory table: stage ``z`` at ``n`` ranks, against DDP's bytes and the ideal 1/n share."""
+    ref = res.get(f"mem{n}_zero0", {}).get("per_rank")
+    P, G, O = (max(r[k] for r in ref) for k in ("params", "grads", "opt_state")) if ref else (None, None, None)
+    per_rank = res.get(f"mem{n}_zero{z}", {}).get("per_rank")
+    if not per_rank:
+        return [f"{STAGES[z]} x {n}"] + ["n/a"] * 9
+    totals = [r["params"] + r["grads"] + r["opt_state"] for r in per_rank]
+    worst = per_rank[totals.index(max(totals))]
+    ideal = {0: P + G + O, 1: P + G + O / n, 2: P + (G + O) / n, 3: (P + G + O) / n}[z] if ref else None
+    m_i = ratio(max(totals), ideal)
+    return [f"{STAGES[z]} x {n}", f"{worst['params'] / MiB:.2f}", f"{worst['grads'] / MiB:.2f}",
+            f"{worst['opt_state'] / MiB:.2f}", f"{max(totals) / MiB:.2f} ({min(totals) / MiB:.2f})",
+            fmt(ratio(max(totals), P + G + O if ref else None), ".3f"), fmt(ideal and ideal / MiB, ".2f"),
+            fmt(m_i, ".3f"), goal(m_i, lambda v: v <= 1.05), f"{max(r['gathered_fwd'] for r in per_rank) / MiB:.2f}"]
+
+
+def memory_section(args, res: dict) -> None:
+    rows = [memory_row(n, z, res["mem"].get(n, {})) for n in args.memory_ranks for z in STAGES]
     show("Model state per rank after one optimizer step, MiB (parameters + gradients + optimizer state of the rank "
          "holding most; the least in brackets)",
          ["stage x ranks", "params", "grads", "opt state", "total (min)", "/ DDP", "ideal", "measured / ideal",
@@ -233,6 +208,18 @@ def main() -> None:
           "parameters sharded, like ZeRO-3's, so ZeRO-2 at rest measures below its ideal.\n"
           "Not counted: DDP's gradient buckets (about the gradients' bytes again, DDP and ZeRO-1), activations, "
           "FSDP's transient communication buffers.")
+
+
+def main() -> None:
+    args = parse_args()
+    base = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                       warmup_steps=5, eval_every=10**9, eval_tokens=4096, ckpt_every=0, progress=False,
+                       max_corpus_bytes=4 << 20, timeout_s=600)
+    base.validate()
+    res = run_all(args, base)
+    throughput_section(args, base, res)
+    memory_section(args, res)
+
 
 if __name__ == "__main__":
     sys.exit(main())
