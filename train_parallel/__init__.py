@@ -9,7 +9,7 @@ from prunus.models.lazy import lazy_package
 _EXPORTS = {
     "list_checkpoints": "checkpoint", "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
     "TrainConfig": "config", "read_metrics": "metrics", "resume_config": "run_dir", "lr_at": "schedule",
-    "TrainResult": "trainer", "train": "trainer",
+    "Trainer": "trainer", "TrainResult": "trainer", "train": "trainer",
 }
 __all__ = list(_EXPORTS)
 lazy_package(__name__, _EXPORTS)
