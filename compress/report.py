@@ -3,8 +3,9 @@
 Each row holds quality (validation loss, bits per byte with the number of held-out
 tokens behind it, its change against the input, greedy-token agreement with the input
 model), size (parameters, non-zero parameters, exact bytes of model.safetensors), CPU
-latency (prefill of up to 128 tokens, one decode step with the KV cache; the median of
-at most ``LATENCY_RUNS`` runs, fewer once they took ``LATENCY_SECONDS``) and the notes a
+latency (prefill of up to 128 tokens, one decode step with the KV cache; the median and the
+min–max range of at most ``LATENCY_RUNS`` runs, fewer once they took ``LATENCY_SECONDS``, with a
+difference whose ranges overlap the input row's marked as within noise) and the notes a
 pass left (what it actually removed, say). Written as ``report.json``, ``report.md``
 and ``report.png`` (the change in bits per byte against size; for unstructured pruning, against
 the effective size of the non-zero weights).
@@ -25,7 +26,7 @@ from prunus.models.model_dir import state_dict_for_save
 from prunus.models.quantized import QuantizedLinear, count_params
 
 N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
-PREFILL_LEN, LATENCY_RUNS, LATENCY_SECONDS = 128, 5, 2.0
+PREFILL_LEN, LATENCY_RUNS, LATENCY_MIN_RUNS, LATENCY_SECONDS = 128, 7, 3, 2.0
 
 
 def bytes_on_disk(model) -> int:
@@ -52,13 +53,14 @@ def greedy(model, prompts: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def latency_ms(model, ctx) -> dict:
-    """Median milliseconds of a prefill and of one decode step after it (batch 1): one warm-up run,
-    then LATENCY_RUNS timed runs, or fewer (at least 2) once the timed runs took LATENCY_SECONDS."""
+    """Milliseconds of a prefill and of one decode step after it (batch 1): one warm-up run, then
+    LATENCY_RUNS timed runs, or fewer (at least LATENCY_MIN_RUNS) once the timed runs took LATENCY_SECONDS.
+    Returns the medians and the [min, max] range of the runs, so a reader can tell noise from a difference."""
     length = min(PREFILL_LEN, model.config.max_seq_len - 1, len(ctx.val_tokens))
     tokens = torch.from_numpy(ctx.val_tokens[:length].astype("int64"))[None]
     prefill, decode = [], []
     for i in range(LATENCY_RUNS + 1):
-        if len(prefill) >= 2 and sum(prefill) + sum(decode) > LATENCY_SECONDS:
+        if len(prefill) >= LATENCY_MIN_RUNS and sum(prefill) + sum(decode) > LATENCY_SECONDS:
             break
         cache = KVCache.for_model(model, 1, max_len=length + 1)
         t0 = time.perf_counter()
@@ -67,10 +69,30 @@ def latency_ms(model, ctx) -> dict:
         model(logits[:, -1:].argmax(-1), cache=cache)
         t2 = time.perf_counter()
         if i:  # the first run warms up
-            prefill.append(t1 - t0)
-            decode.append(t2 - t1)
-    return {"prefill_ms": 1e3 * statistics.median(prefill), "decode_ms": 1e3 * statistics.median(decode),
+            prefill.append(1e3 * (t1 - t0))
+            decode.append(1e3 * (t2 - t1))
+    return {"prefill_ms": statistics.median(prefill), "prefill_ms_range": [min(prefill), max(prefill)],
+            "decode_ms": statistics.median(decode), "decode_ms_range": [min(decode), max(decode)],
             "prefill_tokens": length, "latency_runs": len(prefill)}
+
+
+def within_noise(row: dict, base: dict, key: str) -> bool:
+    """Whether ``row``'s runs of ``key`` (prefill_ms / decode_ms) overlap ``base``'s: a difference within noise."""
+    if f"{key}_range" not in row or f"{key}_range" not in base:
+        return False
+    (lo, hi), (base_lo, base_hi) = row[f"{key}_range"], base[f"{key}_range"]
+    return lo <= base_hi and base_lo <= hi
+
+
+def latency_cell(row: dict, base: dict | None, key: str) -> str:
+    """A latency cell: median, [min–max] of the runs, and "≈" when the range overlaps the input row's."""
+    text = f"{row[key]:.2f}"
+    if f"{key}_range" in row:
+        lo, hi = row[f"{key}_range"]
+        text += f" [{lo:.2f}–{hi:.2f}]"
+    if base is not None and row is not base and within_noise(row, base, key):
+        text = "≈ " + text
+    return text
 
 
 def report_row(name: str, model, ctx, *, reference: torch.Tensor, prompts: torch.Tensor, base: dict | None = None,
@@ -112,13 +134,15 @@ def render_markdown(report: dict) -> str:
     lines = [f"# Compression report: {report['source']}", "",
              f"eval: {rows[0]['val_tokens']:,} held-out tokens of {report.get('corpus', 'the corpus')} in windows of "
              f"{report.get('seq_len')} tokens; agreement: {N_PROMPTS} prompts x {NEW_TOKENS} greedy tokens; "
-             f"latency: batch 1, median of up to {LATENCY_RUNS} runs within {LATENCY_SECONDS:g} s (OMP_WAIT_POLICY={report.get('omp_wait_policy')}, {report.get('threads')} threads)", "",
+             f"latency: batch 1, median [min–max] of {rows[0].get('latency_runs', LATENCY_RUNS)} runs (up to {LATENCY_RUNS} "
+             f"within {LATENCY_SECONDS:g} s; OMP_WAIT_POLICY={report.get('omp_wait_policy')}, {report.get('threads')} threads); "
+             "≈: the runs overlap the input row's, a difference within noise", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows):
         cells = [str(i), r["pass"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.2f}%",
                  f"{100 * r['agreement']:.1f}%", f"{r['params']:,}", f"{r['nonzero_params']:,}", f"{r['bytes'] / 1e6:.3f}"]
         if has_latency:
-            cells += [f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}"]
+            cells += [latency_cell(r, rows[0], "prefill_ms"), latency_cell(r, rows[0], "decode_ms")]
         lines.append("| " + " | ".join(cells) + " |")
     if "seconds" in report:
         sec = report["seconds"]
