@@ -158,7 +158,7 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "JSON object"),
         (json.dumps({"max_tokens": 4}).encode(), "'prompt'"),
-        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_new_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens=-1"),  # the request's field, not the API's
         (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "exceeds the context"),
         (json.dumps({"prompt": "x" * 2000, "max_tokens": 1}).encode(), "exceeds the context"),
         (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature"),
