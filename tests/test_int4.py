@@ -217,3 +217,44 @@ def test_int4_model_dir_round_trip(tmp_path, tiny_model, ctx):
     assert state["layers.0.attention.wq.weight"].shape == (64, 32)
     assert state["layers.0.attention.wq.weight_zero"].shape == (64, 1)
     assert "model.safetensors" in read_manifest(tmp_path / "m")["files"]
+
+
+def test_cli_int4_compress_and_bad_input(tmp_path, trained_run, text_file):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+    from prunus.models import load_model
+
+    run = lambda *a: CliRunner().invoke(cli, [str(x) for x in a])  # noqa: E731
+    common = ["--data", text_file, "--eval-tokens", 1024, "--max-corpus-bytes", 200000, "--no-latency"]
+    model_dir, out = trained_run / "model", tmp_path / "int4"
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text("passes:\n  - quantize: {scheme: int4-weight-only, algorithm: gptq, symmetric: false, "
+                      "n_calib: 2, int8: [layers.-1]}\n")
+    r = run("compress", model_dir, "--recipe", recipe, "--out", out, *common)
+    assert r.exit_code == 0, r.output
+    report = (out / "report.md").read_text()
+    assert "int4-weight-only (gptq, asymmetric, group 64): 7 modules; int8-weight-only: layers.1; float: output" in report
+    model = load_model(out)
+    assert isinstance(model.layers["0"].feed_forward.w2, Int4Linear) and model.layers["0"].feed_forward.w2.group_size == 64
+    for text, needles in [
+        ("{scheme: int4-weight-only, group_size: 128}", ["quantize layers.0.attention.wq", "does not divide in_features 64"]),
+        ("{scheme: int4-weight-only, algorithm: squeeze}", ["unknown int4 algorithm 'squeeze'"]),
+        ("{scheme: int4-weight-only, algorithm: gptq, n_calib: 0}", ["n_calib"]),
+    ]:
+        recipe.write_text(f"passes:\n  - quantize: {text}\n")
+        _last_line_error(run("compress", model_dir, "--recipe", recipe, "--out", tmp_path / "o", *common), *needles)
+        assert not (tmp_path / "o").exists()
+    _last_line_error(run("compress", out, "--quantize", "int4-weight-only", "--out", tmp_path / "o", *common),
+                     "already int4")
+    assert not (tmp_path / "o").exists()
+
+
+def _last_line_error(result, *needles):
+    """Exit code 2 and, after the runner's progress lines (the pass being run), one Error line with the needles."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("Error: ") and sum(line.startswith("Error") for line in lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
