@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +36,19 @@ from prunus.compress.report import greedy, latency_ms, prompts_from, report_row 
 from prunus.compress.smoothquant import smoothquant_pass  # noqa: E402
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS  # noqa: E402
 from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402  (this folder is on sys.path)
+from _spread import spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo" / "model"
 DISTILL_MAX_PARAMS = 20_000_000
 SMOOTHQUANT_ALPHA = 0.8  # what the w8a8-smoothquant recipe uses
 console = Console(width=150)
+
+
+def ratio_cell(q: tuple[float, float, float]) -> str:
+    """A latency ratio to fp32 from (q1, median, q3) of paired runs: ``≈`` when the range holds 1 (within noise)."""
+    lo, mid, hi = q
+    return f"{'≈ ' if lo <= 1 <= hi else ''}{mid:.2f}x [{lo:.2f}–{hi:.2f}]"
 
 
 class Bench:
@@ -67,19 +73,21 @@ class Bench:
         return r
 
     def paired_latency(self, model, runs: int = 7) -> dict:
-        """Latency of ``model`` over the fp32 model's, timed alternately so both see the same machine load."""
+        """Latency of ``model`` over the fp32 model's, timed alternately so both see the same machine load:
+        the median ratio of ``runs`` pairs and the interquartile range of the ratios (a range holding 1 is noise)."""
         prefill, decode = [], []
         for _ in range(runs):
             a, b = latency_ms(self.ctx.teacher, self.ctx), latency_ms(model, self.ctx)
             prefill.append(b["prefill_ms"] / a["prefill_ms"])
             decode.append(b["decode_ms"] / a["decode_ms"])
-        return {"prefill_ratio": statistics.median(prefill), "decode_ratio": statistics.median(decode)}
+        return {"prefill_ratio": spread(prefill), "decode_ratio": spread(decode)}
 
     def table(self, title: str, rows: list[dict], target: tuple[str, float] | None = None) -> None:
         """Print rows beside fp32; ``target`` (row name, max relative bpb increase) is checked and shown."""
         t = Table(title=f"[{self.name}] {title}", title_justify="left",
                   caption=f"bits per byte on {self.base['val_tokens']:,} held-out tokens of {self.ctx.corpus_name}, "
-                          f"windows of {self.ctx.seq_len}", caption_justify="left")
+                          f"windows of {self.ctx.seq_len}" + ("; latency ratios: median [interquartile range] of 7 paired runs, "
+                          "≈ where the range holds 1 (within noise)" if self.latency else ""), caption_justify="left")
         for col in ("variant", "bits/byte", "Δ bpb vs fp32", "greedy agree", "MB", "size ratio", "prefill ratio",
                     "decode ratio"):
             t.add_column(col, justify="left" if col == "variant" else "right")
@@ -87,7 +95,7 @@ class Bench:
         for r in [b, *rows]:
             t.add_row(r["pass"], f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.3f}%", f"{100 * r['agreement']:.1f}%",
                       f"{r['bytes'] / 1e6:.3f}", f"{r['bytes'] / b['bytes']:.3f}x",
-                      *(f"{r[k]:.2f}x" if k in r else ("1.00x" if r is b and self.latency else "-")
+                      *(ratio_cell(r[k]) if k in r else ("1.00x" if r is b and self.latency else "-")
                         for k in ("prefill_ratio", "decode_ratio")))
         console.print(t)
         if target is not None:

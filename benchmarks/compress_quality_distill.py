@@ -38,21 +38,29 @@ def n_params(model) -> int:
 
 
 def plot(curves: dict, points: dict, path: Path) -> None:
+    """Training curves of the students, and bits per byte against parameters (labels placed clear of each other)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    from prunus.train_parallel.plot import place_point_labels, plain_ticks, span_limits
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     for name, losses in curves.items():
         a.plot(range(1, len(losses) + 1), losses, label=name)
-    a.set(xlabel="step", ylabel="training loss (its own objective)", title="students, same token budget")
-    a.legend()
-    for name, (params, bpb) in points.items():
-        b.scatter(params / 1e6, bpb, s=40)
-        b.annotate(name, (params / 1e6, bpb), textcoords="offset points", xytext=(5, 5))
-    b.set(xlabel="parameters (M)", ylabel="validation bits per byte", title="quality against size")
-    fig.tight_layout()
+    a.set(xlabel="step", ylabel="training loss (its own objective)")
+    a.set_title("students, same token budget", fontsize=10)
+    a.legend(loc="upper right")
+    xs, ys = [p / 1e6 for p, _ in points.values()], [bpb for _, bpb in points.values()]
+    b.plot(xs, ys, "o", color="tab:blue")
+    b.set_xlim(*span_limits(xs, min_span=0.2 * max(xs), pad=0.3))
+    b.set_ylim(*span_limits(ys, min_span=0.01 * min(ys), pad=0.3))
+    b.set(xlabel="parameters (M)", ylabel="validation bits per byte")
+    b.set_title("quality against size", fontsize=10)
+    for ax in (a, b):
+        plain_ticks(ax)
+    place_point_labels(fig, b, xs, ys, list(points))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

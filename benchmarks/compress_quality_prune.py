@@ -93,20 +93,26 @@ def section(model_dir: str, *, eval_tokens: int = 32768, max_corpus_bytes: int =
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Bits per byte against non-zero parameters: numbered points, a key beside them, plain tick values."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.scatter(r["nonzero"] / 1e6, r["val_bpb"], s=30)
-        ax.annotate(r["name"], (r["nonzero"] / 1e6, r["val_bpb"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.set_xlabel("nonzero parameters (M)")
+    from prunus.train_parallel.plot import key_text, place_point_labels, plain_ticks, span_limits
+
+    xs, ys = [r["nonzero"] / 1e6 for r in rows], [r["val_bpb"] for r in rows]
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(9, 4.5), layout="constrained", gridspec_kw={"width_ratios": [2.2, 1]})
+    ax.plot(xs, ys, "o", color="tab:blue")
+    ax.set_xlim(*span_limits(xs, min_span=0.1 * max(xs)))
+    ax.set_ylim(*span_limits(ys, min_span=0.01 * min(ys)))  # at least 1% of bits per byte
+    ax.set_xlabel("non-zero parameters (M)")
     ax.set_ylabel("validation bits per byte (lower is better)")
-    ax.set_title("pruning: quality against size")
+    ax.set_title("pruning: quality against size", fontsize=10)
+    plain_ticks(ax)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    key_text(fig, key, [f"{i}: {r['name']}  {r['val_bpb']:.4f}" for i, r in enumerate(rows)])
+    place_point_labels(fig, ax, xs, ys, [str(i) for i in range(len(rows))])
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

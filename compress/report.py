@@ -181,7 +181,7 @@ def report_figure(report: dict):
 
     import matplotlib.pyplot as plt
 
-    from prunus.train_parallel.plot import fit_text, place_point_labels, plain_ticks, span_limits
+    from prunus.train_parallel.plot import key_text, place_point_labels, plain_ticks, span_limits
 
     rows = report["rows"]
     xs, xlabel = plot_size(report)
@@ -197,15 +197,12 @@ def report_figure(report: dict):
     ax.set_title("quality against size, pass by pass", fontsize=10)
     plain_ticks(ax)
     ax.grid(alpha=0.3)
-    key.set_axis_off()
     lines = [f"input: {rows[0]['val_bpb']:.4f} bits/byte", f"on {rows[0]['val_tokens']:,} held-out tokens", ""]
     for i, r in enumerate(rows):
         name = textwrap.wrap(f"{i}: {r['pass']}", 36, subsequent_indent="   ", break_on_hyphens=False,
                              break_long_words=False)
         lines += [*name, f"   {r['val_bpb']:.4f} ({100 * r['bpb_change']:+.2f}%), {xs[i]:.3f} MB"]
-    text = key.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=8, family="monospace",
-                    transform=key.transAxes)
-    fit_text(fig, key, text)  # a long recipe's key shrinks to stay inside the figure
+    key_text(fig, key, lines)  # a long recipe's key shrinks to stay inside the figure
     place_point_labels(fig, ax, xs, ys, [str(i) for i in range(len(rows))])
     return fig
 

@@ -78,6 +78,15 @@ def fit_text(fig, ax, text, min_size: float = 5.0) -> None:
         text.set_fontsize(text.get_fontsize() - 0.5)
 
 
+def key_text(fig, ax, lines: list[str], fontsize: float = 8.0):
+    """A key (one line per entry) in its own axes, top left, shrunk until it fits; the axes' frame is hidden."""
+    ax.set_axis_off()
+    text = ax.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=fontsize, family="monospace",
+                   transform=ax.transAxes)
+    fit_text(fig, ax, text)
+    return text
+
+
 def figure_png(fig) -> bytes:
     """The figure as PNG bytes (the figure is closed)."""
     buf = io.BytesIO()
