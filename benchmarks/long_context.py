@@ -201,7 +201,7 @@ def plot(result: dict, path: Path, seq_len: int) -> None:
     names = [v for v in VARIANTS if v in result["mem"]]
     if not names:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     a.bar(names, [result["mem"][v] / MiB for v in names], color="tab:blue", label="measured (saved tensors)")
     a.plot(names, [result["plans"][v] / MiB for v in names], "o", color="black", label="dry-run estimate")
     a.set_ylabel("MiB per rank")
@@ -210,7 +210,6 @@ def plot(result: dict, path: Path, seq_len: int) -> None:
     b.bar(names, [result["rate"][v] or 0 for v in names], color="tab:green")
     b.set_ylabel("tokens/s (global batch)")
     b.set_title("throughput")
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

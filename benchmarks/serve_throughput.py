@@ -249,13 +249,13 @@ def plot(rows: list[tuple[str, float]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.2), layout="constrained")
     ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="tab:green")
+    ax.set_xlim(0, 1.12 * max(r[1] for r in rows))  # room for the value printed after the longest bar
     for i, (_, v) in enumerate(rows[::-1]):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xlabel("generated tokens/s")
     ax.set_title("prunus serving throughput (one run, same machine)")
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
