@@ -277,18 +277,23 @@ def tp_preset_section(args, figures: list) -> None:
             tp_section(big_dir, args.tp_tokens, rounds, figures, one, label=args.tp_preset)
 
 
-def demo_sections(args, figures: list) -> None:
-    """Sections 1-4 on the demo model (batch 1 and 8, compiled Engine, ONNX exports, tp=2, HTTP)."""
-    n, rounds = args.tokens, args.rounds
+def demo_hf_peer(demo_model: str):
+    """The demo model as a Hugging Face LlamaForCausalLM (the same weights), and its tokenizer."""
     from transformers import LlamaForCausalLM
 
     from prunus.models import load_model_tokenizer
     from prunus.models.hf_convert import to_hf
 
-    tok = load_model_tokenizer(args.demo_model)
+    tok = load_model_tokenizer(demo_model)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = to_hf(args.demo_model, Path(tmp) / "hf")
+        hf_dir = to_hf(demo_model, Path(tmp) / "hf")
         hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    return hf, tok
+
+
+def engine_vs_hf_section(args, contenders: dict, hf, tok, figures: list) -> None:
+    """Section 1: each Engine in ``contenders`` against HF generate() at 1 and the machine's threads, batch 1 and 8."""
+    n, rounds = args.tokens, args.rounds
     threads = torch.get_num_threads()
     hf_threads = sorted({1, threads})
 
@@ -300,6 +305,57 @@ def demo_sections(args, figures: list) -> None:
         torch.set_num_threads(threads)
         return out
 
+    for e in contenders.values():
+        engine_tps(e, 1, 8)
+    hf_tps(hf, tok, 1, 8)  # warm-up
+    for b in (1, 8):
+        runs = {k: [] for k in contenders}
+        runs_h = []
+        for _ in range(rounds):
+            for k, e in contenders.items():
+                runs[k].append(engine_tps(e, b, n))
+            runs_h.append(hf_best(b))
+        h = {k: statistics.median(r[k] for r in runs_h) for k in hf_threads}
+        best = max(h.values())
+        print(f"   batch {b}: " + "   ".join(f"HF {k} thr {v:8.1f}" for k, v in h.items()) + " tokens/s")
+        figures += [(f"HF generate {k} thr, batch {b}", v) for k, v in h.items()]
+        for k, r in runs.items():
+            p = statistics.median(r)
+            print(f"   batch {b}: {k:16s} {p:8.1f} tokens/s   ratio {p / best:5.2f}x vs the best HF (goal >= 2)"
+                  + "".join(f", {p / v:5.2f}x vs HF {t} thr" for t, v in h.items()))
+            figures.append((f"{k} torch, batch {b}", p))
+
+
+def onnx_section(args, engine, figures: list) -> None:
+    """Section 2: each ONNX export's Engine against the torch Engine, batch 1 and 8."""
+    exports = [Path(e) for e in args.export] if args.export else find_exports(Path("runs"))
+    print("\n2. ONNX Runtime backend vs torch backend" + ("" if exports else ": no export dir given or found, skipped"))
+    for e in exports:
+        with Engine.load(e, max_batch=8) as ort:
+            engine_tps(ort, 1, 8)
+            for b in (1, 8):
+                o, p = median_pair(lambda: engine_tps(ort, b, args.tokens), lambda: engine_tps(engine, b, args.tokens),
+                                   args.rounds)
+                prec = ort.info.get("precision")
+                print(f"   {e} ({prec}) batch {b}: onnxruntime {o:8.1f}   torch {p:8.1f} tokens/s   ratio {o / p:5.2f}x")
+                figures.append((f"onnxruntime {prec}, batch {b}", o))
+
+
+def http_section(args, figures: list) -> None:
+    """Section 4: ``prunus serve`` under concurrent clients."""
+    n = args.tokens
+    print(f"\n4. HTTP load test: prunus serve, {args.clients} concurrent clients x {args.requests_per_client} requests "
+          f"of {n} tokens")
+    r = http_load(args.demo_model, args.clients, args.requests_per_client, n)
+    print(f"   {r['requests']} requests, {r['failed']} failed, {r['req_per_s']:.2f} requests/s, "
+          f"p50 {r['p50_s'] * 1000:.0f} ms, p99 {r['p99_s'] * 1000:.0f} ms, {r['tokens_per_s']:.1f} tokens/s")
+    figures.append((f"HTTP, {args.clients} clients", r["tokens_per_s"]))
+
+
+def demo_sections(args, figures: list) -> None:
+    """Sections 1-4 on the demo model (batch 1 and 8, compiled Engine, ONNX exports, tp=2, HTTP)."""
+    hf, tok = demo_hf_peer(args.demo_model)
+    hf_threads = sorted({1, torch.get_num_threads()})
     print("\n1. prunus torch Engine vs Hugging Face generate() (same weights, greedy, prefill included);\n"
           f"   HF at {' and '.join(map(str, hf_threads))} thread(s), the Engine at the per-pass threads it timed at load")
     with contextlib.ExitStack() as stack:
@@ -310,47 +366,12 @@ def demo_sections(args, figures: list) -> None:
             t0 = time.perf_counter()
             contenders["prunus compiled"] = stack.enter_context(Engine.load(args.demo_model, max_batch=8, compile=True))
             print(f"   compiled Engine (torch.compile decode, 4 batch buckets): {time.perf_counter() - t0:.0f} s to load")
-        for e in contenders.values():
-            engine_tps(e, 1, 8)
-        hf_tps(hf, tok, 1, 8)  # warm-up
-        for b in (1, 8):
-            runs = {k: [] for k in contenders}
-            runs_h = []
-            for _ in range(rounds):
-                for k, e in contenders.items():
-                    runs[k].append(engine_tps(e, b, n))
-                runs_h.append(hf_best(b))
-            h = {k: statistics.median(r[k] for r in runs_h) for k in hf_threads}
-            best = max(h.values())
-            print(f"   batch {b}: " + "   ".join(f"HF {k} thr {v:8.1f}" for k, v in h.items()) + " tokens/s")
-            figures += [(f"HF generate {k} thr, batch {b}", v) for k, v in h.items()]
-            for k, r in runs.items():
-                p = statistics.median(r)
-                print(f"   batch {b}: {k:16s} {p:8.1f} tokens/s   ratio {p / best:5.2f}x vs the best HF (goal >= 2)"
-                      + "".join(f", {p / v:5.2f}x vs HF {t} thr" for t, v in h.items()))
-                figures.append((f"{k} torch, batch {b}", p))
-
-        exports = [Path(e) for e in args.export] if args.export else find_exports(Path("runs"))
-        print("\n2. ONNX Runtime backend vs torch backend" + ("" if exports else ": no export dir given or found, skipped"))
-        for e in exports:
-            with Engine.load(e, max_batch=8) as ort:
-                engine_tps(ort, 1, 8)
-                for b in (1, 8):
-                    o, p = median_pair(lambda: engine_tps(ort, b, n), lambda: engine_tps(engine, b, n), rounds)
-                    prec = ort.info.get("precision")
-                    print(f"   {e} ({prec}) batch {b}: onnxruntime {o:8.1f}   torch {p:8.1f} tokens/s   ratio {o / p:5.2f}x")
-                    figures.append((f"onnxruntime {prec}, batch {b}", o))
-
+        engine_vs_hf_section(args, contenders, hf, tok, figures)
+        onnx_section(args, engine, figures)
         print("\n3. tensor parallel: tp=2 (2 processes x 1 thread) vs tp=1 (1 process, threads per pass as timed)")
-        tp_section(args.demo_model, n, rounds, figures, engine)
+        tp_section(args.demo_model, args.tokens, args.rounds, figures, engine)
     tp_preset_section(args, figures)
-
-    print(f"\n4. HTTP load test: prunus serve, {args.clients} concurrent clients x {args.requests_per_client} requests "
-          f"of {n} tokens")
-    r = http_load(args.demo_model, args.clients, args.requests_per_client, n)
-    print(f"   {r['requests']} requests, {r['failed']} failed, {r['req_per_s']:.2f} requests/s, "
-          f"p50 {r['p50_s'] * 1000:.0f} ms, p99 {r['p99_s'] * 1000:.0f} ms, {r['tokens_per_s']:.1f} tokens/s")
-    figures.append((f"HTTP, {args.clients} clients", r["tokens_per_s"]))
+    http_section(args, figures)
 
 
 def main() -> None:
