@@ -76,25 +76,12 @@ class ParallelDims:
         """Ranks that hold replicas (or FSDP shards) of the same parameters: data x context parallel."""
         return self.dp * self.cp
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
+    # whether each kind of parallelism is on (a dim above 1), as torchtitan's ParallelDims says it
+    dp_enabled = property(lambda self: self.dp > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
 
     @property
     def fsdp_enabled(self) -> bool:
