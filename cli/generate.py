@@ -14,6 +14,19 @@ from prunus.models.errors import PrunusError
 from .options import backend_option, device_option, resolve_device
 
 
+def check_sampling(**params) -> None:
+    """The library's sampling checks (SamplingParams), before the model loads, naming generate's flags."""
+    from prunus.serve import SamplingParams
+
+    try:
+        SamplingParams(**params).check()
+    except PrunusError as e:
+        message = str(e)
+        for name in params:
+            message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")
+        raise PrunusError(message) from None
+
+
 @click.command("generate")
 @click.argument("model_dir", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
@@ -29,8 +42,7 @@ from .options import backend_option, device_option, resolve_device
 @device_option
 def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device):
     """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
-    if max_new_tokens < 1:
-        raise PrunusError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if system is not None and not chat:
         raise PrunusError("--system applies to --chat; add --chat or drop --system")
     from prunus.serve import Engine

@@ -87,6 +87,12 @@ def test_moe_top_k(tmp_path, assert_user_error):
     assert not (tmp_path / "o").exists()
 
 
+def test_generate_checks_sampling_with_the_library_before_loading(tmp_path, assert_user_error):
+    absent = tmp_path / "absent"  # never read: the sampling arguments are refused first
+    assert_user_error(run("generate", absent, "--prompt", "x", "--max-new-tokens", 0), "--max-new-tokens 0", "positive")
+    assert_user_error(run("generate", absent, "--prompt", "x", "--top-p", 2), "--top-p 2.0", "(0, 1]")
+
+
 def test_compress_distill_arguments_reach_the_pass(tmp_path, trained_run, assert_user_error):
     from prunus.cli.compress import passes_from
 
