@@ -36,7 +36,8 @@ def bytes_on_disk(model) -> int:
 
 def nonzero_params(model) -> int:
     n = sum(int(torch.count_nonzero(p)) for p in model.parameters())
-    return n + sum(int(torch.count_nonzero(m.weight.float())) for m in model.modules() if isinstance(m, QuantizedLinear))
+    # dequantized: an int4 module packs two values per byte, and its zero is the zero point, not the value 0
+    return n + sum(int(torch.count_nonzero(m.dequantize())) for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def prompts_from(ctx, model) -> torch.Tensor:
