@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Passive OpenMP waiting, as `make test` and every prunus command set it; it must precede torch's import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig, train
