@@ -258,3 +258,9 @@ def _last_line_error(result, *needles):
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[-1], lines[-1]
+
+
+def test_int4_group_64_is_under_0_30_of_fp16():
+    m = Int4Linear(576, 1536, group_size=64)
+    stored = sum(b.numel() * b.element_size() for b in m.buffers())  # packed values, float32 scales, uint8 zeros
+    assert stored <= 0.30 * 576 * 1536 * 2, stored / (576 * 1536 * 2)
