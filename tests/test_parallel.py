@@ -56,7 +56,7 @@ TWO = {
     "ddp_grad_accum": dict(zero=0, grad_accum=2),
     "fsdp_full_ac": dict(zero=3, activation_checkpointing="full"),
     "tp_sp": dict(tp=2),
-    "tp_selective_ac": dict(tp=2, activation_checkpointing="every-other"),
+    "tp_every_other_ac": dict(tp=2, activation_checkpointing="every-other"),
     "pp_gpipe": dict(pp=2, pp_schedule="GPipe", microbatches=2),
     "pp_1f1b": dict(pp=2, pp_schedule="1F1B", microbatches=4),
     "pp_interleaved_1f1b": dict(pp=2, pp_schedule="Interleaved1F1B", microbatches=4),
