@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -229,6 +228,7 @@ def run_shell_block(block: Block, cwd: Path, port: str) -> None:
         for words in shell_lines(block.code.replace(PORT, port)):
             cmd = shlex.join(words)
             if words[0] == "prunus" and words[1:2] == ["serve"]:
+                assert not servers, f"README line `{cmd}`: one server per block (both would take port {PORT})"
                 servers.append(Server(words, cwd, port))
             elif words[0] == "prunus":
                 code, output = run_prunus(words, cwd)
@@ -238,8 +238,6 @@ def run_shell_block(block: Block, cwd: Path, port: str) -> None:
             else:
                 raise AssertionError(f"README line `{cmd}`: the test knows prunus and curl only; mark the block "
                                      "not-run with a reason, or teach this test the command")
-            if servers and words[0] == "prunus" and words[1:2] == ["serve"] and len(servers) > 1:
-                raise AssertionError("one server per block")
     finally:
         for s in servers:
             s.stop()
