@@ -26,8 +26,10 @@ def report_rows(report: dict) -> tuple[list[Column], list[list[str]]]:
     for i, r in enumerate(rows):
         row = [str(i), r["pass"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{100 * r['bpb_change']:+.2f}%",
                f"{100 * r['agreement']:.1f}%", f"{r['params']:,}", f"{r['bytes'] / 1e6:.3f}"]
-        if has_latency:
-            row += [f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}"]
+        if has_latency:  # "≈": the runs overlap the input row's, a difference within noise (report.md has the ranges)
+            from prunus.compress.report import within_noise
+
+            row += [("≈ " if i and within_noise(r, rows[0], k) else "") + f"{r[k]:.2f}" for k in ("prefill_ms", "decode_ms")]
         cells.append(row)
     return columns, cells
 
@@ -37,7 +39,9 @@ def print_report(console, report: dict) -> None:
     columns, cells = report_rows(report)
     print_fitted(console, columns, cells, title=f"prunus compress -> {report['out']}", title_justify="left",
                  caption=f"bits per byte on {rows[0]['val_tokens']:,} held-out tokens of {report.get('corpus')}, "
-                         f"windows of {report.get('seq_len')} tokens", caption_justify="left")
+                         f"windows of {report.get('seq_len')} tokens"
+                         + ("; latency: median of the runs, ≈ within noise of row 0" if "prefill_ms" in rows[0] else ""),
+                 caption_justify="left")
     for i, r in enumerate(rows):
         for line in r.get("notes", []):
             console.print(f"row {i} ({r['pass']}): {line}")
