@@ -86,7 +86,7 @@ class Bench:
         """Print rows beside fp32; ``target`` (row name, max relative bpb increase) is checked and shown."""
         t = Table(title=f"[{self.name}] {title}", title_justify="left",
                   caption=f"bits per byte on {self.base['val_tokens']:,} held-out tokens of {self.ctx.corpus_name}, "
-                          f"windows of {self.ctx.seq_len}" + ("; latency ratios: median [interquartile range] of 7 paired runs, "
+                          f"windows of {self.ctx.seq_len}" + ("; latency ratios: median and, in brackets, interquartile range of 7 paired runs, "
                           "≈ where the range holds 1 (within noise)" if self.latency else ""), caption_justify="left")
         for col in ("variant", "bits/byte", "Δ bpb vs fp32", "greedy agree", "MB", "size ratio", "prefill ratio",
                     "decode ratio"):
@@ -266,8 +266,9 @@ def main() -> None:
         bench = Bench(path, args.eval_tokens, name=name, latency=not args.no_latency)
         console.print(f"[{name}] {path}: {bench.base['params']:,} parameters, fp32 {bench.base['val_bpb']:.4f} bits per "
                       f"byte on {bench.base['val_tokens']:,} held-out tokens of {bench.ctx.corpus_name} (windows of "
-                      f"{bench.ctx.seq_len}); latency ratios: batch 1, prefill 128 tokens and one decode step, median of "
-                      f"7 alternating fp32/variant timings, {torch.get_num_threads()} threads, "
+                      f"{bench.ctx.seq_len}); latency ratios: batch 1, prefill 128 tokens and one decode step, median "
+                      f"and, in brackets, interquartile range of 7 alternating fp32/variant timings (≈: the range holds 1, within noise), "
+                      f"{torch.get_num_threads()} threads, "
                       f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n")
         for section in SECTIONS:
             if args.only and not any(s in section.__name__ for s in args.only):
