@@ -188,7 +188,7 @@ def report_figure(report: dict):
     xs, xlabel = plot_size(report)
     ys = [100 * r["bpb_change"] for r in rows]
     fig = plt.figure(figsize=(8.5, 4.5), dpi=110, layout="constrained")
-    ax, key = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.4, 1]})
+    ax, key = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
     ax.axhline(0, color="0.6", linewidth=0.8, linestyle="--")
     ax.plot(xs, ys, "-o", color="tab:blue")
     ax.set_xlim(*span_limits(xs, min_span=0.1 * max(xs)))
