@@ -92,27 +92,31 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
         return dequantize_int4(*rtn_int4(w, g, symmetric), g)
 
     with torch.no_grad():
-        hessians = {}
         if algorithm == "awq":
             from .awq import awq_scale
 
             alphas = awq_scale(model, batches, set(int4_names), fake_quant)
             if ctx is not None and alphas:
                 ctx.note(f"awq: alpha per fold, mean {sum(alphas.values()) / len(alphas):.2f} over {len(alphas)} folds")
-        if algorithm == "gptq":
-            from .gptq import hessians as gptq_hessians
-
-            hessians = gptq_hessians(model, int4_names, batches)
-        for name in int4_names:
-            linear = model.get_submodule(name)
-            q, s, z = quantize_weight(linear.weight, groups[name], symmetric, algorithm, hessians.pop(name, None),
-                                      act_order=act_order, damp=damp)
-            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm))
-            info["modules"][name] = model.get_submodule(name).spec()
-        for name in int8_names:
+        for name in int8_names:  # before GPTQ, so that its block-by-block inputs see them
             q8 = QuantizedLinear.from_linear(model.get_submodule(name), "int8-weight-only", "per_channel")
             model.set_submodule(name, q8)
             info["modules"][name] = q8.spec()
+
+        def replace(name: str, hessian=None) -> None:
+            linear = model.get_submodule(name)
+            q, s, z = quantize_weight(linear.weight, groups[name], symmetric, algorithm, hessian,
+                                      act_order=act_order, damp=damp)
+            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm))
+            info["modules"][name] = model.get_submodule(name).spec()
+
+        if algorithm == "gptq":
+            from .gptq import sequential_gptq
+
+            sequential_gptq(model, int4_names, batches, replace)
+        else:
+            for name in int4_names:
+                replace(name)
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
     store(info)
     if ctx is not None:
