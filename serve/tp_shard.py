@@ -60,14 +60,18 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def shard_linear(module: nn.Module, style: str, rank: int, world: int) -> None:
     """Keep this rank's slice of a Linear or QuantizedLinear: ``style`` "column" (outputs) or "row" (inputs)."""
     weight = module.weight
-    out_f, in_f = weight.shape
+    pack = 2 if weight.dtype == torch.uint8 else 1  # int4 (Int4Linear): two input features per byte
+    out_f, in_f = weight.shape[0], weight.shape[1] * pack
     scale = getattr(module, "weight_scale", None)
+    zero = getattr(module, "weight_zero", None)  # int4 zero points: (out, n_groups), sliced as the scales
     bias = getattr(module, "bias", None)
     if style == "column":
         n = out_f // world
         _set_tensor(module, "weight", weight[rank * n:(rank + 1) * n])
         if scale is not None and scale.shape[0] == out_f and out_f > 1:
             _set_tensor(module, "weight_scale", scale[rank * n:(rank + 1) * n])
+        if zero is not None:
+            _set_tensor(module, "weight_zero", zero[rank * n:(rank + 1) * n])
         if bias is not None:
             _set_tensor(module, "bias", bias[rank * n:(rank + 1) * n])
         module.out_features = n
@@ -75,7 +79,7 @@ def shard_linear(module: nn.Module, style: str, rank: int, world: int) -> None:
         if bias is not None and rank != 0:  # the all-reduce of the partial outputs adds rank 0's bias once
             module.bias = None
         n = in_f // world
-        _set_tensor(module, "weight", weight[:, rank * n:(rank + 1) * n])
+        _set_tensor(module, "weight", weight[:, rank * n // pack:(rank + 1) * n // pack])
         if scale is not None and scale.ndim == 2 and scale.shape[1] > 1:  # per-group scales along the input
             group = in_f // scale.shape[1]
             if n % group:
@@ -83,6 +87,8 @@ def shard_linear(module: nn.Module, style: str, rank: int, world: int) -> None:
                                   f"quantization group size {group}; choose a smaller tp")
             g = n // group
             _set_tensor(module, "weight_scale", scale[:, rank * g:(rank + 1) * g])
+            if zero is not None:
+                _set_tensor(module, "weight_zero", zero[:, rank * g:(rank + 1) * g])
         module.in_features = n
 
 

@@ -264,3 +264,20 @@ def test_int4_group_64_is_under_0_30_of_fp16():
     m = Int4Linear(576, 1536, group_size=64)
     stored = sum(b.numel() * b.element_size() for b in m.buffers())  # packed values, float32 scales, uint8 zeros
     assert stored <= 0.30 * 576 * 1536 * 2, stored / (576 * 1536 * 2)
+
+
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_tensor_parallel_slices_of_an_int4_layer_add_up(style):
+    from prunus.serve.tp_shard import shard_linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64, bias=False)
+    full = Int4Linear.from_quantized(lin, *rtn_int4(lin.weight, 32, False), 32, False, "rtn")
+    x = torch.randn(3, 128)
+    parts = []
+    for rank in range(2):
+        shard = copy.deepcopy(full)
+        shard_linear(shard, style, rank, 2)
+        parts.append(shard(x[:, rank * 64:(rank + 1) * 64] if style == "row" else x))
+    got = torch.cat(parts, dim=-1) if style == "column" else parts[0] + parts[1]
+    torch.testing.assert_close(got, full(x), rtol=1e-5, atol=1e-5)
