@@ -17,8 +17,9 @@ How a block runs:
   as processes against it; the server stops at the end of the block.
 - ``console``: ``$ `` lines are commands as above; the lines after one are its expected output.
 
-The only liberties taken are sizes, listed in ``TRAIN_VALUES``, ``TRAIN_EXTRA``,
-``PYTHON_SIZES`` and ``PORT`` below, and each is checked to still match README.
+The only liberties taken are sizes (``VALUES``, ``DEFAULTS``, ``PYTHON_SIZES`` below) and the port
+(``PORT`` becomes a free one); every value replaced is checked to still occur in README, so the
+mapping cannot go stale silently. The Makefile's own blocks are not run (see their marker).
 A block that cannot run here (a GPU, many processes or hosts, a long run) is preceded in
 README by ``<!-- not-run: REASON -->``; the reason may not be empty.
 """
