@@ -31,7 +31,7 @@ from _baseline import hand_written_loop  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from prunus.data import get_batch, load_corpus  # noqa: E402
-from prunus.models.atomic import atomic_write_json  # noqa: E402
+from prunus.artifacts.atomic import atomic_write_json  # noqa: E402
 from prunus.models import Transformer, load_tokenizer  # noqa: E402
 from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
 from prunus.train_parallel.launch import init_distributed  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.schemes import SCHEMES
 
 from .tables import Column, console_for_tables, print_fitted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 
 @click.command("convert")

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .options import backend_option, device_option, resolve_device
 

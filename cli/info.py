@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 # ModelConfig fields that describe a mixture of experts: shown only for a model that has experts
 MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "moe_aux_loss_coef", "n_shared_experts", "moe_ffn_dim",
@@ -59,7 +59,7 @@ def model_tables(path: Path) -> list:
 
 
 def run_tables(path: Path) -> list:
-    from prunus.models.validate import read_json_object
+    from prunus.artifacts.validate import read_json_object
     from prunus.train_parallel import list_checkpoints, read_metrics
     from prunus.train_parallel.run_dir import RUN_CONFIG, read_run_config
 

@@ -21,8 +21,8 @@ import sys
 import click
 
 import prunus
-from prunus.models.atomic import disk_error
-from prunus.models.errors import PrunusError
+from prunus.artifacts.atomic import disk_error
+from prunus.artifacts.errors import PrunusError
 
 # verb -> the module whose ``command`` it is, in the order --help lists them
 VERBS = {"train": "train", "eval": "eval", "generate": "generate", "convert": "convert", "info": "info",
@@ -115,7 +115,7 @@ def _start_work(command: click.Command) -> None:
 
 def _guard_output(command: click.Command) -> None:
     """Wrap ``command`` so that its ``--out`` is checked against every path it reads before it runs."""
-    from prunus.models.paths import check_output
+    from prunus.artifacts.paths import check_output
 
     # every option or argument that can name a path: declared click.Path, or free text (--data, --recipe)
     inputs = [p for p in command.params if p.name != "out" and isinstance(p.type, (click.Path, click.types.StringParamType))]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .options import CALIBRATION_METHODS, check_calibration
 

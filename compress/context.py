@@ -31,7 +31,8 @@ import torch
 from prunus.data.batches import get_batch
 from prunus.data.corpus import default_data, load_corpus
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS, default_seq_len, evaluate
-from prunus.models import PrunusError, load_model, load_model_tokenizer
+from prunus.artifacts.errors import PrunusError
+from prunus.models import load_model, load_model_tokenizer
 
 CALIBRATION_WINDOW = 512  # tokens per calibration row at most
 CALIBRATION_ROW_TOKENS = 1024  # rows x window per calibration batch, beyond 4 rows of a short window

@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from prunus.models import PrunusError, Transformer, load_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, load_model
 from prunus.models.compression_state import compression_state, set_compression_state
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.launch import env_ranks, init_distributed

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, load_model, save_model
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.launch import LAUNCHED
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, rtn_int4
 from prunus.models.quantized import QuantizedLinear

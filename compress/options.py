@@ -4,8 +4,8 @@ shortcuts all read these lists and call these checks (no torch here, so listing 
 
 from __future__ import annotations
 
-from prunus.models.errors import PrunusError
-from prunus.models.validate import short
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
 
 PRUNE_METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
 PRUNE_SCOPES = ("layer", "row", "global")  # see compress/prune.py for what each ranks together

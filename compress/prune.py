@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from prunus.models.compression_state import compression_state
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .calibrate import observe_inputs
 from .options import PRUNE_METHODS, PRUNE_SCOPES

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunus.models.compression_state import compression_state, set_compression_state
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.llama import Transformer
 
 from .options import STRUCTURED_TARGETS

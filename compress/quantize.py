@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.quantized import INT8_MAX, SCHEMES, QuantizedLinear, check_scheme
 

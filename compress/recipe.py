@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.schemes import GRANULARITIES, SCHEMES
-from prunus.models.validate import check_size, parse_document, read_text, short
+from prunus.artifacts.validate import check_size, parse_document, read_text, short
 
 from .options import CALIBRATION_METHODS, PRUNE_METHODS, PRUNE_SCOPES, STRUCTURED_TARGETS, accepts, check_calibration
 
@@ -116,7 +116,7 @@ def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
     """A parsed YAML document (or its text) -> [(pass name, arguments)], checked."""
     if isinstance(data, str):
         data = parse_document(data, yaml.safe_load, yaml.YAMLError, source, "YAML")
-    check_size(data, source)  # prunus.models.validate: YAML aliases can name an exponentially large value
+    check_size(data, source)  # prunus.artifacts.validate: YAML aliases can name an exponentially large value
     if not isinstance(data, dict) or not isinstance(data.get("passes"), list) or not data["passes"]:
         raise PrunusError(f"{source}: needs a non-empty 'passes:' list (e.g. passes: [{{quantize: {{scheme: int8-weight-only}}}}])")
     extra = sorted(set(data) - {"passes", "description"})

@@ -22,10 +22,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torch import nn
 
-from prunus.models import PrunusError, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import save_model
 from prunus.models.compression_state import carry_over, compression_state
-from prunus.models.paths import check_output
-from prunus.models.validate import check_int_range
+from prunus.artifacts.paths import check_output
+from prunus.artifacts.validate import check_int_range
 
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
@@ -65,7 +66,7 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
         raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
-    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.models.paths: never over an input
+    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.artifacts.paths: never over an input
     check_int_range(seed, "--seed", 0, 2**64 - 1)
     check_int_range(eval_tokens, "--eval-tokens", 1, 2**63 - 1)
     for name, value in (("--seq-len", seq_len), ("--max-corpus-bytes", max_corpus_bytes)):

@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 
 def exclude_list(exclude) -> list[str]:

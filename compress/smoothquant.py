@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from prunus.models.llama import OffsetRMSNorm
 from prunus.models.quantized import QuantizedLinear

@@ -22,10 +22,11 @@ import dataclasses
 
 import torch
 
-from prunus.models import PrunusError, Transformer, get_preset
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset
 from prunus.models.compression_state import compression_state
 from prunus.models.config import ModelConfig
-from prunus.models.validate import check_known_fields
+from prunus.artifacts.validate import check_known_fields
 
 
 def _new(cfg: ModelConfig, seed: int, like: Transformer) -> Transformer:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prunus.models.errors import PrunusError
-from prunus.models.validate import read_json_object
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import read_json_object
 
 from .prose import PROSE, prose_documents, tokenize_documents
 

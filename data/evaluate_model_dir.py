@@ -7,7 +7,8 @@ corpus, and writes the result into ``prunus.json``.
 
 from __future__ import annotations
 
-from prunus.models import PrunusError, load_model, load_model_tokenizer, update_manifest_metrics
+from prunus.artifacts.errors import PrunusError
+from prunus.models import load_model, load_model_tokenizer, update_manifest_metrics
 
 from .corpus import default_data, load_corpus
 from .evaluate import DEFAULT_EVAL_TOKENS, default_seq_len, evaluate, unigram_bits_per_byte

@@ -1,10 +1,10 @@
 """prunus.export: model dirs to ONNX Runtime and TensorRT export dirs, with KV-cache graphs and parity reports.
 
-Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+Public names are imported from their submodules on first use (:mod:`prunus.artifacts.lazy`), so that
 the CLI can read the formats and precisions (:mod:`prunus.export.formats`) without importing torch.
 """
 
-from prunus.models.lazy import lazy_package
+from prunus.artifacts.lazy import lazy_package
 
 _EXPORTS = {
     "EXPORT_GRAPHS": "export_dir", "FORMATS": "formats", "PRECISIONS": "formats", "ExportResult": "export_dir",

@@ -23,10 +23,10 @@ import onnx
 import torch
 from rich.console import Console
 
-from prunus.models.atomic import atomic_dir, atomic_write_json
-from prunus.models.errors import PrunusError
-from prunus.models.paths import check_output
-from prunus.models.validate import read_json_object
+from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.paths import check_output
+from prunus.artifacts.validate import read_json_object
 from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
                                      sha256_file, verify_model_dir, versions)
 from prunus.models.quantized import QuantizedLinear

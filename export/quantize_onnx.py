@@ -29,7 +29,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 

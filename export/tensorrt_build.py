@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 WORKSPACE_BYTES = 4 << 30
 

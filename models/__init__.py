@@ -1,13 +1,13 @@
 """prunus.models: architectures, tokenizers, the model-dir format, generation, Hugging Face conversion.
 
-Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+Public names are imported from their submodules on first use (:mod:`prunus.artifacts.lazy`), so that
 ``import prunus.models.config`` or ``prunus --help`` does not import torch.
 """
 
-from .lazy import lazy_package
+from prunus.artifacts.lazy import lazy_package
 
 _EXPORTS = {
-    "PRESETS": "config", "ModelConfig": "config", "get_preset": "config", "PrunusError": "errors",
+    "PRESETS": "config", "ModelConfig": "config", "get_preset": "config", "PrunusError": "prunus.artifacts.errors",
     "generate": "generate", "sample_next": "generate", "stream_tokens": "generate", "KVCache": "kv_cache",
     "Transformer": "llama", "load_model": "model_dir", "load_model_tokenizer": "model_dir",
     "read_manifest": "model_dir", "save_model": "model_dir", "update_manifest_metrics": "model_dir",

@@ -24,7 +24,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 # names a message's reasoning may come under; templates read the first (transformers aliases them alike)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

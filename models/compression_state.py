@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import PrunusError
-from .validate import check_known_fields
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import check_known_fields
 
 ATTRIBUTE = "compression"
 # config.json key order: the order passes usually run in (distill, prune, quantize)

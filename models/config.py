@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .errors import PrunusError
-from .validate import check_dataclass, check_known_fields, short
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import check_dataclass, check_known_fields, short
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -104,7 +104,7 @@ class ModelConfig:
         self._validate_variants()
 
     def _check_types(self) -> None:
-        """Every field against its annotation (a field added later too; prunus.models.validate), and the
+        """Every field against its annotation (a field added later too; prunus.artifacts.validate), and the
         ranges the blocks assume: positive norm_eps and rope_theta, a context the rotary tables can hold."""
         check_dataclass(self, "model config")
         for name in ("norm_eps", "rope_theta"):
@@ -208,7 +208,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "ModelConfig":
-        check_known_fields(d, cls, source, what="model field")  # prunus.models.validate
+        check_known_fields(d, cls, source, what="model field")  # prunus.artifacts.validate
         try:
             return cls(**d)
         except PrunusError as e:  # name the file the bad value came from

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from .kv_cache import KVCache
 
 

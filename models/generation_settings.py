@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PrunusError
-from .validate import read_json_object
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
 from .model_dir import save_model
-from .paths import check_output
+from prunus.artifacts.paths import check_output
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -194,7 +194,7 @@ def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", over
     path, out = Path(path), Path(out)
     if dtype not in DTYPES:
         raise PrunusError(f"convert: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    check_output(out, [("--from-gguf", path)])  # prunus.models.paths: never over an input
+    check_output(out, [("--from-gguf", path)])  # prunus.artifacts.paths: never over an input
     reader = open_gguf(path)
     where = str(path)
     meta = read_metadata(reader)

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from .atomic import clean_stale_temps, disk_error, writable_parent
+from prunus.artifacts.atomic import clean_stale_temps, disk_error, writable_parent
 from .config import ModelConfig
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from .gguf_layout import PERMUTED, gguf_name, rotary_heads, to_gguf_rows
 from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
 from .model_dir import load_model, load_model_tokenizer
-from .paths import check_output
+from prunus.artifacts.paths import check_output
 from .tokenizer import ByteTokenizer
 
 TYPES = ("f32", "f16", "q8_0")
@@ -129,7 +129,7 @@ def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
 
 @contextlib.contextmanager
 def _atomic_file(path: Path, overwrite: bool):
-    """Yield a temporary sibling of ``path`` (``.NAME.tmp-PID``, which prunus.models.atomic cleans up
+    """Yield a temporary sibling of ``path`` (``.NAME.tmp-PID``, which prunus.artifacts.atomic cleans up
     after a killed process); on success it is fsynced and renamed to ``path``, on error removed."""
     if path.is_dir():
         raise PrunusError(f"--out {path}: is a directory; give a file name such as model.gguf")
@@ -160,7 +160,7 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
     model_dir, out = Path(model_dir), Path(out)
     if type not in TYPES:
         raise PrunusError(f"convert: --type {type!r} is not one of {', '.join(TYPES)}")
-    check_output(out, [("--to-gguf", model_dir)])  # prunus.models.paths: never over or inside an input
+    check_output(out, [("--to-gguf", model_dir)])  # prunus.artifacts.paths: never over or inside an input
     model = load_model(model_dir)  # verifies the manifest's hashes
     cfg = model.config
     arch = architecture(cfg, str(model_dir))

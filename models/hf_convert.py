@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_dir, atomic_write_json
-from .errors import PrunusError
+from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.errors import PrunusError
 from .hf_families import FAMILIES, TOKEN_IDS, config_from_hf, config_to_hf, get_family, inexpressible
 from .hf_tensors import state_from_hf, state_to_hf
 from .hf_weights import read_weights, write_weights
 from .llama import Transformer
 from .compression_state import compression_state
 from .model_dir import load_model, load_model_tokenizer, save_model, state_dict_for_save
-from .paths import check_output
-from .validate import read_dir_json
+from prunus.artifacts.paths import check_output
+from prunus.artifacts.validate import read_dir_json
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -85,7 +85,7 @@ def _build(hf_dir: Path, hf: dict, hf_state: dict) -> Transformer:
 def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Convert a Hugging Face checkpoint dir of a supported family into a prunus model dir at ``out``."""
     hf_dir = Path(hf_dir)
-    check_output(out, [("--from-hf", hf_dir)])  # prunus.models.paths: never over an input
+    check_output(out, [("--from-hf", hf_dir)])  # prunus.artifacts.paths: never over an input
     hf = _read_hf_config(hf_dir)
     _config(hf_dir, hf, "float32")  # refuse an unsupported family or feature before reading any weights
     model = _build(hf_dir, hf, read_weights(hf_dir))
@@ -141,7 +141,7 @@ def to_hf(model_dir: str | Path, out: str | Path, *, overwrite: bool = False, fa
     family that expresses the model, llama for a plain one). ``max_shard_size`` (bytes, or "5GB"):
     write ``model-0000i-of-0000n.safetensors`` shards and their index instead of one file."""
     model_dir, out = Path(model_dir), Path(out)
-    check_output(out, [("--to-hf", model_dir)])  # prunus.models.paths: never over an input
+    check_output(out, [("--to-hf", model_dir)])  # prunus.artifacts.paths: never over an input
     model = load_model(model_dir)  # verifies the manifest's hashes
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config

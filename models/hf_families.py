@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ROPE_TYPES, ModelConfig
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 LAYER = {  # a Llama block's tensors, Hugging Face name -> prunus name
     "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",

@@ -20,7 +20,7 @@ import re
 import torch
 
 from .config import ModelConfig
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from .hf_families import TOP, Family
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 INT4_SCHEME = "int4-weight-only"
 GROUP_SIZES = (128, 64, 32)

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 
 @runtime_checkable

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.atomic import atomic_dir, atomic_write_json
 from .compression_state import CompressionState, compression_state, set_compression_state
 from .config import ModelConfig
-from .errors import PrunusError
-from .manifest_schema import check_manifest, sha256_file, verify_files
-from .safetensors_header import check_shapes, read_header
-from .validate import read_dir_json, read_json_object
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.manifest_schema import check_manifest, sha256_file, verify_files
+from prunus.artifacts.safetensors_header import check_shapes, read_header
+from prunus.artifacts.validate import read_dir_json, read_json_object
 from .llama import Transformer
 from .quantized import count_params, quantized_layout
 from .tokenizer import check_vocab, load_tokenizer
@@ -112,13 +112,13 @@ def read_manifest(path: str | Path) -> dict:
     manifest = read_dir_json(path, MANIFEST, no_dir="no such model dir; give a directory written by prunus train, compress or convert",
                              no_file=f"missing {MANIFEST}; this is not a prunus model dir (for a Hugging Face dir use prunus convert --from-hf)",
                              bad_json="re-create the model dir")
-    return check_manifest(manifest, path, "re-create the model dir")  # prunus.models.manifest_schema
+    return check_manifest(manifest, path, "re-create the model dir")  # prunus.artifacts.manifest_schema
 
 
 def verify_model_dir(path: str | Path) -> dict:
     """Check that every file the manifest lists exists and matches its hash; return the manifest."""
     path = Path(path)
-    return verify_files(path, read_manifest(path), required=(CONFIG, WEIGHTS))  # prunus.models.manifest_schema
+    return verify_files(path, read_manifest(path), required=(CONFIG, WEIGHTS))  # prunus.artifacts.manifest_schema
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
@@ -141,7 +141,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = Transformer(cfg)
         quantized_layout(model, compression.quantized_modules)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.models.safetensors_header
+    check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.artifacts.safetensors_header
     state = load_file(path / WEIGHTS, device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from .schemes import GRANULARITIES, SCHEMES
 
 INT8_MAX = 127.0

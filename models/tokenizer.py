@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from .chat_template import render_chat
-from .errors import PrunusError
-from .validate import read_json_object
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import read_json_object
 from .generation_settings import GENERATION_CONFIG, GenerationSettings
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -1,10 +1,10 @@
 """prunus.serve: the Engine API over PyTorch, ONNX Runtime and TensorRT; continuous batching; TP workers; HTTP.
 
-Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+Public names are imported from their submodules on first use (:mod:`prunus.artifacts.lazy`), so that
 the CLI can read :data:`prunus.serve.artifact.BACKENDS` without importing torch.
 """
 
-from prunus.models.lazy import lazy_package
+from prunus.artifacts.lazy import lazy_package
 
 _EXPORTS = {"Engine": "engine", "GenerationResult": "request", "SamplingParams": "request", "StreamToken": "request",
             "QueueFull": "scheduler"}

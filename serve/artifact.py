@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prunus.models import PrunusError
-from prunus.models.manifest_schema import MANIFEST, verify_files
-from prunus.models.validate import read_dir_json, short
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.manifest_schema import MANIFEST, verify_files
+from prunus.artifacts.validate import read_dir_json, short
 
 from .backends import BACKENDS, EXPORT_BACKEND
 

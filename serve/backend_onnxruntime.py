@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .artifact import check_graph_kind, export_dims, export_graph_paths
 from .backend_graph import GraphBackend

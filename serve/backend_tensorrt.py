@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from prunus.export.tensorrt_build import check_tensorrt as export_check_tensorrt
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_dims, export_graph_paths
 from .backend_graph import GraphBackend

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.model_dir import read_config
 
 from .shm_all_reduce import shm_dir

@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .http_guard import start_event_stream
 from .request import GenerationResult

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 
 def buckets(n_slots: int) -> list[int]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from prunus.models import PrunusError, load_model, load_model_tokenizer, load_tokenizer
+from prunus.artifacts.errors import PrunusError
+from prunus.models import load_model, load_model_tokenizer, load_tokenizer
 from prunus.models.tokenizer import check_vocab
 
 from .artifact import resolve_backend

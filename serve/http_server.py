@@ -37,7 +37,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine

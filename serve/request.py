@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 MAX_STOP_STRINGS = 16
 

@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from prunus.models import PrunusError, sample_next
+from prunus.artifacts.errors import PrunusError
+from prunus.models import sample_next
 
 from .pass_threads import PassThreads, tune_pass_threads
 from .request import Request

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prunus.models.pids import pid_alive
+from prunus.artifacts.pids import pid_alive
 
 SLOT_FLOATS = 1 << 20  # 4 MiB per slot; larger tensors go through in chunks
 HEADER = 64  # int64 words: pids, then two flag rows

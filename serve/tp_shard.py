@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.moe import MoE
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")

@@ -26,7 +26,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 OP_STOP, OP_PREFILL, OP_DECODE = 0, 1, 2  # the first item of every step the serving process sends
 

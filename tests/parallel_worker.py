@@ -19,7 +19,7 @@ import traceback
 
 import torch.distributed as dist
 
-from prunus.models.atomic import atomic_write_json
+from prunus.artifacts.atomic import atomic_write_json
 from prunus.train_parallel import TrainConfig, resume_config, train
 
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from prunus.cli.main import cli
 from prunus.models import HFTokenizer, PrunusError, Transformer, get_preset, load_model, save_model, stream_tokens
-from prunus.models.atomic import atomic_write_json
+from prunus.artifacts.atomic import atomic_write_json
 from prunus.models.chat_template import render_chat
 from prunus.models.model_dir import load_model_tokenizer, read_manifest, sha256_file
 from prunus.serve import Engine

@@ -61,7 +61,7 @@ def test_lazy_package_names_resolve_like_eager_imports():
     out = _python("import prunus.models.generate, prunus.data.evaluate\nimport prunus.models as m\n"
                   "from prunus.models import generate, PrunusError\nprint(callable(generate), m.generate is generate, "
                   "PrunusError.__module__, 'Transformer' in dir(m))")
-    assert out == "True True prunus.models.errors True"
+    assert out == "True True prunus.artifacts.errors True"
 
 
 def test_a_command_sets_omp_wait_policy_when_it_starts(monkeypatch, tmp_path):

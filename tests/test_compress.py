@@ -15,7 +15,8 @@ from prunus.compress.context import build_context
 from prunus.compress.quantize import quantize_pass
 from prunus.compress.recipe import PASSES, RECIPES_DIR
 from prunus.compress.smoothquant import smoothquant_pass
-from prunus.models import PrunusError, Transformer, get_preset, load_model, read_manifest, save_model, verify_model_dir
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset, load_model, read_manifest, save_model, verify_model_dir
 from prunus.models.compression_state import compression_state
 from prunus.models.quantized import INT8_MAX, QuantizedLinear
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from family_variants import family_fields
 from prunus.cli.main import cli
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel import TrainConfig, resume_config, train
 from prunus.train_parallel.context_parallel import load_balanced_positions, validate_cp
 from prunus.train_parallel.dry_run import memory_plan

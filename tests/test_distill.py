@@ -17,7 +17,8 @@ from prunus.compress import distill_loss
 from prunus.compress.distill import default_schedule, distill, distill_pass
 from prunus.compress.distill_loss import DistillObjective, chunked_ce_kd, kd_loss, layer_map
 from prunus.compress.student import make_student
-from prunus.models import PrunusError, Transformer, load_model, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, load_model, save_model
 from prunus.models.compression_state import compression_state
 from prunus.train_parallel import TrainConfig, train
 

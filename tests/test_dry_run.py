@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from prunus.models import PrunusError, Transformer, get_preset
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.activation_checkpointing import apply_ac
 from prunus.train_parallel.dry_run import memory_plan

@@ -245,7 +245,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(trained_run, int8_model_dir, 
 
 def test_tensorrt_engine_build(trained_run, tmp_path):
     from prunus.export.tensorrt_build import check_tensorrt
-    from prunus.models import PrunusError
+    from prunus.artifacts.errors import PrunusError
 
     try:
         trt = check_tensorrt()

@@ -37,7 +37,8 @@ import pytest
 import torch
 
 from family_variants import FAMILIES, MOE, WINDOW, family_model
-from prunus.models import PrunusError, load_model, load_model_tokenizer, save_model, stream_tokens
+from prunus.artifacts.errors import PrunusError
+from prunus.models import load_model, load_model_tokenizer, save_model, stream_tokens
 from prunus.serve import Engine
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self", "x"]  # some shorter than WINDOW, some longer

@@ -13,7 +13,7 @@ from prunus.compress.awq import awq_scale, fold, fold_targets
 from prunus.compress.gptq import gptq_int4, hessians
 from prunus.compress.hqq import hqq_int4
 from prunus.compress.int4 import int4_pass
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.int4 import (check_group_size, default_group_size, dequantize_int4, pack_int4, pack_zero_points,
                                 rtn_int4, unpack_int4)

@@ -14,7 +14,8 @@ from prunus.compress.quantize import quantize_pass
 from prunus.export import EXPORT_GRAPHS, OrtGraphs, export_model
 from prunus.export.onnx_export import dequantized_copy, export_prefill
 from prunus.export.quantize_onnx import apply_stored_quantization
-from prunus.models import PrunusError, load_model, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import load_model, save_model
 from prunus.models.int4 import pack_zero_points
 from prunus.models.quantized import QuantizedLinear
 

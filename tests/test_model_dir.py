@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prunus.models import PrunusError, Transformer, get_preset, load_model, read_manifest, save_model
-from prunus.models.atomic import atomic_dir
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset, load_model, read_manifest, save_model
+from prunus.artifacts.atomic import atomic_dir
 
 
 def _assert_same(a, b):

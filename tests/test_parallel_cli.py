@@ -88,7 +88,7 @@ def test_print_slurm_refuses_a_layout_the_job_would_refuse(args, needles, assert
 
 def test_launchers_check_the_layout_first():
     """The library's launchers refuse a bad layout before writing or starting anything."""
-    from prunus.models.errors import PrunusError
+    from prunus.artifacts.errors import PrunusError
     from prunus.train_parallel import TrainConfig
     from prunus.train_parallel.launch import launch_local
     from prunus.train_parallel.slurm import sbatch_script

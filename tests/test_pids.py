@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from prunus.models.atomic import clean_stale_temps
-from prunus.models.pids import pid_alive
+from prunus.artifacts.atomic import clean_stale_temps
+from prunus.artifacts.pids import pid_alive
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="zombies are read from /proc (Linux)")

@@ -15,8 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from prunus.cli.main import cli
-from prunus.models import PrunusError, save_model
-from prunus.models.atomic import atomic_dir, clean_stale_temps
+from prunus.artifacts.errors import PrunusError
+from prunus.models import save_model
+from prunus.artifacts.atomic import atomic_dir, clean_stale_temps
 from tree_snapshot import snapshot
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--eval-every", "2",

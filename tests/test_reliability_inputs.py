@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from prunus.cli.main import cli
-from prunus.models import PrunusError, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import save_model
 from tree_snapshot import snapshot
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--eval-every", "2",
@@ -271,7 +272,7 @@ FLAG_CASES = [
     (["train", *TINY, "--lr", "-1"], "--lr -1.0 must be positive"),
     (["train", *TINY, "--max-corpus-bytes", "-5"], "--max-corpus-bytes -5"),
     (["train", *TINY, "--steps", "ten"], "'ten' is not a valid integer"),
-    (["generate", "{m}", "--prompt", "x", "--max-new-tokens", "2", "--seed", str(2**70)], "seed="),
+    (["generate", "{m}", "--prompt", "x", "--max-new-tokens", "2", "--seed", str(2**70)], "--seed"),
     (["compress", "{m}", "--quantize", "int8-weight-only", "--out", "{t}/c", "--seed", str(2**70)], "--seed"),
     (["train", *TINY, "--out", "/proc/prunus-run"], "cannot be created"),
     (["serve", "{m}", "--port", "70000"], "70000 is not in the range"),

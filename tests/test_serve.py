@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prunus.models import PrunusError, Transformer, get_preset, load_model, load_model_tokenizer, save_model, stream_tokens
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset, load_model, load_model_tokenizer, save_model, stream_tokens
 from prunus.serve import Engine
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self", "x", "    return self.assertEqual("]

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prunus.models import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.serve.backend_tensorrt import TrtRunner, trt_dtypes
 
 FAKE_TRT = SimpleNamespace(DataType=SimpleNamespace(FLOAT="FLOAT", HALF="HALF", INT64="INT64", INT32="INT32",

@@ -1,10 +1,10 @@
 """prunus.train_parallel: the training engine (mesh, DDP/FSDP, TP/SP, PP, CP, EP, checkpoints, launch, the train loop).
 
-Public names are imported from their submodules on first use (:mod:`prunus.models.lazy`), so that
+Public names are imported from their submodules on first use (:mod:`prunus.artifacts.lazy`), so that
 reading :class:`TrainConfig` (``prunus train --help``) does not import torch.
 """
 
-from prunus.models.lazy import lazy_package
+from prunus.artifacts.lazy import lazy_package
 
 _EXPORTS = {
     "list_checkpoints": "checkpoint", "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",

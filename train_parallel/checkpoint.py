@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from prunus.models.atomic import atomic_write_json, discard_on_error, replace_dir
-from prunus.models.errors import PrunusError
-from prunus.models.validate import read_json_object, short
+from prunus.artifacts.atomic import atomic_write_json, discard_on_error, replace_dir
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import read_json_object, short
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from prunus.models.config import PRESETS, ModelConfig, get_preset
-from prunus.models.errors import PrunusError
-from prunus.models.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
 SETTINGS_FIX = "see prunus train --print-config"  # what an unknown setting's error suggests
@@ -152,4 +152,4 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "training config") -> "TrainConfig":
         """Settings read from a file (run.json): unknown names and wrong types are one line naming ``source``."""
-        return dataclass_from_dict(cls, d, source, what="setting", fix=SETTINGS_FIX)  # prunus.models.validate
+        return dataclass_from_dict(cls, d, source, what="setting", fix=SETTINGS_FIX)  # prunus.artifacts.validate

@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
-from prunus.models.validate import check_known_fields, parse_document, read_text
+from prunus.artifacts.validate import check_known_fields, parse_document, read_text
 
 from .config import SETTINGS_FIX, TrainConfig
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 
 def apply_ddp(model, dp_mesh):

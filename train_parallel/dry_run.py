@@ -113,7 +113,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .config import TrainConfig
 from .parallel_dims import ParallelDims

@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 LAUNCHED = "PRUNUS_LAUNCHED"
 LAUNCHER_PID = "PRUNUS_LAUNCHER_PID"

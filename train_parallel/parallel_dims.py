@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from prunus.models.config import ModelConfig
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

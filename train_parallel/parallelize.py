@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .activation_checkpointing import apply_ac
 from .context_parallel import apply_cp, validate_cp

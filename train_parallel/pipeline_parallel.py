@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .config import PP_SCHEDULES
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
-from prunus.models.atomic import atomic_write_bytes  # noqa: E402
+from prunus.artifacts.atomic import atomic_write_bytes  # noqa: E402
 
 
 def plain_ticks(ax) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.llama import CausalAttention, repeat_kv
 
 aten = torch.ops.aten

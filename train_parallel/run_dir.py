@@ -18,10 +18,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from prunus.models.atomic import atomic_write_json, clean_stale_temps, replace_dir, writable_parent
-from prunus.models.errors import PrunusError
-from prunus.models.paths import check_output, check_replaceable
-from prunus.models.validate import read_json_object, short
+from prunus.artifacts.atomic import atomic_write_json, clean_stale_temps, replace_dir, writable_parent
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.paths import check_output, check_replaceable
+from prunus.artifacts.validate import read_json_object, short
 
 from .checkpoint import checkpoint_problem, list_checkpoints
 from .config import RESUMABLE, TrainConfig

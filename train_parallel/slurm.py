@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 
 from .parallelize import resolve_layout
 

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
-from prunus.models import PrunusError, Transformer, load_tokenizer, save_model
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
 
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from prunus.models.errors import PrunusError
+from prunus.artifacts.errors import PrunusError
 from prunus.models.llama import CausalAttention, repeat_kv
 
 

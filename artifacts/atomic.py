@@ -155,7 +155,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
     """Yield a temporary directory; on success it becomes ``path``, on error it is removed.
 
     An existing ``path`` is refused unless ``overwrite``, and even then only when it is
-    a prunus output (see :func:`prunus.models.paths.check_replaceable`); it stays in place
+    a prunus output (see :func:`prunus.artifacts.paths.check_replaceable`); it stays in place
     until the new directory is complete."""
     from .paths import check_replaceable
 

@@ -25,13 +25,15 @@ import types
 
 
 class LazyPackage(types.ModuleType):
-    """A package module that imports ``_lazy_exports[name]`` (a submodule) when ``name`` is first read."""
+    """A package module that imports ``_lazy_exports[name]`` when ``name`` is first read: a submodule's
+    name, or an absolute module path (``prunus....``) for a name the package re-exports from elsewhere."""
 
     def __getattr__(self, name: str):
         exports = self.__dict__.get("_lazy_exports", {})
         if name not in exports:
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{self.__name__}.{exports[name]}"), name)
+        where = exports[name]
+        value = getattr(importlib.import_module(where if where.startswith("prunus.") else f"{self.__name__}.{where}"), name)
         types.ModuleType.__setattr__(self, name, value)
         return value
 
