@@ -18,7 +18,7 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 # The layout may change on resume too: checkpoints reload under any layout.
 RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "async_checkpoint", "log_every", "progress",
              "nproc", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
-             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops")
+             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops", "save_adapter")
 
 
 def _doc(default, help: str, **cli):
@@ -85,6 +85,14 @@ class TrainConfig:
     timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
                             flag="--timeout")
     peak_tflops: float | None = _doc(None, "Peak TFLOP/s per rank for MFU. Default: known for common GPUs.")
+    # LoRA (train_parallel/lora.py): adapters on the frozen base instead of full fine-tuning
+    lora_rank: int = _doc(0, "LoRA: train rank-R adapters on the frozen base (merged into model/ at the end); "
+                             "0: train every weight.")
+    lora_alpha: float = _doc(16.0, "LoRA scale numerator: each adapter adds alpha / rank * B A to its module.")
+    lora_dropout: float = _doc(0.0, "LoRA: dropout on the adapters' input, in [0, 1).")
+    lora_targets: str = _doc("wq,wk,wv,wo,w1,w2,w3", "LoRA: the modules that get adapters (comma-separated prunus names).")
+    save_adapter: bool = _doc(False, "LoRA: also write the adapter in PEFT's format (adapter_config.json, "
+                                     "adapter_model.safetensors) at RUN_DIR/adapter.")
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)
@@ -141,6 +149,11 @@ class TrainConfig:
         for name in ("nproc", "microbatches"):
             if getattr(self, name) < 1:
                 raise PrunusError(f"--{name} {getattr(self, name)} must be at least 1")
+        if self.lora_rank < 0 or (self.save_adapter and self.lora_rank < 1):
+            raise PrunusError(f"--lora-rank {self.lora_rank} must be at least 1 for LoRA (0: full fine-tuning, "
+                              "without --save-adapter)")
+        if not 0 <= self.lora_dropout < 1 or not self.lora_alpha > 0:
+            raise PrunusError(f"--lora-dropout {self.lora_dropout} must be in [0, 1) and --lora-alpha {self.lora_alpha} positive")
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,5 +1,5 @@
 """Apply a parallel layout to an unmodified model, in a fixed order:
-pipeline split -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing
+pipeline split -> tensor/sequence parallel -> LoRA adapters -> context parallel -> expert parallel -> activation checkpointing
 -> FSDP / DDP.
 
 Returns what the training step needs: the model parts this rank holds, the
@@ -25,6 +25,7 @@ from .activation_checkpointing import apply_ac
 from .context_parallel import apply_cp, validate_cp
 from .data_parallel import apply_ddp, apply_fsdp
 from .expert_parallel import apply_ep
+from .lora import apply_lora
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import build_pipeline, validate_schedule
 from .tensor_parallel import apply_tp
@@ -75,9 +76,28 @@ def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tupl
     import dataclasses
 
     cfg.validate()
+    if cfg.dp_mode != "ddp":  # a parameter server or nn.DataParallel: checked by their own modules
+        return _resolve_other_dp(cfg, world_size, device_type)
     dims = ParallelDims.from_config(cfg, world_size, device_type)
     cfg = dataclasses.replace(cfg, zero=dims.zero)
     validate_layout(dims, cfg, cfg.model_config())
+    return cfg, dims
+
+
+def _resolve_other_dp(cfg, world_size: int, device_type: str | None) -> tuple:
+    """--dp-mode ps: the workers are the data-parallel ranks; --dp-mode dataparallel: one process, every GPU."""
+    import dataclasses
+
+    if cfg.dp_mode == "ps":
+        from .parameter_server import validate_ps
+
+        dims = ParallelDims(world_size=validate_ps(cfg, world_size), zero=0, device_type=device_type)
+    else:
+        from .data_parallel_single import validate_dataparallel
+
+        dims = validate_dataparallel(cfg, world_size, device_type)
+    cfg = dataclasses.replace(cfg, zero=0)
+    dims.validate_model(cfg.model_config())
     return cfg, dims
 
 
@@ -118,6 +138,8 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device, *, wrap_dd
     def parallelize_part(part):
         if dims.tp_enabled:
             apply_tp(part, dims.submesh("tp"), loss_parallel=dims.loss_parallel)
+        if getattr(cfg, "lora_rank", 0):  # adapters follow their base weights' TP plan; FSDP shards them with their block
+            apply_lora(part, cfg)
         if dims.cp_enabled:
             apply_cp(part, dims.submesh("cp"), cfg.cp_impl)
         experts = []

@@ -34,11 +34,14 @@ from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
+from prunus.models.quantized import QuantizedLinear
 
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .config import TrainConfig
 from .context_parallel import cp_sum, shard_batch
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
+from .lora import apply_lora, check_lora, merge_lora
+from .peft_format import save_adapter
 from .launch import env_ranks, init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
@@ -136,6 +139,22 @@ def _moe_metrics(stats: MoEStats, dims: ParallelDims) -> dict:
     return {"moe_aux_loss": float(totals[0]) / dims.dp, "moe_dropped": int(totals[1])}
 
 
+def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> None:
+    """One line when ``model`` cannot train as ``cfg`` asks: LoRA settings that do not fit it (lora.check_lora),
+    a quantized base with no adapters or on several ranks, nothing left to train."""
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    if cfg.lora_rank:
+        check_lora(model, cfg)
+        if quantized and world > 1:
+            raise PrunusError(f"QLoRA: the base holds {len(quantized)} quantized modules ({quantized[0]}, ...), which "
+                              "train on one process; drop --nproc / the launcher's extra ranks")
+    elif quantized:
+        raise PrunusError(f"the model holds {len(quantized)} quantized modules ({quantized[0]}, ...), which cannot be "
+                          "trained; add --lora-rank to train adapters over them (QLoRA)")
+    if not cfg.lora_rank and not any(p.requires_grad for p in model.parameters()):
+        raise PrunusError("the model has nothing trainable (every parameter frozen); add --lora-rank to train adapters")
+
+
 def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check train() makes before it starts, for ``cfg.nproc`` ranks, without starting them."""
     resolve_layout(cfg, cfg.nproc)
@@ -212,11 +231,17 @@ class Trainer:
         self.token_bytes = self.tokenizer.token_bytes()
         self.dp_rank, self.pp_group, self.cp_mesh = dims.submesh_rank("dp"), dims.submesh_group("pp"), dims.submesh("cp")
         self.model = self._build_model(model)
+        check_trainable(self.model, cfg, self.world)
         self._loss_modules = contextlib.ExitStack()
         self._loss_modules.enter_context(loss_modules_attached(self.model, dict(objective.modules()) if objective else {}))
         try:
             self.model.to(self.device).train()
             self.par: Parallelized = parallelize(self.model, dims, cfg, self.device)
+            self.forward_module = self.par.parts[0]  # what forward calls (nn.DataParallel's replicas, or the part)
+            if cfg.dp_mode == "dataparallel":
+                from .data_parallel_single import apply_dataparallel
+
+                self.forward_module = apply_dataparallel(self.par.parts[0])
             self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
             self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
             self.start, self.train_state = self._load_checkpoint()
@@ -294,7 +319,7 @@ class Trainer:
             sync = not self.par.ddp or i == len(micro_batches) - 1
             with (contextlib.nullcontext() if sync else part.no_sync()), loss_context(self.par.loss_parallel):
                 with self.autocast:
-                    logits = part(x, positions=positions)
+                    logits = (self.forward_module if part is self.par.parts[0] else part)(x, positions=positions)
                 loss = self.loss(logits, x, y)
                 # mixture of experts: the load-balancing loss joins the gradient
                 aux = moe_aux_loss(part) if self.model_cfg.n_experts else None
@@ -424,11 +449,19 @@ class Trainer:
                 metrics.close()
 
     def save_model(self, record: dict) -> Path:
-        """The model dir at RUN_DIR/model (rank 0), consolidated from the final checkpoint when sharded."""
+        """The model dir at RUN_DIR/model (rank 0), consolidated from the final checkpoint when sharded; LoRA
+        adapters merged into it (and written in PEFT's format at RUN_DIR/adapter under --save-adapter)."""
         model = self.model
         if self.world > 1:  # consolidate from the final (sharded) checkpoint in this process
             model = Transformer(self.model_cfg)
+            if self.cfg.lora_rank:
+                apply_lora(model, self.cfg)
             load_model_weights(list_checkpoints(self.run_dir)[-1][1], model)
+        if self.cfg.lora_rank:
+            model.hf_origin = getattr(self.model, "hf_origin", None)
+            if self.cfg.save_adapter:
+                save_adapter(model, self.cfg, self.run_dir / "adapter")
+            model = merge_lora(model)
         model_dir = save_model(
             model.cpu(), self.run_dir / "model", tokenizer=self.tokenizer, stage="train", overwrite=True,
             metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": self.stop,
@@ -460,4 +493,11 @@ class Trainer:
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
           objective=None) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()``; see :class:`Trainer`."""
+    if cfg.dp_mode == "ps":  # servers and workers run their own loop (ps_worker.py)
+        from .ps_worker import refuse_resume, train_parameter_server
+
+        refuse_resume(cfg, resume)
+        if model is not None or objective is not None:
+            raise PrunusError("--dp-mode ps trains a fresh model on cross-entropy; use --dp-mode ddp for this run")
+        return train_parameter_server(cfg, overwrite=overwrite)
     return Trainer(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective).train()
