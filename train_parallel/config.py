@@ -12,13 +12,14 @@ from prunus.artifacts.validate import check_dataclass, check_known_fields, datac
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
 SETTINGS_FIX = "see prunus train --print-config"  # what an unknown setting's error suggests
 # torch.distributed.pipelining schedules prunus drives (pipeline_parallel.py builds them)
+DP_MODES = ("ddp", "ps", "dataparallel")  # data parallelism: torch.distributed, a parameter server, nn.DataParallel
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
 RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "async_checkpoint", "log_every", "progress",
              "nproc", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
-             "activation_checkpointing", "cpu_offload", "timeout_s", "grad_accum", "device", "peak_tflops", "save_adapter")
+             "activation_checkpointing", "cpu_offload", "offload", "timeout_s", "grad_accum", "device", "peak_tflops", "save_adapter")
 
 
 def _doc(default, help: str, **cli):
@@ -82,6 +83,15 @@ class TrainConfig:
     activation_checkpointing: str = _doc("none", "Recompute activations in the backward pass: none, every-other "
                                                  "(blocks) or full.")
     cpu_offload: bool = _doc(False, "FSDP CPU offload of parameters and optimizer states (GPU only).")
+    offload: bool = _doc(False, "ZeRO-Offload: optimizer states and the optimizer step on the CPU, parameters and "
+                                "gradients on the GPU (--zero 0/1); FSDP's CPUOffloadPolicy under --zero 2/3 (GPU only).")
+    dp_mode: str = _doc("ddp", "Data parallelism: ddp (torch.distributed: DDP / ZeRO / FSDP), ps (a parameter server: the "
+                               "first --ps-servers ranks hold the parameters, the others train) or dataparallel "
+                               "(nn.DataParallel in one process over every visible GPU).", choices=DP_MODES)
+    ps_servers: int = _doc(1, "Parameter-server ranks under --dp-mode ps (ranks 0..N-1; the others are workers).")
+    ps_staleness: int | None = _doc(None, "--dp-mode ps: unset, synchronous (the workers' gradients averaged each step, "
+                                          "as DDP); K: asynchronous, each push applied at once, a worker never more "
+                                          "than K steps ahead of the slowest.")
     timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
                             flag="--timeout")
     peak_tflops: float | None = _doc(None, "Peak TFLOP/s per rank for MFU. Default: known for common GPUs.")
@@ -128,6 +138,11 @@ class TrainConfig:
             raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
         if self.activation_checkpointing not in ("none", "every-other", "full", "selective"):  # selective: the old name
             raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, every-other or full")
+        if self.dp_mode not in DP_MODES:
+            raise PrunusError(f"--dp-mode {self.dp_mode}: choose one of {', '.join(DP_MODES)}")
+        if self.ps_servers < 1 or (self.ps_staleness is not None and self.ps_staleness < 0):
+            raise PrunusError(f"--ps-servers {self.ps_servers} must be at least 1 and --ps-staleness {self.ps_staleness} "
+                              "not negative")
         if self.batch_size % self.grad_accum:
             raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
 

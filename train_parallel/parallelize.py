@@ -76,9 +76,28 @@ def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tupl
     import dataclasses
 
     cfg.validate()
+    if cfg.dp_mode != "ddp":  # a parameter server or nn.DataParallel: checked by their own modules
+        return _resolve_other_dp(cfg, world_size, device_type)
     dims = ParallelDims.from_config(cfg, world_size, device_type)
     cfg = dataclasses.replace(cfg, zero=dims.zero)
     validate_layout(dims, cfg, cfg.model_config())
+    return cfg, dims
+
+
+def _resolve_other_dp(cfg, world_size: int, device_type: str | None) -> tuple:
+    """--dp-mode ps: the workers are the data-parallel ranks; --dp-mode dataparallel: one process, every GPU."""
+    import dataclasses
+
+    if cfg.dp_mode == "ps":
+        from .parameter_server import validate_ps
+
+        dims = ParallelDims(world_size=validate_ps(cfg, world_size), zero=0, device_type=device_type)
+    else:
+        from .data_parallel_single import validate_dataparallel
+
+        dims = validate_dataparallel(cfg, world_size, device_type)
+    cfg = dataclasses.replace(cfg, zero=0)
+    dims.validate_model(cfg.model_config())
     return cfg, dims
 
 
