@@ -170,7 +170,8 @@ class Attention(nn.Module):
         self.core = CausalAttention.for_layer(cfg, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCacheProtocol | None = None) -> torch.Tensor:
+                cache: KVCacheProtocol | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: the boolean (batch, 1, seq, seq) keys each query sees when there is no cache (packed documents)."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -180,7 +181,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
             mask = cache.attn_mask(q.shape[2], k.shape[2])
@@ -224,8 +224,10 @@ class TransformerBlock(nn.Module):
         self.ffn_post_norm = make_norm(cfg, cfg.dim) if cfg.post_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCacheProtocol | None = None) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, cache)
+                cache: KVCacheProtocol | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the mask goes by keyword: tensor parallelism prepares the attention's positional inputs only
+        a = self.attention(self.attention_norm(x), cos, sin, cache, mask=mask) if mask is not None else \
+            self.attention(self.attention_norm(x), cos, sin, cache)
         if self.attention_post_norm is not None:
             a = self.attention_post_norm(a)
         h = x + a
@@ -273,11 +275,22 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, tokens: torch.Tensor, cache: KVCacheProtocol | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``cache``: any :class:`prunus.models.kv_cache.KVCacheProtocol`. ``positions`` (seq,) or
         (batch, seq): each token's absolute position, for sequences that are not one contiguous run
         from the cache's ``seq_len`` (context-parallel chunks, ragged batches in serving). Without it,
-        positions count on from the cache's ``seq_len`` (from 0 without a cache)."""
+        positions count on from the cache's ``seq_len`` (from 0 without a cache).
+
+        ``doc_ids`` (batch, seq), without a cache: packed documents. A token attends only to earlier
+        tokens with the same id (a block-diagonal causal mask), so no document sees another; give
+        ``positions`` restarting at 0 for each document and every document scores as it would alone."""
+        mask = None
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids (packed documents) are for training and scoring without a cache")
+            n = doc_ids.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=doc_ids.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -295,7 +308,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"{type(cache).__name__} holds rows of different lengths: pass positions")
             cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         for layer in self.layers.values():
-            h = layer(h, cos, sin, cache)
+            h = layer(h, cos, sin, cache) if mask is None else layer(h, cos, sin, cache, mask=mask)
         if cache is not None:
             cache.advance(h.shape[1])
         h = self.norm(h) if self.norm is not None else h

@@ -37,10 +37,18 @@ class TrainConfig:
     train`` makes one option of each field (``prunus.cli.train``): a new setting is one line here."""
 
     out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
-    preset: str = _doc("small", "Model preset.", choices=tuple(PRESETS))
+    preset: str | None = _doc(None, "Model preset. Default: small, or with --init-from the model dir's own architecture.",
+                              choices=tuple(PRESETS))
+    init_from: str | None = _doc(None, "Fine-tune: start from this prunus model dir's weights (its config.json defines "
+                                       "the model; schedule, optimizer and steps start at 0).")
     model: dict = _doc(dict, "Overrides of the preset's fields (ModelConfig names).", cli=False)
-    data: str | None = _doc(None, "Text file, dir of text files, or .bin tokens. Default: the built-in corpus.")
-    tokenizer: str | None = _doc(None, "Dir holding a Hugging Face tokenizer.json. Default: bytes.")
+    data: str | None = _doc(None, "Text file, dir of text files, or .bin tokens; or instruction rows: .jsonl / .parquet "
+                                  "with {text}, {prompt, completion} or {messages} (packed, loss on completions). "
+                                  "Default: the built-in corpus.")
+    train_on_prompt: bool = _doc(False, "Instruction data: train on prompt and user tokens too, not only on "
+                                        "completions and assistant turns.")
+    tokenizer: str | None = _doc(None, "Dir holding a Hugging Face tokenizer.json. Default: the --init-from dir's, "
+                                       "else bytes.")
     max_corpus_bytes: int = _doc(16 << 20, "Read at most this many bytes of the corpus.")
     seq_len: int | None = _doc(None, "Tokens per training sequence. Default: the model's max_seq_len.")
     batch_size: int = _doc(16, "Sequences per optimizer step (the global batch), split over data-parallel ranks "
@@ -105,7 +113,13 @@ class TrainConfig:
                                      "adapter_model.safetensors) at RUN_DIR/adapter.")
 
     def model_config(self) -> ModelConfig:
-        base = get_preset(self.preset)
+        if self.init_from is not None:  # the model dir defines the architecture; flags may only agree with it
+            from prunus.train_parallel.init_from import check_architecture, init_model_config
+
+            base = init_model_config(self.init_from)
+            check_architecture(base, self.init_from, self.preset, self.model)
+            return base
+        base = get_preset(self.preset or "small")
         if not self.model:
             return base
         check_known_fields(self.model, ModelConfig, "model settings", fix="see prunus info of a model dir for the known ones")

@@ -151,8 +151,12 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device, *, wrap_dd
         return part
 
     if dims.pp_enabled:
-        def loss_fn(logits, targets):
-            return cross_entropy(logits, targets)
+        def loss_fn(logits, targets, scale=None):
+            """Per micro-batch: the token mean; with ``scale`` (packed data, targets ignored by IGNORE_INDEX),
+            the sum times ``scale`` (the trainer's global-token normalisation)."""
+            if scale is None:
+                return cross_entropy(logits, targets)
+            return cross_entropy(logits, targets, reduction="sum") * scale
 
         parts, ids, n_stages, schedule = build_pipeline(
             model, dims.submesh("pp"), schedule=cfg.pp_schedule, microbatches=cfg.microbatches, loss_fn=loss_fn,

@@ -105,7 +105,7 @@ def stage_ids(schedule: str, pp_rank: int, pp: int) -> list[int]:
 
 
 @torch.no_grad()
-def pipeline_score(parts, ids: list[int], n_stages: int, schedule: str, pp_group, x, y, score_fn) -> float:
+def pipeline_score(parts, ids: list[int], n_stages: int, schedule: str, pp_group, x, y, score_fn, **kwargs) -> float:
     """Forward one evaluation batch through the stages with plain sends and receives; every rank gets the score.
 
     torch's ``schedule.eval()`` replays the training action list with backward
@@ -125,7 +125,7 @@ def pipeline_score(parts, ids: list[int], n_stages: int, schedule: str, pp_group
             dist.recv(meta, src=dist.get_global_rank(pp_group, owner[sid - 1]), group=pp_group)
             h = torch.empty(*meta.tolist(), device=x.device)
             dist.recv(h, src=dist.get_global_rank(pp_group, owner[sid - 1]), group=pp_group)
-        h = mine[sid](x if sid == 0 else h)
+        h = mine[sid](x if sid == 0 else h, **kwargs)  # kwargs: packed documents' positions and doc_ids
         if sid == n_stages - 1:
             result += score_fn(h, y)
         elif owner[sid + 1] != me:

@@ -20,6 +20,7 @@ final model dir). :func:`train` is the one-call entry point.
 from __future__ import annotations
 
 import contextlib
+import math
 import shlex
 import sys
 import time
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
+from prunus.data.instruct import is_instruct_path
+from prunus.data.packing import IGNORE_INDEX, PackedCorpus, get_packed_batch, load_packed, packed_eval_batches
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
@@ -39,6 +42,8 @@ from prunus.models.quantized import QuantizedLinear
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .config import TrainConfig
 from .context_parallel import cp_sum, shard_batch
+from .data_parallel import apply_ddp
+from .init_from import init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
 from .lora import apply_lora, check_lora, merge_lora
 from .peft_format import save_adapter
@@ -155,12 +160,20 @@ def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> Non
         raise PrunusError("the model has nothing trainable (every parameter frozen); add --lora-rank to train adapters")
 
 
+def load_train_data(cfg: TrainConfig, tokenizer, vocab_size: int):
+    """The run's data: a text corpus (token windows), or packed instruction rows for a .jsonl / .parquet --data."""
+    if is_instruct_path(cfg.data):
+        return load_packed(cfg.data, tokenizer, seq_len=cfg.resolved_seq_len(), vocab_size=vocab_size,
+                           train_on_prompt=cfg.train_on_prompt)
+    return load_corpus(cfg.data, tokenizer, max_bytes=cfg.max_corpus_bytes, vocab_size=vocab_size)
+
+
 def preflight(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check train() makes before it starts, for ``cfg.nproc`` ranks, without starting them."""
     resolve_layout(cfg, cfg.nproc)
     check_run_dir(cfg, resume=resume, overwrite=overwrite, quiet=True)
     model_cfg = cfg.model_config()
-    load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), max_bytes=cfg.max_corpus_bytes, vocab_size=model_cfg.vocab_size)
+    load_train_data(cfg, run_tokenizer(cfg, model_cfg.vocab_size), model_cfg.vocab_size)
 
 
 def warmup_warning(cfg: TrainConfig) -> str | None:
@@ -183,6 +196,9 @@ def _check_launch(cfg: TrainConfig, objective) -> tuple[TrainConfig, ParallelDim
         raise PrunusError("a training objective other than cross-entropy runs on data-parallel layouts only; set --tp 1 --pp 1")
     if objective is not None and dims.cp_enabled:
         raise PrunusError("a training objective other than cross-entropy sees whole sequences; set --cp 1")
+    if is_instruct_path(cfg.data) and dims.cp_enabled:
+        raise PrunusError(f"--data {cfg.data}: packed instruction rows need a per-document attention mask, which "
+                          "context parallelism does not apply; set --cp 1")
     return cfg, dims
 
 
@@ -224,9 +240,9 @@ class Trainer:
         self.resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=self.run_dir)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
         self.seq_len = cfg.resolved_seq_len()
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.corpus = load_corpus(cfg.data, self.tokenizer, max_bytes=cfg.max_corpus_bytes,
-                                  vocab_size=self.model_cfg.vocab_size)
+        self.tokenizer = run_tokenizer(cfg, self.model_cfg.vocab_size)
+        self.corpus = load_train_data(cfg, self.tokenizer, self.model_cfg.vocab_size)
+        self.packed = isinstance(self.corpus, PackedCorpus)
         self.device = resolve_device(cfg.device, launched_device)
         self.token_bytes = self.tokenizer.token_bytes()
         self.dp_rank, self.pp_group, self.cp_mesh = dims.submesh_rank("dp"), dims.submesh_group("pp"), dims.submesh("cp")
@@ -235,8 +251,7 @@ class Trainer:
         self._loss_modules = contextlib.ExitStack()
         self._loss_modules.enter_context(loss_modules_attached(self.model, dict(objective.modules()) if objective else {}))
         try:
-            self.model.to(self.device).train()
-            self.par: Parallelized = parallelize(self.model, dims, cfg, self.device)
+            self.par: Parallelized = self._parallelize()
             self.forward_module = self.par.parts[0]  # what forward calls (nn.DataParallel's replicas, or the part)
             if cfg.dp_mode == "dataparallel":
                 from .data_parallel_single import apply_dataparallel
@@ -268,12 +283,34 @@ class Trainer:
 
     def _build_model(self, model: Transformer | None) -> Transformer:
         torch.manual_seed(self.cfg.seed)
+        if model is None and self.cfg.init_from is not None:
+            if init_is_quantized(self.cfg.init_from):  # QLoRA: the quantized base as stored, on one process
+                from prunus.models import load_model
+
+                return load_model(self.cfg.init_from)
+            with torch.device("meta"):  # weights come after the layout: see _parallelize
+                return Transformer(self.model_cfg)
         if model is None:
             model = Transformer(self.model_cfg)
             model.init_weights()
         elif model.config != self.model_cfg:
             raise ValueError(f"train(model=...): its config {model.config} is not the run's {self.model_cfg}")
         return model
+
+    def _parallelize(self) -> Parallelized:
+        """The layout applied to the model. ``--init-from``: applied on the meta device, then each rank allocates
+        and reads only its own slices (:mod:`.init_from`); a resumed run's checkpoint fills them instead."""
+        model, dims, cfg = self.model, self.dims, self.cfg
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(self.device).train()
+            return parallelize(model, dims, cfg, self.device)
+        model.train()
+        par = parallelize(model, dims, cfg, self.device, wrap_ddp=False)  # DDP wraps materialized weights only
+        load_init_weights(par.parts, cfg.init_from, self.device, load=self.resume_from is None)
+        reset_adapters(par.parts, cfg)  # LoRA adapters built on the meta device: their initial values
+        if dims.ddp_enabled:
+            par.parts[0] = apply_ddp(par.parts[0], dims.data_parallel_mesh)
+        return par
 
     def _load_checkpoint(self) -> tuple[int, dict]:
         """(the first step to run, the train state: tokens and elapsed seconds so far)."""
@@ -298,15 +335,28 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------------
 
-    def step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of optimizer step ``step`` (a pure function of the seed and the step)."""
+    def step_batches(self, step: int) -> list[tuple]:
+        """This rank's micro-batches of optimizer step ``step`` (a pure function of the seed and the step):
+        ``(x, y)`` of a text corpus, ``(x, y, positions, doc_ids, trained targets in the global batch)`` when packed."""
         cfg = self.cfg
+        if self.packed:
+            return [get_packed_batch(self.corpus.train, seed=cfg.seed, step=step, micro_batch=self.local_batch,
+                                     grad_accum=cfg.grad_accum, micro=m, rank=self.dp_rank, world=self.dims.dp)
+                    for m in range(cfg.grad_accum)]
         return [get_batch(self.corpus.train, seed=cfg.seed, step=step, micro_batch=self.local_batch,
                           seq_len=self.seq_len, grad_accum=cfg.grad_accum, micro=m, rank=self.dp_rank,
                           world=self.dims.dp) for m in range(cfg.grad_accum)]
 
-    def loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, y) if self.objective is None else self.objective(logits, x, y)
+    def loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor, n_trained: int | None = None) -> torch.Tensor:
+        """The micro-batch's loss. Packed batches (``n_trained``: trained targets in the global batch): the
+        sum over this micro-batch's trained targets, scaled so that the gradients averaged over data-parallel
+        ranks and micro-steps are those of the global batch's token mean, under any layout."""
+        if self.objective is not None:
+            return self.objective(logits, x, y)
+        ce = cross_entropy
+        if n_trained is None:
+            return ce(logits, y)
+        return ce(logits, y, reduction="sum") * (self.dims.dp * self.cfg.grad_accum / max(n_trained, 1))
 
     def forward_backward_step(self, micro_batches) -> tuple[torch.Tensor, MoEStats]:
         """Gradients of one optimizer step; returns (the mean loss on this rank, its MoE statistics)."""
@@ -314,13 +364,19 @@ class Trainer:
             return self._pipeline_forward_backward(micro_batches[0]), MoEStats()
         part, accum, moe = self.par.parts[0], self.cfg.grad_accum, MoEStats()
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y, positions = shard_batch(x, y, self.cp_mesh)  # context parallel: this rank's chunks of the sequences
+        for i, batch in enumerate(micro_batches):
+            x, y = batch[:2]
+            if len(batch) == 5:  # packed documents: positions restart per document, attention stays inside one
+                positions, docs, n_trained = batch[2:]
+                kwargs = {"positions": positions, "doc_ids": docs}
+            else:
+                x, y, positions = shard_batch(x, y, self.cp_mesh)  # context parallel: this rank's chunks of the sequences
+                kwargs, n_trained = {"positions": positions}, None
             sync = not self.par.ddp or i == len(micro_batches) - 1
             with (contextlib.nullcontext() if sync else part.no_sync()), loss_context(self.par.loss_parallel):
                 with self.autocast:
-                    logits = (self.forward_module if part is self.par.parts[0] else part)(x, positions=positions)
-                loss = self.loss(logits, x, y)
+                    logits = (self.forward_module if part is self.par.parts[0] else part)(x, **kwargs)
+                loss = self.loss(logits, x, y, n_trained)
                 # mixture of experts: the load-balancing loss joins the gradient
                 aux = moe_aux_loss(part) if self.model_cfg.n_experts else None
                 ((loss if aux is None else loss + aux) / accum).backward()
@@ -332,9 +388,13 @@ class Trainer:
         return total / accum, moe
 
     def _pipeline_forward_backward(self, batch) -> torch.Tensor:
-        (x, y), losses, par = batch, [], self.par
+        (x, y), losses, par, kwargs = batch[:2], [], self.par, {}
+        if len(batch) == 5:  # packed: every stage masks by document; the loss is scaled as in :meth:`loss`
+            kwargs = {"positions": batch[2], "doc_ids": batch[3],
+                      "loss_kwargs": {"scale": self.dims.dp * self.cfg.microbatches / max(batch[4], 1)}}
         with self.autocast:
-            par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses)
+            par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses,
+                              **kwargs)
         if par.has_last:
             return torch.stack([local_value(l).detach().float() for l in losses]).mean()
         return torch.zeros((), device=self.device)
@@ -379,14 +439,18 @@ class Trainer:
 
     # -- evaluation, checkpoints, logging ------------------------------------------------------------------------
 
-    def score(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Summed negative log-likelihood of one evaluation batch, the same on every rank."""
+    def score(self, x: torch.Tensor, y: torch.Tensor, **docs) -> float:
+        """Summed negative log-likelihood of one evaluation batch, the same on every rank (targets equal to
+        ``IGNORE_INDEX`` left out). ``docs``: packed documents' ``positions`` and ``doc_ids``."""
         def nll(logits, targets):
             return float(cross_entropy(local_value(logits), targets, reduction="sum"))
 
         par = self.par
         if par.schedule is not None:
-            return pipeline_score(par.parts, par.stage_ids, par.n_stages, self.cfg.pp_schedule, self.pp_group, x, y, nll)
+            return pipeline_score(par.parts, par.stage_ids, par.n_stages, self.cfg.pp_schedule, self.pp_group, x, y, nll,
+                                  **docs)
+        if docs:
+            return nll(par.parts[0](x, **docs), y)
         x, y, positions = shard_batch(x, y, self.cp_mesh)
         return cp_sum(nll(par.parts[0](x, positions=positions), y), self.cp_mesh)
 
@@ -394,12 +458,29 @@ class Trainer:
         """Validation loss and bits per byte of the model as it is now."""
         for p in self.par.parts:
             p.eval()
-        result = evaluate(None, self.corpus.val, self.token_bytes, seq_len=self.seq_len,
-                          batch_size=self.local_batch * self.cfg.grad_accum, max_tokens=self.cfg.eval_tokens,
-                          device=self.device, score=self.score)
+        if self.packed:
+            result = self._evaluate_packed()
+        else:
+            result = evaluate(None, self.corpus.val, self.token_bytes, seq_len=self.seq_len,
+                              batch_size=self.local_batch * self.cfg.grad_accum, max_tokens=self.cfg.eval_tokens,
+                              device=self.device, score=self.score)
         for p in self.par.parts:
             p.train()
         return result
+
+    @torch.no_grad()
+    def _evaluate_packed(self) -> dict:
+        """Held-out instruction rows: loss per trained target, bits per byte of those targets."""
+        nll, n_tok, n_bytes = 0.0, 0, 0
+        for x, y, positions, docs in packed_eval_batches(self.corpus.val, batch_size=self.local_batch * self.cfg.grad_accum,
+                                                         max_tokens=self.cfg.eval_tokens):
+            x, y, positions, docs = (t.to(self.device) for t in (x, y, positions, docs))
+            nll += self.score(x, y, positions=positions, doc_ids=docs)
+            kept = y[y != IGNORE_INDEX].cpu()
+            n_tok += kept.numel()
+            n_bytes += int(self.token_bytes[kept].sum())
+        return {"val_loss": nll / max(n_tok, 1), "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok,
+                "seq_len": self.seq_len}
 
     def maybe_checkpoint(self, done: int) -> None:
         """Checkpoint after step ``done`` when due: every --ckpt-every, at --stop-at, and at the end of a
@@ -420,9 +501,10 @@ class Trainer:
                             f"{len(self.corpus.train):,} train tokens, steps {self.start + 1}..{self.stop} of {cfg.steps}, "
                             f"{cfg.tokens_per_step:,} tokens per step, {self.world} x {self.device}"
                             + (f", layout {dims.describe()}" if self.world > 1 else ""))
-        warning = warmup_warning(cfg)
-        if warning and self.main:
-            self.progress.console.print(warning, highlight=False, markup=False, soft_wrap=True)  # one line
+        notes = [warmup_warning(cfg), self.corpus.truncation_note(self.seq_len) if self.packed else None]
+        for warning in notes:
+            if warning and self.main:
+                self.progress.console.print(warning, highlight=False, markup=False, soft_wrap=True)  # one line
 
     # -- the run -------------------------------------------------------------------------------------------------
 
@@ -474,7 +556,7 @@ class Trainer:
     def _finish(self) -> TrainResult:
         cfg, record, model_dir = self.cfg, self.record, None
         if self.main:
-            plot_loss_curves(read_metrics(self.run_dir), self.run_dir / "loss.png", title=f"prunus train ({cfg.preset})")
+            plot_loss_curves(read_metrics(self.run_dir), self.run_dir / "loss.png", title=f"prunus train ({cfg.preset or Path(cfg.init_from or 'small').name})")
         if self.stop == cfg.steps:
             if not record:  # resumed at the very end: evaluate what was loaded
                 record = {"step": self.stop, **self.evaluate()}
