@@ -15,10 +15,11 @@ upper Cholesky factor of H^-1 (optimal brain surgeon updates). Here:
   format is unchanged. Without act_order each group's scale and zero point are computed
   when GPTQ reaches the group, from the already-updated weights (as the paper does).
 
-The Hessians are collected block by block (:func:`sequential_gptq`): each block's inputs are
-the outputs of the blocks before it *after* their quantization, so a block compensates for the
-error its predecessors left, as the paper does. Modules outside the blocks (an output head
-listed for int4) get Hessians from a pass of the quantized model with hooks (:func:`hessians`).
+The Hessians come from calibration activations of the float model, in one pass with hooks
+(:func:`hessians`). On SmolLM2-135M (int4, group 64, asymmetric) this scored +6.8% bits per
+byte where collecting them block by block through the already-quantized blocks scored +8.4%
+to +9.0%, and leaving out each row's first position (where the model's massive activations
+are) +16%: those tokens' activations must be reproduced, not ignored.
 """
 
 from __future__ import annotations
@@ -61,70 +62,6 @@ def hessians(model: nn.Module, names: list[str], batches: list[torch.Tensor]) ->
     stats = observe_inputs(model, sorted(set(rep.values())), batches, reduce)  # calibrate.py
     shared = {r: 2 * s / n for r, (s, n) in stats.items()}
     return {n: shared[r] for n, r in rep.items()}
-
-
-class _Stop(Exception):
-    pass
-
-
-@torch.no_grad()
-def block_inputs(model: nn.Module, batches: list[torch.Tensor]) -> list[tuple]:
-    """Per batch, the (hidden states, cos, sin) the first block receives (the rest of the model is not run)."""
-    first = next(iter(model.layers.values()))
-    seen = []
-
-    def hook(module, args):
-        seen.append(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:3]))
-        raise _Stop
-
-    handle = first.register_forward_pre_hook(hook)
-    device = next(model.parameters()).device
-    try:
-        for tokens in batches:
-            try:
-                model(tokens.to(device))
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return seen
-
-
-@torch.no_grad()
-def sequential_gptq(model: nn.Module, names: list[str], batches: list[torch.Tensor], quantize) -> None:
-    """Quantize ``names`` block by block: ``quantize(name, hessian)`` replaces the module ``name``; each block's
-    Hessians come from its inputs through the blocks already quantized."""
-    inputs = block_inputs(model, batches)
-    done = set()
-    for key, block in model.layers.items():
-        prefix = f"layers.{key}."
-        local = [n for n in names if n.startswith(prefix)]
-        if local:
-            rep = input_groups(local)
-            sums, counts, hooks = {}, {}, []
-            for name in sorted(set(rep.values())):
-                def hook(module, args, name=name):
-                    x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                    sums[name] = x.t() @ x + (sums[name] if name in sums else 0)
-                    counts[name] = counts.get(name, 0) + x.shape[0]
-
-                hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-            try:
-                for h, cos, sin in inputs:
-                    block(h, cos, sin)
-            finally:
-                for handle in hooks:
-                    handle.remove()
-            shared = {r: 2 * s / counts[r] for r, s in sums.items()}
-            for name in local:
-                quantize(name, shared[rep[name]])
-            done.update(local)
-            del shared, sums
-        inputs = [(block(h, cos, sin), cos, sin) for h, cos, sin in inputs]
-    rest = [n for n in names if n not in done]
-    if rest:
-        for name, H in hessians(model, rest, batches).items():
-            quantize(name, H)
 
 
 def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,4 +112,4 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
     return Q.to(torch.uint8), scale, zero.round().to(torch.uint8)
 
 
-__all__ = ["SHARED_INPUTS", "input_groups", "hessians", "block_inputs", "sequential_gptq", "gptq_int4"]
+__all__ = ["SHARED_INPUTS", "input_groups", "hessians", "gptq_int4"]

@@ -110,13 +110,13 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
             model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm))
             info["modules"][name] = model.get_submodule(name).spec()
 
-        if algorithm == "gptq":
-            from .gptq import sequential_gptq
+        hessians = {}
+        if algorithm == "gptq":  # after the int8 layers: the Hessians see the inputs those produce
+            from .gptq import hessians as gptq_hessians
 
-            sequential_gptq(model, int4_names, batches, replace)
-        else:
-            for name in int4_names:
-                replace(name)
+            hessians = gptq_hessians(model, int4_names, batches)
+        for name in int4_names:
+            replace(name, hessians.pop(name, None))
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
     store(info)
     if ctx is not None:
