@@ -50,8 +50,11 @@ logits and probabilities (``2 * n_experts``), assuming balanced routing.
 ``model_state`` = params + grads + optimizer (what a step leaves behind, before
 ``zero_grad``); ``total_peak`` adds ``params_peak - params``, DDP buckets,
 buffers and activations: an upper bound, as activations are freed while
-gradients appear. Under --cpu-offload with FSDP the model state lives in host
-memory: it is reported as ``host`` and left out of ``total_peak``, the device's.
+gradients appear. Under --cpu-offload (or --offload) with FSDP the model state
+lives in host memory: it is reported as ``host`` and left out of ``total_peak``,
+the device's. Under --offload with --zero 0/1 (ZeRO-Offload) the optimizer
+states leave the device; ``host`` holds them plus the fp32 master weights and
+the host copy of the gradients of the parameters this rank steps.
 
 The mesh is built on the CPU whatever the machine (the fake process group
 needs no device, and the plan touches none); --cpu-offload is planned, not
@@ -183,6 +186,9 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     group is already initialised in this process (the dry run needs its own, fake one).
     """
     cfg.validate()
+    if cfg.dp_mode != "ddp":
+        raise PrunusError(f"dry run: plans --dp-mode ddp layouts; --dp-mode {cfg.dp_mode} keeps a whole model (and, under "
+                          "ps, the optimizer on the servers): plan it as --dp-mode ddp --zero 0")
     if not 0 <= rank < world_size:
         raise PrunusError(f"dry run: rank {rank} is outside the world of {world_size} ranks; choose 0..{world_size - 1}")
     cfg, dims = resolve_layout(cfg, world_size, device_type="cpu")  # the mesh on the CPU, whatever the machine
@@ -198,8 +204,9 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         model.train()
         # parallelize places nothing (meta stays meta); pipeline stages want a concrete device. DDP cannot wrap
         # meta tensors: the part stays unwrapped (par.ddp still says DDP) and its buckets are counted below.
-        par = parallelize(model, dims, dataclasses.replace(cfg, cpu_offload=False), torch.device("cpu"), wrap_ddp=False)
-        optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in par.parts]
+        planned = dataclasses.replace(cfg, cpu_offload=False, offload=False)  # offload is counted, not applied
+        par = parallelize(model, dims, planned, torch.device("cpu"), wrap_ddp=False)
+        optimizers = [build_optimizer(part, planned, dims.zero1_mesh) for part in par.parts]
         return _plan(cfg, par, optimizers, rank, dims.submesh_rank("pp"))
 
 
@@ -274,7 +281,7 @@ def _layout(cfg: TrainConfig, par: Parallelized) -> dict:
             "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
             "microbatches": cfg.microbatches if dims.pp > 1 else None,
             "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
-            "cpu_offload": par.fsdp and cfg.cpu_offload}
+            "cpu_offload": par.fsdp and (cfg.cpu_offload or cfg.offload), "offload": cfg.offload}
 
 
 def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: int) -> dict:
@@ -288,7 +295,12 @@ def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: i
     grads = params
     ddp_buckets = grads if par.ddp else 0
     model_state = params + grads + optimizer
-    host = model_state if par.fsdp and cfg.cpu_offload else 0  # FSDP's CPUOffloadPolicy keeps the shards on the host
+    host = device_off = 0
+    if par.fsdp and (cfg.cpu_offload or cfg.offload):  # FSDP's CPUOffloadPolicy keeps the shards on the host
+        host = device_off = model_state
+    elif cfg.offload:  # ZeRO-Offload: AdamW's states, fp32 masters and a gradient copy on the host (offload.py)
+        stepped_bytes = sum(_nbytes(_local(p)) for p in stepped)
+        host, device_off = optimizer + 2 * stepped_bytes, optimizer
     return {
         "world_size": par.dims.world_size,
         "rank": rank,
@@ -312,6 +324,6 @@ def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: i
             "activations": act["activations"],
             "model_state": model_state,
             "host": host,
-            "total_peak": model_state - host + extra + ddp_buckets + buffers + act["activations"],
+            "total_peak": model_state - device_off + extra + ddp_buckets + buffers + act["activations"],
         },
     }

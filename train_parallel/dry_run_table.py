@@ -15,7 +15,7 @@ ROWS = (
     ("buffers", "buffers (rotary tables)"),
     ("activations", "activations (estimate)"),
     ("model_state", "model state (params + grads + optimizer)"),
-    ("host", "held in host memory (--cpu-offload)"),
+    ("host", "held in host memory (--cpu-offload, --offload)"),
     ("total_peak", "peak total on the device (upper bound)"),
 )
 
@@ -30,7 +30,7 @@ def render_plan(plan: dict):
              + (f" cp={lay['cp']} ({lay['cp_impl']})" if lay.get("cp", 1) > 1 else "") + f" zero={lay['zero']}"
              + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
              + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
-             + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] else ""))
+             + (", bf16" if lay["bf16"] else "") + (", cpu offload" if lay["cpu_offload"] or lay.get("offload") else ""))
     caption = (f"{plan['model_params']:,} model parameters, {plan['local_params']:,} on this rank "
                f"(stages {plan['stage_ids']}, {plan['blocks']} blocks); activations for micro-batch "
                f"{plan['micro_batch']} x {plan['local_seq_len']} tokens, {plan['in_flight']} in flight")

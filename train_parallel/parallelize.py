@@ -76,6 +76,10 @@ def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tupl
     import dataclasses
 
     cfg.validate()
+    if device_type is None:  # a run (the dry run plans offload on any machine)
+        from .offload import check_offload
+
+        check_offload(cfg)
     if cfg.dp_mode != "ddp":  # a parameter server or nn.DataParallel: checked by their own modules
         return _resolve_other_dp(cfg, world_size, device_type)
     dims = ParallelDims.from_config(cfg, world_size, device_type)
@@ -147,7 +151,7 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device, *, wrap_dd
             experts = apply_ep(part, dims.submesh("ep"), dims.submesh_group("dp_shard_mod_ep"), dims.dp)
         apply_ac(part, cfg.activation_checkpointing)
         if dims.fsdp_enabled:
-            apply_fsdp(part, dp_mesh, zero=dims.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload, ignored_params=experts)
+            apply_fsdp(part, dp_mesh, zero=dims.zero, bf16=cfg.bf16, cpu_offload=cfg.cpu_offload or cfg.offload, ignored_params=experts)
         return part
 
     if dims.pp_enabled:

@@ -72,12 +72,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer_class = torch.optim.AdamW
+    if cfg.offload and cfg.zero in (0, 1):  # ZeRO-Offload (offload.py); FSDP: its CPUOffloadPolicy
+        from .offload import OffloadedAdamW
+
+        optimizer_class = OffloadedAdamW
     if zero1_mesh is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_mesh.get_group(),
+        return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, process_group=zero1_mesh.get_group(),
                                        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    return optimizer_class(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 def resolve_device(name: str, launched_device: torch.device) -> torch.device:
