@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.artifacts.errors import PrunusError
+from prunus.train_parallel.tp_nd.shape import TP_MODES, grid_shape
 from prunus.artifacts.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
@@ -79,6 +80,10 @@ class TrainConfig:
     dp_replicate: int = _doc(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
     dp_shard: int = _doc(-1, "Data-parallel ranks that shard parameters (FSDP); -1: the ranks the other dims leave.")
     tp: int = _doc(1, "Tensor (+ sequence) parallel degree.")
+    tp_mode: str = _doc("1d", "Tensor parallelism over --tp ranks: 1d (Megatron + sequence parallel), 2d (SUMMA, a q x q "
+                              "grid: --tp a square), 2.5d (Tesseract, q x q x --tp-depth) or 3d (a q x q x q cube).",
+                        choices=TP_MODES)
+    tp_depth: int = _doc(1, "Depth of the 2.5d grid (--tp = q * q * depth).")
     pp: int = _doc(1, "Pipeline stages (ranks).")
     cp: int = _doc(1, "Context parallel degree: every sequence split over this many ranks, which share the batch "
                       "(--seq-len a multiple of 2 x cp).")
@@ -148,6 +153,7 @@ class TrainConfig:
             raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        grid_shape(self.tp_mode, self.tp, self.tp_depth)  # a square, a square times the depth, a cube
         if self.cp_impl not in ("ring", "ulysses"):
             raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
         if self.activation_checkpointing not in ("none", "every-other", "full", "selective"):  # selective: the old name

@@ -121,6 +121,7 @@ from prunus.artifacts.errors import PrunusError
 from .config import TrainConfig
 from .parallel_dims import ParallelDims
 from .parallelize import Parallelized, parallelize, resolve_layout
+from .tp_nd.comm_plan import tp_comm_plan
 
 FORWARD_FIRST = ("GPipe", "LoopedBFS")  # schedules that run every micro-batch forward before any backward
 
@@ -277,7 +278,8 @@ def _activations(cfg: TrainConfig, par: Parallelized, pp_rank: int, compute_byte
 def _layout(cfg: TrainConfig, par: Parallelized) -> dict:
     dims = par.dims
     return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "cp_impl": cfg.cp_impl,
-            "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "zero": dims.zero, "fsdp": par.fsdp, "ddp": par.ddp,
+            "tp": dims.tp, "tp_mode": dims.tp_mode, "tp_depth": dims.tp_depth, "pp": dims.pp, "ep": dims.ep,
+            "zero": dims.zero, "fsdp": par.fsdp, "ddp": par.ddp,
             "pp_schedule": cfg.pp_schedule if dims.pp > 1 else None,
             "microbatches": cfg.microbatches if dims.pp > 1 else None,
             "activation_checkpointing": cfg.activation_checkpointing, "bf16": cfg.bf16,
@@ -314,6 +316,9 @@ def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: i
         "local_seq_len": act["local_seq_len"],
         "micro_batch": act["micro_batch"],
         "in_flight": act["in_flight"],
+        # bytes this rank sends per layer and micro-step under --tp (forward + backward), tp_nd/comm_plan.py
+        "tp_comm": tp_comm_plan(cfg.model_config(), par.dims.tp_mode, par.dims.tp, par.dims.tp_depth,
+                                act["micro_batch"] * act["local_seq_len"], compute_bytes),
         "bytes": {
             "params": params,
             "params_peak": params + extra,

@@ -21,6 +21,7 @@ from functools import cached_property
 
 from prunus.models.config import ModelConfig
 from prunus.artifacts.errors import PrunusError
+from prunus.train_parallel.tp_nd.shape import GRID_DIMS, grid_shape
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -36,6 +37,8 @@ class ParallelDims:
     ep: int = 1
     zero: int | None = None  # None: 3 when sharding over dp_shard x cp > 1, else 0
     device_type: str | None = None  # the mesh's device type; None: cuda when available, else cpu
+    tp_mode: str = "1d"  # 1d, or the grid (2d, 2.5d, 3d) tp ranks form: tp_nd/shape.py
+    tp_depth: int = 1  # the 2.5d grid's depth
 
     def __post_init__(self) -> None:
         for name in ("world_size", "dp_replicate", "cp", "tp", "pp", "ep"):
@@ -58,6 +61,8 @@ class ParallelDims:
         if self.ep > 1 and self.dp_shard % self.ep:
             raise PrunusError(f"parallel dims: --ep {self.ep} must divide dp_shard = {self.dp_shard} "
                               "(expert parallelism borrows data-parallel ranks); change --ep or --nproc")
+        if self.tp_mode != "1d":
+            grid_shape(self.tp_mode, self.tp, self.tp_depth)  # one line when tp does not form the grid
         if self.zero is None:  # FSDP shards over dp_shard x cp
             object.__setattr__(self, "zero", 3 if self.dp_shard * self.cp > 1 else 0)
 
@@ -65,7 +70,8 @@ class ParallelDims:
     def from_config(cls, cfg, world_size: int, device_type: str | None = None) -> "ParallelDims":
         """The layout ``cfg`` (a TrainConfig) asks for on ``world_size`` ranks (not yet checked against the model)."""
         return cls(world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp,
-                   pp=cfg.pp, ep=cfg.ep, zero=cfg.zero, device_type=device_type)
+                   pp=cfg.pp, ep=cfg.ep, zero=cfg.zero, device_type=device_type,
+                   tp_mode=getattr(cfg, "tp_mode", "1d"), tp_depth=getattr(cfg, "tp_depth", 1))
 
     @property
     def dp(self) -> int:
@@ -106,12 +112,13 @@ class ParallelDims:
     @property
     def loss_parallel(self) -> bool:
         """Logits stay vocabulary-sharded under TP (the pipeline's last stage gathers them)."""
-        return self.tp > 1 and self.pp == 1
+        return self.tp > 1 and self.pp == 1 and self.tp_mode == "1d"  # 2d/2.5d/3d: the grid's own loss
 
     def describe(self) -> str:
         """The layout in one line, for progress output."""
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} pp={self.pp} "
-                f"zero={self.zero}" + (f" ep={self.ep}" if self.ep > 1 else ""))
+                f"zero={self.zero}" + (f" ep={self.ep}" if self.ep > 1 else "")
+                + (f" tp_mode={self.tp_mode}" if self.tp_mode != "1d" else ""))
 
     @property
     def shape(self) -> dict[str, int]:
@@ -120,16 +127,19 @@ class ParallelDims:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """The dims the mesh is built from: under expert parallelism dp_shard is (dp_shard_mod_ep, ep)."""
-        if self.ep == 1:
-            return self.shape
         shape = {}
         for name, size in self.shape.items():
-            shape.update({"dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep} if name == "dp_shard" else {name: size})
+            if name == "dp_shard" and self.ep > 1:
+                shape.update({"dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep})
+            elif name == "tp" and self.tp_mode != "1d" and self.tp > 1:  # the grid's dims, flattened back into tp
+                shape.update(grid_shape(self.tp_mode, self.tp, self.tp_depth))
+            else:
+                shape[name] = size
         return shape
 
     def validate_model(self, cfg: ModelConfig) -> None:
         """Refuse a layout the model cannot be split into, with one line naming the dims."""
-        if self.tp > 1:
+        if self.tp > 1 and self.tp_mode == "1d":  # the grids check their own splits (tp_nd/apply.py)
             for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
                 if getattr(cfg, name) % self.tp:
                     raise PrunusError(f"--tp {self.tp} does not divide the model's {name} ({getattr(cfg, name)}); choose a tp that does")
@@ -152,6 +162,9 @@ class ParallelDims:
         names = [n for n in shape if shape[n] > 1] or ["dp_shard"]
         device_type = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         mesh = init_device_mesh(device_type, tuple(shape[n] for n in names), mesh_dim_names=tuple(names))
+        grid = tuple(n for n in GRID_DIMS.get(self.tp_mode, ()) if n in names)
+        if len(grid) > 1:
+            mesh[grid]._flatten("tp")
         if self.ep > 1:  # dp_shard, for FSDP of the dense parameters and for batches, spans both parts
             mesh[tuple(n for n in ("dp_shard_mod_ep", "ep") if n in names)]._flatten("dp_shard")
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep") if n in names and shape[n] > 1)

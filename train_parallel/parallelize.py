@@ -29,6 +29,7 @@ from .lora import apply_lora
 from .parallel_dims import ParallelDims
 from .pipeline_parallel import build_pipeline, validate_schedule
 from .tensor_parallel import apply_tp
+from .tp_nd.apply import apply_tp_nd, grid_mesh, validate_tp_nd
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Parallelized:
     stage_ids: list[int]  # the pipeline stages the parts are
     n_stages: int
     dims: ParallelDims  # the layout applied, with its decisions (fsdp_enabled, ddp_enabled, ...)
+    # the loss of a layout whose logits need their own: (logits, targets, reduction) -> loss (2d/2.5d/3d tp)
+    loss_fn: object | None = None
 
     @property
     def ddp(self) -> bool:
@@ -107,6 +110,7 @@ def _resolve_other_dp(cfg, world_size: int, device_type: str | None) -> tuple:
 
 def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
     dims.validate_model(model_cfg)
+    validate_tp_nd(dims.tp_mode, dims.tp, dims.tp_depth, dims, cfg, model_cfg)
     validate_cp(dims.cp, cfg.cp_impl, cfg.resolved_seq_len(), model_cfg.n_heads, dims.tp, dims.pp,
                 moe=bool(getattr(model_cfg, "n_experts", 0)) or dims.ep > 1)
     if dims.ep > 1 and (dims.zero not in (2, 3) or dims.dp_replicate > 1):
@@ -138,6 +142,10 @@ def parallelize(model, dims: ParallelDims, cfg, device: torch.device, *, wrap_dd
     plans on meta tensors, which DDP cannot wrap (it checks shapes with a collective and broadcasts weights),
     and DDP's wrapper changes no parameter."""
     dp_mesh = dims.data_parallel_mesh  # parameters are replicated over data- and context-parallel ranks
+    if dims.tp_enabled and dims.tp_mode != "1d":  # 2d / 2.5d / 3d: tensor parallelism alone (validate_tp_nd)
+        grid = apply_tp_nd(model, dims.tp_mode, grid_mesh(dims.mesh, dims.tp_mode))
+        apply_ac(model, cfg.activation_checkpointing)
+        return Parallelized([model], None, [0], 1, dims, loss_fn=grid.loss)
 
     def parallelize_part(part):
         if dims.tp_enabled:

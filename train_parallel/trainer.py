@@ -358,7 +358,7 @@ class Trainer:
         ranks and micro-steps are those of the global batch's token mean, under any layout."""
         if self.objective is not None:
             return self.objective(logits, x, y)
-        ce = cross_entropy
+        ce = self.par.loss_fn or cross_entropy  # 2d / 2.5d / 3d tp: the grid's vocabulary-parallel loss
         if n_trained is None:
             return ce(logits, y)
         return ce(logits, y, reduction="sum") * (self.dims.dp * self.cfg.grad_accum / max(n_trained, 1))
@@ -448,7 +448,7 @@ class Trainer:
         """Summed negative log-likelihood of one evaluation batch, the same on every rank (targets equal to
         ``IGNORE_INDEX`` left out). ``docs``: packed documents' ``positions`` and ``doc_ids``."""
         def nll(logits, targets):
-            return float(cross_entropy(local_value(logits), targets, reduction="sum"))
+            return float((self.par.loss_fn or cross_entropy)(local_value(logits), targets, reduction="sum"))
 
         par = self.par
         if par.schedule is not None:
