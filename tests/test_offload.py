@@ -144,3 +144,22 @@ def test_fsdp2_cpu_offload_policy_matches_on_cuda(tmp_path):
             assert abs(a - b) <= 1e-5
     finally:
         dist.destroy_process_group()
+
+
+def test_zero1_shards_the_offloaded_optimizer(tmp_path):
+    """ZeroRedundancyOptimizer over OffloadedAdamW (--zero 1 --offload) steps as AdamW (one gloo rank here)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ref, ref_groups = _model_and_groups()
+        off, off_groups = _model_and_groups()
+        _steps(ref, torch.optim.AdamW(ref_groups, lr=1e-2), 3)
+        zero = ZeroRedundancyOptimizer(off_groups, optimizer_class=OffloadedAdamW, lr=1e-2, pin_memory=False)
+        _steps(off, zero, 3)
+        assert isinstance(zero.optim, OffloadedAdamW) and zero.optim.state
+        for a, b in zip(ref.parameters(), off.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
