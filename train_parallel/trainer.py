@@ -72,6 +72,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # LoRA trains matrices alone; DCP cannot save an empty group
     optimizer_class = torch.optim.AdamW
     if cfg.offload and cfg.zero in (0, 1):  # ZeRO-Offload (offload.py); FSDP: its CPUOffloadPolicy
         from .offload import OffloadedAdamW
