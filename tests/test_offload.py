@@ -163,3 +163,13 @@ def test_zero1_shards_the_offloaded_optimizer(tmp_path):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_training_builds_the_offloaded_optimizer_for_zero0_and_zero1():
+    from prunus.models import Transformer
+    from prunus.train_parallel.trainer import build_optimizer
+
+    model = Transformer(TrainConfig(**BASE).model_config())
+    for zero in (0, 1):
+        assert isinstance(build_optimizer(model, TrainConfig(**BASE, zero=zero, offload=True)), OffloadedAdamW)
+    assert type(build_optimizer(model, TrainConfig(**BASE, zero=0))) is torch.optim.AdamW
