@@ -36,7 +36,10 @@ _PARTIAL = StateDictOptions(strict=False)
 def init_model_config(init_from: str | Path) -> ModelConfig:
     """The architecture of the model dir ``init_from`` (its config.json)."""
     path = Path(init_from)
-    read_manifest(path)  # one line when this is no prunus model dir
+    try:
+        read_manifest(path)  # one line when this is no prunus model dir
+    except PrunusError as e:
+        raise PrunusError(f"--init-from {e}") from None
     if not (path / WEIGHTS).is_file():
         raise PrunusError(f"--init-from {path}: no {WEIGHTS}; give a model dir written by prunus train, compress or convert")
     return read_config(path)[0]
