@@ -108,13 +108,24 @@ def test_a_stopped_lora_run_resumes_bit_exactly(lora_run, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-LAYOUTS = {"lora_tp": dict(tp=2), "lora_fsdp": dict(dp_shard=2, zero=3), "lora_ddp": dict(zero=0)}
+LAYOUTS = {"lora_tp": dict(tp=2), "lora_fsdp": dict(dp_shard=2, zero=3), "lora_ddp": dict(zero=0),
+           "lora_pp": dict(pp=2, pp_schedule="1F1B", microbatches=2)}
 
 
-def test_lora_under_tp_and_fsdp_matches_one_process(tmp_path, spawn_jobs):
+def test_lora_under_tp_fsdp_pp_matches_one_process(tmp_path, spawn_jobs):
+    """Every layout's losses, validation loss and merged model dir against one process; and a LoRA checkpoint
+    written under FSDP x 2 at step 2, resumed under TP x 2, ends where one process ends."""
     jobs = [{"name": n, "config": {**BASE, **c, "out": str(tmp_path / n)}} for n, c in LAYOUTS.items()]
+    ckpt = {**BASE, "stop_at": 2, "zero": 3, "out": str(tmp_path / "ckpt_fsdp")}
+    jobs += [{"name": "ckpt_fsdp", "config": ckpt},
+             {"name": "resume_tp", "copy_from": ckpt["out"], "resume": True, "config": {"tp": 2, "out": str(tmp_path / "resume_tp")}}]
     results = spawn_jobs(WORKER, 2, jobs, tmp_path)
     ref = train(TrainConfig(**{**BASE, "out": str(tmp_path / "ref")}))
+    for name in ("ckpt_fsdp", "resume_tp"):
+        assert "error" not in results[name], f"{name}: {results[name].get('error')}\n{results[name].get('trace')}"
+    assert results["ckpt_fsdp"]["losses"] == pytest.approx(ref.losses[:2], abs=TOL)
+    assert results["resume_tp"]["losses"] == pytest.approx(ref.losses[2:], abs=TOL)
+    assert abs(results["resume_tp"]["val_loss"] - ref.metrics["val_loss"]) <= TOL
     for name in LAYOUTS:
         got = results[name]
         assert "error" not in got, f"{name}: {got.get('error')}\n{got.get('trace')}"
