@@ -50,21 +50,24 @@ def test_loaded_model_equals_its_source(sources, tmp_path):
         assert (part.output.weight is part.tok_embeddings.weight) == (kind == "tied")
 
 
+# name: (source model, layout, instruction rows or the built-in text corpus); packed rows refuse --cp
 LAYOUTS = {
-    "ddp": ("tied", dict(zero=0)),
-    "ddp_grad_accum": ("tied", dict(zero=0, grad_accum=2)),
-    "fsdp": ("tied", dict(zero=3)),
-    "tp_sp": ("tied", dict(tp=2)),
-    "pp_1f1b": ("untied", dict(pp=2, pp_schedule="1F1B", microbatches=2)),
+    "ddp": ("tied", dict(zero=0), True),
+    "ddp_grad_accum": ("tied", dict(zero=0, grad_accum=2), True),
+    "fsdp": ("tied", dict(zero=3), True),
+    "tp_sp": ("tied", dict(tp=2), True),
+    "pp_1f1b": ("untied", dict(pp=2, pp_schedule="1F1B", microbatches=2), True),
+    "fsdp_text": ("tied", dict(zero=3), False),
+    "cp_ring_text": ("tied", dict(cp=2), False),
 }
 
 
 @pytest.fixture(scope="module")
 def two_rank(sources, spawn_jobs):
     tmp = sources["tmp"]
-    jobs = [{"name": n, "config": {**RUN, **c, "init_from": sources[src], "data": sources["data"], "out": str(tmp / n)}}
-            for n, (src, c) in LAYOUTS.items()]
-    jobs.append({"name": "fsdp_text", "config": {**RUN, "zero": 3, "init_from": sources["tied"], "out": str(tmp / "fsdp_text")}})
+    jobs = [{"name": n, "config": {**RUN, **c, "init_from": sources[src], "out": str(tmp / n),
+                                   **({"data": sources["data"]} if rows else {})}}
+            for n, (src, c, rows) in LAYOUTS.items()]
     return spawn_jobs(WORKER, 2, jobs, tmp)
 
 
@@ -73,15 +76,31 @@ def reference(tmp_path: Path, **config) -> dict:
     return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp_text"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_fine_tune_as_one_process(two_rank, sources, tmp_path, layout):
     got = two_rank[layout]
     assert "error" not in got, f"{layout}: {got.get('error')}\n{got.get('trace')}"
-    src, changes = LAYOUTS.get(layout, ("tied", {}))
-    data = {} if layout == "fsdp_text" else {"data": sources["data"]}
+    src, changes, rows = LAYOUTS[layout]
+    data = {"data": sources["data"]} if rows else {}
     ref = reference(tmp_path, init_from=sources[src], grad_accum=changes.get("grad_accum", 1), **data)
     assert got["losses"] == pytest.approx(ref["losses"], abs=TOL), layout
     assert got["val_loss"] == pytest.approx(ref["val_loss"], abs=TOL), layout
+
+
+def test_lora_adapters_start_from_their_initial_values(sources, tmp_path):
+    """Built on the meta device with the base, the adapters get apply_lora's values: B zero (the model is its
+    source), A drawn from the seed and the module's name."""
+    from prunus.train_parallel.lora import apply_lora
+
+    cfg = TrainConfig(out=str(tmp_path / "o"), init_from=sources["tied"], lora_rank=4, **RUN)
+    part = Trainer(cfg).par.parts[0]
+    x = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    expected = load_model(sources["tied"])
+    apply_lora(expected, cfg)
+    with torch.no_grad():
+        assert torch.equal(part(x), expected(x))
+    for (name, p), (name_e, p_e) in zip(part.named_parameters(), expected.named_parameters()):
+        assert name == name_e and torch.equal(p, p_e), name
 
 
 def test_fine_tuning_resumes_bit_exactly(sources, tmp_path):
