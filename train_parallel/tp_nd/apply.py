@@ -77,6 +77,9 @@ def validate_tp_nd(mode: str, tp: int, depth: int, dims, cfg, model_cfg) -> None
         if getattr(model_cfg, name) % q:
             raise PrunusError(f"{flag} --tp {tp}: the model's {name} ({getattr(model_cfg, name)}) is not divisible by "
                               f"the grid side {q}; choose another degree or mode")
+    if mode == "3d" and (model_cfg.n_kv_heads * model_cfg.head_dim) % out_parts:
+        raise PrunusError(f"{flag} --tp {tp}: the model's key/value width (n_kv_heads x head_dim = "
+                          f"{model_cfg.n_kv_heads * model_cfg.head_dim}) is not divisible by {out_parts}; choose another degree or mode")
     parts, per_step = row_split(mode, tp, depth), cfg.batch_size // cfg.grad_accum
     if per_step % parts:
         raise PrunusError(f"{flag} --tp {tp} splits every micro-batch into {parts} parts by sequences: --batch-size / "
