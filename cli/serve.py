@@ -13,6 +13,20 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _device_map(value: str | None):
+    """--device-map: None, "auto", or a JSON object (one line when it is neither)."""
+    if value is None or value == "auto":
+        return value
+    import json
+
+    from prunus.artifacts.errors import PrunusError
+
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise PrunusError(f"--device-map {value!r}: give auto or a JSON object such as '{{\"layers.0\": 0}}'") from None
+
+
 @click.command("serve")
 @click.argument("path", type=click.Path())
 @backend_option
@@ -26,7 +40,11 @@ def _interrupt(signum, frame):
 @click.option("--max-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (prompt + output). Default: the model's.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Decode through torch.compile (torch backend, tp=1): faster steps, 10-25 s per batch bucket at start.")
-def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_):
+@click.option("--device-map", default=None,
+              help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
+                   "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
+@click.option("--max-memory", default=None, help="Budgets for --device-map auto, e.g. 0=10GiB,cpu=30GiB,disk=100GiB.")
+def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, device_map, max_memory):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
@@ -34,7 +52,8 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
     signal.signal(signal.SIGTERM, _interrupt)
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
-                     max_queue=max_queue, compile=compile_) as engine:
+                     max_queue=max_queue, compile=compile_, device_map=_device_map(device_map),
+                     max_memory=max_memory) as engine:
         server = CompletionServer(engine, host, port)
         info = engine.info
         click.echo(f"prunus serve: {info['path']} on {info['backend']} (tp={info['tp']}, max batch {info['max_batch']}, "

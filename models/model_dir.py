@@ -130,8 +130,12 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               verify: bool = True) -> Transformer:
-    """Rebuild the module from a model dir. ``verify`` checks file hashes against the manifest."""
+               verify: bool = True, placement=None) -> Transformer:
+    """Rebuild the module from a model dir. ``verify`` checks file hashes against the manifest.
+
+    ``placement`` (a device map, prunus.serve.device_map): ``name -> device`` for each stored tensor, read one by
+    one from the memory-mapped file to that device; None leaves it on the meta device (streamed from the file
+    at each forward). ``device`` then holds the buffers."""
     path = Path(path)
     if verify:
         verify_model_dir(path)
@@ -142,9 +146,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         quantized_layout(model, compression.quantized_modules)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.artifacts.safetensors_header
-    state = load_file(path / WEIGHTS, device=str(device))
+    state = load_file(path / WEIGHTS, device=str(device)) if placement is None else _placed(path / WEIGHTS, placement)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]
+    streamed = set() if placement is None else set(expected) - set(state)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight") and k not in streamed]
     if missing or unexpected:
         raise PrunusError(f"{path / WEIGHTS}: weights do not match config.json (missing {missing[:3]}, unexpected {unexpected[:3]}); re-create the model dir")
     if cfg.tie_embeddings:
@@ -156,6 +161,19 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if dtype is not None:
         model.to(dtype)
     return model.eval()
+
+
+def _placed(weights: Path, placement) -> dict:
+    """The stored tensors ``placement`` puts on a device, each read from the memory-mapped file to it."""
+    from safetensors import safe_open
+
+    state = {}
+    with safe_open(weights, framework="pt") as f:
+        for name in f.keys():
+            device = placement(name)
+            if device is not None:
+                state[name] = f.get_tensor(name).to(device)
+    return state
 
 
 def load_model_tokenizer(path: str | Path):

@@ -24,7 +24,7 @@ class TorchBackend:
         self.model = model
         self.n_slots, self.max_len = n_slots, max_len
         self.vocab_size = model.config.vocab_size
-        self.device = model.tok_embeddings.weight.device
+        self.device = getattr(model, "input_device", None) or model.tok_embeddings.weight.device  # a device map's
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
         self.tunable_threads = self.device.type == "cpu"  # see prunus.serve.pass_threads
         self.compile = compile

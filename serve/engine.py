@@ -51,14 +51,16 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
-             dtype: str | None = None, threads: int | None = None, compile: bool = False) -> "Engine":
+             dtype: str | None = None, threads: int | None = None, compile: bool = False,
+             device_map=None, max_memory=None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
         each pass gets 1 or all of them, whichever was faster when timed at load,
         :mod:`prunus.serve.pass_threads`), or ONNX Runtime's intra-op threads. ``compile``: decode steps through ``torch.compile``
         (:mod:`prunus.serve.compiled_decode`; the torch backend in one process; 10-25 s per
-        batch bucket at load)."""
+        batch bucket at load). ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
+        {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`)."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
@@ -79,7 +81,21 @@ class Engine:
             raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
         info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len,
                 "compile": compile}
-        if backend == "torch" and tp > 1:
+        if device_map is not None:
+            if backend != "torch" or tp > 1 or compile:
+                raise PrunusError(f"device_map places a model dir's modules for the torch backend in one process, not "
+                                  f"{backend} with tp={tp}{' and compile' if compile else ''}")
+            from .backend_torch import TorchBackend
+            from .device_map import load_dispatched, place_cache
+
+            model, placed = load_dispatched(path, device_map, max_memory, dtype=DTYPES[dtype] if dtype else None)
+            impl = TorchBackend(model, max_batch, max_len)
+            place_cache(impl.cache, model)
+            tokenizer = load_model_tokenizer(path)
+            info["device_map"] = {k: str(v) for k, v in placed.items()}
+        elif max_memory is not None:
+            raise PrunusError("max_memory applies with device_map='auto'; add device_map='auto' (--device-map auto)")
+        elif backend == "torch" and tp > 1:
             from .backend_tp import TPBackend
 
             impl = TPBackend(path, tp, n_slots=max_batch, max_len=max_len, device=device, dtype=dtype)
