@@ -122,6 +122,7 @@ from .config import TrainConfig
 from .parallel_dims import ParallelDims
 from .parallelize import Parallelized, parallelize, resolve_layout
 from .tp_nd.comm_plan import tp_comm_plan
+from .tp_nd.shape import grid_side
 
 FORWARD_FIRST = ("GPipe", "LoopedBFS")  # schedules that run every micro-batch forward before any backward
 
@@ -212,7 +213,13 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
 
 
 def _working_copies(cfg: TrainConfig, par: Parallelized, compute_bytes: int) -> int:
-    """Bytes of the parameters' working copies above the persistent ones (gathered by FSDP, cast by autocast)."""
+    """Bytes of the parameters' working copies above the persistent ones (gathered by FSDP, cast by autocast, or
+    by a 2d / 2.5d / 3d grid: every weight gathered over one side of the grid, q times its shard, is kept for
+    the backward pass)."""
+    dims = par.dims
+    if dims.tp > 1 and dims.tp_mode != "1d":
+        q = grid_side(dims.tp_mode, dims.tp, dims.tp_depth)
+        return q * compute_bytes * sum(_local(p).numel() for part in par.parts for p in part.parameters() if p.ndim >= 2)
     if par.fsdp and par.dims.zero == 2:
         return sum(_tp_local_numel(p) for part in par.parts for p in part.parameters()) * compute_bytes
     if par.fsdp:

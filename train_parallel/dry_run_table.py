@@ -26,7 +26,9 @@ def render_plan(plan: dict):
 
     lay = plan["layout"]
     title = (f"dry run: rank {plan['rank']:,} of {plan['world_size']:,} ranks, dp_replicate={lay['dp_replicate']} "
-             f"dp_shard={lay['dp_shard']} tp={lay['tp']} pp={lay['pp']}" + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
+             f"dp_shard={lay['dp_shard']} tp={lay['tp']}"
+             + (f" ({lay['tp_mode']}" + (f", depth {lay['tp_depth']}" if lay.get("tp_depth", 1) > 1 else "") + ")"
+                if lay.get("tp_mode", "1d") != "1d" else "") + f" pp={lay['pp']}" + (f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else "")
              + (f" cp={lay['cp']} ({lay['cp_impl']})" if lay.get("cp", 1) > 1 else "") + f" zero={lay['zero']}"
              + (f" {lay['pp_schedule']} x{lay['microbatches']}" if lay["pp"] > 1 else "")
              + (f", AC {lay['activation_checkpointing']}" if lay["activation_checkpointing"] != "none" else "")
@@ -44,4 +46,9 @@ def render_plan(plan: dict):
             continue
         style = "bold" if key in ("model_state", "total_peak") else None
         table.add_row(label, f"{value:,}", _gib(value), style=style)
+    comm = plan.get("tp_comm") or {}
+    if comm:  # tensor-parallel bytes this rank sends per micro-step, forward + backward (tp_nd/comm_plan.py)
+        block = comm.get("layers.0", 0)
+        table.add_row("tp traffic sent per micro-step (one block)", f"{block:,}", _gib(block))
+        table.add_row("tp traffic sent per micro-step (all layers)", f"{sum(comm.values()):,}", _gib(sum(comm.values())))
     return table
