@@ -197,3 +197,16 @@ def test_a_model_with_nothing_trainable_is_refused(tmp_path):
     with pytest.raises(PrunusError, match="nothing trainable"):
         train(cfg, model=frozen)
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_refuses_a_target_that_names_no_module(tmp_path, assert_user_error):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(cli, ["train", "--preset", "tiny", "--steps", "1", "--no-progress", "--out", str(out),
+                                      "--lora-rank", "4", "--lora-targets", "wq,q_proj"])
+    assert_user_error(result, "--lora-targets q_proj names no module", "Hugging Face's name of wq",
+                      "choose among w1,w2,w3,wk,wo,wq,wv")
+    assert not out.exists()

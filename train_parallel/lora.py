@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
+from prunus.models.hf_families import LAYER
 from prunus.models.quantized import QuantizedLinear
 
 WEIGHT_ONLY = ("int8-weight-only", "fp8-weight-only", "int4-weight-only")  # bases LoRA can train over
@@ -65,7 +66,10 @@ def check_lora(model: nn.Module, cfg) -> dict[str, nn.Module]:
     if missing:
         known = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                         if isinstance(m, (nn.Linear, QuantizedLinear)) and n.startswith("layers.")})
-        raise PrunusError(f"--lora-targets {','.join(missing)} names no module of this model; choose among {','.join(known)}")
+        hf = {theirs.split(".")[1]: ours.split(".")[1] for theirs, ours in LAYER.items() if theirs.endswith("proj.weight")}
+        hint = "".join(f" ({t} is Hugging Face's name of {hf[t]})" for t in missing if t in hf)
+        raise PrunusError(f"--lora-targets {','.join(missing)} names no module of this model{hint}; "
+                          f"choose among {','.join(known)}")
     for name, module in found.items():
         if isinstance(module, QuantizedLinear) and module.scheme not in WEIGHT_ONLY:
             raise PrunusError(f"--lora-rank: module {name} is quantized {module.scheme}, whose rounded activations pass "
