@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.models import Transformer, get_preset, load_model, save_model
+from prunus.models import Transformer, get_preset, load_model, read_manifest, save_model
 from prunus.train_parallel import TrainConfig, Trainer, read_metrics, resume_config, train
 
 TOL = 1e-5
@@ -129,6 +129,9 @@ def test_converted_hf_model_trains_as_transformers(tmp_path):
     batches = [trainer.step_batches(s)[0] for s in range(3)]
     result = trainer.train()
     norms = [r["grad_norm"] for r in read_metrics(tmp_path / "run")]
+    # the fine-tuned dir names its parent and stays a llama of Hugging Face's (exportable with to_hf)
+    assert read_manifest(result.model_dir)["parent"]["path"] == str((tmp_path / "model").resolve())
+    assert json.loads((result.model_dir / "config.json").read_text())["hf"]["model_type"] == "llama"
 
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).train()
     params = [p for p in hf.parameters() if p.requires_grad]

@@ -51,6 +51,11 @@ def init_is_quantized(init_from: str | Path) -> bool:
     return bool(compression.get("quantized_modules"))
 
 
+def init_hf_origin(init_from: str | Path) -> dict | None:
+    """The Hugging Face family a converted dir came from (config.json's ``hf``), kept by the fine-tuned model dir."""
+    return read_config(init_from)[1].get("hf")
+
+
 def run_tokenizer(cfg, vocab_size: int):
     """The run's tokenizer: ``--tokenizer``, else the ``--init-from`` dir's, else bytes. With both, their
     vocabularies must agree (data tokenized for another model trains on the wrong ids): one line otherwise."""

@@ -43,7 +43,7 @@ from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_mo
 from .config import TrainConfig
 from .context_parallel import cp_sum, shard_batch
 from .data_parallel import apply_ddp
-from .init_from import init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
+from .init_from import init_hf_origin, init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
 from .lora import apply_lora, check_lora, merge_lora
 from .peft_format import save_adapter
@@ -295,7 +295,9 @@ class Trainer:
 
                 return load_model(self.cfg.init_from)
             with torch.device("meta"):  # weights come after the layout: see _parallelize
-                return Transformer(self.model_cfg)
+                model = Transformer(self.model_cfg)
+            model.hf_origin = init_hf_origin(self.cfg.init_from)  # a converted model stays exportable to its family
+            return model
         if model is None:
             model = Transformer(self.model_cfg)
             model.init_weights()
@@ -545,6 +547,8 @@ class Trainer:
             if self.cfg.lora_rank:
                 apply_lora(model, self.cfg)
             load_model_weights(list_checkpoints(self.run_dir)[-1][1], model)
+        if getattr(self.model, "hf_origin", None) and not getattr(model, "hf_origin", None):
+            model.hf_origin = self.model.hf_origin  # the consolidated copy keeps the source's family
         if self.cfg.lora_rank:
             model.hf_origin = getattr(self.model, "hf_origin", None)
             if self.cfg.save_adapter:
@@ -552,6 +556,7 @@ class Trainer:
             model = merge_lora(model)
         model_dir = save_model(
             model.cpu(), self.run_dir / "model", tokenizer=self.tokenizer, stage="train", overwrite=True,
+            parent=self.cfg.init_from,  # fine-tuning: the manifest names the model dir it started from
             metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": self.stop,
                      "train_tokens": self.train_state["tokens"], "corpus": self.corpus.name, "world_size": self.world},
         )
