@@ -1,5 +1,5 @@
 """2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism: equivalence with one process, bytes counted against
-the planner's, and bad layouts refused in one line before any process starts.
+the planner's, activations kept equal to the dry run's estimate, and bad layouts refused in one line before any process starts.
 
 One 8-rank spawn (gloo, one thread per rank; tests/tp_nd_worker.py) runs every case: a 2D grid of 4 ranks
 (two replicas of it), 2.5D with q=2 and depth 2, 3D on a 2 x 2 x 2 cube, and variants with tied embeddings
@@ -19,6 +19,7 @@ from prunus.models.config import get_preset
 from prunus.train_parallel import TrainConfig, train
 from prunus.train_parallel.dry_run import memory_plan
 from prunus.train_parallel.parallelize import resolve_layout
+from prunus.train_parallel.tp_nd.activation_plan import grid_activations
 from prunus.train_parallel.tp_nd.comm_plan import tp_comm_plan
 
 TOL = 1e-5
@@ -71,6 +72,17 @@ def test_counted_bytes_match_the_plan(eight_rank, name):
     assert set(got["sent"]) == set(plan)
     for layer, planned in plan.items():
         assert abs(got["sent"][layer] - planned) <= 1, (layer, got["sent"][layer], planned)
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_saved_activations_match_the_plan(eight_rank, name):
+    """What autograd kept on a rank equals the dry run's grid estimate plus the weights the linears gathered."""
+    got = eight_rank[name]
+    mode, _, model, tp, depth = GRIDS[name]
+    cfg = get_preset("tiny").replace(**model)
+    a = grid_activations(cfg, mode, tp, depth, BATCH * SEQ)
+    planned = cfg.n_layers * a["block"] + a["head"] + a["embedding"] + got["gathered_weight_bytes"]
+    assert got["saved_bytes"] == planned, (got["saved_bytes"], planned)
 
 
 def test_3d_training_matches_one_process(eight_rank, tmp_path):

@@ -27,6 +27,19 @@ def layer_of(label: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
+class LocalShards:
+    """The model's local shards and buffers, as SavedActivations reads a model (DTensors have no storage of their own)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return [p.to_local() for p in self.model.parameters()]
+
+    def buffers(self):
+        return list(self.model.buffers())
+
+
 def run_grid(mode: str, dims: list, shape: list, model: dict, batch: int, seq: int = 16) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -34,7 +47,9 @@ def run_grid(mode: str, dims: list, shape: list, model: dict, batch: int, seq: i
     from prunus.models.config import get_preset
     from prunus.train_parallel.parallelize import cross_entropy
     from prunus.train_parallel.tp_nd.apply import apply_tp_nd
+    from prunus.train_parallel.saved_activations import SavedActivations
     from prunus.train_parallel.tp_nd.collectives import count_bytes
+    from prunus.train_parallel.tp_nd.layers import GridLinear
 
     cfg = get_preset("tiny").replace(**model)
     torch.manual_seed(1)
@@ -51,8 +66,10 @@ def run_grid(mode: str, dims: list, shape: list, model: dict, batch: int, seq: i
     ref_loss.backward()
     mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(dims))
     grid = apply_tp_nd(nd, mode, mesh[tuple(n for n in dims if n.startswith("tp_"))])
+
     with count_bytes() as sent:
-        loss = grid.loss(nd(x), y)
+        with SavedActivations(LocalShards(nd)) as saved:
+            loss = grid.loss(nd(x), y)
         loss.backward()
     ref_params = dict(ref.named_parameters())
     grad_diff = weight_diff = 0.0
@@ -69,7 +86,10 @@ def run_grid(mode: str, dims: list, shape: list, model: dict, batch: int, seq: i
             "sum_diff": sum_diff, "loss": float(loss), "n_params": len(list(nd.parameters())),
             "n_ref_params": len(list(ref.parameters())),
             "local_params": sum(p.to_local().numel() for p in nd.parameters()),
-            "sent": {k: round(v) for k, v in per_layer.items()}}
+            "sent": {k: round(v) for k, v in per_layer.items()}, "saved_bytes": saved.bytes,
+            # the weights the linears gathered (q times their shards), kept for backward
+            "gathered_weight_bytes": sum(m.weight.to_local().numel() * grid.q * 4 for m in nd.modules()
+                                         if isinstance(m, GridLinear))}
 
 
 def run_train(config: dict) -> dict:

@@ -121,6 +121,7 @@ from prunus.artifacts.errors import PrunusError
 from .config import TrainConfig
 from .parallel_dims import ParallelDims
 from .parallelize import Parallelized, parallelize, resolve_layout
+from .tp_nd.activation_plan import grid_activations
 from .tp_nd.comm_plan import tp_comm_plan
 from .tp_nd.shape import grid_side
 
@@ -266,6 +267,8 @@ def _activations(cfg: TrainConfig, par: Parallelized, pp_rank: int, compute_byte
     dims, model_cfg = par.dims, cfg.model_config()
     s, h, t, V = cfg.resolved_seq_len() // dims.cp, model_cfg.dim, dims.tp, model_cfg.vocab_size
     b = _micro_batch(cfg, dims)
+    if dims.tp > 1 and dims.tp_mode != "1d":  # 2d / 2.5d / 3d keep what their grid layers save
+        return _grid_activations(model_cfg, par, s, b, compute_bytes)
     block_full = _block_activations(cfg, dims, compute_bytes)
     blocks = [blk for part in par.parts for blk in part.layers.values()]
     n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)
@@ -280,6 +283,21 @@ def _activations(cfg: TrainConfig, par: Parallelized, pp_rank: int, compute_byte
         activations += head * heads_in_flight
     return {"activations": int(activations), "blocks": len(blocks), "checkpointed_blocks": n_ckpt,
             "local_seq_len": s, "micro_batch": b, "in_flight": blocks_in_flight}
+
+
+def _grid_activations(model_cfg, par: Parallelized, s: int, b: int, compute_bytes: int) -> dict:
+    """Activation bytes of a rank of a 2d / 2.5d / 3d grid (tp_nd/activation_plan.py, exact against autograd in
+    tests/test_tp_nd.py); checkpointed blocks keep their input, and one block is recomputed at a time."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    dims = par.dims
+    a = grid_activations(model_cfg, dims.tp_mode, dims.tp, dims.tp_depth, s * b, compute_bytes)
+    blocks = [blk for part in par.parts for blk in part.layers.values()]
+    n_ckpt = sum(isinstance(blk, CheckpointWrapper) for blk in blocks)
+    total = n_ckpt * a["block_input"] + (len(blocks) - n_ckpt) * a["block"] + (a["block"] if n_ckpt else 0)
+    total += a["head"] + a["embedding"]
+    return {"activations": int(total), "blocks": len(blocks), "checkpointed_blocks": n_ckpt, "local_seq_len": s,
+            "micro_batch": b, "in_flight": 1}
 
 
 def _layout(cfg: TrainConfig, par: Parallelized) -> dict:
