@@ -7,13 +7,14 @@
 2. scores the base model on the held-out modules: mean negative log-likelihood of the completion tokens
    given their prompt, and greedy completions of three held-out prompts;
 3. trains LoRA adapters (rank 8 on every projection by default) with ``prunus.train_parallel.train`` from
-   the base model dir's weights; the run dir gets metrics.jsonl, loss.png, the merged model dir ``model/``
+   the base model dir (``init_from``); the run dir gets metrics.jsonl, loss.png, the merged model dir ``model/``
    and the adapter in PEFT's format ``adapter/``;
 4. scores the merged model dir the same way and writes ``OUT/finetune.json``.
 
-The training data is the JSONL instruction set (loss on the completions only) when this prunus reads
-instruction data, else the rows as plain text (``train.txt``: prompt and completion, every token trained).
-The base dir is only read.
+The run is ``prunus train --init-from BASE --data train.jsonl --lora-rank 8 ... --save-adapter`` (the
+script prints the command line): instruction rows packed into --seq-len rows, the loss on the completion
+tokens only. ``--plain-text`` trains on ``train.txt`` instead (prompt and completion as raw text, every
+token trained). The base dir is only read.
 """
 
 from __future__ import annotations
@@ -70,17 +71,26 @@ def score(model_dir: Path, tokenizer, rows, samples) -> dict:
     return {"heldout_loss": heldout_loss(model, tokenizer, rows), "samples": completions(model, tokenizer, samples)}
 
 
-def instruct_data_supported() -> bool:
+@torch.no_grad()
+def peft_parity(hf_base: Path, adapter: Path, merged_dir: Path, tokenizer, text: str) -> float | None:
+    """Max |logit difference| between Hugging Face PEFT (the adapter on the base's Hugging Face checkpoint)
+    and the merged prunus model dir, on ``text``; None when peft / transformers or the checkpoint are missing."""
     try:
-        import prunus.data.instruct  # noqa: F401
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
     except ImportError:
-        return False
-    return "train_on_prompt" in TrainConfig.__dataclass_fields__
+        return None
+    if not (hf_base / "config.json").is_file():
+        return None
+    ids = torch.tensor(tokenizer.encode(text)).unsqueeze(0)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32), adapter).eval()
+    return float((hf(ids).logits - load_model(merged_dir)(ids)).abs().max())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="/work/real/smollm2", help="prunus model dir of SmolLM2-135M (read only)")
+    ap.add_argument("--hf-base", default="/work/real/smollm2-hf", help="the base as a Hugging Face dir (PEFT parity check)")
     ap.add_argument("--out", default="runs/finetune_smollm2")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -101,21 +111,26 @@ def main() -> None:
     before = score(base, tokenizer, heldout, samples)
     print(f"base: held-out completion loss {before['heldout_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    jsonl = instruct_data_supported() and not args.plain_text
+    jsonl = not args.plain_text
     data = out / "data" / ("train.jsonl" if jsonl else "train.txt")
-    model = load_model(base)
-    cfg = TrainConfig(out=str(out / "run"), preset="small", model=model.config.to_dict(), tokenizer=str(base),
-                      data=str(data), seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
-                      lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(1, args.steps // 10),
-                      eval_every=max(1, args.steps // 6), eval_tokens=4 * args.seq_len * 4, ckpt_every=0,
-                      log_every=5, lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_targets=args.targets,
-                      save_adapter=True)
+    cfg = TrainConfig(out=str(out / "run"), init_from=str(base), data=str(data), seq_len=args.seq_len,
+                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, min_lr=args.lr / 10,
+                      warmup_steps=max(1, args.steps // 10), eval_every=max(1, args.steps // 6),
+                      eval_tokens=16 * args.seq_len, ckpt_every=0, log_every=5, lora_rank=args.rank,
+                      lora_alpha=2.0 * args.rank, lora_targets=args.targets, save_adapter=True)
+    print("the same run from the command line:\n  prunus train " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in cfg.to_dict().items()
+        if k in ("out", "init_from", "data", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps",
+                 "eval_every", "eval_tokens", "lora_rank", "lora_alpha", "lora_targets")) + " --save-adapter", flush=True)
     t1 = time.perf_counter()
-    result = train(cfg, overwrite=True, model=model)
+    result = train(cfg, overwrite=True)
     train_s = time.perf_counter() - t1
     after = score(result.model_dir, tokenizer, heldout, samples)
     print(f"LoRA: held-out completion loss {after['heldout_loss']:.4f}", flush=True)
+    parity = peft_parity(Path(args.hf_base), out / "run" / "adapter", result.model_dir, tokenizer,
+                         samples[0]["prompt"] + samples[0]["completion"])
     report = {
+        "peft_max_abs_logit_diff": parity,
         "base": str(base), "data": str(data), "rows": counts, "heldout_rows_scored": len(heldout),
         "training_data": "jsonl (completion tokens trained)" if jsonl else "plain text (every token trained)",
         "settings": {"steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr,

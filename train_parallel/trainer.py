@@ -150,12 +150,13 @@ def _moe_metrics(stats: MoEStats, dims: ParallelDims) -> dict:
     return {"moe_aux_loss": float(totals[0]) / dims.dp, "moe_dropped": int(totals[1])}
 
 
-def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> None:
+def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> int:
     """One line when ``model`` cannot train as ``cfg`` asks: LoRA settings that do not fit it (lora.check_lora),
-    a quantized base with no adapters or on several ranks, nothing left to train."""
+    a quantized base with no adapters or on several ranks, nothing left to train. Returns the number of adapter
+    parameters LoRA trains (0 without LoRA)."""
     quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     if cfg.lora_rank:
-        check_lora(model, cfg)
+        adapted = check_lora(model, cfg)
         if quantized and world > 1:
             raise PrunusError(f"QLoRA: the base holds {len(quantized)} quantized modules ({quantized[0]}, ...), which "
                               "train on one process; drop --nproc / the launcher's extra ranks")
@@ -164,6 +165,7 @@ def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> Non
                           "trained; add --lora-rank to train adapters over them (QLoRA)")
     if not cfg.lora_rank and not any(p.requires_grad for p in model.parameters()):
         raise PrunusError("the model has nothing trainable (every parameter frozen); add --lora-rank to train adapters")
+    return sum(cfg.lora_rank * (m.in_features + m.out_features) for m in adapted.values()) if cfg.lora_rank else 0
 
 
 def load_train_data(cfg: TrainConfig, tokenizer, vocab_size: int):
@@ -253,7 +255,7 @@ class Trainer:
         self.token_bytes = self.tokenizer.token_bytes()
         self.dp_rank, self.pp_group, self.cp_mesh = dims.submesh_rank("dp"), dims.submesh_group("pp"), dims.submesh("cp")
         self.model = self._build_model(model)
-        check_trainable(self.model, cfg, self.world)
+        self.adapter_params = check_trainable(self.model, cfg, self.world)
         self._loss_modules = contextlib.ExitStack()
         self._loss_modules.enter_context(loss_modules_attached(self.model, dict(objective.modules()) if objective else {}))
         try:
@@ -508,7 +510,9 @@ class Trainer:
         self.progress.print(f"training {self.model_cfg.num_params():,} parameters on {self.corpus.name}: "
                             f"{len(self.corpus.train):,} train tokens, steps {self.start + 1}..{self.stop} of {cfg.steps}, "
                             f"{cfg.tokens_per_step:,} tokens per step, {self.world} x {self.device}"
-                            + (f", layout {dims.describe()}" if self.world > 1 else ""))
+                            + (f", layout {dims.describe()}" if self.world > 1 else "")
+                            + (f"; LoRA rank {cfg.lora_rank}: {self.adapter_params:,} adapter parameters trained, the rest "
+                               "frozen" if cfg.lora_rank else ""))
         notes = [warmup_warning(cfg), self.corpus.truncation_note(self.seq_len) if self.packed else None]
         for warning in notes:
             if warning and self.main:
