@@ -53,6 +53,7 @@ def test_asynchronous_parameter_server_holds_the_staleness_bound(four_rank):
     stats = got["ps"]
     # the slow worker lags; the fast one runs ahead, but never more than K = 1 step beyond the slowest
     assert stats["max_lead"] == 1, stats
+    assert 0 < stats["max_staleness_versions"] <= (1 + 1) * 2 - 1  # (K + 1) x workers - 1 optimizer steps
     assert len(got["losses"]) == 6 and all(loss == loss for loss in got["losses"])  # every step reported, no NaN
     assert got["losses"][-1] < got["losses"][0]  # and it trains
 

@@ -13,6 +13,8 @@ batch, and **pushes** each server its shard of them.
   own optimizer step (clipped by the worker, at step ``c``'s learning rate). Each server knows every worker's
   clock (steps pushed); a worker's pull for step ``c`` is held until ``c - min(clocks) <= K``: no worker runs
   more than K steps ahead of the slowest, so the parameters it reads miss at most K steps of any worker.
+  Counted in optimizer steps (one per push), a gradient is applied at most ``(K + 1) * workers - 1`` versions
+  after the parameters it was computed on (``max_staleness_versions`` in the run's last record).
 
 Messages are point-to-point ``torch.distributed`` send / recv on a gloo group (CPU tensors; gloo can receive
 from any source, which a server needs): a 4-number header (op, step, loss, worker) with tag ``HEADER``, then a

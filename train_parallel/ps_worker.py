@@ -23,10 +23,11 @@ from prunus.data import evaluate, get_batch, load_corpus
 from prunus.models import Transformer, load_tokenizer, save_model
 
 from .launch import init_distributed
-from .metrics import MetricsLog
+from .metrics import MetricsLog, read_metrics
 from .parameter_server import (DONE, HEADER, PAYLOAD, PULL, PUSH, REPLY, ParameterServer, gather_to_rank0, header,
                                shard_plan, validate_ps)
 from .parallelize import cross_entropy
+from .plot import plot_loss_curves
 from .run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
 
 
@@ -162,6 +163,7 @@ def _finish(cfg, model, tokenizer, corpus, run_dir: Path, records: list[dict], s
         metrics.write(last)
     finally:
         metrics.close()
+    plot_loss_curves(read_metrics(run_dir), run_dir / "loss.png", title=f"prunus train ({cfg.preset}, parameter server)")
     save_model(model.cpu(), run_dir / "model", tokenizer=tokenizer, stage="train", overwrite=True,
                metrics={"val_loss": result["val_loss"], "val_bpb": result["val_bpb"], "train_steps": cfg.steps,
                         "corpus": corpus.name, "world_size": dist.get_world_size(), "ps": ps})
