@@ -123,6 +123,8 @@ def test_dry_run_plans_memory_and_communication_per_mode():
     (dict(tp=27, tp_mode="3d"), 27, ["model's dim (64) is not divisible by 9"]),
     (dict(tp=8, tp_mode="3d", batch_size=6), 8, ["must be a multiple of 4"]),
     (dict(tp=4, tp_mode="4d"), 4, ["--tp-mode 4d: choose one of 1d, 2d, 2.5d, 3d"]),
+    (dict(tp=4, tp_mode="2d", lora_rank=4), 4, ["--tp-mode 2d does not compose with --lora-rank"]),
+    (dict(tp=8, tp_mode="3d", model={"qk_norm": True}), 8, ["without per-head q/k norms"]),
 ])
 def test_bad_layouts_are_one_line(changes, world, needles):
     with pytest.raises(PrunusError) as e:

@@ -65,6 +65,12 @@ def validate_tp_nd(mode: str, tp: int, depth: int, dims, cfg, model_cfg) -> None
     if dims.dp > 1:
         raise PrunusError(f"{flag} trains with tensor parallelism alone: make --tp equal the world size "
                           f"({dims.world_size}), or use --tp-mode 1d with data parallelism")
+    if getattr(cfg, "lora_rank", 0):
+        raise PrunusError(f"{flag} does not compose with --lora-rank; use --tp-mode 1d for LoRA fine-tuning")
+    from prunus.data.instruct import is_instruct_path
+
+    if is_instruct_path(getattr(cfg, "data", None)):
+        raise PrunusError(f"{flag} trains on plain token streams; use --tp-mode 1d for packed instruction data ({cfg.data})")
     if model_cfg.n_experts or model_cfg.qk_norm:
         raise PrunusError(f"{flag} splits dense models without per-head q/k norms; use --tp-mode 1d for this model")
     q = grid_side(mode, tp, depth)
