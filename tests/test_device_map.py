@@ -39,11 +39,16 @@ def _budgets(sizes):
 
 def test_placements_generate_the_same_tokens(model_dir, reference_tokens):
     seen_disk = False
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = load_model(model_dir)(tokens)
     for cpu in _budgets(_sizes(model_dir)):
         with Engine.load(model_dir, device_map="auto", max_memory={"cpu": cpu}) as engine:
             placed = engine.info["device_map"]
             seen_disk |= "disk" in placed.values()
             got = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=10)]
+            with torch.no_grad():
+                assert torch.equal(engine.backend.model(tokens), logits), placed  # the same arithmetic, to the bit
         assert got == reference_tokens, (cpu, placed)
     assert seen_disk
     by_hand = {"tok_embeddings": "cpu", "layers.0": "disk", "layers.1": "cpu", "layers.2": "disk", "layers.3": "cpu",
