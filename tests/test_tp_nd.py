@@ -4,9 +4,10 @@ the planner's, activations kept equal to the dry run's estimate, and bad layouts
 One 8-rank spawn (gloo, one thread per rank; tests/tp_nd_worker.py) runs every case: a 2D grid of 4 ranks
 (two replicas of it), 2.5D with q=2 and depth 2, 3D on a 2 x 2 x 2 cube, and variants with tied embeddings
 and biases: one forward and backward of the tiny model with random weights against the same model in
-this process (loss and every gradient within 1e-5), and a 3D training run against one process's losses.
+this process (loss and every gradient within 1e-5), and a 3D training run against one process's losses, its checkpoint resumed in one process.
 """
 
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from click.testing import CliRunner
 from prunus.artifacts.errors import PrunusError
 from prunus.cli.main import cli
 from prunus.models.config import get_preset
-from prunus.train_parallel import TrainConfig, train
+from prunus.train_parallel import TrainConfig, resume_config, train
 from prunus.train_parallel.dry_run import memory_plan
 from prunus.train_parallel.parallelize import resolve_layout
 from prunus.train_parallel.tp_nd.activation_plan import grid_activations
@@ -34,7 +35,7 @@ GRIDS = {  # name: (mode, mesh dims, model changes, tp degree, depth)
     "3d_tied_bias": ("3d", ["tp_x", "tp_y", "tp_z"], {"tie_embeddings": True, "attn_qkv_bias": True,
                                                       "attn_out_bias": True}, 8, 1),
 }
-TRAIN = dict(preset="tiny", seq_len=32, batch_size=8, steps=2, warmup_steps=1, eval_every=2, eval_tokens=1024,
+TRAIN = dict(preset="tiny", seq_len=32, batch_size=8, steps=3, warmup_steps=1, eval_every=3, eval_tokens=1024,
              ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
 
 
@@ -44,7 +45,7 @@ def eight_rank(tmp_path_factory, spawn_jobs):
     jobs = [{"name": name, "grid": {"mode": mode, "dims": dims, "shape": [2, 2, 2], "model": model, "batch": BATCH,
                                     "seq": SEQ}}
             for name, (mode, dims, model, _, _) in GRIDS.items()]
-    jobs.append({"name": "train_3d", "config": {**TRAIN, "tp": 8, "tp_mode": "3d", "out": str(tmp / "run_3d")}})
+    jobs.append({"name": "train_3d", "config": {**TRAIN, "tp": 8, "tp_mode": "3d", "stop_at": 2, "out": str(tmp / "run_3d")}})
     return spawn_jobs(WORKER, 8, jobs, tmp)
 
 
@@ -85,14 +86,19 @@ def test_saved_activations_match_the_plan(eight_rank, name):
     assert got["saved_bytes"] == planned, (got["saved_bytes"], planned)
 
 
-def test_3d_training_matches_one_process(eight_rank, tmp_path):
+def test_3d_training_matches_one_process_and_resumes_in_one(eight_rank, tmp_path_factory, tmp_path):
+    """Two steps under 3D (stopped, checkpointed), the third resumed in one process: the losses of one process."""
     got = eight_rank["train_3d"]
     assert "error" not in got, f"{got.get('error')}\n{got.get('trace')}"
     ref = train(TrainConfig(**TRAIN, out=str(tmp_path / "ref")))
-    assert len(got["losses"]) == len(ref.losses)
-    for a, b in zip(got["losses"], ref.losses):
-        assert abs(a - b) <= TOL, (got["losses"], ref.losses)
-    assert abs(got["val_loss"] - ref.metrics["val_loss"]) <= TOL
+    run = next(tmp_path_factory.getbasetemp().glob("tp_nd*/run_3d"))
+    shutil.copytree(run, tmp_path / "run_3d")
+    resumed = train(resume_config(str(tmp_path / "run_3d"), tp=1, tp_mode="1d"), resume=True)
+    losses = got["losses"] + resumed.losses
+    assert len(losses) == len(ref.losses)
+    for a, b in zip(losses, ref.losses):
+        assert abs(a - b) <= TOL, (losses, ref.losses)
+    assert abs(resumed.metrics["val_loss"] - ref.metrics["val_loss"]) <= TOL
 
 
 def test_dry_run_plans_memory_and_communication_per_mode():

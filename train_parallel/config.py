@@ -19,7 +19,7 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 # Settings that may change when a run is resumed; every other one defines the run.
 # The layout may change on resume too: checkpoints reload under any layout.
 RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "async_checkpoint", "log_every", "progress",
-             "nproc", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
+             "nproc", "dp_replicate", "dp_shard", "tp", "tp_mode", "tp_depth", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
              "activation_checkpointing", "cpu_offload", "offload", "timeout_s", "grad_accum", "device", "peak_tflops", "save_adapter")
 
 
