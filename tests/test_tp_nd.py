@@ -1,10 +1,12 @@
 """2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism: equivalence with one process, bytes counted against
-the planner's, activations kept equal to the dry run's estimate, and bad layouts refused in one line before any process starts.
+the planner's, activations kept equal to the dry run's estimate, and bad layouts refused in one line before any
+process starts.
 
 One 8-rank spawn (gloo, one thread per rank; tests/tp_nd_worker.py) runs every case: a 2D grid of 4 ranks
 (two replicas of it), 2.5D with q=2 and depth 2, 3D on a 2 x 2 x 2 cube, and variants with tied embeddings
 and biases: one forward and backward of the tiny model with random weights against the same model in
-this process (loss and every gradient within 1e-5), and a 3D training run against one process's losses, its checkpoint resumed in one process.
+this process (loss and every gradient within 1e-5), and a 3D training run against one process's losses, its
+checkpoint resumed in one process.
 """
 
 import shutil

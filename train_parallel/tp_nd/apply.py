@@ -70,7 +70,8 @@ def validate_tp_nd(mode: str, tp: int, depth: int, dims, cfg, model_cfg) -> None
     from prunus.data.instruct import is_instruct_path
 
     if is_instruct_path(getattr(cfg, "data", None)):
-        raise PrunusError(f"{flag} trains on plain token streams; use --tp-mode 1d for packed instruction data ({cfg.data})")
+        raise PrunusError(f"{flag} trains on plain token streams; use --tp-mode 1d for packed instruction data "
+                          f"({cfg.data})")
     if model_cfg.n_experts or model_cfg.qk_norm:
         raise PrunusError(f"{flag} splits dense models without per-head q/k norms; use --tp-mode 1d for this model")
     q = grid_side(mode, tp, depth)
@@ -85,7 +86,8 @@ def validate_tp_nd(mode: str, tp: int, depth: int, dims, cfg, model_cfg) -> None
                               f"the grid side {q}; choose another degree or mode")
     if mode == "3d" and (model_cfg.n_kv_heads * model_cfg.head_dim) % out_parts:
         raise PrunusError(f"{flag} --tp {tp}: the model's key/value width (n_kv_heads x head_dim = "
-                          f"{model_cfg.n_kv_heads * model_cfg.head_dim}) is not divisible by {out_parts}; choose another degree or mode")
+                          f"{model_cfg.n_kv_heads * model_cfg.head_dim}) is not divisible by {out_parts}; "
+                          "choose another degree or mode")
     parts, per_step = row_split(mode, tp, depth), cfg.batch_size // cfg.grad_accum
     if per_step % parts:
         raise PrunusError(f"{flag} --tp {tp} splits every micro-batch into {parts} parts by sequences: --batch-size / "

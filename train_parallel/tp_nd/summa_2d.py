@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from .collectives import all_gather, copy_to, reduce_scatter
+from .collectives import all_gather, all_reduce, copy_to, reduce_scatter
 from .layers import IGNORE_INDEX, rows, vocab_lookup, vocab_parallel_loss
 
 
@@ -75,14 +75,13 @@ class Summa2D:
         return reduce_scatter(partial, -1, self.g_col, label)
 
     def feature_sum(self, x, label: str):
-        from .collectives import all_reduce
-
         return all_reduce(x, self.g_col, label)
 
     def norm_weight(self, w, label: str):
         return copy_to(w, [self.g_row, self.g_dep], label)
 
     def loss(self, logits, targets, reduction: str = "mean", label: str = "loss"):
-        vocab = logits.shape[-1] * self.q
-        return vocab_parallel_loss(logits, rows(targets, self.row_index, self.row_parts, IGNORE_INDEX), self.g_col,
-                                   self.j * (vocab // self.q), [self.g_row, self.g_dep], int((targets != IGNORE_INDEX).sum()), reduction, label)
+        vocab, n_tokens = logits.shape[-1] * self.q, int((targets != IGNORE_INDEX).sum())
+        mine = rows(targets, self.row_index, self.row_parts, IGNORE_INDEX)
+        return vocab_parallel_loss(logits, mine, self.g_col, self.j * (vocab // self.q), [self.g_row, self.g_dep],
+                                   n_tokens, reduction, label)
