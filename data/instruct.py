@@ -152,7 +152,7 @@ def render_row(row, where: str, tokenizer, *, train_on_prompt: bool = False) -> 
     return Document(tokens, np.asarray(trained, dtype=bool), where)
 
 
-def held_out(where: str, row, val_fraction: float) -> bool:
+def held_out(row, val_fraction: float) -> bool:
     """Whether a row belongs to the held-out split: a hash of its content (stable when rows move)."""
     digest = hashlib.sha256(json.dumps(row, sort_keys=True, ensure_ascii=False).encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
@@ -167,7 +167,7 @@ def load_documents(path: str | Path, tokenizer, *, vocab_size: int | None = None
         if vocab_size is not None and int(doc.tokens.max()) >= vocab_size:
             raise PrunusError(f"{where}: token id {int(doc.tokens.max())} is outside the model's vocabulary of "
                               f"{vocab_size}; use the model's own tokenizer")
-        (val if held_out(where, row, val_fraction) else train).append(doc)
+        (val if held_out(row, val_fraction) else train).append(doc)
     if not train and not val:
         raise PrunusError(f"data {path}: no rows; give one JSON object per line ({', '.join(ROW_KINDS)})")
     if not val:  # too few rows for the hash split: hold out the last one
