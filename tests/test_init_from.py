@@ -197,3 +197,18 @@ def test_truncated_rows_are_reported(sources, tmp_path, capsys):
                                                                                              "progress": True}))
     err = capsys.readouterr()
     assert "rows of" in err.out + err.err and "are longer than --seq-len 32 and were truncated" in err.out + err.err
+
+
+def test_cli_fine_tunes_from_a_model_dir(sources, tmp_path):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    out = tmp_path / "ft"
+    r = CliRunner().invoke(cli, ["train", "--init-from", sources["tied"], "--data", sources["data"], "--seq-len", "32",
+                                 "--batch-size", "4", "--steps", "2", "--warmup-steps", "0", "--eval-every", "2",
+                                 "--no-progress", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert read_manifest(out / "model")["parent"]["path"] == str(Path(sources["tied"]).resolve())
+    run = json.loads((out / "run.json").read_text())
+    assert run["train"]["init_from"] == sources["tied"] and run["train"]["preset"] is None
