@@ -5,15 +5,13 @@ With ``R`` the tokens this rank holds in the residual stream (``T / (d q)`` for 
 query and key/value widths, ``n`` heads, ``f`` ffn_dim and ``B`` bytes per element, a block keeps::
 
     R * (4h/q + 2          two norms: input, normalised output, 1/rms
-         + 5h + w_q + f    the inputs each linear gathered (q, k, v, w1, w3 from h; wo from w_q; w2 from f)
+         + 2h + w_q + f    the gathered inputs (one for q/k/v, one for w1/w3, wo's, w2's)
          + (2 w_q + 2 w_kv + n)/q   attention's q, k, v, output and log-sum-exp (this rank's heads)
          + 3f/q) * B       w1's output, its activation, w3's output
 
 Every linear also keeps the weight it gathered (q times its shard), counted with the parameters' working
 copies. The head keeps the final norm's ``2h/q + 1``, its gathered input ``h``, the loss's softmax
-``V/q`` and its mask (1) per token; the embedding its per-token mask. Each layer gathers its own input
-(the three q/k/v projections gather the same one three times): simple and exact, at a memory and
-traffic cost the plan shows.
+``V/q`` and its mask (1) per token; the embedding its per-token mask.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ def grid_activations(model_cfg, mode: str, tp: int, depth: int, tokens: int, ele
     R = grid_rows(mode, tp, depth, tokens)
     h, f, n, V = model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_heads, model_cfg.vocab_size
     wq, wkv = n * model_cfg.head_dim, model_cfg.n_kv_heads * model_cfg.head_dim
-    block = R * (4 * h / q + 2 + 5 * h + wq + f + (2 * wq + 2 * wkv + n) / q + 3 * f / q)
+    block = R * (4 * h / q + 2 + 2 * h + wq + f + (2 * wq + 2 * wkv + n) / q + 3 * f / q)
     head = R * (2 * h / q + 1 + h + V / q + 1)
     lookup_rows = tokens / q if mode == "3d" else R  # 3D looks up chunk r before scattering it over q'
     return {"block": block * elem_bytes, "head": head * elem_bytes, "embedding": lookup_rows * elem_bytes,

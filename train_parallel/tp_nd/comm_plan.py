@@ -8,7 +8,7 @@ out, ``q`` the grid's side, ``d`` the 2.5D depth):
 * 1D (Megatron + SP, ``t`` ranks): the block's inputs gathered over the sequence before attention and
   the MLP and reduce-scattered after them, ``(t-1)/t * T*h`` each, in forward and backward, plus the
   replicated norm weights' gradient all-reduce (the weights never travel);
-* 2D / 2.5D: ``x`` all-gathered along the row and ``W`` along the column, then their transposes in
+* 2D / 2.5D: ``x`` all-gathered along the row (once for q/k/v, once for w1/w3) and ``W`` along the column, then their transposes in
   backward: ``2 (q-1) (T K / (d q^2) + M K / q^2)``, with depth ``2 (d-1)/d * M K / q^2`` more for the
   gradient all-reduce over the ``d`` replicas;
 * 3D: ``x`` gathered, ``W`` gathered, ``y`` reduce-scattered, each over another face, and back:
@@ -36,11 +36,14 @@ class _Grid:
         self.mode, self.tp, self.d, self.T = mode, tp, depth, T
         self.q = grid_side(mode, tp, depth)
 
-    def linear(self, K: int, M: int, bias: bool = False) -> float:
+    def linear(self, K: int, M: int, bias: bool = False, gathers_input: bool = True) -> float:
+        """``gathers_input=False``: the input was gathered for another linear reading it (k, v after q; w3 after w1)."""
         q, d, T = self.q, self.d, self.T
         if self.mode == "3d":
-            return 2 * (q - 1) / q ** 3 * (T * K + M * K + T * M) + (2 * _ar(q, M / q) if bias else 0)
-        out = 2 * (q - 1) * (T * K / (d * q * q) + M * K / (q * q)) + _ar(d, M * K / (q * q))
+            x = T * K if gathers_input else 0
+            return 2 * (q - 1) / q ** 3 * (x + M * K + T * M) + (2 * _ar(q, M / q) if bias else 0)
+        x = T * K / (d * q * q) if gathers_input else 0
+        out = 2 * (q - 1) * (x + M * K / (q * q)) + _ar(d, M * K / (q * q))
         return out + ((_ar(q, M / q) + _ar(d, M / q)) if bias else 0)
 
     def norm(self, h: int) -> float:
@@ -67,8 +70,8 @@ def _nd_layers(cfg, mode: str, tp: int, depth: int, T: int) -> dict[str, float]:
     h, f, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
     qw, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     bias = cfg.attn_qkv_bias
-    block = (g.norm(h) * (2 + 2 * bool(cfg.post_norms)) + g.linear(h, qw, bias) + 2 * g.linear(h, kv, bias)
-             + g.linear(qw, h, cfg.attn_out_bias) + 2 * g.linear(h, f) + g.linear(f, h))
+    block = (g.norm(h) * (2 + 2 * bool(cfg.post_norms)) + g.linear(h, qw, bias) + 2 * g.linear(h, kv, bias, False)
+             + g.linear(qw, h, cfg.attn_out_bias) + g.linear(h, f) + g.linear(h, f, gathers_input=False) + g.linear(f, h))
     layers = {"tok_embeddings": g.embedding(V, h)}
     layers.update({f"layers.{i}": block for i in range(cfg.n_layers)})
     layers.update({"norm": g.norm(h), "output": g.linear(h, V), "loss": g.loss()})

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import all_gather, all_reduce, copy_to, reduce_scatter
-from .layers import IGNORE_INDEX, rows, vocab_lookup, vocab_parallel_loss
+from .layers import IGNORE_INDEX, SharedInput, rows, vocab_lookup, vocab_parallel_loss
 
 
 class Cube3D:
@@ -36,6 +36,7 @@ class Cube3D:
         self.q = mesh.size(0)
         self.p, self.qq, self.r = (mesh.get_local_rank(n) for n in ("tp_x", "tp_y", "tp_z"))
         self.gp, self.gq, self.gr = (mesh.get_group(n) for n in ("tp_x", "tp_y", "tp_z"))
+        self.inputs = SharedInput()
 
     def _roles(self, flip: bool):
         """(the input's feature group, the group its sequences are gathered over) of a linear from L0 / L1."""
@@ -53,7 +54,7 @@ class Cube3D:
 
     def linear(self, x, w, b, flip: bool, label: str):
         feat, seq = self._roles(flip)
-        x = all_gather(x, 0, seq, label)
+        x = self.inputs.gather(x, 0, seq, label)  # q/k/v (and w1/w3) share one gather of their input
         w = all_gather(w, 0, self.gr, label)
         y = reduce_scatter(F.linear(x, w), 0, feat, label)
         if b is not None:
@@ -61,6 +62,7 @@ class Cube3D:
         return y
 
     def embed(self, tokens, w, vocab: int, label: str):
+        self.inputs.clear()
         table = all_gather(w, 0, self.gr, label)  # vocabulary block q', features p
         partial = vocab_lookup(rows(tokens, self.r, self.q), table, self.qq * (vocab // self.q))
         return reduce_scatter(partial, 0, self.gq, label)
@@ -72,6 +74,7 @@ class Cube3D:
         return copy_to(w, [self.gq, self.gr], label)
 
     def loss(self, logits, targets, reduction: str = "mean", label: str = "loss"):
+        self.inputs.clear()
         vocab = logits.shape[-1] * self.q
         mine = rows(targets, self.r * self.q + self.p, self.q * self.q, IGNORE_INDEX)
         return vocab_parallel_loss(logits, mine, self.gq, self.qq * (vocab // self.q), [self.gp, self.gr],

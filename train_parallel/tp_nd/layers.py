@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .collectives import _reduce, all_reduce_max, all_reduce_shared
+from .collectives import _reduce, all_gather, all_reduce_max, all_reduce_shared
 
 
 def local_shard(full: torch.Tensor, mesh, placements) -> torch.Tensor:
@@ -44,6 +44,26 @@ def rows(x: torch.Tensor, index: int, parts: int, fill: int | None = None) -> to
         x = torch.cat([x, pad])
     n = x.shape[0] // parts
     return x[index * n:(index + 1) * n]
+
+
+class SharedInput:
+    """One gather of an input that several linears read (q, k and v; w1 and w3): the gathered tensor is kept
+    while the next linear asks for the same input tensor, and autograd sums the consumers' gradients into one
+    backward collective. Cleared at the embedding and the loss, so nothing outlives a forward pass."""
+
+    def __init__(self):
+        self._last = None  # (input, dim, group, gathered)
+
+    def gather(self, x, dim: int, group, label: str):
+        last = self._last
+        if last is not None and last[0] is x and last[1] == dim and last[2] is group:
+            return last[3]
+        out = all_gather(x, dim, group, label)
+        self._last = (x, dim, group, out)
+        return out
+
+    def clear(self) -> None:
+        self._last = None
 
 
 def _local(p):

@@ -9,6 +9,7 @@ along the column) are done as one all-gather of each, the same bytes sent:
     x[i, :] = all_gather_j(x[i, j]);   W[j, :] = all_gather_i(W[j, i]);   y[i, j] = x[i, :] W[j, :]^T
 
 Backward is their transpose: reduce-scatters of ``dx`` along the row and of ``dW`` along the column.
+Linears that read the same input (q/k/v; w1/w3) share one gather of it.
 The output ``y[i, j]`` is in the input's layout, so blocks chain with no re-layout; attention runs on
 the local sequences and the heads of column ``j``. The embedding is split as the output head's weight
 (vocabulary block ``j``, features block ``i``: tied embeddings share it): gathered along the column, looked
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import all_gather, all_reduce, copy_to, reduce_scatter
-from .layers import IGNORE_INDEX, rows, vocab_lookup, vocab_parallel_loss
+from .layers import IGNORE_INDEX, SharedInput, rows, vocab_lookup, vocab_parallel_loss
 
 
 class Summa2D:
@@ -42,6 +43,7 @@ class Summa2D:
         self.g_row = mesh.get_group("tp_row")  # ranks (k, *, j): the same features, other sequences
         self.g_col = mesh.get_group("tp_col")  # ranks (k, i, *): the same sequences, other features
         self.g_dep = mesh.get_group("tp_dep") if self.has_depth else None
+        self.inputs = SharedInput()
 
     @property
     def row_parts(self) -> int:
@@ -64,12 +66,13 @@ class Summa2D:
         return self._placements(Replicate(), Shard(0))
 
     def linear(self, x, w, b, flip: bool, label: str):
-        x = all_gather(x, -1, self.g_col, label)
+        x = self.inputs.gather(x, -1, self.g_col, label)
         w = all_gather(copy_to(w, [self.g_dep], label), 1, self.g_row, label)
         b = None if b is None else copy_to(b, [self.g_row, self.g_dep], label)
         return F.linear(x, w, b)
 
     def embed(self, tokens, w, vocab: int, label: str):
+        self.inputs.clear()
         table = all_gather(copy_to(w, [self.g_dep], label), 1, self.g_row, label)
         partial = vocab_lookup(rows(tokens, self.row_index, self.row_parts), table, self.j * (vocab // self.q))
         return reduce_scatter(partial, -1, self.g_col, label)
@@ -81,6 +84,7 @@ class Summa2D:
         return copy_to(w, [self.g_row, self.g_dep], label)
 
     def loss(self, logits, targets, reduction: str = "mean", label: str = "loss"):
+        self.inputs.clear()
         vocab, n_tokens = logits.shape[-1] * self.q, int((targets != IGNORE_INDEX).sum())
         mine = rows(targets, self.row_index, self.row_parts, IGNORE_INDEX)
         return vocab_parallel_loss(logits, mine, self.g_col, self.j * (vocab // self.q), [self.g_row, self.g_dep],
