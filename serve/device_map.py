@@ -3,7 +3,7 @@
 ``Engine.load(path, device_map="auto", max_memory={0: "10GiB", "cpu": "30GiB"})`` places the model's modules,
 in order, on the GPUs (by id), then the CPU, then the disk, each within its budget;
 ``device_map={"layers.0": "cpu", ...}`` places them by hand. A module on the disk keeps its weights in the model
-dir's memory-mapped ``model.safetensors``: they are read for each forward, on the main device (the first GPU,
+dir's ``model.safetensors``: they are read for each forward (:class:`DiskWeights`), on the main device (the first GPU,
 else the CPU), and dropped after it, so a model larger than the memory given still generates the same tokens.
 Activations (and the rotary tables, the KV-cache indices and mask) move to each module's device in a forward
 pre-hook; each block's KV cache lives on its block's device; the logits come back to the input's device.
@@ -17,6 +17,7 @@ and ``special_dtypes`` (prunus loads weights in their stored dtypes).
 
 from __future__ import annotations
 
+import os
 import re
 from collections import OrderedDict, defaultdict
 from pathlib import Path
@@ -284,8 +285,39 @@ def _move_inputs(device: torch.device):
     return hook
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class DiskWeights:
+    """Tensors read from a safetensors file on demand with plain reads (``os.preadv``) into fresh buffers: unlike
+    a memory map, pages read stay in the kernel's page cache, not in this process's resident memory, and each
+    tensor's memory is freed when the module drops it."""
+
+    def __init__(self, path: Path):
+        from prunus.artifacts.safetensors_header import read_header
+
+        self.header = read_header(path)
+        self.file = open(path, "rb")
+        self.data_start = 8 + int.from_bytes(self.file.read(8), "little")
+
+    def keys(self):
+        return self.header.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        start, end = entry["data_offsets"]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        buf = bytearray(end - start)
+        os.preadv(self.file.fileno(), [buf], self.data_start + start)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class _Stream:
-    """A disk-placed module: its weights read from the memory-mapped safetensors before each forward and
+    """A disk-placed module: its weights read from the model dir's safetensors (DiskWeights) before each forward and
     dropped (back to the meta device) after it."""
 
     def __init__(self, name: str, module: nn.Module, weights, tied: dict, device: torch.device):
@@ -317,8 +349,6 @@ class _Stream:
 
 def load_dispatched(path: str | Path, device_map, max_memory=None, dtype: torch.dtype | None = None):
     """The model dir at ``path`` placed by ``device_map`` (see the module docstring); returns (model, map)."""
-    from safetensors import safe_open
-
     from prunus.models import load_model
     from prunus.models.model_dir import WEIGHTS
 
@@ -336,7 +366,7 @@ def load_dispatched(path: str | Path, device_map, max_memory=None, dtype: torch.
 
     model = load_model(path, device=main, dtype=dtype, verify=False, placement=where)
     tied = {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
-    weights = safe_open(path / WEIGHTS, framework="pt")  # memory-mapped for the engine's lifetime
+    weights = DiskWeights(path / WEIGHTS)  # open for the engine's lifetime
     for name, module, p in _units(model, placed):
         device = main if p == "disk" else execution_device(p)
         module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
