@@ -166,9 +166,15 @@ def test_qlora_keeps_the_base_quantized_and_trains_adapters_only(kind, tmp_path)
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     assert with_grad == {n for n, p in model.named_parameters() if ".lora." in n}
     assert all(b.grad is None for b in model.buffers())
-    # a run over the quantized base writes a plain (merged, float) model dir
-    result = train(cfg, model=load_model(base_dir).train())
+    # a run from the compressed model dir (--init-from) writes a plain (merged, float) model dir
+    run_cfg = TrainConfig(**{**BASE, "preset": None, "init_from": str(base_dir), "out": str(tmp_path / "run"),
+                             "steps": 2, "eval_every": 2})
+    result = train(run_cfg)
+    base = load_model(base_dir)
     merged = load_model(result.model_dir)
+    assert torch.equal(merged.tok_embeddings.weight, base.tok_embeddings.weight)
+    delta = merged.layers["0"].attention.wq.weight - base.layers["0"].attention.wq.dequantize()
+    assert 0 < delta.abs().max() < 0.1  # the dequantized base plus the learned adapter
     assert not any(isinstance(m, QuantizedLinear) for m in merged.modules())
     assert "compression" not in json.loads((result.model_dir / "config.json").read_text())
 

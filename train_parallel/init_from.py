@@ -16,6 +16,7 @@ loads its own checkpoint instead (the init dir is not read again).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -34,7 +35,18 @@ _PARTIAL = StateDictOptions(strict=False)
 
 
 def init_model_config(init_from: str | Path) -> ModelConfig:
-    """The architecture of the model dir ``init_from`` (its config.json)."""
+    """The architecture of the model dir ``init_from`` (its config.json); read once per version of the file
+    (TrainConfig.model_config() is asked often: every step's token count goes through it)."""
+    path = Path(init_from)
+    try:
+        stamp = (path / "config.json").stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _read_init_config(str(path), stamp)
+
+
+@lru_cache(maxsize=8)
+def _read_init_config(init_from: str, stamp: int | None) -> ModelConfig:
     path = Path(init_from)
     try:
         read_manifest(path)  # one line when this is no prunus model dir
@@ -47,8 +59,10 @@ def init_model_config(init_from: str | Path) -> ModelConfig:
 
 def init_is_quantized(init_from: str | Path) -> bool:
     """Whether the dir's weights are stored quantized (int8 / fp8 / int4: a QLoRA base, loaded whole by load_model)."""
-    compression = read_config(init_from)[1].get("compression") or {}
-    return bool(compression.get("quantized_modules"))
+    from prunus.models.compression_state import CompressionState
+
+    config_path = Path(init_from) / "config.json"
+    return bool(CompressionState.from_json(read_config(init_from)[1].get("compression"), source=str(config_path)).quantized_modules)
 
 
 def init_hf_origin(init_from: str | Path) -> dict | None:
