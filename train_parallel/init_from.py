@@ -16,6 +16,7 @@ loads its own checkpoint instead (the init dir is not read again).
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def init_model_config(init_from: str | Path) -> ModelConfig:
         stamp = (path / "config.json").stat().st_mtime_ns
     except OSError:
         stamp = None
-    return _read_init_config(str(path), stamp)
+    return copy.copy(_read_init_config(str(path), stamp))  # callers get their own value
 
 
 @lru_cache(maxsize=8)
