@@ -56,6 +56,12 @@ the device's. Under --offload with --zero 0/1 (ZeRO-Offload) the optimizer
 states leave the device; ``host`` holds them plus the fp32 master weights and
 the host copy of the gradients of the parameters this rank steps.
 
+2D / 2.5D / 3D tensor parallelism (``--tp-mode``, ``tp_nd/``): ``params_peak`` adds the weights each
+linear gathers over one side of the grid (``q`` times its shard, kept for backward); activations are
+the grid layers' own (``tp_nd/activation_plan.py``); ``tp_comm`` gives the bytes each rank sends per
+layer and micro-step (``tp_nd/comm_plan.py``, for 1D too). tests/test_tp_nd.py checks both against
+runs: the bytes counted in the collectives and what autograd keeps.
+
 The mesh is built on the CPU whatever the machine (the fake process group
 needs no device, and the plan touches none); --cpu-offload is planned, not
 applied, so it can be planned on a machine without a GPU. The table the CLI
@@ -220,7 +226,8 @@ def _working_copies(cfg: TrainConfig, par: Parallelized, compute_bytes: int) -> 
     dims = par.dims
     if dims.tp > 1 and dims.tp_mode != "1d":
         q = grid_side(dims.tp_mode, dims.tp, dims.tp_depth)
-        return q * compute_bytes * sum(_local(p).numel() for part in par.parts for p in part.parameters() if p.ndim >= 2)
+        matrices = sum(_local(p).numel() for part in par.parts for p in part.parameters() if p.ndim >= 2)
+        return q * compute_bytes * matrices
     if par.fsdp and par.dims.zero == 2:
         return sum(_tp_local_numel(p) for part in par.parts for p in part.parameters()) * compute_bytes
     if par.fsdp:
@@ -341,9 +348,11 @@ def _plan(cfg: TrainConfig, par: Parallelized, optimizers, rank: int, pp_rank: i
         "local_seq_len": act["local_seq_len"],
         "micro_batch": act["micro_batch"],
         "in_flight": act["in_flight"],
-        # bytes this rank sends per layer and micro-step under --tp (forward + backward), tp_nd/comm_plan.py
+        # bytes this rank sends per layer and micro-step under --tp (forward + backward), tp_nd/comm_plan.py; the
+        # grids gather weights and the residual stream before autocast casts them: fp32, an upper bound under --bf16
         "tp_comm": tp_comm_plan(cfg.model_config(), par.dims.tp_mode, par.dims.tp, par.dims.tp_depth,
-                                act["micro_batch"] * act["local_seq_len"], compute_bytes),
+                                act["micro_batch"] * act["local_seq_len"],
+                                compute_bytes if par.dims.tp_mode == "1d" else 4),
         "bytes": {
             "params": params,
             "params_peak": params + extra,
