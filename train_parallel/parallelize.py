@@ -4,7 +4,9 @@ pipeline split -> tensor/sequence parallel -> LoRA adapters -> context parallel 
 
 Returns what the training step needs: the model parts this rank holds, the
 pipeline schedule (or None), whether this rank holds the first / last stage, and
-the layout whose decisions were applied (``Parallelized.dims``).
+the layout whose decisions were applied (``Parallelized.dims``). Under ``--tp-mode 2d | 2.5d | 3d``
+the grid (``tp_nd/``) replaces tensor parallelism and stands alone (activation checkpointing aside);
+its vocabulary-parallel loss is ``Parallelized.loss_fn``.
 
 :func:`resolve_layout` is the one check of a layout against the model: training,
 the dry run, the local launcher and the Slurm script all call it before anything
