@@ -212,3 +212,10 @@ def test_cli_fine_tunes_from_a_model_dir(sources, tmp_path):
     assert read_manifest(out / "model")["parent"]["path"] == str(Path(sources["tied"]).resolve())
     run = json.loads((out / "run.json").read_text())
     assert run["train"]["init_from"] == sources["tied"] and run["train"]["preset"] is None
+
+
+def test_parameter_server_mode_refuses_fine_tuning(sources, tmp_path):
+    """--dp-mode ps runs its own loop from random weights: fine-tuning input is refused, not ignored."""
+    for extra in ({"init_from": sources["tied"]}, {"data": sources["data"]}):
+        with pytest.raises(PrunusError, match=r"--dp-mode ps trains from random weights"):
+            TrainConfig(out=str(tmp_path / "o"), dp_mode="ps", **extra).validate()

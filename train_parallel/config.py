@@ -160,6 +160,9 @@ class TrainConfig:
             raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, every-other or full")
         if self.dp_mode not in DP_MODES:
             raise PrunusError(f"--dp-mode {self.dp_mode}: choose one of {', '.join(DP_MODES)}")
+        if self.dp_mode == "ps" and (self.init_from or str(self.data or "").lower().endswith((".jsonl", ".parquet"))):
+            raise PrunusError("--dp-mode ps trains from random weights on text corpora; fine-tune (--init-from, "
+                              "instruction rows) with --dp-mode ddp")
         if self.ps_servers < 1 or (self.ps_staleness is not None and self.ps_staleness < 0):
             raise PrunusError(f"--ps-servers {self.ps_servers} must be at least 1 and --ps-staleness {self.ps_staleness} "
                               "not negative")
