@@ -71,6 +71,9 @@ def two_rank(sources, spawn_jobs):
     return spawn_jobs(WORKER, 2, jobs, tmp)
 
 
+REFERENCES: dict = {}
+
+
 def reference(tmp_path: Path, **config) -> dict:
     r = train(TrainConfig(**{**RUN, **config, "out": str(tmp_path / f"ref{len(list(tmp_path.iterdir()))}")}))
     return {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
@@ -82,7 +85,10 @@ def test_layouts_fine_tune_as_one_process(two_rank, sources, tmp_path, layout):
     assert "error" not in got, f"{layout}: {got.get('error')}\n{got.get('trace')}"
     src, changes, rows = LAYOUTS[layout]
     data = {"data": sources["data"]} if rows else {}
-    ref = reference(tmp_path, init_from=sources[src], grad_accum=changes.get("grad_accum", 1), **data)
+    key = (src, changes.get("grad_accum", 1), rows)  # layouts with the same one-process run share it
+    if key not in REFERENCES:
+        REFERENCES[key] = reference(tmp_path, init_from=sources[src], grad_accum=key[1], **data)
+    ref = REFERENCES[key]
     assert got["losses"] == pytest.approx(ref["losses"], abs=TOL), layout
     assert got["val_loss"] == pytest.approx(ref["val_loss"], abs=TOL), layout
 
