@@ -72,9 +72,10 @@ def score(model_dir: Path, tokenizer, rows, samples) -> dict:
 
 
 @torch.no_grad()
-def peft_parity(hf_base: Path, adapter: Path, merged_dir: Path, tokenizer, text: str) -> float | None:
-    """Max |logit difference| between Hugging Face PEFT (the adapter on the base's Hugging Face checkpoint)
-    and the merged prunus model dir, on ``text``; None when peft / transformers or the checkpoint are missing."""
+def peft_parity(hf_base: Path, adapter: Path, merged_dir: Path, tokenizer, text: str) -> dict | None:
+    """Max |logit difference| on ``text`` between the merged prunus model dir and Hugging Face PEFT (the adapter
+    loaded onto the base's Hugging Face checkpoint), unmerged and after PEFT's own ``merge_and_unload``; None when
+    peft / transformers or the checkpoint are missing."""
     try:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -83,8 +84,12 @@ def peft_parity(hf_base: Path, adapter: Path, merged_dir: Path, tokenizer, text:
     if not (hf_base / "config.json").is_file():
         return None
     ids = torch.tensor(tokenizer.encode(text)).unsqueeze(0)
-    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32), adapter).eval()
-    return float((hf(ids).logits - load_model(merged_dir)(ids)).abs().max())
+    ours = load_model(merged_dir)(ids)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32), adapter).eval()
+    unmerged = peft(ids).logits
+    merged = peft.merge_and_unload()(ids).logits
+    return {"vs_peft": float((ours - unmerged).abs().max()), "vs_peft_merged": float((ours - merged).abs().max()),
+            "peft_merged_vs_unmerged": float((merged - unmerged).abs().max()), "logit_scale": float(ours.abs().max())}
 
 
 def main() -> None:
@@ -130,7 +135,7 @@ def main() -> None:
     parity = peft_parity(Path(args.hf_base), out / "run" / "adapter", result.model_dir, tokenizer,
                          samples[0]["prompt"] + samples[0]["completion"])
     report = {
-        "peft_max_abs_logit_diff": parity,
+        "peft_max_abs_logit_diff": parity,  # prunus merged vs PEFT
         "base": str(base), "data": str(data), "rows": counts, "heldout_rows_scored": len(heldout),
         "training_data": "jsonl (completion tokens trained)" if jsonl else "plain text (every token trained)",
         "settings": {"steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr,
