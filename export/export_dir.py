@@ -33,6 +33,7 @@ from prunus.models.quantized import QuantizedLinear
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
 from .formats import FORMATS, PRECISIONS
+from .int4_qdq import check_tensorrt_int4
 from .ort_graphs import OrtGraphs
 from .parity import ParityFailed, check_parity
 from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
@@ -50,6 +51,7 @@ EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data f
 # per tensor, which a weight-only module never does: top-1 agreement 0, +4.8 bits per byte; the same
 # stored weights as QDQ scored -0.1% (benchmarks/export_latency.py --model smollm2). "integer" stays opt-in.
 ONNX_INT8_STYLE = "qdq"
+TENSORRT_PARITY_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 MAX_OPSET = 23
 
 
@@ -82,7 +84,8 @@ def _check_request(fmt: str, precision: str | None, stored: str | None, model_di
         return stored
     precision = precision or "fp32"
     if fmt == "tensorrt" and precision == "int4":
-        raise PrunusError("--format tensorrt: int4 weights export to ONNX Runtime's MatMulNBits only; use --format onnx")
+        raise PrunusError(f"--format tensorrt --precision int4 takes the stored int4 weights: compress {model_dir} "
+                          "with --quantize int4-weight-only (symmetric) first and export the compressed dir")
     if fmt == "tensorrt" and precision == "int8":
         raise PrunusError(f"--format tensorrt --precision int8 takes int8 scales from the graph: compress {model_dir} "
                           "to int8 first (prunus compress) and export the compressed dir")
@@ -133,6 +136,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     if format == "tensorrt":
         from .tensorrt_build import check_tensorrt
 
+        check_tensorrt_int4(stored_modules, model_dir)
         check_tensorrt()
     modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})
     need = required_opset(modules) if modules else MIN_OPSET
@@ -140,6 +144,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     if not need <= opset <= MAX_OPSET:
         raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
     style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
+    int4_style = "qdq" if format == "tensorrt" else "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
     console = Console(stderr=True, quiet=not progress)
@@ -158,7 +163,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                 path = tmp / EXPORT_GRAPHS[kind]
                 if modules:
                     status.update(f"export: {kind} graph, stored {precision} weights ({style})")
-                    apply_stored_quantization(proto, modules, style)
+                    apply_stored_quantization(proto, modules, style, int4_style)
                 if precision in ("int8", "int4") and not modules:
                     status.update(f"export: {kind} graph, onnxruntime MatMulNBits ({precision})")
                     fp32_path = tmp / f".{kind}.fp32.onnx"
@@ -171,7 +176,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                     save_graph(proto, path, external)
                 graphs[kind] = path
             status.update("parity: ONNX Runtime against PyTorch on held-out text")
-            report = _parity(model, graphs, tokenizer, cfg, precision, data, eval_tokens)
+            report = _parity(model, graphs, tokenizer, cfg, precision, data, eval_tokens, format)
         if not report["passed"] and verify:
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
@@ -179,7 +184,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
         export = {"format": format, "precision": precision, "opset": opset,
                   "graphs": dict(EXPORT_GRAPHS), "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
                   "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
-                  "int8_style": style if precision == "int8" else None, "external_data": external}
+                  "int8_style": style if precision == "int8" else None,
+                  "int4_style": int4_style if precision == "int4" else None, "external_data": external}
         if format == "tensorrt":
             export["graphs"] = {**ENGINE_GRAPHS, "onnx": dict(EXPORT_GRAPHS)}
             export["engines"] = _build_engines(tmp, precision, cfg, len(model.layers), timing_cache, console)
@@ -189,11 +195,16 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     return ExportResult(out, config, report)  # the caller says it was written, after reading the parity report
 
 
-def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None) -> dict:
+def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None,
+            format: str = "onnx") -> dict:
+    """The parity report of the written graphs in ONNX Runtime. For TensorRT's graphs ONNX Runtime computes
+    their float semantics (DequantizeLinear then a float MatMul, as TensorRT does): its default rewrite of
+    DequantizeLinear -> MatMul into MatMulNBits at accuracy level 4 would quantize activations to int8."""
     from prunus.data.corpus import default_data, load_corpus
 
     corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
-    ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count())
+    config = TENSORRT_PARITY_ORT_CONFIG if format == "tensorrt" else None
+    ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count(), config=config)
     report = check_parity(model, ort, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=eval_tokens)
     report["corpus"] = corpus.name
     return report

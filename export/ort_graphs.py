@@ -10,9 +10,10 @@ import torch
 from .graphs import graph_names
 
 
-def ort_session(path: str | Path, threads: int | None = None, spinning: bool = True):
+def ort_session(path: str | Path, threads: int | None = None, spinning: bool = True, config: dict | None = None):
     """``spinning=False`` lets the session's idle threads sleep at once: for processes holding
-    many sessions that run in turn, whose spinning threads would otherwise take each other's cores."""
+    many sessions that run in turn, whose spinning threads would otherwise take each other's cores.
+    ``config``: extra session config entries (key -> value strings)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -21,6 +22,8 @@ def ort_session(path: str | Path, threads: int | None = None, spinning: bool = T
         opts.inter_op_num_threads = 1
     if not spinning:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
@@ -29,9 +32,9 @@ class OrtGraphs:
     """The two graphs of an export in ONNX Runtime sessions; tensors in and out are torch tensors."""
 
     def __init__(self, prefill: str | Path, decode: str | Path, n_layers: int, threads: int | None = None,
-                 spinning: bool = True):
-        self.prefill_session = ort_session(prefill, threads, spinning)
-        self.decode_session = ort_session(decode, threads, spinning)
+                 spinning: bool = True, config: dict | None = None):
+        self.prefill_session = ort_session(prefill, threads, spinning, config)
+        self.decode_session = ort_session(decode, threads, spinning, config)
         self.names = graph_names(n_layers)
 
     def _run(self, session, inputs: list) -> tuple[torch.Tensor, list[np.ndarray]]:

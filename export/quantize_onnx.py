@@ -10,9 +10,11 @@ Two sources of quantized weights:
   scales (``style="qdq"``, the form TensorRT consumes). float8 is always QDQ with
   FLOAT8E4M3FN weights. Activation quantization of w8a8 schemes is written out in the
   graph as the PyTorch module computes it (per-token absmax, or the calibrated scale).
-* int4 modules (``Int4Linear``) always become ONNX Runtime's ``com.microsoft.MatMulNBits``
-  (bits 4, block = the group size, accuracy level 4) holding the module's own packed bytes,
-  scales and zero points: the same integers, no re-quantization (:func:`_matmul_nbits`).
+* int4 modules (``Int4Linear``) become ONNX Runtime's ``com.microsoft.MatMulNBits``
+  (``int4_style="matmulnbits"``: bits 4, block = the group size, accuracy level 4) holding the module's
+  own packed bytes, scales and zero points (:func:`_matmul_nbits`), or, for TensorRT
+  (``int4_style="qdq"``), a blocked INT4 ``DequantizeLinear`` feeding a ``MatMul``
+  (:mod:`prunus.export.int4_qdq`): the same integers either way, no re-quantization.
 * an fp32 graph (``--precision int8`` / ``int4``): ONNX Runtime's ``MatMulNBitsQuantizer`` (8-bit
   or 4-bit symmetric weights in blocks of 32, ``MatMulNBits`` nodes), after :func:`untie_weights`
   gives a tied output head its own initializer (a weight reached through a Transpose of
@@ -31,10 +33,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from prunus.artifacts.errors import PrunusError
 
+from .int4_qdq import int4_qdq_nodes
 from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 
 MS_DOMAIN = "com.microsoft"
 INT8_STYLES = ("integer", "qdq")
+INT4_STYLES = ("matmulnbits", "qdq")
 
 
 def _tensor(name: str, t: torch.Tensor) -> TensorProto:
@@ -177,13 +181,18 @@ def required_opset(modules: dict) -> int:
     return 18
 
 
-def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str = "integer") -> int:
+def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str = "integer",
+                              int4_style: str = "matmulnbits") -> int:
     """Replace the float weights of ``modules`` (name -> QuantizedLinear) by their stored values and scales.
+
+    ``style`` is the int8 form (:data:`INT8_STYLES`), ``int4_style`` the int4 one (:data:`INT4_STYLES`).
 
     MatMul weights are matched to modules by value (the exporter renames folded initializers).
     Returns the number of MatMuls rewritten; every module must be found."""
     if style not in INT8_STYLES:
         raise PrunusError(f"int8 style {style!r}: choose one of {', '.join(INT8_STYLES)}")
+    if int4_style not in INT4_STYLES:
+        raise PrunusError(f"int4 style {int4_style!r}: choose one of {', '.join(INT4_STYLES)}")
     untie_weights(model)
     g = model.graph
     by_key: dict[str, list[str]] = {}
@@ -202,7 +211,8 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         found.add(name)
         m, prefix = modules[name], name
         if m.scheme == "int4-weight-only":
-            nodes, inits4 = _matmul_nbits(node.input[0], list(node.output), prefix, m)
+            write = int4_qdq_nodes if int4_style == "qdq" else _matmul_nbits
+            nodes, inits4 = write(node.input[0], list(node.output), prefix, m)
             new_nodes += nodes
             new_inits += inits4
             continue

@@ -63,7 +63,11 @@ def build_engine(onnx_path: Path, plan_path: Path, precision: str, shapes: dict,
     for name, (lo, opt, hi) in shapes.items():
         profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
-    flags = {"fp16": ["FP16"], "int8": ["INT8", "FP16"], "fp8": ["FP8", "FP16"]}.get(precision, [])
+    # int4: the INT4 weights of blocked DequantizeLinear (INT8 for the int8 blocks of a mixed recipe); a flag
+    # this TensorRT version lacks is left out
+    flags = {"fp16": ["FP16"], "int8": ["INT8", "FP16"], "fp8": ["FP8", "FP16"],
+             "int4": ["INT4", "INT8", "FP16"]}.get(precision, [])
+    flags = [f for f in flags if hasattr(trt.BuilderFlag, f)]
     for flag in flags:
         config.set_flag(getattr(trt.BuilderFlag, flag))
     cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
