@@ -59,13 +59,6 @@ class BatchKVCache:
         return CacheStep(self, rows_t, start, q_len, end)
 
 
-def _update_on(ck, cv, rows, positions, k_len: int, k, v):
-    """CacheStep.update for a cache on another device than the step's indices (moved there by the caller)."""
-    ck[rows[:, None], :, positions] = k.transpose(1, 2)
-    cv[rows[:, None], :, positions] = v.transpose(1, 2)
-    return ck[rows, :, :k_len], cv[rows, :, :k_len]
-
-
 class CacheStep:
     """What ``Transformer.forward(tokens, cache=..., positions=step.positions)`` sees for one pass.
 
@@ -100,19 +93,20 @@ class CacheStep:
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.cache.k[layer_id], self.cache.v[layer_id]
-        if ck.device != self.rows.device:  # a device map: this block's cache lives on its block's device
-            return _update_on(ck, cv, self.rows.to(ck.device), self.positions.to(ck.device), self.k_len, k, v)
+        rows, positions = self.rows, self.positions
+        if ck.device != rows.device:  # a device map: this block's cache lives on its block's device
+            rows, positions = rows.to(ck.device), positions.to(ck.device)
         if self.contiguous and self.q_len == 1 and self.uniform:
             s = int(self.start[0])
             ck[self.row_slice, :, s:s + 1] = k
             cv[self.row_slice, :, s:s + 1] = v
         else:
             # advanced indices (batch, 1) and (batch, q_len) around a slice: the indexed dims come first
-            ck[self.rows[:, None], :, self.positions] = k.transpose(1, 2)
-            cv[self.rows[:, None], :, self.positions] = v.transpose(1, 2)
+            ck[rows[:, None], :, positions] = k.transpose(1, 2)
+            cv[rows[:, None], :, positions] = v.transpose(1, 2)
         if self.contiguous:
             return ck[self.row_slice, :, :self.k_len], cv[self.row_slice, :, :self.k_len]
-        return ck[self.rows, :, :self.k_len], cv[self.rows, :, :self.k_len]
+        return ck[rows, :, :self.k_len], cv[rows, :, :self.k_len]
 
     def attn_mask(self, q_len: int, k_len: int) -> torch.Tensor | None:
         return self.mask
