@@ -15,8 +15,8 @@ from prunus.artifacts.errors import PrunusError
 @click.option("--to-gguf", "to_gguf_dir", type=click.Path(), default=None,
               help="A prunus model dir to write as a GGUF file (int8/fp8 weights are written dequantized).")
 @click.option("--out", required=True, type=click.Path(), help="The dir (or, with --to-gguf, the .gguf file) to write.")
-@click.option("--type", "gguf_type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True,
-              help="With --to-gguf: how 2-D weights are stored (norms stay f32).")
+@click.option("--type", "gguf_type", type=click.Choice(["f32", "f16", "q8_0", "q4_0", "q4_1"]), default="f32", show_default=True,
+              help="With --to-gguf: how 2-D weights are stored (norms stay f32; with q4_0 / q4_1 the output head is q8_0).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="With --from-gguf: the dtype of the weights written.")
 @click.option("--family", default=None,

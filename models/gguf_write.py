@@ -8,11 +8,23 @@ permuted into llama.cpp's rotary order; a tied output head is written once, as `
 (llama.cpp uses it for the output when ``output.weight`` is absent).
 
 ``--type`` sets the 2-D weights' storage: ``f32`` (a round trip back through ``from_gguf``
-is bit-exact), ``f16``, or ``q8_0`` (blocks of 32 with one fp16 scale; a tensor whose rows
-do not split into blocks of 32 falls back to F16, as llama.cpp's converter does). Norm
-weights are always F32. A compressed prunus dir (int8 / fp8 QuantizedLinear) is written
-from its dequantized weights: GGUF has no int8-with-per-channel-scale type, and llama.cpp
-does not quantize activations the way w8a8 schemes do, so only the weights carry over.
+is bit-exact), ``f16``, ``q8_0`` (blocks of 32 with one fp16 scale), ``q4_0`` (blocks of 32
+4-bit values q with one fp16 scale d: w = (q - 8) d) or ``q4_1`` (with an fp16 offset m too:
+w = q d + m). Blocks are made by ``gguf.quants.quantize``. A tensor whose rows do not split
+into blocks of 32 falls back to F16, as llama.cpp's converter does. With q4_0 / q4_1 the
+output head (``output.weight``, or ``token_embd.weight`` when the head is tied to it) is
+written Q8_0, as ``llama-quantize`` does for a Q4 file whose head rows are not a multiple of
+256 (it takes Q6_K otherwise, which the ``gguf`` package cannot write). Norm weights are
+always F32.
+
+A compressed prunus dir is written from its dequantized weights (int8 / fp8 QuantizedLinear:
+GGUF has no int8-with-per-channel-scale type, and llama.cpp does not quantize activations the
+way w8a8 schemes do, so only the weights carry over), except stored int4 weights
+(:class:`prunus.models.quantized_int4.Int4Linear`) with groups of 32 under ``q4_0`` (symmetric
+ones, zero point 8) or ``q4_1`` (any zero point z: d = s, m = -z s): their 4-bit values are
+copied into the blocks as they are and only the scale (and offset) is rounded to fp16, so
+llama.cpp runs the same codes prunus stored. Other int4 layers (groups of 64 or 128, an
+asymmetric layer under q4_0) are dequantized and quantized again.
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ from .model_dir import load_model, load_model_tokenizer
 from prunus.artifacts.paths import check_output
 from .tokenizer import ByteTokenizer
 
-TYPES = ("f32", "f16", "q8_0")
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+Q4 = ("q4_0", "q4_1")
+BLOCK = 32  # values per Q8_0 / Q4_0 / Q4_1 block
 # ModelConfig fields every GGUF written here describes (or that only matter for training), and the
 # variant fields each architecture adds; any other field away from its default has no GGUF form here.
 _PLAIN = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
@@ -85,17 +99,55 @@ def float_weights(model, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _storage(w: torch.Tensor, kind: str):
-    """(numpy data, GGML type) for one tensor under ``--type kind``."""
+def _storage(w: torch.Tensor, kind: str, head: bool = False):
+    """(numpy data, GGML type) for one float tensor under ``--type kind`` (``head``: the output head)."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     a = w.contiguous().numpy()
     if w.ndim == 1 or kind == "f32":
         return a, q.F32
-    if kind == "q8_0" and w.shape[-1] % 32 == 0:
-        return gguf.quants.quantize(a, q.Q8_0), q.Q8_0
-    return a.astype("float16"), q.F16
+    if kind == "f16" or w.shape[-1] % BLOCK:
+        return a.astype("float16"), q.F16
+    if head and kind in Q4:
+        kind = "q8_0"
+    qtype = q[kind.upper()]
+    return gguf.quants.quantize(a, qtype), qtype
+
+
+def stored_int4(model, kind: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{prunus weight name: (4-bit values (out, in), scales, zero points (out, in // 32))} of the Int4Linear
+    layers whose stored values go into ``kind``'s blocks as they are: groups of 32, and for q4_0 zero point
+    8 everywhere (symmetric), the only zero point Q4_0 has. Empty for the other types."""
+    from .quantized_int4 import Int4Linear
+
+    out = {}
+    for name, m in model.named_modules():
+        if kind not in Q4 or not isinstance(m, Int4Linear) or m.group_size != BLOCK:
+            continue
+        if kind == "q4_0" and not bool((m.weight_zero == 8).all()):
+            continue
+        s = m.weight_scale.float()
+        if not bool(torch.isfinite(s.half()).all() and torch.isfinite((m.weight_zero.float() * s).half()).all()):
+            continue  # a scale past fp16's range: requantized from the dequantized weight instead
+        out[f"{name}.weight"] = (m.unpacked(), s, m.weight_zero)
+    return out
+
+
+def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str):
+    """Stored int4 values as GGUF Q4_0 / Q4_1 rows (uint8, (out, in // 32 * block bytes)).
+
+    A block is fp16 d (Q4_1: then fp16 m), then 16 bytes, byte i holding value i in its low nibble and
+    value i + 16 in its high one. prunus's value (q - z) s is (q - 8) d with d = s for Q4_0 (z = 8),
+    and q d + m with d = s, m = -z s for Q4_1."""
+    import numpy as np
+
+    rows, groups = scale.shape
+    codes = q.to(torch.uint8).reshape(rows, groups, 2, BLOCK // 2)
+    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).numpy()
+    half = lambda t: t.float().numpy().astype(np.float16)[..., None].view(np.uint8)  # noqa: E731
+    parts = [half(scale)] + ([half(-zero.float() * scale.float())] if kind == "q4_1" else []) + [nibbles]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
 def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
@@ -103,7 +155,8 @@ def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
     import gguf
 
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+             "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind]
     writer.add_type("model")
     writer.add_name(name)
     writer.add_vocab_size(cfg.vocab_size)
@@ -123,7 +176,7 @@ def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_factor)
     writer.add_file_type(ftype)
-    if kind == "q8_0":
+    if kind in ("q8_0", *Q4):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -168,16 +221,20 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
     tok_meta = (byte_tokenizer_metadata(cfg.vocab_size) if isinstance(tokenizer, ByteTokenizer)
                 else hf_tokenizer_metadata(model_dir, cfg.vocab_size))
     weights = float_weights(model, str(model_dir))
+    codes = stored_int4(model, type)
     del model
+    head = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
     with _atomic_file(out, overwrite) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         _add_config(writer, cfg, model_dir.resolve().name, type)
         add_tokenizer(writer, tok_meta)
         for name, w in weights.items():
             heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
-            if heads is not None:
-                w = to_gguf_rows(w, heads)
-            data, qtype = _storage(w, type)
+            if name in codes:  # stored int4 values, copied into Q4 blocks (rows permuted as the weight's)
+                q, scale, zero = (to_gguf_rows(t, heads) if heads is not None else t for t in codes[name])
+                data, qtype = q4_blocks(q, scale, zero, type), gguf.GGMLQuantizationType[type.upper()]
+            else:
+                data, qtype = _storage(to_gguf_rows(w, heads) if heads is not None else w, type, name == head)
             writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)  # the shape follows from data and type
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -100,6 +100,108 @@ def test_f16_and_q8_0_are_within_their_rounding(tmp_path, kind):
             assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11)).all(), k
 
 
+
+def _blocks(t: torch.Tensor, f) -> torch.Tensor:
+    """``f`` of each block of 32 along the rows, spread back over the block's columns."""
+    return f(t.reshape(t.shape[0], -1, 32)).expand(-1, -1, 32).reshape(t.shape)
+
+
+@pytest.mark.parametrize("kind,tie", [("q4_0", True), ("q4_1", False)])
+def test_q4_round_trip_is_within_the_block_error(tmp_path, kind, tie):
+    src = make_model_dir(tmp_path / "m", tie=tie)
+    to_gguf(src, tmp_path / "m.gguf", type=kind)
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    head = "token_embd.weight" if tie else "output.weight"
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == kind.upper()
+    assert types[head] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"  # the head as llama-quantize keeps it
+    assert r.fields["general.file_type"].contents() == {"q4_0": 2, "q4_1": 3}[kind]
+    a, b = weights(src), weights(from_gguf(tmp_path / "m.gguf", tmp_path / "back"))
+    for k in a:
+        err = (a[k] - b[k]).abs()
+        if a[k].ndim == 1:
+            assert torch.equal(a[k], b[k]), k
+        elif k == head.replace("token_embd", "tok_embeddings") or k == "output.weight":
+            amax = _blocks(a[k], lambda g: g.abs().amax(-1, keepdim=True))
+            assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11)).all(), k
+        elif kind == "q4_0":  # d = -amax / 8: half a step, a whole one at +amax's mirror (clipped to 7), fp16 d
+            amax = _blocks(a[k], lambda g: g.abs().amax(-1, keepdim=True))
+            assert (err <= amax / 8 + amax * 2.0**-11).all(), k
+            assert err.mean() < (amax / 16).mean(), k
+        else:  # d = (max - min) / 15 from m = min: half a step, plus fp16 rounding of d (times 15) and of m
+            lo, hi = _blocks(a[k], lambda g: g.amin(-1, keepdim=True)), _blocks(a[k], lambda g: g.amax(-1, keepdim=True))
+            assert (err <= (hi - lo) / 30 + ((hi - lo) + lo.abs()) * 2.0**-10).all(), k
+
+
+def test_q4_rows_not_in_blocks_of_32_fall_back_to_f16(tmp_path):
+    src = make_model_dir(tmp_path / "m", dim=48, n_heads=4, n_kv_heads=2, tie=True)
+    to_gguf(src, tmp_path / "m.gguf", type="q4_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == "F16"  # 48 columns
+    assert types["blk.0.ffn_down.weight"] == "Q4_0"  # 128 columns
+
+
+def _int4_dir(src, out, *, symmetric: bool, group_size: int = 32):
+    """``src`` compressed to stored int4 (RTN), its scales rounded to fp16 values so GGUF holds them exactly."""
+    from prunus.compress.quantize import quantize_pass
+
+    model = quantize_pass(load_model(src), None, scheme="int4-weight-only", group_size=group_size, symmetric=symmetric)
+    for m in model.modules():
+        if hasattr(m, "weight_scale") and m.weight_scale is not None and m.weight_scale.dtype == torch.float32:
+            m.weight_scale = m.weight_scale.half().float()
+    return save_model(model, out, tokenizer=load_model_tokenizer(src), stage="compress", parent=src)
+
+
+@pytest.mark.parametrize("kind,symmetric", [("q4_0", True), ("q4_1", False), ("q4_1", True)])
+def test_stored_int4_values_go_into_q4_blocks_as_they_are(tmp_path, kind, symmetric):
+    src = make_model_dir(tmp_path / "m", tie=True)
+    qdir = _int4_dir(src, tmp_path / "q", symmetric=symmetric)
+    to_gguf(qdir, tmp_path / "q.gguf", type=kind)
+    back = weights(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
+    q = load_model(qdir)
+    for i in range(2):
+        for name, m in [("attention.wq", q.layers[str(i)].attention.wq), ("attention.wk", q.layers[str(i)].attention.wk),
+                        ("feed_forward.w2", q.layers[str(i)].feed_forward.w2)]:
+            want = m.dequantize()
+            if kind == "q4_1" and not symmetric:  # the offset -z s is rounded to fp16 in its own right
+                assert (back[f"layers.{i}.{name}.weight"] - want).abs().max() <= m.weight_scale.max() * 15 * 2.0**-11
+            else:
+                assert torch.equal(back[f"layers.{i}.{name}.weight"], want), name
+
+
+def test_int4_groups_of_64_and_asymmetric_q4_0_are_requantized(tmp_path):
+    src = make_model_dir(tmp_path / "m", tie=True)
+    for group, symmetric in [(64, True), (32, False)]:
+        qdir = _int4_dir(src, tmp_path / f"q{group}{symmetric}", symmetric=symmetric, group_size=group)
+        path = to_gguf(qdir, tmp_path / f"q{group}{symmetric}.gguf", type="q4_0")
+        back = weights(from_gguf(path, tmp_path / f"back{group}{symmetric}"))
+        want = load_model(qdir).layers["0"].feed_forward.w2.dequantize()
+        amax = _blocks(want, lambda g: g.abs().amax(-1, keepdim=True))
+        err = (back["layers.0.feed_forward.w2.weight"] - want).abs()
+        assert (err <= amax / 8 + amax * 2.0**-11).all() and err.max() > 0
+
+
+@pytest.mark.parametrize("source", ["fp32", "int4"])
+def test_transformers_reads_our_q4_0_gguf_with_prunus_logits(tmp_path, source):
+    """transformers dequantizes the Q4_0 blocks itself; its logits are prunus's on the dequantized weights.
+    For an int4 dir that is the dir's own int4 model (its fp16-exact scales go into Q4_0 as they are), with
+    the file's Q8_0 head (the tied embedding) in place of its float one."""
+    transformers = pytest.importorskip("transformers")
+    src = make_model_dir(tmp_path / "m", tie=True)
+    qdir = _int4_dir(src, tmp_path / "q", symmetric=True) if source == "int4" else None
+    to_gguf(qdir or src, tmp_path / "q4.gguf", type="q4_0")
+    back = load_model(from_gguf(tmp_path / "q4.gguf", tmp_path / "back"))
+    ours = back
+    if qdir is not None:
+        ours = load_model(qdir)
+        assert not torch.equal(ours.tok_embeddings.weight, back.tok_embeddings.weight)
+        ours.tok_embeddings.weight = back.tok_embeddings.weight
+        ours.output.weight = ours.tok_embeddings.weight
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q4.gguf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, GQA["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max() < 1e-5
+
 FAMILIES = {"llama": {}, "qwen2": dict(attn_qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32),
             "llama-bias": dict(attn_qkv_bias=True, attn_out_bias=True), "llama-linear-rope": dict(rope_type="linear", rope_factor=2.0)}
 
@@ -235,11 +337,12 @@ def test_out_must_not_be_the_input(tmp_path, good_gguf):
 def test_cli_round_trip(tmp_path, good_gguf):
     path, src = good_gguf
     runner = CliRunner()
-    r = runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(tmp_path / "a.gguf"), "--type", "q8_0"])
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / "a.gguf"), "--out", str(tmp_path / "d")])
-    assert r.exit_code == 0 and "wrote" in r.output, r.output
-    assert load_model(tmp_path / "d").config == load_model(src).config
+    for kind in ("q8_0", "q4_0"):
+        r = runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(tmp_path / f"{kind}.gguf"), "--type", kind])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / f"{kind}.gguf"), "--out", str(tmp_path / kind)])
+        assert r.exit_code == 0 and "wrote" in r.output, r.output
+        assert load_model(tmp_path / kind).config == load_model(src).config
 
 
 def make_sentencepiece_tokenizer(directory):
