@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from prunus.export.formats import FORMATS, PRECISIONS
+from prunus.export.formats import FORMATS, GRAPHS, PRECISIONS
 
 from .tables import Column, console_for_tables, print_fitted
 
@@ -43,14 +43,17 @@ def print_parity(console, title: str, report: dict) -> None:
                    "shipped with Python for a pretrained tokenizer, the built-in corpus for a byte-level one).")
 @click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite):
+@click.option("--graph", type=click.Choice(GRAPHS), default=None,
+              help="genai: one graph on ONNX Runtime's fused operators (GroupQueryAttention, shared KV buffer); "
+                   "torch: prefill and decode graphs from torch.onnx.export. Default: genai where it supports the model.")
+def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite, graph):
     """Export MODEL_DIR to ONNX Runtime or TensorRT and check it against PyTorch."""
     from prunus.export import ParityFailed, export_model
 
     console = console_for_tables()
     try:
         result = export_model(model_dir, out, format=fmt, precision=precision, opset=opset, verify=not no_verify,
-                              data=data, overwrite=overwrite, external_data=external_data or None,
+                              data=data, overwrite=overwrite, external_data=external_data or None, graph=graph,
                               command=shlex.join(["prunus", *sys.argv[1:]]))
     except ParityFailed as e:
         print_parity(console, f"parity {model_dir} ({e.report['precision']})", e.report)
@@ -60,4 +63,5 @@ def command(model_dir, fmt, out, precision, opset, no_verify, data, external_dat
     print_parity(console, f"parity {out} ({exp['format']}, {exp['precision']})", result.parity)
     if not result.parity["passed"]:
         console.print("[yellow]parity check failed; kept because of --no-verify")
-    console.print(f"wrote {out}: {', '.join(exp['graphs'][k] for k in ('prefill', 'decode'))}, parity.json")
+    files = [v for v in exp["graphs"].values() if isinstance(v, str)]
+    console.print(f"wrote {out}: {', '.join(files)}, parity.json")

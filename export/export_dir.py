@@ -32,7 +32,10 @@ from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, loa
 from prunus.models.quantized import QuantizedLinear
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
-from .formats import FORMATS, PRECISIONS
+from .formats import FORMATS, GRAPHS, PRECISIONS
+from .genai_graph import (GENAI_GRAPH, GENAI_OPSET, check_genai_support, genai_dims, quantized_genai_graph,
+                          unsupported_features)
+from .genai_session import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
 from .ort_graphs import OrtGraphs
 from .parity import ParityFailed, check_parity
@@ -116,10 +119,14 @@ def load_export(path: str | Path):
 def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx", precision: str | None = None,
                  opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
                  external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int | None = None,
-                 command: str | None = None, progress: bool = True, timing_cache: str | Path | None = None) -> ExportResult:
+                 command: str | None = None, progress: bool = True, timing_cache: str | Path | None = None,
+                 graph: str | None = None) -> ExportResult:
     """Export ``model_dir`` to ``out`` and check it against the PyTorch model.
 
     ``precision`` None keeps the model's own (fp32, or the int8 / fp8 of a compressed dir).
+    ``graph``: "genai" (one graph built around ONNX Runtime's fused operators, :mod:`prunus.export.genai_graph`),
+    "torch" (prefill and decode graphs through ``torch.onnx.export``) or None: genai where it supports the
+    model, the format and the precision, else torch.
     ``verify`` False keeps an export whose parity check failed (the report still says so).
     Raises PrunusError on bad input and :class:`ParityFailed` when the check fails."""
     model_dir, out = Path(model_dir), Path(out)
@@ -145,6 +152,9 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
         raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
     style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
     int4_style = "qdq" if format == "tensorrt" else "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
+    graph = _choose_graph(graph, format, model.config, modules, precision)
+    if graph == "genai":
+        opset = GENAI_OPSET
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
     console = Console(stderr=True, quiet=not progress)
@@ -157,7 +167,10 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
             if precision == "fp16":  # a half model: float16 weights, past/present and logits
                 plain = copy.deepcopy(model).half()
             graphs = {}
-            for kind, fn in (("prefill", export_prefill), ("decode", export_decode)):
+            if graph == "genai":
+                status.update(f"export: genai graph (GroupQueryAttention, shared KV buffer, {precision})")
+                graphs["model"] = quantized_genai_graph(model, modules, precision, tmp, external, style, int4_style)
+            for kind, fn in (("prefill", export_prefill), ("decode", export_decode)) if graph == "torch" else ():
                 status.update(f"export: {kind} graph (torch.onnx.export, opset {opset})")
                 proto = fn(plain, opset)
                 path = tmp / EXPORT_GRAPHS[kind]
@@ -181,8 +194,9 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
         tokenizer.save(tmp)
-        export = {"format": format, "precision": precision, "opset": opset,
-                  "graphs": dict(EXPORT_GRAPHS), "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
+        export = {"format": format, "precision": precision, "opset": opset, "graph": graph,
+                  "graphs": {"model": GENAI_GRAPH} if graph == "genai" else dict(EXPORT_GRAPHS),
+                  "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
                   "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
                   "int8_style": style if precision == "int8" else None,
                   "int4_style": int4_style if precision == "int4" else None, "external_data": external}
@@ -204,10 +218,27 @@ def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_toke
 
     corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
     config = TENSORRT_PARITY_ORT_CONFIG if format == "tensorrt" else None
-    ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count(), config=config)
+    if "model" in graphs:  # a genai graph
+        ort = GenaiGraphs(graphs["model"], genai_dims(model), threads=os.cpu_count())
+    else:
+        ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count(), config=config)
     report = check_parity(model, ort, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=eval_tokens)
     report["corpus"] = corpus.name
     return report
+
+
+def _choose_graph(graph: str | None, format: str, cfg, modules: dict, precision: str) -> str:
+    """The graph kind to write: the one asked for (genai refused in one line where unsupported), or genai where
+    it supports the model, else torch."""
+    if graph is not None and graph not in GRAPHS:
+        raise PrunusError(f"--graph {graph!r}: choose one of {', '.join(GRAPHS)}")
+    if graph == "genai" and format != "onnx":
+        raise PrunusError(f"--graph genai is an ONNX Runtime graph; --format {format} takes --graph torch")
+    if graph == "genai":
+        check_genai_support(cfg, modules, precision)
+    if graph is None:
+        graph = "genai" if format == "onnx" and not unsupported_features(cfg, modules, precision) else "torch"
+    return graph
 
 
 def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, console) -> dict:

@@ -2,3 +2,5 @@
 
 FORMATS = ("onnx", "tensorrt")
 PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
+# genai: one graph around ONNX Runtime's fused operators (prunus.export.genai_graph); torch: torch.onnx.export's two
+GRAPHS = ("genai", "torch")

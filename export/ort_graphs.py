@@ -10,9 +10,11 @@ import torch
 from .graphs import graph_names
 
 
-def ort_session(path: str | Path, threads: int | None = None, spinning: bool = True, config: dict | None = None):
-    """``spinning=False`` lets the session's idle threads sleep at once: for processes holding
-    many sessions that run in turn, whose spinning threads would otherwise take each other's cores.
+def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: bool = True,
+                config: dict | None = None):
+    """``path``: a graph file, or a serialized graph's bytes. ``spinning=False`` lets the session's idle
+    threads sleep at once: for processes holding many sessions that run in turn, whose spinning threads
+    would otherwise take each other's cores.
     ``config``: extra session config entries (key -> value strings)."""
     import onnxruntime as ort
 
@@ -25,7 +27,7 @@ def ort_session(path: str | Path, threads: int | None = None, spinning: bool = T
     for key, value in (config or {}).items():
         opts.add_session_config_entry(key, value)
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), opts, providers=["CPUExecutionProvider"])
 
 
 class OrtGraphs:

@@ -38,8 +38,14 @@ class OrtRunner:
         self.sessions.clear()
 
 
-def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None) -> GraphBackend:
+def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None):
+    """A :class:`GraphBackend` over the torch-exported prefill / decode graphs, or for an export dir holding the
+    genai graph (``export.graph == "genai"``) a :class:`prunus.serve.backend_ort_genai.GenaiBackend`."""
     export = config["export"]
+    if export.get("graph") == "genai":
+        from .backend_ort_genai import load_genai_backend
+
+        return load_genai_backend(path, config, n_slots, max_len, threads)
     graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
     dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)

@@ -1,0 +1,189 @@
+"""One ONNX graph for prefill and decode, written from a prunus model's weights (the onnxruntime-genai layout).
+
+Where ``torch.onnx.export`` gives two graphs whose decode step concatenates the whole KV cache
+with the new keys every step (:mod:`prunus.export.graphs`), this graph is built node by node
+(:mod:`prunus.export.genai_layers`) around ONNX Runtime's fused CPU operators and serves both passes:
+
+inputs
+  ``input_ids`` int64 (batch, seq): right-padded prompts, or one new token per row;
+  ``seqlens_k`` int32 (batch,): each row's total length after this pass, minus one;
+  ``total_sequence_length`` int32 scalar: the longest row's total length after this pass;
+  ``past.{i}.key|value`` float32 (batch, kv_heads, max_len, head_dim): the KV buffer
+outputs
+  ``logits`` float32 (batch, vocab): at each row's last real token only;
+  ``present.{i}.key|value``: the same buffer (bind it as both: GroupQueryAttention then writes the
+  new keys at each row's own positions and copies nothing).
+
+A pass with ``seq == total_sequence_length`` is a prompt (every row from position 0); ``seq == 1``
+with longer rows is a decode step. Positions for the rotary embedding come from ``seqlens_k`` inside
+the operator (rows of any lengths in one batch).
+
+Supported: Llama-family decoders as prunus writes them (any rope scaling, GQA, q/k/v and output
+biases, a custom attention scale, tied or untied heads). Anything else (mixture of experts, q/k
+norms, sliding windows, soft-capping, GELU gates, (1 + w) norms, scaled embeddings, post-norms) is
+refused by :func:`check_genai_support` in one line, and export falls back to the torch graphs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from prunus.artifacts.errors import PrunusError
+from prunus.models.rope import rope_tables
+
+from .genai_layers import LAST_TOKEN_NODE, MS_DOMAIN, GraphWriter
+
+GENAI_GRAPH = "model.onnx"
+GENAI_OPSET = 21  # DequantizeLinear with block_size (stored per-group int8) needs 21
+GENAI_IR_VERSION = 10
+
+
+def unsupported_features(cfg, modules: dict | None = None, precision: str = "fp32") -> list[str]:
+    """What in this model the genai graph does not build (empty: supported)."""
+    checks = [
+        (cfg.n_experts > 0, "mixture of experts"), (cfg.qk_norm, "q/k norms"),
+        (cfg.sliding_window is not None, "sliding-window attention"),
+        (cfg.attn_softcap is not None, "attention soft-capping"), (cfg.final_softcap is not None, "logit soft-capping"),
+        (cfg.hidden_act != "silu", f"{cfg.hidden_act} gates"), (cfg.norm_one_plus_weight, "(1 + w) norms"),
+        (cfg.scale_embeddings, "scaled embeddings"), (cfg.post_norms, "post-norms"),
+        (precision not in ("fp32", "int8", "int4"), f"{precision} weights"),
+        (any(m.scheme.startswith("fp8") for m in (modules or {}).values()), "fp8 weights"),
+    ]
+    return [what for bad, what in checks if bad]
+
+
+def check_genai_support(cfg, modules: dict | None = None, precision: str = "fp32") -> None:
+    """Raise one PrunusError line naming what the genai graph does not support in this model."""
+    missing = unsupported_features(cfg, modules, precision)
+    if missing:
+        raise PrunusError(f"the genai graph does not support {', '.join(missing)}; export with graph='torch' "
+                          "(--graph torch)")
+
+
+def _value(name: str, elem: int, shape: list) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _io(cfg, n_layers: int, logits_shape: list) -> tuple[list, list]:
+    kv = ["batch", cfg.n_kv_heads, "max_len", cfg.head_dim]
+    inputs = [_value("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              _value("seqlens_k", TensorProto.INT32, ["batch"]),
+              _value("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [_value("logits", TensorProto.FLOAT, logits_shape)]
+    for i in range(n_layers):
+        for t in ("key", "value"):
+            inputs.append(_value(f"past.{i}.{t}", TensorProto.FLOAT, kv))
+            outputs.append(_value(f"present.{i}.{t}", TensorProto.FLOAT, kv))
+    return inputs, outputs
+
+
+def build_genai_graph(model, packed_qkv: bool = True, packed_gate_up: bool = False) -> onnx.ModelProto:
+    """The genai graph of a plain (float) prunus ``Transformer``; layer indices renumbered 0..n-1."""
+    cfg = model.config
+    check_genai_support(cfg)
+    w = GraphWriter(cfg, packed_qkv, packed_gate_up)
+    cos, sin = rope_tables(cfg)
+    half = cfg.head_dim // 2
+    cache = {"seqlens_k": "seqlens_k", "total": "total_sequence_length",
+             "cos": w.init("rope.cos", cos[:, :half]), "sin": w.init("rope.sin", sin[:, :half])}
+    emb = w.init("tok_embeddings.weight", model.tok_embeddings.weight)
+    (h,) = w.node("Gather", [emb, "input_ids"], name="tok_embeddings/Gather")
+    layers = list(model.layers.values())
+    x = w.norm(h, layers[0].attention_norm.weight, "layers.0.attention_norm")
+    for i, block in enumerate(layers):
+        a = w.attention(x, block.attention, i, cache)
+        x, h = w.skip_norm(a, h, block.ffn_norm.weight, f"layers.{i}.ffn_norm")
+        f = w.feed_forward(x, block.feed_forward, i)
+        nxt = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
+        x, h = w.skip_norm(f, h, nxt.weight, f"layers.{i + 1}.attention_norm" if i + 1 < len(layers) else "norm")
+    y = w.last_token(x, "input_ids", "seqlens_k")
+    if cfg.tie_embeddings:  # one copy of the table in the file; the head reads it transposed
+        (head,) = w.node("Transpose", [emb], name="output/Transpose", perm=[1, 0])
+        w.node("MatMul", [y, head], name="output/MatMul", outputs=["logits"])
+    else:
+        (logits,) = w.node("MatMul", [y, w.init("output.weight", model.output.weight.detach().float().t())],
+                           name="output/MatMul", outputs=["logits"])
+    inputs, outputs = _io(cfg, len(layers), ["batch", cfg.vocab_size])
+    graph = helper.make_graph(w.nodes, "prunus-genai", inputs, outputs, w.inits)
+    opsets = [helper.make_opsetid("", GENAI_OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=GENAI_IR_VERSION, producer_name="prunus")
+
+
+def all_positions_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a genai graph (any precision) whose ``logits`` are every position's (batch, seq, vocab): the
+    last-token gather bypassed, the rest untouched. Parity scores whole windows with it."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    gather = next((n for n in g.node if n.name == LAST_TOKEN_NODE), None)
+    if gather is None:
+        raise PrunusError("this graph has no last-token gather; it is not a prunus genai graph")
+    for n in g.node:
+        for j, name in enumerate(n.input):
+            if name == gather.output[0]:
+                n.input[j] = gather.input[0]
+    from .quantize_onnx import _prune_unused
+
+    _prune_unused(g)
+    logits = next(o for o in g.output if o.name == "logits")
+    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
+    logits.CopyFrom(_value("logits", TensorProto.FLOAT, ["batch", "seq", vocab]))
+    return out
+
+
+def save_genai_graph(model: onnx.ModelProto, path: Path, external_data: bool) -> None:
+    """Write the graph (weights in ``<name>.data`` when ``external_data``). No ``onnx.checker`` pass: it does not
+    know ONNX Runtime's SimplifiedLayerNormalization; the session load in the parity check is the check."""
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=Path(path).name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def quantized_genai_graph(model, modules: dict, precision: str, tmp: Path, external: bool, style: str,
+                          int4_style: str, packed_qkv: bool = True) -> Path:
+    """Write the genai graph of ``model`` at ``precision`` to ``tmp / GENAI_GRAPH``; returns the path.
+
+    * stored weights (``modules``: a compressed dir's QuantizedLinear / Int4Linear): the graph is built from
+      their dequantized values with one MatMul per module, then each gets its stored integers back
+      (:func:`~prunus.export.quantize_onnx.apply_stored_quantization`: MatMulNBits for int4, ``style`` for int8);
+    * ``int8`` / ``int4`` of a float model: ONNX Runtime's MatMulNBitsQuantizer on the fp32 graph
+      (:func:`~prunus.export.quantize_onnx.quantize_fp32_graph`), the output head included (a tied head is
+      untied for it; the embedding stays a float Gather)."""
+    from .onnx_export import dequantized_copy
+    from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph
+
+    path = tmp / GENAI_GRAPH
+    if modules:
+        proto = build_genai_graph(dequantized_copy(model, modules), packed_qkv=False)
+        apply_stored_quantization(proto, modules, style, int4_style)
+        save_genai_graph(proto, path, external)
+    elif precision in ("int8", "int4"):
+        fp32 = tmp / f".{GENAI_GRAPH}.fp32.onnx"
+        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv), fp32, external)
+        quantize_fp32_graph(fp32, path, external, bits=4 if precision == "int4" else 8)
+        for f in tmp.glob(f".{GENAI_GRAPH}.fp32.onnx*"):
+            f.unlink()
+    else:
+        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv), path, external)
+    return path
+
+
+def genai_dims(model) -> dict:
+    """What a runner needs to size its buffers (recorded in the export dir's config.json)."""
+    cfg = model.config
+    return {"n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size}
+
+
+def rope_table_len(model) -> int:
+    return int(model.config.max_seq_len)
+
+
+__all__ = ["GENAI_GRAPH", "build_genai_graph", "check_genai_support", "unsupported_features", "all_positions_graph",
+           "quantized_genai_graph", "save_genai_graph", "genai_dims"]

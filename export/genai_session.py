@@ -1,0 +1,158 @@
+"""A genai graph (:mod:`prunus.export.genai_graph`) in ONNX Runtime with I/O binding and one preallocated KV buffer.
+
+:class:`GenaiSession` holds, per layer, a key and a value buffer of (n_slots, kv_heads, max_len,
+head_dim) float32, allocated once. A pass runs on a block of consecutive slots ``[start, start + b)``:
+the block's slice of each buffer (contiguous: the slots are the leading axis) is bound as both
+``past`` and ``present``, so GroupQueryAttention appends the new keys in place and no step copies the
+cache. The token ids, ``seqlens_k`` and ``total_sequence_length`` are written into preallocated numpy
+arrays bound by address, and ``logits`` into a preallocated (n_slots, vocab) array. A decode step's
+binding depends only on its batch size and is kept, so a step is: write the ids and lengths, run.
+
+GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
+backend (:mod:`prunus.serve.backend_ort_genai`) keeps its active rows in slots ``[0, n)``.
+
+:class:`GenaiGraphs` is the parity checker's view (the counterpart of
+:class:`prunus.export.ort_graphs.OrtGraphs`): every position's logits through the same graph with
+its last-token gather bypassed, and greedy generation through the written graph itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .ort_graphs import ort_session
+
+
+class GenaiSession:
+    def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
+                 max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None):
+        self.session = ort_session(path_or_bytes, threads, spinning, config)
+        self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
+        shape = (n_slots, n_kv_heads, max_len, head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(n_layers)]
+        self.logits = np.zeros((n_slots, vocab_size), np.float32)
+        self.step_ids = np.zeros((n_slots, 1), np.int64)
+        self.seqlens = np.zeros(n_slots, np.int32)
+        self.total = np.zeros((), np.int32)
+        self._decode_bindings: dict[int, object] = {}
+
+    def _bind(self, ids: np.ndarray, start: int):
+        """An I/O binding of ``ids`` (b, seq) on slots [start, start + b)."""
+        b = ids.shape[0]
+        binding = self.session.io_binding()
+
+        def array(name, a, output=False):
+            bind = binding.bind_output if output else binding.bind_input
+            bind(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+
+        array("input_ids", ids)
+        array("seqlens_k", self.seqlens[:b])
+        array("total_sequence_length", self.total)
+        for i in range(self.n_layers):
+            for t, buf in (("key", self.k[i]), ("value", self.v[i])):
+                view = buf[start:start + b]
+                array(f"past.{i}.{t}", view)
+                array(f"present.{i}.{t}", view, output=True)
+        array("logits", self.logits[:b], output=True)
+        return binding
+
+    def prefill(self, start: int, prompts: list) -> np.ndarray:
+        """Prompts (token id lists) into slots [start, start + len(prompts)), right-padded into one pass; returns
+        each one's last-token logits, a view of the shared logits array (valid until the next pass)."""
+        b = len(prompts)
+        if start < 0 or start + b > self.n_slots:
+            raise ValueError(f"slots [{start}, {start + b}) outside the buffer's {self.n_slots}")
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        if width > self.max_len:
+            raise ValueError(f"a prompt of {width} tokens exceeds the buffer's {self.max_len} positions")
+        ids = np.zeros((b, width), np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+        self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
+        self.total[...] = width
+        self.session.run_with_iobinding(self._bind(ids, start))
+        return self.logits[:b]
+
+    def decode(self, lengths: np.ndarray, tokens) -> np.ndarray:
+        """One new token for each of slots [0, b) whose current lengths are ``lengths``; returns (b, vocab) logits
+        (a view, valid until the next pass). The caller advances its lengths."""
+        b = len(lengths)
+        if int(np.max(lengths)) >= self.max_len:
+            raise ValueError(f"a row is full: its {self.max_len} positions are used")
+        self.step_ids[:b, 0] = tokens
+        self.seqlens[:b] = lengths
+        self.total[...] = int(np.max(lengths)) + 1
+        binding = self._decode_bindings.get(b)
+        if binding is None:
+            binding = self._decode_bindings[b] = self._bind(self.step_ids[:b], 0)
+        self.session.run_with_iobinding(binding)
+        return self.logits[:b]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` positions to slot ``dst`` in every layer (compacting a block)."""
+        for buf in (*self.k, *self.v):
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def close(self) -> None:
+        self._decode_bindings.clear()
+        self.session = None
+
+
+class GenaiGraphs:
+    """A genai export's graph for the parity check: ``graphs(tokens)`` -> every position's logits and
+    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs."""
+
+    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None):
+        import onnx
+
+        from .genai_graph import all_positions_graph
+
+        self.path, self.dims, self.threads, self.config = Path(path), dims, threads, config
+        proto = onnx.load(str(path), load_external_data=False)
+        variant = all_positions_graph(proto)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in variant.graph.initializer):
+            target = self.path.with_name(f".{self.path.stem}.all_positions.onnx")  # beside its .data file
+            onnx.save_model(variant, str(target))
+            try:
+                self.all_positions = ort_session(target, threads, config=config)
+            finally:
+                target.unlink()
+        else:
+            self.all_positions = ort_session(variant.SerializeToString(), threads, config=config)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""
+        b, s = tokens.shape
+        d = self.dims
+        feeds = {"input_ids": tokens.long().numpy(), "seqlens_k": np.full(b, s - 1, np.int32),
+                 "total_sequence_length": np.array(s, np.int32)}
+        for i in range(d["n_layers"]):
+            for t in ("key", "value"):
+                feeds[f"past.{i}.{t}"] = np.zeros((b, d["n_kv_heads"], s, d["head_dim"]), np.float32)
+        return torch.from_numpy(self.all_positions.run(["logits"], feeds)[0])
+
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, prompt_len) prompts -> (batch, max_new_tokens) greedy tokens through the written graph, its KV
+        buffer shared between passes. ``attention_mask`` (1 = real token) trims left padding off each prompt."""
+        b, s = prompt.shape
+        rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
+                for i, p in enumerate(prompt)]
+        sess = GenaiSession(self.path, **self.dims, n_slots=b, max_len=s + max_new_tokens, threads=self.threads,
+                            config=self.config)
+        lengths = np.array([len(r) for r in rows], np.int64)
+        logits = sess.prefill(0, rows)
+        out = []
+        for i in range(max_new_tokens):
+            tok = logits.argmax(-1)
+            out.append(torch.from_numpy(tok.astype(np.int64)))
+            if i + 1 == max_new_tokens:
+                break
+            logits = sess.decode(lengths, tok)
+            lengths += 1
+        sess.close()
+        return torch.stack(out, dim=1)

@@ -1,0 +1,104 @@
+"""The ONNX Runtime backend for a genai export (one graph, GroupQueryAttention over a shared KV buffer).
+
+The graph and its buffers are a :class:`prunus.export.genai_session.GenaiSession`: per layer one
+(n_slots, kv_heads, max_len, head_dim) key and value buffer, bound as both past and present, so a
+decode step copies no cache. GroupQueryAttention takes a batch whose buffer has that same batch, so
+the rows of a pass must be consecutive slots of the buffer. The scheduler hands out arbitrary rows
+(``prunus.serve.scheduler``), so this backend maps each scheduler row to a buffer slot and keeps the
+active rows packed in slots ``[0, n)``:
+
+* prefill: the joining rows take the slots after the block (a row the scheduler hands out again
+  first leaves its old slot), their prompts right-padded into one pass;
+* decode: a row the scheduler no longer passes has left; the block's last row moves into its slot
+  (one copy of that row's keys and values, per leave, never per step). Then every active row is
+  decoded in one pass over slots ``[0, n)``; ``input_ids`` follow slot order and the logits come back
+  in the scheduler's row order.
+
+A decode step therefore writes n token ids and n lengths into bound arrays and runs the graph; the
+binding of a batch size is built once and reused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prunus.artifacts.errors import PrunusError
+
+from .artifact import export_dims
+
+
+class GenaiBackend:
+    name = "onnxruntime"
+
+    def __init__(self, session, n_slots: int, max_len: int):
+        self.session = session
+        self.n_slots, self.max_len = n_slots, max_len
+        self.vocab_size, self.n_layers = session.vocab_size, session.n_layers
+        self.device = torch.device("cpu")
+        self.slot_of: dict[int, int] = {}  # scheduler row -> buffer slot
+        self.row_at: list[int] = []  # buffer slot -> scheduler row, slots [0, n)
+        self.lengths = np.zeros(n_slots, np.int64)  # tokens held per buffer slot
+
+    def _leave(self, row: int) -> None:
+        """Drop ``row`` from the block; the last slot's row moves into its slot."""
+        slot = self.slot_of.pop(row)
+        last = len(self.row_at) - 1
+        if slot != last:
+            moved = self.row_at[last]
+            self.session.move(last, slot, int(self.lengths[last]))
+            self.lengths[slot] = self.lengths[last]
+            self.row_at[slot] = moved
+            self.slot_of[moved] = slot
+        self.row_at.pop()
+        self.lengths[last] = 0
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        for r in rows:
+            if r in self.slot_of:  # the scheduler reuses a row whose request ended
+                self._leave(r)
+        start = len(self.row_at)
+        if start + len(rows) > self.n_slots:
+            raise PrunusError(f"{start + len(rows)} rows exceed the backend's {self.n_slots} slots")
+        logits = self.session.prefill(start, prompts)
+        for i, (r, p) in enumerate(zip(rows, prompts)):
+            self.slot_of[r] = start + i
+            self.row_at.append(r)
+            self.lengths[start + i] = len(p)
+        return torch.from_numpy(logits.copy())
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        keep = set(rows)
+        for r in [r for r in self.row_at if r not in keep]:
+            self._leave(r)
+        missing = [r for r in rows if r not in self.slot_of]
+        if missing:
+            raise PrunusError(f"decode of row(s) {missing} that were never prefilled")
+        n = len(self.row_at)
+        by_slot = np.empty(n, np.int64)
+        order = np.fromiter((self.slot_of[r] for r in rows), np.int64, len(rows))
+        by_slot[order] = tokens
+        logits = self.session.decode(self.lengths[:n], by_slot)
+        self.lengths[:n] += 1
+        return torch.from_numpy(logits[order])  # fancy indexing copies: the buffer is reused next step
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None) -> GenaiBackend:
+    """An export dir whose config.json says ``export.graph == "genai"``."""
+    from prunus.export.genai_session import GenaiSession
+
+    export = config["export"]
+    graph = path / export["graphs"]["model"]
+    if not graph.is_file():
+        raise PrunusError(f"{graph}: missing from the export dir; re-create it with prunus export")
+    try:
+        session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads)
+    except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
+        raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "re-create the export dir with prunus export") from None
+    return GenaiBackend(session, n_slots, max_len)
