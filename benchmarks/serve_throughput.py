@@ -20,10 +20,21 @@
    (top-1 agreement, bits per byte against PyTorch) is printed beside its speed, since a
    fast export that fails parity is no result.
 
+6. ``--peer llamacpp`` (this section alone): prunus beside llama.cpp at each precision on each
+   ``--model`` (default smollm2): fp32 / F32, int8 / Q8_0, int4 / Q4_0, the GGUF files written
+   by prunus's own ``to_gguf`` from the same model dir; decode tokens/s at batch 1 and the time
+   to the first token of a 512-token prompt at 1 and 2 threads, tokens/s at batch 1-8 beside
+   Hugging Face ``generate()`` (a PNG), greedy agreement, ratios prunus / llama.cpp. llama.cpp
+   runs in a worker process (llama-cpp-python in this interpreter, or ``--llamacpp-python``);
+   without it the section is skipped with a message. See ``_llamacpp_bench.py``. Run it on an
+   idle machine: llama.cpp's thread pool spins, so anything else on the cores ruins its figures.
+
 Rounds alternate the contenders and the median is reported. Writes a PNG of the figures.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--demo-model runs/demo/model] [--export DIR ...]
         [--model smollm2 ...] [--cache runs/real-models] [--only-models]
+    python benchmarks/serve_throughput.py --peer llamacpp --model smollm2 [--llamacpp-python /path/to/python]
+        [--contender "LABEL=EXPORT_DIR:fp32|int8|int4" ...]
 """
 
 from __future__ import annotations
@@ -155,6 +166,35 @@ def tp_section(model, n: int, rounds: int, figures: list, tp1: Engine, label: st
             figures.append((f"prunus tp=2, {label}, batch {b}", t2))
 
 
+def _export_root(model_dir: Path, cache: Path):
+    """(the cache folder of ``model_dir``'s compressed dirs and exports, whether a dir there is newer than it)."""
+    root = cache / "exports" / model_name(str(model_dir)).replace("/", "-")
+    stamp = (model_dir / "prunus.json").stat().st_mtime
+    return root, lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp
+
+
+def cached_int4(model_dir: Path, cache: Path) -> tuple[Path, Path]:
+    """(a stored-int4 dir of ``model_dir``: RTN, groups of 32, symmetric, the layout GGUF Q4_0 holds as it is;
+    its ONNX export, MatMulNBits), each made once beside :func:`cached_exports`' and kept when parity fails."""
+    from prunus.compress.quantize import quantize_pass
+    from prunus.export import export_model
+    from prunus.models import load_model, load_model_tokenizer, save_model
+
+    root, fresh = _export_root(model_dir, cache)
+    int4_dir, onnx_dir = root / "int4-rtn-g32", root / "onnx-int4-rtn-g32"
+    if not fresh(int4_dir):
+        model = quantize_pass(load_model(model_dir), None, scheme="int4-weight-only", group_size=32, symmetric=True)
+        save_model(model, int4_dir, tokenizer=load_model_tokenizer(model_dir), stage="compress", parent=model_dir,
+                   overwrite=True, command="benchmarks/serve_throughput.py (quantize int4-weight-only rtn, group 32)")
+    if not fresh(onnx_dir):
+        t0 = time.perf_counter()
+        print(f"   exporting stored int4 from {int4_dir} (once, cached in {onnx_dir}) ...", flush=True)
+        export_model(int4_dir, onnx_dir, verify=False, overwrite=True, progress=False,
+                     command="benchmarks/serve_throughput.py")
+        print(f"   ... {time.perf_counter() - t0:.0f} s", flush=True)
+    return int4_dir, onnx_dir
+
+
 def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
     """ONNX export dirs of ``model_dir``: fp32, int8 by ``--precision int8``, int8 of a compressed
     ``int8-weight-only`` dir. Each is made once under ``cache/exports/<name>/`` (again when the model
@@ -164,9 +204,7 @@ def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
     from prunus.export import export_model
     from prunus.models import load_model, load_model_tokenizer, save_model
 
-    root = cache / "exports" / model_name(str(model_dir)).replace("/", "-")
-    stamp = (model_dir / "prunus.json").stat().st_mtime
-    fresh = lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp  # noqa: E731
+    root, fresh = _export_root(model_dir, cache)
     int8_dir = root / "int8-weight-only"
     if not fresh(int8_dir):
         model = load_model(model_dir)
@@ -241,6 +279,49 @@ def side_by_side(spec: str, args, figures: list) -> None:
             print(f"     {label:44s} {v:8.2f} tokens/s   ratio vs HF generate {v / hf_k:5.2f}x"
                   + ("   (parity FAILED: not a valid result)" if label in failed else ""))
             figures.append((f"{name}: {label}, {k} thr", v))
+
+
+def llamacpp_contenders(model_dir: Path, cache: Path) -> tuple[list, Path]:
+    """The prunus side of ``--peer llamacpp`` as (label, dir, precision) Contenders, and the stored int4 dir
+    its Q4_0 GGUF is written from. Any dir ``Engine.load`` takes can be a contender: add one here (or pass
+    ``--contender``) and it is timed, plotted and compared with llama.cpp at its precision."""
+    from _llamacpp_peer import Contender
+
+    exports = cached_exports(model_dir, cache)
+    int4_dir, int4_onnx = cached_int4(model_dir, cache)
+    return [Contender("prunus torch Engine", model_dir, "fp32"),
+            Contender("prunus onnxruntime fp32", exports["onnxruntime fp32"], "fp32"),
+            Contender("prunus onnxruntime int8 (--precision int8)", exports["onnxruntime int8 (export --precision int8)"],
+                      "int8"),
+            Contender("prunus onnxruntime int4 (stored RTN g32)", int4_onnx, "int4")], int4_dir
+
+
+def llamacpp_section(spec: str, args, figures: list) -> None:
+    """Section 6: prunus beside llama.cpp on one model (see ``_llamacpp_bench.py``)."""
+    from _llamacpp_bench import compare
+    from _llamacpp_peer import LlamaCppPeer, cached_ggufs, peer_python
+
+    from prunus.models import load_model_tokenizer
+
+    python, why = peer_python(args.llamacpp_python)
+    if python is None:
+        print(f"   llama.cpp peer skipped: {why}")
+        return
+    model_dir, name = resolve_model(spec, args.cache), model_name(spec)
+    print(f"\n   -- {name} ({model_dir}); llama.cpp worker in {python}", flush=True)
+    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache))
+    contenders += args.contender
+    for c in contenders:
+        if (c.path / "parity.json").is_file():
+            print(f"   {c.label:44s} {parity_line(c.path)[0]}")
+    root, _ = _export_root(model_dir, Path(args.cache))
+    ggufs = cached_ggufs({"fp32": model_dir, "int8": model_dir, "int4": int4_dir}, root / "gguf")
+    hf = None if args.no_hf else load_hf_peer(model_dir, args.cache)
+    plot_path = Path(args.plot).with_name(f"{Path(args.plot).stem}_llamacpp_{name.replace('/', '-')}.png")
+    with LlamaCppPeer(python) as peer:
+        compare(contenders, ggufs, peer, hf, load_model_tokenizer(model_dir), PROMPTS, threads=args.threads,
+                sweep_threads=args.sweep_threads or max(args.threads), n=args.tokens, rounds=args.rounds,
+                sweep_rounds=args.sweep_rounds, title=name, plot=plot_path, figures=figures)
 
 
 def plot(rows: list[tuple[str, float]], path: Path) -> None:
@@ -392,8 +473,30 @@ def main() -> None:
     ap.add_argument("--tp-preset", default="base", help="a larger preset (random weights) for the tp=2 comparison")
     ap.add_argument("--tp-tokens", type=int, default=16)
     ap.add_argument("--plot", default="runs/bench/serve_throughput.png")
+    ap.add_argument("--peer", choices=["llamacpp"], default=None,
+                    help="run section 6 only: prunus beside llama.cpp on each --model (default smollm2)")
+    ap.add_argument("--llamacpp-python", default=None, metavar="PATH",
+                    help="an interpreter that imports llama_cpp, to run the llama.cpp worker in (default: this one)")
+    ap.add_argument("--contender", action="append", default=[], metavar="LABEL=DIR:PRECISION",
+                    type=lambda v: __import__("_llamacpp_peer").parse_contender(v),
+                    help="with --peer llamacpp: one more prunus dir to time (an export dir, a model dir), at fp32, int8 "
+                         "or int4 (repeatable)")
+    ap.add_argument("--sweep-threads", type=int, default=None,
+                    help="with --peer llamacpp: threads of the batch 1-8 sweep (default the largest of --threads)")
+    ap.add_argument("--sweep-rounds", type=int, default=2, help="with --peer llamacpp: rounds of the batch sweep")
+    ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")
     args = ap.parse_args()
     figures = []
+    if args.peer == "llamacpp":
+        print(f"6. prunus beside llama.cpp, greedy, prefill included, {args.tokens} new tokens per sequence, median of "
+              f"{args.rounds} alternating rounds; prunus at OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+              "llama.cpp at its own defaults")
+        for spec in args.model or ["smollm2"]:
+            llamacpp_section(spec, args, figures)
+        if figures:
+            plot(figures, Path(args.plot))
+            print(f"\nplot: {args.plot}")
+        return
     have_demo = (Path(args.demo_model) / "config.json").is_file()
     print(f"demo model {args.demo_model}{'' if have_demo else ' (not found: make demo)'}, models {args.model or 'none'}, "
           f"{args.tokens} tokens per sequence, median of {args.rounds} alternating rounds, "

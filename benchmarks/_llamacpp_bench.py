@@ -1,0 +1,267 @@
+"""prunus beside llama.cpp on a CPU, precision by precision (``serve_throughput.py --peer llamacpp``).
+
+In one run, rounds alternating every contender (median reported), the same prompt token ids
+for all (prunus's tokenizer; llama.cpp and Hugging Face take the ids), greedy, prefill included:
+
+* decode tokens/s at batch 1 (``tokens`` new tokens after a short prompt) and the time to the
+  first token of a 512-token prompt, at each thread count;
+* tokens/s at batch 1, 2, 4 and 8 at one thread count: prunus backends, llama.cpp (B sequences
+  in one context, one ``llama_batch`` of B tokens a step) and Hugging Face ``generate()``
+  (left-padded), plotted against the batch size;
+* ratios prunus / llama.cpp per precision (fp32 / F32, int8 / Q8_0, int4 / Q4_0), and greedy
+  token agreement of llama.cpp F32 with the prunus fp32 contenders.
+
+A contender is a label, a dir ``Engine.load`` takes and a precision (``_llamacpp_peer.Contender``),
+so a new backend or export joins by adding one to the list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from _llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
+
+BATCHES = (1, 2, 4, 8)
+LONG = 512  # tokens of the time-to-first-token prompt
+
+
+@dataclass
+class Runner:
+    """One contender as this section drives it: ``run(prompts, n_new)`` -> {"seconds", "tokens"}."""
+
+    label: str
+    kind: str  # "prunus", "llama.cpp" or "hf"
+    precision: str
+    run: Callable[[list[list[int]], int], dict]
+    tps: dict = field(default_factory=dict)  # {(threads, batch): [tokens/s per round]}
+    ttft: dict = field(default_factory=dict)  # {threads: [seconds per round]}
+    tokens: dict = field(default_factory=dict)  # {batch: greedy tokens of the first round}
+
+
+def engine_run(engine) -> Callable:
+    def run(prompts: list[list[int]], n_new: int) -> dict:
+        t = time.perf_counter()
+        results = engine.generate(prompts, max_new_tokens=n_new, ignore_eos=True)
+        return {"seconds": time.perf_counter() - t, "tokens": [list(r.token_ids) for r in results]}
+    return run
+
+
+def hf_run(model, threads: int) -> Callable:
+    """Hugging Face ``generate()`` at ``threads`` torch threads, prompts left-padded as its decoders expect."""
+    def run(prompts: list[list[int]], n_new: int) -> dict:
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                     do_sample=False, pad_token_id=0)
+            dt = time.perf_counter() - t
+        finally:
+            torch.set_num_threads(before)
+        return {"seconds": dt, "tokens": out[:, width:].tolist()}
+    return run
+
+
+def llama_run(peer: LlamaCppPeer, name: str, threads: int, n_seq: int) -> Callable:
+    def run(prompts: list[list[int]], n_new: int) -> dict:
+        return peer.generate(name, prompts, n_new, threads, n_seq)
+    return run
+
+
+def long_prompt(tokenizer) -> list[int]:
+    """The first 512 tokens of a fixed standard-library source (the same text on every machine of a Python version)."""
+    import json.decoder
+
+    ids = tokenizer.encode(inspect.getsource(json.decoder) * 4)
+    return ids[:LONG]
+
+
+@contextlib.contextmanager
+def runners(contenders: list[Contender], peer: LlamaCppPeer, hf, threads: int, max_batch: int, max_len: int):
+    """Every contender loaded at ``threads`` for batches up to ``max_batch``: prunus Engines, llama.cpp per
+    precision, Hugging Face."""
+    from prunus.serve import Engine
+
+    with contextlib.ExitStack() as stack:
+        out = [Runner(c.label, "prunus", c.precision, engine_run(stack.enter_context(
+            Engine.load(c.path, max_batch=max_batch, max_len=max_len, threads=threads)))) for c in contenders]
+        for precision in sorted({c.precision for c in contenders}, key=list(GGUF_TYPES).index):
+            name = GGUF_TYPES[precision][0]
+            out.append(Runner(f"llama.cpp {name}", "llama.cpp", precision, llama_run(peer, name, threads, max_batch)))
+        if hf is not None:
+            out.append(Runner("HF generate()", "hf", "fp32", hf_run(hf, threads)))
+        yield out
+
+
+def batch1_round(rs: list[Runner], short: list[int], long: list[int], n: int, threads: int, first: bool) -> None:
+    """One alternating round: each contender decodes ``n`` tokens after ``short``, then prefills ``long``."""
+    for r in rs:
+        res = r.run([short], n)
+        r.tps.setdefault((threads, 1), []).append(n / res["seconds"])
+        if first:
+            r.tokens[(threads, 1)] = res["tokens"]
+        r.ttft.setdefault(threads, []).append(r.run([long], 1)["seconds"])
+
+
+def sweep_round(rs: list[Runner], batches: dict[int, list[list[int]]], n: int, threads: int, first: bool) -> None:
+    """One alternating round of batches 2, 4, 8 (batch 1 comes from the batch-1 rounds)."""
+    for b, prompts in batches.items():
+        for r in rs:
+            res = r.run(prompts, n)
+            r.tps.setdefault((threads, b), []).append(b * n / res["seconds"])
+            if first:
+                r.tokens[(threads, b)] = res["tokens"]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    """Greedy agreement of two batches of sequences: identical ones, and the mean matching prefix."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) for x, y in zip(a, b)]
+    return (f"{same}/{len(a)} sequences identical, matching prefix {statistics.mean(prefix):.1f} of "
+            f"{len(a[0])} tokens (min {min(prefix)})")
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report_batch1(rs: list[Runner], threads: list[int], n: int) -> list[str]:
+    """The batch-1 table and the prunus / llama.cpp ratios per precision; returns the lines printed."""
+    lines = []
+    for k in threads:
+        lines.append(f"   {k} thread(s), batch 1: {n} new tokens after a short prompt (prefill included); "
+                     f"time to first token of a {LONG}-token prompt")
+        for r in rs:
+            lines.append(f"     {r.label:44s} [{r.precision:4s}] {med(r.tps[(k, 1)]):8.2f} tokens/s   "
+                         f"TTFT {1000 * med(r.ttft[k]):8.1f} ms")
+        peers = {r.precision: r for r in rs if r.kind == "llama.cpp"}
+        for r in rs:
+            p = peers.get(r.precision)
+            if r.kind != "prunus" or p is None:
+                continue
+            tps, ttft = med(r.tps[(k, 1)]) / med(p.tps[(k, 1)]), med(p.ttft[k]) / med(r.ttft[k])
+            lines.append(f"     ratio {r.label} / {p.label}: decode {tps:5.2f}x, first token {ttft:5.2f}x "
+                         f"(>= 1: prunus at least as fast){'' if tps >= 1 else '   BEHIND'}")
+    for line in lines:
+        print(line)
+    return lines
+
+
+def report_sweep(rs: list[Runner], k: int, n: int) -> None:
+    print(f"   {k} thread(s), tokens/s at batch {', '.join(map(str, BATCHES))} ({n} new tokens per sequence):")
+    for r in rs:
+        print(f"     {r.label:44s} [{r.precision:4s}] " + "".join(f"{med(r.tps.get((k, b), [])):9.1f}" for b in BATCHES))
+    peers = {r.precision: r for r in rs if r.kind == "llama.cpp"}
+    for r in rs:
+        p = peers.get(r.precision)
+        if r.kind == "prunus" and p is not None:
+            print(f"     ratio {r.label} / {p.label}: " + "  ".join(
+                f"b{b} {med(r.tps[(k, b)]) / med(p.tps[(k, b)]):5.2f}x" for b in BATCHES))
+
+
+def report_agreement(rs: list[Runner], keys: list[tuple[int, int]]) -> None:
+    """Greedy tokens of each llama.cpp file against the prunus contenders of its precision."""
+    for p in (r for r in rs if r.kind == "llama.cpp"):
+        for r in (r for r in rs if r.kind == "prunus" and r.precision == p.precision):
+            for key in keys:
+                if key in p.tokens and key in r.tokens:
+                    print(f"     greedy, {p.label} vs {r.label}, {key[0]} thr batch {key[1]}: "
+                          f"{agreement(p.tokens[key], r.tokens[key])}")
+
+
+def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> None:
+    """Tokens/s against batch size, one line per contender: prunus solid, llama.cpp dashed, HF dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"prunus": ("-", "o"), "llama.cpp": ("--", "s"), "hf": (":", "^")}
+    fig, ax = plt.subplots(figsize=(9.5, 5.5), layout="constrained")
+    colors = plt.get_cmap("tab10").colors
+    for i, r in enumerate(rs):
+        ls, marker = styles[r.kind]
+        ys = [med(r.tps.get((k, b), [])) for b in BATCHES]
+        ax.plot(BATCHES, ys, linestyle=ls, marker=marker, color=colors[i % len(colors)], linewidth=2,
+                label=f"{r.label} ({r.precision})")
+        ax.annotate(f"{ys[-1]:.0f}", (BATCHES[-1], ys[-1]), textcoords="offset points", xytext=(6, 0), va="center",
+                    fontsize=8, color=colors[i % len(colors)])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
+    ax.set_xlim(0.85, 10)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("batch size (sequences decoded together)")
+    ax.set_ylabel("generated tokens/s (all sequences)")
+    ax.set_title(f"{title}: greedy decode, {n} new tokens per sequence, {k} thread(s)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="solid prunus, dashed llama.cpp, dotted HF",
+              title_fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppPeer, hf, tokenizer, prompts: list[str],
+            *, threads: list[int], sweep_threads: int, n: int, rounds: int, sweep_rounds: int, title: str,
+            plot: Path, figures: list) -> dict:
+    """The whole comparison (see the module docstring); returns the medians (also written beside ``plot``)."""
+    t0 = time.perf_counter()
+    info = peer.info()
+    print(f"   llama-cpp-python {info['version']}: {info['system'].strip()}")
+    short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer)
+    max_len = max(len(long) + 1, len(short) + n, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8
+    for precision, path in ggufs.items():
+        peer.load(GGUF_TYPES[precision][0], path, max_len)
+    print(f"   prompts: batch 1 {len(short)} tokens, first-token prompt {len(long)} tokens; {rounds} alternating rounds "
+          f"at batch 1, {sweep_rounds} at batches {', '.join(map(str, BATCHES[1:]))}", flush=True)
+    results: dict[str, Runner] = {}
+    for k in sorted(set(threads) | {sweep_threads}):
+        with runners(contenders, peer, hf, k, 1, max_len) as rs:
+            for r in rs:
+                r.run([short], 4), r.run([long[:64]], 1)  # warm-up
+            rs = [_merge(results, r) for r in rs]
+            for i in range(rounds):
+                batch1_round(rs, short, long, n, k, first=i == 0)
+    rs = list(results.values())
+    lines = report_batch1(rs, sorted(set(threads) | {sweep_threads}), n)
+    with runners(contenders, peer, hf, sweep_threads, BATCHES[-1], max_len) as fresh:
+        for r in fresh:
+            r.run([short] * 2, 4)  # warm-up
+        swept = [_merge(results, r) for r in fresh]
+        batches = {b: [tokenizer.encode(prompts[i % len(prompts)]) for i in range(b)] for b in BATCHES[1:]}
+        for i in range(sweep_rounds):
+            sweep_round(swept, batches, n, sweep_threads, first=i == 0)
+    report_sweep(rs, sweep_threads, n)
+    report_agreement(rs, [(min(threads), 1), (sweep_threads, BATCHES[-1])])
+    plot_batches(rs, sweep_threads, n, title, plot)
+    for r in rs:
+        figures += [(f"{title}: {r.label} ({r.precision}), {k} thr", med(v)) for (k, b), v in r.tps.items() if b == 1]
+    summary = {r.label: {"kind": r.kind, "precision": r.precision,
+                         "tokens_per_s": {f"{k} thr, batch {b}": med(v) for (k, b), v in r.tps.items()},
+                         "ttft_s": {f"{k} thr": med(v) for k, v in r.ttft.items()}} for r in rs}
+    plot.with_suffix(".json").write_text(json.dumps({"summary": summary, "batch1": lines}, indent=1))
+    print(f"   plot: {plot} (figures: {plot.with_suffix('.json')}); section took {time.perf_counter() - t0:.0f} s")
+    return summary
+
+
+def _merge(results: dict[str, Runner], r: Runner) -> Runner:
+    """``r``'s run function under the Runner that keeps this label's figures across thread counts."""
+    kept = results.setdefault(r.label, r)
+    kept.run = r.run
+    return kept

@@ -1,0 +1,124 @@
+"""llama.cpp decode worker for ``benchmarks/serve_throughput.py --peer llamacpp``.
+
+Runs in any interpreter that imports ``llama_cpp`` (llama-cpp-python), often a venv of its own,
+and drives llama.cpp through its low-level C API: one ``llama_batch`` per step that holds one
+token per sequence (seq ids 0..B-1), so B sequences decode together in one context.
+Greedy: the next token is the argmax of the logits llama.cpp returns.
+
+Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
+
+    {"op": "info"}                                      -> {"version", "system"}
+    {"op": "load", "name", "path", "n_seq", "n_ctx_seq"} -> {"n_vocab"}
+    {"op": "generate", "name", "n_seq", "threads", "prompts": [[ids]], "n_new"}
+        -> {"seconds", "ttft", "tokens": [[ids]]}   (timed here, so the pipe is not in the figure)
+    {"op": "quit"}
+
+A failure answers {"error": "..."}. llama.cpp's own log is silenced.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import llama_cpp as L
+import numpy as np
+
+
+@L.llama_log_callback
+def _silent(level, text, user_data):  # noqa: ARG001  (llama.cpp's load log would fill the benchmark's output)
+    return None
+
+
+class Model:
+    """One GGUF file with a context per sequence count (a batch-1 context, one for B sequences)."""
+
+    def __init__(self, path: str, n_ctx_seq: int):
+        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.n_ctx_seq, self.contexts = n_ctx_seq, {}
+
+    def context(self, n_seq: int):
+        """(context, batch) for ``n_seq`` sequences, each with ``n_ctx_seq`` positions of KV cache."""
+        if n_seq not in self.contexts:
+            p = L.llama_context_default_params()
+            p.n_ctx = n_seq * self.n_ctx_seq
+            p.n_batch = p.n_ctx
+            p.n_seq_max = n_seq
+            p.n_threads = p.n_threads_batch = 1
+            p.no_perf = True
+            ctx = L.llama_init_from_model(self.model, p)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not make a context for {n_seq} sequences")
+            self.contexts[n_seq] = (ctx, L.llama_batch_init(p.n_batch, 0, 1))
+        return self.contexts[n_seq]
+
+    def generate(self, prompts: list[list[int]], n_new: int, threads: int, n_seq: int) -> dict:
+        """Greedy decoding of every prompt at once: one prefill batch, then one token per sequence a step."""
+        ctx, batch = self.context(n_seq)
+        if len(prompts) > n_seq:
+            raise RuntimeError(f"{len(prompts)} prompts for a context of {n_seq} sequences")
+        L.llama_set_n_threads(ctx, threads, threads)
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        t0 = time.perf_counter()
+        rows = []
+        for s, ids in enumerate(prompts):
+            for p, token in enumerate(ids):
+                rows.append((token, p, s, p == len(ids) - 1))
+        tokens = [[t] for t in self._step(ctx, batch, rows)]
+        ttft = time.perf_counter() - t0
+        pos = [len(ids) for ids in prompts]
+        for _ in range(n_new - 1):
+            nxt = self._step(ctx, batch, [(tokens[s][-1], pos[s], s, True) for s in range(len(prompts))])
+            for s, t in enumerate(nxt):
+                tokens[s].append(t)
+                pos[s] += 1
+        return {"seconds": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens}
+
+    def _step(self, ctx, batch, rows) -> list[int]:
+        """Decode ``rows`` (token, position, sequence, wants logits) in one batch; the argmax of each output."""
+        out = []
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+            if logits:
+                out.append(i)
+        batch.n_tokens = len(rows)
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,)).argmax())
+                for i in out]
+
+
+def serve(inp, out) -> None:
+    """Answer requests from ``inp`` on ``out`` until "quit" or end of input."""
+    L.llama_log_set(_silent, None)
+    L.llama_backend_init()
+    models: dict[str, Model] = {}
+    for line in inp:
+        req = json.loads(line)
+        op = req.get("op")
+        try:
+            if op == "quit":
+                break
+            if op == "info":
+                ans = {"version": getattr(L, "__version__", "?"), "system": L.llama_print_system_info().decode()}
+            elif op == "load":
+                m = models[req["name"]] = Model(req["path"], req["n_ctx_seq"])
+                ans = {"n_vocab": m.n_vocab}
+            elif op == "generate":
+                ans = models[req["name"]].generate(req["prompts"], req["n_new"], req["threads"], req["n_seq"])
+            else:
+                ans = {"error": f"unknown op {op!r}"}
+        except Exception as e:  # answered, so the benchmark can say what failed
+            ans = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(ans) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.stdin, sys.stdout)
