@@ -84,12 +84,11 @@ def llama_run(peer: LlamaCppPeer, name: str, threads: int, n_seq: int) -> Callab
     return run
 
 
-def long_prompt(tokenizer) -> list[int]:
-    """The first 512 tokens of a fixed standard-library source (the same text on every machine of a Python version)."""
+def long_prompt(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of a fixed standard-library source (the same text on every machine of a Python version)."""
     import json.decoder
 
-    ids = tokenizer.encode(inspect.getsource(json.decoder) * 4)
-    return ids[:LONG]
+    return tokenizer.encode(inspect.getsource(json.decoder) * 4)[:n]
 
 
 @contextlib.contextmanager
@@ -141,12 +140,12 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report_batch1(rs: list[Runner], threads: list[int], n: int) -> list[str]:
+def report_batch1(rs: list[Runner], threads: list[int], n: int, long_n: int) -> list[str]:
     """The batch-1 table and the prunus / llama.cpp ratios per precision; returns the lines printed."""
     lines = []
     for k in threads:
         lines.append(f"   {k} thread(s), batch 1: {n} new tokens after a short prompt (prefill included); "
-                     f"time to first token of a {LONG}-token prompt")
+                     f"time to first token of a {long_n}-token prompt")
         for r in rs:
             lines.append(f"     {r.label:44s} [{r.precision:4s}] {med(r.tps[(k, 1)]):8.2f} tokens/s   "
                          f"TTFT {1000 * med(r.ttft[k]):8.1f} ms")
@@ -186,29 +185,42 @@ def report_agreement(rs: list[Runner], keys: list[tuple[int, int]]) -> None:
 
 
 def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> None:
-    """Tokens/s against batch size, one line per contender: prunus solid, llama.cpp dashed, HF dotted."""
+    """Tokens/s against batch size, one line per contender: prunus solid, llama.cpp dashed, HF dotted; one colour
+    family per precision (fp32 blue, int8 orange, int4 green), so each prunus line sits beside its llama.cpp peer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     styles = {"prunus": ("-", "o"), "llama.cpp": ("--", "s"), "hf": (":", "^")}
-    fig, ax = plt.subplots(figsize=(9.5, 5.5), layout="constrained")
-    colors = plt.get_cmap("tab10").colors
-    for i, r in enumerate(rs):
+    families = {"fp32": "Blues", "int8": "Oranges", "int4": "Greens"}
+    colors = {}
+    for precision, cmap in families.items():
+        same = [r for r in rs if r.precision == precision and r.kind != "hf"]
+        for j, r in enumerate(same):
+            colors[r.label] = plt.get_cmap(cmap)(0.95 - 0.5 * j / max(1, len(same) - 1))
+    fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+    ends = []
+    for r in rs:
         ls, marker = styles[r.kind]
+        color = colors.get(r.label, "dimgray")
         ys = [med(r.tps.get((k, b), [])) for b in BATCHES]
-        ax.plot(BATCHES, ys, linestyle=ls, marker=marker, color=colors[i % len(colors)], linewidth=2,
-                label=f"{r.label} ({r.precision})")
-        ax.annotate(f"{ys[-1]:.0f}", (BATCHES[-1], ys[-1]), textcoords="offset points", xytext=(6, 0), va="center",
-                    fontsize=8, color=colors[i % len(colors)])
+        ax.plot(BATCHES, ys, linestyle=ls, marker=marker, color=color, linewidth=2, label=f"{r.label} ({r.precision})")
+        ends.append((ys[-1], color))
+    top = max(y for y, _ in ends)
+    placed = []
+    for y, color in sorted(ends, key=lambda e: e[0]):  # the batch-8 values, nudged apart so none overlap
+        y_text = max(y, placed[-1] + 0.035 * top) if placed else y
+        placed.append(y_text)
+        ax.annotate(f"{y:.0f}", (BATCHES[-1], y), xytext=(BATCHES[-1] * 1.07, y_text), va="center", fontsize=8,
+                    color=color)
     ax.set_xscale("log", base=2)
     ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
-    ax.set_xlim(0.85, 10)
-    ax.set_ylim(bottom=0)
+    ax.set_xlim(0.85, 10.5)
+    ax.set_ylim(0, 1.08 * max(placed))
     ax.set_xlabel("batch size (sequences decoded together)")
     ax.set_ylabel("generated tokens/s (all sequences)")
-    ax.set_title(f"{title}: greedy decode, {n} new tokens per sequence, {k} thread(s)", fontsize=10)
+    ax.set_title(f"{title}: greedy decode, {n} new tokens per sequence, prefill included, {k} thread(s)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="solid prunus, dashed llama.cpp, dotted HF",
               title_fontsize=8)
@@ -218,14 +230,15 @@ def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> No
 
 
 def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppPeer, hf, tokenizer, prompts: list[str],
-            *, threads: list[int], sweep_threads: int, n: int, rounds: int, sweep_rounds: int, title: str,
-            plot: Path, figures: list) -> dict:
-    """The whole comparison (see the module docstring); returns the medians (also written beside ``plot``)."""
+            *, max_seq_len: int, threads: list[int], sweep_threads: int, n: int, rounds: int, sweep_rounds: int,
+            title: str, plot: Path, figures: list) -> dict:
+    """The whole comparison (see the module docstring); returns the medians (also written beside ``plot``).
+    The first-token prompt is 512 tokens, or ``max_seq_len - 2`` for a model with a shorter context."""
     t0 = time.perf_counter()
     info = peer.info()
     print(f"   llama-cpp-python {info['version']}: {info['system'].strip()}")
-    short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer)
-    max_len = max(len(long) + 1, len(short) + n, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8
+    short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer, min(LONG, max_seq_len - 2))
+    max_len = min(max_seq_len, max(len(long) + 1, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8)
     for precision, path in ggufs.items():
         peer.load(GGUF_TYPES[precision][0], path, max_len)
     print(f"   prompts: batch 1 {len(short)} tokens, first-token prompt {len(long)} tokens; {rounds} alternating rounds "
@@ -239,7 +252,7 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
             for i in range(rounds):
                 batch1_round(rs, short, long, n, k, first=i == 0)
     rs = list(results.values())
-    lines = report_batch1(rs, sorted(set(threads) | {sweep_threads}), n)
+    lines = report_batch1(rs, sorted(set(threads) | {sweep_threads}), n, len(long))
     with runners(contenders, peer, hf, sweep_threads, BATCHES[-1], max_len) as fresh:
         for r in fresh:
             r.run([short] * 2, 4)  # warm-up

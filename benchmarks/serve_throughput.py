@@ -319,7 +319,9 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
     hf = None if args.no_hf else load_hf_peer(model_dir, args.cache)
     plot_path = Path(args.plot).with_name(f"{Path(args.plot).stem}_llamacpp_{name.replace('/', '-')}.png")
     with LlamaCppPeer(python) as peer:
-        compare(contenders, ggufs, peer, hf, load_model_tokenizer(model_dir), PROMPTS, threads=args.threads,
+        limit = json.loads((model_dir / "config.json").read_text())["model"]["max_seq_len"]
+        compare(contenders, ggufs, peer, hf, load_model_tokenizer(model_dir), PROMPTS, max_seq_len=limit,
+                threads=args.threads,
                 sweep_threads=args.sweep_threads or max(args.threads), n=args.tokens, rounds=args.rounds,
                 sweep_rounds=args.sweep_rounds, title=name, plot=plot_path, figures=figures)
 
