@@ -61,6 +61,7 @@ from prunus.serve import Engine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
+from _llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
@@ -480,7 +481,7 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None, metavar="PATH",
                     help="an interpreter that imports llama_cpp, to run the llama.cpp worker in (default: this one)")
     ap.add_argument("--contender", action="append", default=[], metavar="LABEL=DIR:PRECISION",
-                    type=lambda v: __import__("_llamacpp_peer").parse_contender(v),
+                    type=parse_contender,
                     help="with --peer llamacpp: one more prunus dir to time (an export dir, a model dir), at fp32, int8 "
                          "or int4 (repeatable)")
     ap.add_argument("--sweep-threads", type=int, default=None,
