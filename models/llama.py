@@ -275,7 +275,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, tokens: torch.Tensor, cache: KVCacheProtocol | None = None,
-                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """``cache``: any :class:`prunus.models.kv_cache.KVCacheProtocol`. ``positions`` (seq,) or
         (batch, seq): each token's absolute position, for sequences that are not one contiguous run
         from the cache's ``seq_len`` (context-parallel chunks, ragged batches in serving). Without it,
@@ -283,7 +284,10 @@ class Transformer(nn.Module):
 
         ``doc_ids`` (batch, seq), without a cache: packed documents. A token attends only to earlier
         tokens with the same id (a block-diagonal causal mask), so no document sees another; give
-        ``positions`` restarting at 0 for each document and every document scores as it would alone."""
+        ``positions`` restarting at 0 for each document and every document scores as it would alone.
+
+        ``logits_at`` (batch,): the one position of each row whose logits are wanted (a prefill's last
+        prompt token); the final norm and the output head run on those positions only, (batch, 1, vocab)."""
         mask = None
         if doc_ids is not None:
             if cache is not None:
@@ -311,6 +315,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, cache) if mask is None else layer(h, cos, sin, cache, mask=mask)
         if cache is not None:
             cache.advance(h.shape[1])
+        if logits_at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at.to(h.device)].unsqueeze(1)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

@@ -7,6 +7,13 @@ Every backend answers the same two calls, which is all the scheduler needs:
   last token, (batch, vocab) float32 on the CPU;
 * ``decode(rows, tokens)`` appends one token per row and returns the next logits.
 
+This one also answers ``extend(rows, pieces)``: append each row's piece of its prompt after
+what the row holds. A prompt longer than ``prefill_chunk`` tokens is prefilled in chunks of
+that many through the cache, so a pass's activations are bounded by the chunk and not by
+the prompt, and the scheduler can run other rows' decode steps between a long prompt's
+chunks. Only each row's last position goes through the output head (the rest of a prompt
+needs no logits): on SmolLM2-135M the head is a fifth of a prefill's matmul work.
+
 Under tensor parallelism each worker runs this same backend over its shard.
 """
 
@@ -14,15 +21,23 @@ from __future__ import annotations
 
 import torch
 
+from prunus.artifacts.errors import PrunusError
+
 from .batch_cache import BatchKVCache
+
+PREFILL_CHUNK = 256  # tokens per row per prefill pass; see prunus.serve.engine.Engine.load
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model, n_slots: int, max_len: int, compile: bool = False):
+    def __init__(self, model, n_slots: int, max_len: int, compile: bool = False, prefill_chunk: int | None = PREFILL_CHUNK):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
         self.model = model
         self.n_slots, self.max_len = n_slots, max_len
+        self.prefill_chunk = prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.device = getattr(model, "input_device", None) or model.tok_embeddings.weight.device  # a device map's
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
@@ -39,17 +54,48 @@ class TorchBackend:
             compiled.warm_up(set_threads)
             self.compiled = compiled
 
-    @torch.inference_mode()
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Start each row afresh with its prompt, in chunks of ``prefill_chunk`` tokens."""
+        self.cache.lengths[torch.tensor(rows, dtype=torch.long)] = 0
         lengths = [len(p) for p in prompts]
+        chunk = self.prefill_chunk or max(lengths)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for start in range(0, max(lengths), chunk):
+            live = [i for i, n in enumerate(lengths) if n > start]
+            logits = self.extend([rows[i] for i in live], [prompts[i][start:start + chunk] for i in live])
+            for j, i in enumerate(live):
+                if lengths[i] <= start + chunk:  # this chunk holds the row's last prompt token
+                    out[i] = logits[j]
+        return torch.stack(out)
+
+    def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
+        """Append each row's piece (token ids, any lengths) after what the row holds; the logits of
+        each piece's last token, (batch, vocab) float32 on the CPU.
+
+        Rows holding the same number of tokens go through one pass: their new queries start at one
+        position, so the model's causal layout is exact without a mask, and no padded query can
+        reach past the cache (the longest piece of the pass ends inside it).
+        """
+        held = self.cache.lengths[torch.tensor(rows, dtype=torch.long)].tolist()
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for start in sorted(set(held)):
+            group = [i for i, h in enumerate(held) if h == start]
+            logits = self._pass([rows[i] for i in group], [pieces[i] for i in group])
+            for j, i in enumerate(group):
+                out[i] = logits[j]
+        return torch.stack(out)
+
+    @torch.inference_mode()
+    def _pass(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
+        lengths = [len(p) for p in pieces]
         width = max(lengths)
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
+        tokens = torch.zeros(len(pieces), width, dtype=torch.long)
+        for i, p in enumerate(pieces):
             tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        step = self.cache.step(rows, new_lengths=lengths, q_len=width)
-        logits = self.model(tokens.to(self.device), cache=step, positions=step.positions)
+        step = self.cache.step(rows, q_len=width, n_new=lengths)
         last = torch.tensor(lengths, device=self.device) - 1
-        return logits[torch.arange(len(prompts), device=self.device), last].float().cpu()
+        logits = self.model(tokens.to(self.device), cache=step, positions=step.positions, logits_at=last)
+        return logits[:, 0].float().cpu()
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:

@@ -43,19 +43,24 @@ class BatchKVCache:
         return cls(model.layers.keys(), n_slots, n_kv_heads, cfg.head_dim, max_len or cfg.max_seq_len,
                    dtype=param.dtype, device=param.device)
 
-    def step(self, rows: list[int], new_lengths: list[int] | None = None, q_len: int = 1) -> "CacheStep":
+    def step(self, rows: list[int], new_lengths: list[int] | None = None, q_len: int = 1,
+             n_new: list[int] | None = None) -> "CacheStep":
         """The cache for one forward pass over ``rows`` with ``q_len`` new tokens per row.
 
         ``new_lengths`` (prefill) starts each row afresh: the row's length becomes its
         prompt length (the rest of the padded ``q_len`` is never seen). Without it every
-        row appends ``q_len`` tokens after what it holds.
+        row appends after what it holds: ``q_len`` tokens, or ``n_new[i]`` of the padded
+        ``q_len`` (a chunk of a prompt whose earlier chunks are cached).
         """
         rows_t = torch.tensor(rows, dtype=torch.long)
         start = torch.zeros(len(rows), dtype=torch.long) if new_lengths is not None else self.lengths[rows_t].clone()
         if int(start.max()) + q_len > self.max_len:
             raise PrunusError(f"KV cache: {int(start.max()) + q_len} tokens exceed its capacity of {self.max_len}; "
                               "shorten the prompt or the output")
-        end = torch.tensor(new_lengths, dtype=torch.long) if new_lengths is not None else start + q_len
+        if new_lengths is not None:
+            end = torch.tensor(new_lengths, dtype=torch.long)
+        else:
+            end = start + (torch.tensor(n_new, dtype=torch.long) if n_new is not None else q_len)
         return CacheStep(self, rows_t, start, q_len, end)
 
 
@@ -73,7 +78,7 @@ class CacheStep:
     def __init__(self, cache: BatchKVCache, rows: torch.Tensor, start: torch.Tensor, q_len: int, end: torch.Tensor):
         self.cache, self.q_len, self.end = cache, q_len, end
         device = cache.device
-        self.rows_cpu = rows
+        self.rows_cpu, self.start_cpu = rows, start
         n = len(rows)
         # one contiguous run of rows is a view of the cache; any other set is gathered
         first = int(rows[0])
@@ -96,10 +101,10 @@ class CacheStep:
         rows, positions = self.rows, self.positions
         if ck.device != rows.device:  # a device map: this block's cache lives on its block's device
             rows, positions = rows.to(ck.device), positions.to(ck.device)
-        if self.contiguous and self.q_len == 1 and self.uniform:
-            s = int(self.start[0])
-            ck[self.row_slice, :, s:s + 1] = k
-            cv[self.row_slice, :, s:s + 1] = v
+        if self.contiguous and self.uniform:  # one block of the cache: a plain slice write
+            s = int(self.start_cpu[0])
+            ck[self.row_slice, :, s:s + self.q_len] = k
+            cv[self.row_slice, :, s:s + self.q_len] = v
         else:
             # advanced indices (batch, 1) and (batch, q_len) around a slice: the indexed dims come first
             ck[rows[:, None], :, positions] = k.transpose(1, 2)
