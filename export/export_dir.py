@@ -1,8 +1,10 @@
 """``export_model``: a model dir -> an export dir (ONNX Runtime or TensorRT), checked for parity.
 
-The export dir holds ``config.json`` (the model dir's config plus an ``"export"`` key),
-the tokenizer files, ``prefill.onnx`` / ``decode.onnx`` (+ ``.data`` files for large
-models; ``prefill.plan`` / ``decode.plan`` too for TensorRT), ``parity.json`` and
+The export dir holds ``config.json`` (the model dir's config plus an ``"export"`` key whose
+``graph`` says which graphs follow), the tokenizer files, the graphs (+ ``.data`` files for large
+models): ``model.onnx`` for ``graph`` "genai" (one graph for prefill and decode on ONNX Runtime's
+fused operators, :mod:`prunus.export.genai_graph`), else ``prefill.onnx`` / ``decode.onnx`` from
+``torch.onnx.export`` (``prefill.plan`` / ``decode.plan`` too for TensorRT); ``parity.json`` and
 ``prunus.json`` (manifest: stage "export", parent path and hash, command, file hashes,
 metrics). It is written into a temporary dir and renamed: a failed parity check or any
 error leaves nothing behind.
@@ -33,7 +35,7 @@ from prunus.models.quantized import QuantizedLinear
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
 from .formats import FORMATS, GRAPHS, PRECISIONS
-from .genai_graph import (GENAI_GRAPH, GENAI_OPSET, check_genai_support, genai_dims, quantized_genai_graph,
+from .genai_graph import (GENAI_GRAPH, check_genai_support, genai_dims, quantized_genai_graph,
                           unsupported_features)
 from .genai_session import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
@@ -153,8 +155,6 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
     int4_style = "qdq" if format == "tensorrt" else "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
     graph = _choose_graph(graph, format, model.config, modules, precision)
-    if graph == "genai":
-        opset = GENAI_OPSET
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
     console = Console(stderr=True, quiet=not progress)
@@ -169,7 +169,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
             graphs = {}
             if graph == "genai":
                 status.update(f"export: genai graph (GroupQueryAttention, shared KV buffer, {precision})")
-                graphs["model"] = quantized_genai_graph(model, modules, precision, tmp, external, style, int4_style)
+                graphs["model"] = quantized_genai_graph(model, modules, precision, tmp, external, style, int4_style,
+                                                        opset)
             for kind, fn in (("prefill", export_prefill), ("decode", export_decode)) if graph == "torch" else ():
                 status.update(f"export: {kind} graph (torch.onnx.export, opset {opset})")
                 proto = fn(plain, opset)

@@ -29,7 +29,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-import torch
 from onnx import TensorProto, helper
 
 from prunus.artifacts.errors import PrunusError
@@ -38,7 +37,7 @@ from prunus.models.rope import rope_tables
 from .genai_layers import LAST_TOKEN_NODE, MS_DOMAIN, GraphWriter
 
 GENAI_GRAPH = "model.onnx"
-GENAI_OPSET = 21  # DequantizeLinear with block_size (stored per-group int8) needs 21
+GENAI_OPSET = 23  # as the torch graphs for ONNX Runtime; 21 is the least (blocked DequantizeLinear of stored int8)
 GENAI_IR_VERSION = 10
 
 
@@ -81,7 +80,8 @@ def _io(cfg, n_layers: int, logits_shape: list) -> tuple[list, list]:
     return inputs, outputs
 
 
-def build_genai_graph(model, packed_qkv: bool = True, packed_gate_up: bool = False) -> onnx.ModelProto:
+def build_genai_graph(model, packed_qkv: bool = True, packed_gate_up: bool = False,
+                      opset: int = GENAI_OPSET) -> onnx.ModelProto:
     """The genai graph of a plain (float) prunus ``Transformer``; layer indices renumbered 0..n-1."""
     cfg = model.config
     check_genai_support(cfg)
@@ -105,11 +105,11 @@ def build_genai_graph(model, packed_qkv: bool = True, packed_gate_up: bool = Fal
         (head,) = w.node("Transpose", [emb], name="output/Transpose", perm=[1, 0])
         w.node("MatMul", [y, head], name="output/MatMul", outputs=["logits"])
     else:
-        (logits,) = w.node("MatMul", [y, w.init("output.weight", model.output.weight.detach().float().t())],
+        w.node("MatMul", [y, w.init("output.weight", model.output.weight.detach().float().t())],
                            name="output/MatMul", outputs=["logits"])
     inputs, outputs = _io(cfg, len(layers), ["batch", cfg.vocab_size])
     graph = helper.make_graph(w.nodes, "prunus-genai", inputs, outputs, w.inits)
-    opsets = [helper.make_opsetid("", GENAI_OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=GENAI_IR_VERSION, producer_name="prunus")
 
 
@@ -146,7 +146,7 @@ def save_genai_graph(model: onnx.ModelProto, path: Path, external_data: bool) ->
 
 
 def quantized_genai_graph(model, modules: dict, precision: str, tmp: Path, external: bool, style: str,
-                          int4_style: str, packed_qkv: bool = True) -> Path:
+                          int4_style: str, opset: int = GENAI_OPSET, packed_qkv: bool = True) -> Path:
     """Write the genai graph of ``model`` at ``precision`` to ``tmp / GENAI_GRAPH``; returns the path.
 
     * stored weights (``modules``: a compressed dir's QuantizedLinear / Int4Linear): the graph is built from
@@ -160,17 +160,17 @@ def quantized_genai_graph(model, modules: dict, precision: str, tmp: Path, exter
 
     path = tmp / GENAI_GRAPH
     if modules:
-        proto = build_genai_graph(dequantized_copy(model, modules), packed_qkv=False)
+        proto = build_genai_graph(dequantized_copy(model, modules), packed_qkv=False, opset=opset)
         apply_stored_quantization(proto, modules, style, int4_style)
         save_genai_graph(proto, path, external)
     elif precision in ("int8", "int4"):
         fp32 = tmp / f".{GENAI_GRAPH}.fp32.onnx"
-        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv), fp32, external)
+        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv, opset=opset), fp32, external)
         quantize_fp32_graph(fp32, path, external, bits=4 if precision == "int4" else 8)
         for f in tmp.glob(f".{GENAI_GRAPH}.fp32.onnx*"):
             f.unlink()
     else:
-        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv), path, external)
+        save_genai_graph(build_genai_graph(model, packed_qkv=packed_qkv, opset=opset), path, external)
     return path
 
 
@@ -180,10 +180,3 @@ def genai_dims(model) -> dict:
     return {"n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size}
 
-
-def rope_table_len(model) -> int:
-    return int(model.config.max_seq_len)
-
-
-__all__ = ["GENAI_GRAPH", "build_genai_graph", "check_genai_support", "unsupported_features", "all_positions_graph",
-           "quantized_genai_graph", "save_genai_graph", "genai_dims"]

@@ -34,7 +34,7 @@ def run(*args):
 def fp32_export(trained_run, tmp_path_factory):
     """The tiny trained model exported once at fp32, weights in external data files (read-only for tests)."""
     out = tmp_path_factory.mktemp("export") / "fp32"
-    export_model(trained_run / "model", out, progress=False, external_data=True)
+    export_model(trained_run / "model", out, progress=False, external_data=True, graph="torch")
     return out
 
 
@@ -129,7 +129,7 @@ def test_greedy_64_tokens_identical_to_torch(ort_graphs, torch_model):
 
 def test_int8_export_quantizes_every_matmul(trained_run, tmp_path):
     out = tmp_path / "int8"
-    result = run("export", trained_run / "model", "--out", out, "--precision", "int8", "--no-verify")
+    result = run("export", trained_run / "model", "--out", out, "--precision", "int8", "--no-verify", "--graph", "torch")
     assert result.exit_code == 0, result.output
     parity = json.loads((out / "parity.json").read_text())
     assert PARITY_FIELDS <= set(parity) and parity["precision"] == "int8"

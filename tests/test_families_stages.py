@@ -389,7 +389,8 @@ def test_int8_export_of_a_model_with_biases(tmp_path):
     model = quantize_pass(family_model("qwen2"), None, scheme="int8-weight-only")
     assert model.layers["0"].attention.wq.bias is not None
     path = save_model(model, tmp_path / "int8", stage="test")
-    result = export_model(path, tmp_path / "onnx", progress=False, eval_tokens=512, int8_style="qdq", verify=False)
+    result = export_model(path, tmp_path / "onnx", progress=False, eval_tokens=512, int8_style="qdq", verify=False,
+                           graph="torch")
     assert result.parity["precision"] == "int8" and result.parity["top1_agreement"] >= 0.9, result.parity
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

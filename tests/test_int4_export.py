@@ -83,7 +83,7 @@ def int4_model_dir(trained_run, tmp_path_factory):
 
 def test_int4_model_dir_exports_with_parity(int4_model_dir, tmp_path):
     out = tmp_path / "int4"
-    result = export_model(int4_model_dir, out, progress=False)
+    result = export_model(int4_model_dir, out, progress=False, graph="torch")
     assert result.parity["passed"] and result.parity["precision"] == "int4" and result.config["export"]["precision"] == "int4"
     graph = onnx.load(str(out / EXPORT_GRAPHS["decode"])).graph
     ops = [n.op_type for n in graph.node]
@@ -99,7 +99,7 @@ def test_int4_model_dir_exports_with_parity(int4_model_dir, tmp_path):
 
 def test_precision_int4_quantizes_a_float_model(trained_run, tmp_path):
     out = tmp_path / "q4"
-    export_model(trained_run / "model", out, precision="int4", verify=False, progress=False)
+    export_model(trained_run / "model", out, precision="int4", verify=False, progress=False, graph="torch")
     parity = json.loads((out / "parity.json").read_text())
     assert parity["precision"] == "int4" and parity["top1_agreement"] > 0.5
     graph = onnx.load(str(out / "decode.onnx")).graph

@@ -347,7 +347,7 @@ def test_per_group_scales_that_a_rank_would_split_are_refused():
 def onnx_export(trained_run, tmp_path_factory):
     export = pytest.importorskip("prunus.export")
     out = tmp_path_factory.mktemp("serve") / "onnx"
-    export.export_model(trained_run / "model", out, progress=False, eval_tokens=512)
+    export.export_model(trained_run / "model", out, progress=False, eval_tokens=512, graph="torch")  # the two-graph backend
     return out
 
 

@@ -1,0 +1,179 @@
+"""The genai graph (GroupQueryAttention over a shared KV buffer) against the PyTorch model: greedy tokens,
+ragged prompts, continuous batching, the buffer never read past a row's length, quantized graphs, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from prunus.artifacts.errors import PrunusError
+from prunus.compress.quantize import quantize_pass
+from prunus.export import export_model, load_export
+from prunus.export.export_dir import _choose_graph
+from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
+from prunus.export.genai_session import GenaiSession
+from prunus.models import generate, load_model, save_model
+from prunus.models.config import ModelConfig
+from prunus.models.llama import Transformer
+from prunus.serve import Engine
+from prunus.serve.backend_ort_genai import GenaiBackend
+
+BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=128)
+VARIANTS = {
+    "tied": dict(tie_embeddings=True),
+    "untied-bias-scale": dict(attn_qkv_bias=True, attn_out_bias=True, query_pre_attn_scalar=24.0, rope_theta=5e5),
+    "llama3-rope": dict(rope_type="llama3", rope_factor=4.0, rope_original_max_len=16, tie_embeddings=True),
+    "yarn-rope": dict(rope_type="yarn", rope_factor=2.0, rope_original_max_len=32, n_kv_heads=4),
+}
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40], [3, 1, 4, 1, 5, 9]]
+
+
+def _model(**changes) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**BASE, **changes}))
+    model.init_weights(std=0.2)  # large weights: logits far apart, so greedy ties do not decide anything
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def _session(model, tmp_path, n_slots: int, max_len: int = 48) -> GenaiSession:
+    path = tmp_path / GENAI_GRAPH
+    save_genai_graph(build_genai_graph(model), path, external_data=False)
+    cfg = model.config
+    return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=1)
+
+
+def _want(model, prompt: list[int], n: int) -> list[int]:
+    return generate(model, torch.tensor([prompt]), n)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp32_greedy_equals_torch_for_prompts_of_different_lengths(tmp_path, variant):
+    model = _model(**VARIANTS[variant])
+    backend = GenaiBackend(_session(model, tmp_path, n_slots=len(PROMPTS)), len(PROMPTS), 48)
+    rows = [2, 0, 3, 1]  # arbitrary scheduler rows
+    logits = backend.prefill(rows, PROMPTS)
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p]))[0, -1] for p in PROMPTS])
+    assert (logits - ref).abs().max() < 1e-4
+    got = [[t] for t in logits.argmax(-1).tolist()]
+    for _ in range(11):
+        logits = backend.decode(rows, [g[-1] for g in got])
+        for g, t in zip(got, logits.argmax(-1).tolist()):
+            g.append(t)
+    assert got == [_want(model, p, 12) for p in PROMPTS]
+
+
+def test_the_buffer_is_never_read_beyond_a_rows_length(tmp_path):
+    model = _model(tie_embeddings=True)
+
+    def run(poison: float | None) -> list[np.ndarray]:
+        sess = _session(model, tmp_path, n_slots=3, max_len=32)
+        lengths = np.array([len(p) for p in PROMPTS[:3]])
+        out = [sess.prefill(0, PROMPTS[:3]).copy()]
+        for step in range(4):
+            if poison is not None:  # every position past each row's keys, padding of the prompt pass included
+                for buf in (*sess.k, *sess.v):
+                    for r, n in enumerate(lengths):
+                        buf[r, :, n:] = poison
+            out.append(sess.decode(lengths, out[-1].argmax(-1)).copy())
+            lengths += 1
+        return out
+
+    clean = run(None)
+    for poison in (float("nan"), 1e30):
+        for a, b in zip(clean, run(poison)):
+            assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def genai_export(tmp_path_factory):
+    """A tiny random model's model dir and its fp32 genai export."""
+    root = tmp_path_factory.mktemp("genai")
+    model = _model(tie_embeddings=True)
+    save_model(model, root / "model", stage="train")
+    export_model(root / "model", root / "export", progress=False)
+    return root, model
+
+
+def test_export_dir_records_the_genai_graph_and_engine_picks_it(genai_export):
+    root, model = genai_export
+    config, _ = load_export(root / "export")
+    exp = config["export"]
+    assert exp["graph"] == "genai" and exp["graphs"] == {"model": GENAI_GRAPH}
+    proto = onnx.load(str(root / "export" / GENAI_GRAPH))
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization", "GatherND"} <= ops and "Concat" not in ops
+    with Engine.load(root / "export", max_batch=2, max_len=48, threads=1) as engine:
+        assert isinstance(engine.backend, GenaiBackend)
+        results = engine.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)  # 4 prompts through 2 slots
+    assert [r.token_ids for r in results] == [_want(model, p, 10) for p in PROMPTS]
+
+
+def test_a_request_joins_while_another_decodes(genai_export):
+    root, model = genai_export
+    long, short = PROMPTS[1], PROMPTS[3]
+    with Engine.load(root / "export", max_batch=3, max_len=64, threads=1) as engine:
+        first = engine.stream(long, max_new_tokens=40, ignore_eos=True)
+        seen = [next(first).id for _ in range(5)]  # the long request is decoding
+        joined = engine.submit(short, max_new_tokens=12, ignore_eos=True)
+        seen += [t.id for t in first]
+        second = engine.wait(joined)
+    assert seen == _want(model, long, 40)
+    assert second.token_ids == _want(model, short, 12)
+
+
+def test_rows_leaving_and_joining_keep_every_request_exact(genai_export):
+    """Requests of different lengths through 2 slots: each leave moves the block's last row, each join reuses a slot."""
+    root, model = genai_export
+    lengths = [3, 17, 6, 1, 9]
+    with Engine.load(root / "export", max_batch=2, max_len=64, threads=1) as engine:
+        reqs = [engine.submit(p, max_new_tokens=n, ignore_eos=True)
+                for p, n in zip(PROMPTS + [PROMPTS[0]], lengths)]
+        results = [engine.wait(r) for r in reqs]
+    assert [r.token_ids for r in results] == [_want(model, p, n) for p, n in zip(PROMPTS + [PROMPTS[0]], lengths)]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_graphs_pass_parity_and_quantize_the_head(trained_run, tmp_path, precision):
+    result = export_model(trained_run / "model", tmp_path / precision, precision=precision, progress=False)
+    assert result.config["export"]["graph"] == "genai" and result.parity["passed"]
+    proto = onnx.load(str(tmp_path / precision / GENAI_GRAPH))
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    vocab = result.config["model"]["vocab_size"]
+    attrs = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    assert {a["bits"] for a in attrs} == {4 if precision == "int4" else 8} and any(a["N"] == vocab for a in attrs)
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul"]
+
+
+def test_stored_int4_weights_become_matmulnbits(trained_run, tmp_path):
+    model = load_model(trained_run / "model")
+    quantize_pass(model, None, scheme="int4-weight-only", algorithm="rtn", group_size=32, symmetric=True, exclude=())
+    save_model(model, tmp_path / "int4", stage="compress")
+    result = export_model(tmp_path / "int4", tmp_path / "out", progress=False)
+    assert result.config["export"]["graph"] == "genai" and result.parity["passed"]
+    proto = onnx.load(str(tmp_path / "out" / GENAI_GRAPH))
+    assert len([n for n in proto.graph.node if n.op_type == "MatMulNBits"]) == 15
+
+
+def test_an_unsupported_config_is_one_line_and_the_default_falls_back(tmp_path):
+    model = _model(qk_norm=True, sliding_window=8)
+    save_model(model, tmp_path / "qk", stage="train")
+    with pytest.raises(PrunusError) as e:
+        export_model(tmp_path / "qk", tmp_path / "genai", graph="genai", progress=False)
+    assert "q/k norms, sliding-window attention" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "genai").exists()
+    with pytest.raises(PrunusError, match="build_genai_graph|q/k norms"):
+        build_genai_graph(model)
+    # the default picks the torch graphs for it (their export and serving are tested in test_export / test_serve)
+    assert _choose_graph(None, "onnx", model.config, {}, "fp32") == "torch"
+    assert _choose_graph(None, "onnx", _model().config, {}, "fp32") == "genai"
+    assert _choose_graph(None, "onnx", _model().config, {}, "fp16") == "torch"
+    assert _choose_graph(None, "tensorrt", _model().config, {}, "fp32") == "torch"
