@@ -14,7 +14,9 @@ Two sources of quantized weights:
   (``int4_style="matmulnbits"``: bits 4, block = the group size, accuracy level 4) holding the module's
   own packed bytes, scales and zero points (:func:`_matmul_nbits`), or, for TensorRT
   (``int4_style="qdq"``), a blocked INT4 ``DequantizeLinear`` feeding a ``MatMul``
-  (:mod:`prunus.export.int4_qdq`): the same integers either way, no re-quantization.
+  (:mod:`prunus.export.int4_qdq`): the same integers either way, no re-quantization. The int8-weight-only
+  modules of such a model (a quantized output head, mixed-precision blocks) become ``MatMulNBits`` with bits 8
+  on their own int8 values (:func:`_matmul_nbits8`), ONNX Runtime's weight-only kernel for them.
 * an fp32 graph (``--precision int8`` / ``int4``): ONNX Runtime's ``MatMulNBitsQuantizer`` (8-bit
   or 4-bit symmetric weights in blocks of 32, ``MatMulNBits`` nodes), after :func:`untie_weights`
   gives a tied output head its own initializer (a weight reached through a Transpose of
@@ -172,6 +174,38 @@ def _matmul_nbits(a: str, outputs: list[str], prefix: str, module) -> tuple[list
     return [node], inits
 
 
+def nbits8_block(module) -> int | None:
+    """The MatMulNBits block size that holds an int8-weight-only module's scales exactly, or None when none does.
+
+    Per channel: the largest power of two from 16 to 256 dividing in_features (every block of a row repeats
+    the row's scale); per group: the group size itself when it is such a power of two."""
+    if module.scheme != "int8-weight-only":
+        return None
+    k = module.in_features
+    if module.granularity == "per_channel":
+        return next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
+    if module.granularity == "per_group" and module.group_size in (16, 32, 64, 128, 256):
+        return int(module.group_size)
+    return None
+
+
+def _matmul_nbits8(a: str, outputs: list[str], prefix: str, module) -> tuple[list, list]:
+    """``MatMulNBits`` (bits 8, accuracy level 4) of activation ``a`` with an int8-weight-only module's stored
+    weight: the int8 values q in [-127, 127] stored as q + 128 (MatMulNBits's default 8-bit zero point is 128,
+    so no zero points are written), B viewed as (out, n_blocks, block), and the module's scales repeated over
+    the blocks of a row (per channel) or as they are (per group). The integers are the stored ones: ONNX
+    Runtime computes (q + 128 - 128) * scale, what the module computes. Used for the int8 layers of an int4
+    model (a quantized output head, mixed-precision blocks): as DequantizeLinear -> MatMul they ran in float."""
+    n, k, block = module.out_features, module.in_features, nbits8_block(module)
+    q = (module.weight.to(torch.int16) + 128).to(torch.uint8).reshape(n, k // block, block)
+    scale = module.weight_scale.float()
+    scale = scale.expand(n, k // block) if scale.shape[1] == 1 else scale
+    inits = [_tensor(f"{prefix}.weight_q8", q), _tensor(f"{prefix}.weight_scale", scale.reshape(-1).contiguous())]
+    node = helper.make_node("MatMulNBits", [a, *(i.name for i in inits)], outputs, domain=MS_DOMAIN,
+                            name=f"{prefix}.matmul", K=k, N=n, bits=8, block_size=block, accuracy_level=4)
+    return [node], inits
+
+
 def required_opset(modules: dict) -> int:
     """The lowest opset the stored quantization needs: 21 for per-block scales, 19 for float8."""
     if any(m.granularity == "per_group" for m in modules.values()):
@@ -195,6 +229,9 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         raise PrunusError(f"int4 style {int4_style!r}: choose one of {', '.join(INT4_STYLES)}")
     untie_weights(model)
     g = model.graph
+    # the int8 layers of an int4 model (its output head, int8 blocks) go to MatMulNBits too: ONNX Runtime's
+    # weight-only kernels; elsewhere int8 keeps ``style``
+    nbits8 = int4_style == "matmulnbits" and any(m.scheme == "int4-weight-only" for m in modules.values())
     by_key: dict[str, list[str]] = {}
     for name, m in modules.items():
         by_key.setdefault(_weight_key(m.dequantize().t().numpy()), []).append(name)
@@ -215,6 +252,11 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
             nodes, inits4 = write(node.input[0], list(node.output), prefix, m)
             new_nodes += nodes
             new_inits += inits4
+            continue
+        if nbits8 and nbits8_block(m) is not None:
+            nodes, inits8 = _matmul_nbits8(node.input[0], list(node.output), prefix, m)
+            new_nodes += nodes
+            new_inits += inits8
             continue
         if style == "integer" and not m.scheme.startswith("fp8") and m.granularity != "per_group" \
                 and m.scheme != "w8a8-static":

@@ -87,7 +87,9 @@ def test_int4_model_dir_exports_with_parity(int4_model_dir, tmp_path):
     assert result.parity["passed"] and result.parity["precision"] == "int4" and result.config["export"]["precision"] == "int4"
     graph = onnx.load(str(out / EXPORT_GRAPHS["decode"])).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("MatMulNBits") == 7 and ops.count("DequantizeLinear") == 7  # int4 block 0, int8 block 1
+    nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in graph.node if n.op_type == "MatMulNBits"]
+    # int4 block 0, int8 block 1: every Linear a MatMulNBits (bits 8 for the int8 ones), no float weight left
+    assert sorted(a["bits"] for a in nbits) == [4] * 7 + [8] * 7 and "DequantizeLinear" not in ops
     model = load_model(int4_model_dir)
     tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -95,6 +97,38 @@ def test_int4_model_dir_exports_with_parity(int4_model_dir, tmp_path):
     got = OrtGraphs(out / "prefill.onnx", out / "decode.onnx", len(model.layers))(tokens)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_quantized_output_head_exports_as_matmulnbits_holding_its_stored_integers(trained_run, head):
+    """An int4 model with its output head quantized (untied from the embedding, which stays a float Gather):
+    the head is a MatMulNBits of bits 8 (the int8 values + 128, per-channel scales repeated over the blocks) or
+    4, and at accuracy level 0 (float compute) the graph computes what the PyTorch model does."""
+    model = load_model(trained_run / "model")
+    int8 = ["output"] if head == "int8" else []
+    quantize_pass(model, None, scheme="int4-weight-only", group_size=32, symmetric=False, exclude=(), int8=int8)
+    assert not model.config.tie_embeddings and model.tok_embeddings.weight.is_floating_point()
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    proto = export_prefill(dequantized_copy(model), opset=21)
+    assert apply_stored_quantization(proto, modules) == len(modules) == 15
+    nodes = {n.name: n for n in proto.graph.node if n.op_type == "MatMulNBits"}
+    attrs = {a.name: helper.get_attribute_value(a) for a in nodes["output.matmul"].attribute}
+    vocab, dim = model.output.out_features, model.output.in_features
+    assert (attrs["N"], attrs["K"], attrs["bits"]) == (vocab, dim, 8 if head == "int8" else 4)
+    assert "Gather" in [n.op_type for n in proto.graph.node]  # the embedding: a float table
+    if head == "int8":
+        inits = {i.name: i for i in proto.graph.initializer}
+        b = numpy_helper.to_array(inits["output.weight_q8"])
+        assert b.shape == (vocab, dim // attrs["block_size"], attrs["block_size"])
+        assert np.array_equal(b.reshape(vocab, dim).astype(np.int16) - 128, model.output.weight.numpy())
+        assert len(proto.graph.input) == 3 and not any(n.endswith("zero_point") for n in inits if n.startswith("output"))
+    tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(tokens).numpy()
+    for node in nodes.values():
+        next(a for a in node.attribute if a.name == "accuracy_level").i = 0
+    exact = _session(proto).run(["logits"], _feeds(tokens))[0]
+    assert np.abs(exact - ref).max() < 1e-4 * np.abs(ref).max() + 1e-5
 
 
 def test_precision_int4_quantizes_a_float_model(trained_run, tmp_path):
