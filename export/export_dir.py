@@ -155,6 +155,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
     int4_style = "qdq" if format == "tensorrt" else "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
     graph = _choose_graph(graph, format, model.config, modules, precision)
+    if graph == "genai" and int8_style is None:
+        style = "matmulnbits"  # stored int8-weight-only integers as MatMulNBits (bits 8), ONNX Runtime's weight-only kernel
     tokenizer = load_model_tokenizer(model_dir)
     cfg = model.config
     console = Console(stderr=True, quiet=not progress)

@@ -39,7 +39,7 @@ from .int4_qdq import int4_qdq_nodes
 from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 
 MS_DOMAIN = "com.microsoft"
-INT8_STYLES = ("integer", "qdq")
+INT8_STYLES = ("integer", "qdq", "matmulnbits")  # matmulnbits: int8-weight-only modules as MatMulNBits bits 8, else qdq
 INT4_STYLES = ("matmulnbits", "qdq")
 
 
@@ -231,7 +231,8 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
     g = model.graph
     # the int8 layers of an int4 model (its output head, int8 blocks) go to MatMulNBits too: ONNX Runtime's
     # weight-only kernels; elsewhere int8 keeps ``style``
-    nbits8 = int4_style == "matmulnbits" and any(m.scheme == "int4-weight-only" for m in modules.values())
+    nbits8 = style == "matmulnbits" or (
+        int4_style == "matmulnbits" and any(m.scheme == "int4-weight-only" for m in modules.values()))
     by_key: dict[str, list[str]] = {}
     for name, m in modules.items():
         by_key.setdefault(_weight_key(m.dequantize().t().numpy()), []).append(name)

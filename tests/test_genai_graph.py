@@ -153,14 +153,18 @@ def test_quantized_graphs_pass_parity_and_quantize_the_head(trained_run, tmp_pat
     assert not [n for n in proto.graph.node if n.op_type == "MatMul"]
 
 
-def test_stored_int4_weights_become_matmulnbits(trained_run, tmp_path):
+@pytest.mark.parametrize("scheme,bits", [("int4-weight-only", 4), ("int8-weight-only", 8)])
+def test_stored_weights_become_matmulnbits(trained_run, tmp_path, scheme, bits):
     model = load_model(trained_run / "model")
-    quantize_pass(model, None, scheme="int4-weight-only", algorithm="rtn", group_size=32, symmetric=True, exclude=())
-    save_model(model, tmp_path / "int4", stage="compress")
-    result = export_model(tmp_path / "int4", tmp_path / "out", progress=False)
+    extra = dict(algorithm="rtn", group_size=32) if bits == 4 else {}
+    quantize_pass(model, None, scheme=scheme, exclude=(), **extra)
+    save_model(model, tmp_path / "q", stage="compress")
+    result = export_model(tmp_path / "q", tmp_path / "out", progress=False)
     assert result.config["export"]["graph"] == "genai" and result.parity["passed"]
     proto = onnx.load(str(tmp_path / "out" / GENAI_GRAPH))
-    assert len([n for n in proto.graph.node if n.op_type == "MatMulNBits"]) == 15
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 15 and {helper.get_attribute_value(a) for n in nbits for a in n.attribute
+                                 if a.name == "bits"} == {bits}
 
 
 def test_an_unsupported_config_is_one_line_and_the_default_falls_back(tmp_path):
