@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -237,6 +238,10 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
     t0 = time.perf_counter()
     info = peer.info()
     print(f"   llama-cpp-python {info['version']}: {info['system'].strip()}")
+    load, cores = os.getloadavg()[0], os.cpu_count()
+    if load > 0.5:
+        print(f"   WARNING: load average {load:.1f} on {cores} cores before the run: llama.cpp's thread pool spins, so "
+              "with other work on the cores its figures (above 1 thread most of all) are not fit to publish")
     short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer, min(LONG, max_seq_len - 2))
     max_len = min(max_seq_len, max(len(long) + 1, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8)
     for precision, path in ggufs.items():
