@@ -486,7 +486,8 @@ def main() -> None:
                          "or int4 (repeatable)")
     ap.add_argument("--sweep-threads", type=int, default=None,
                     help="with --peer llamacpp: threads of the batch 1-8 sweep (default the largest of --threads)")
-    ap.add_argument("--sweep-rounds", type=int, default=2, help="with --peer llamacpp: rounds of the batch sweep")
+    ap.add_argument("--sweep-rounds", type=int, default=1,
+                    help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores)")
     ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")
     args = ap.parse_args()
     figures = []
