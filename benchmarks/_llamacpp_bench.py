@@ -137,6 +137,22 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
             f"{len(a[0])} tokens (min {min(prefix)})")
 
 
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """How many cores other processes kept busy over ``seconds`` while this one slept (from /proc/stat; None
+    where there is none)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all jiffies, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (1 - (idle1 - idle0) / max(1, total1 - total0)) * (os.cpu_count() or 1)
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -238,10 +254,10 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
     t0 = time.perf_counter()
     info = peer.info()
     print(f"   llama-cpp-python {info['version']}: {info['system'].strip()}")
-    load, cores = os.getloadavg()[0], os.cpu_count()
-    if load > 0.5:
-        print(f"   WARNING: load average {load:.1f} on {cores} cores before the run: llama.cpp's thread pool spins, so "
-              "with other work on the cores its figures (above 1 thread most of all) are not fit to publish")
+    busy = busy_cores()
+    if busy is not None and busy > 0.3:
+        print(f"   WARNING: other processes kept {busy:.1f} of {os.cpu_count()} cores busy just now: llama.cpp's thread "
+              "pool spins, so with other work on the cores its figures (above 1 thread most of all) are not fit to publish")
     short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer, min(LONG, max_seq_len - 2))
     max_len = min(max_seq_len, max(len(long) + 1, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8)
     for precision, path in ggufs.items():
