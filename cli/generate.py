@@ -11,7 +11,7 @@ import click
 
 from prunus.artifacts.errors import PrunusError
 
-from .options import backend_option, device_option, resolve_device
+from .options import backend_option, compile_option, device_option, prefill_chunk_option, resolve_device
 
 
 def check_sampling(**params) -> None:
@@ -40,14 +40,19 @@ def check_sampling(**params) -> None:
 @backend_option
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel worker processes (torch backend).")
 @device_option
-def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device):
+@compile_option
+@prefill_chunk_option
+def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device,
+            compile_, prefill_chunk):
     """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if system is not None and not chat:
         raise PrunusError("--system applies to --chat; add --chat or drop --system")
     from prunus.serve import Engine
 
-    with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device)) as engine:
+    with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device),
+                     compile="auto" if compile_ is None else compile_,
+                     prefill_chunk=prefill_chunk or None) as engine:
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system is not None else []) + [

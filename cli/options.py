@@ -23,3 +23,13 @@ def resolve_device(name: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+# the torch backend's Engine.load(compile=..., prefill_chunk=...): neither flag means compile="auto"
+compile_option = click.option(
+    "--compile/--no-compile", "compile_", default=None,
+    help="Decode through torch.compile (torch backend, tp=1), or not. Default: auto, by the model's size "
+         "(prunus.serve.compiled_decode.choose_compile); eager with a warning where torch.compile cannot run.")
+prefill_chunk_option = click.option(
+    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,
+    help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "
+         "between other requests' decode steps. 0: whole prompts.")

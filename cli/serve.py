@@ -6,7 +6,7 @@ import signal
 
 import click
 
-from .options import backend_option, device_option, resolve_device
+from .options import backend_option, compile_option, device_option, prefill_chunk_option, resolve_device
 
 
 def _interrupt(signum, frame):
@@ -38,13 +38,14 @@ def _device_map(value: str | None):
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Waiting requests before answering 429; also sizes the listen backlog and the connection cap.")
 @click.option("--max-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (prompt + output). Default: the model's.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Decode through torch.compile (torch backend, tp=1): faster steps, 10-25 s per batch bucket at start.")
+@compile_option
+@prefill_chunk_option
 @click.option("--device-map", default=None,
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
 @click.option("--max-memory", default=None, help="Budgets for --device-map auto, e.g. 0=10GiB,cpu=30GiB,disk=100GiB.")
-def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, device_map, max_memory):
+def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
+            max_memory):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
@@ -52,7 +53,8 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
     signal.signal(signal.SIGTERM, _interrupt)
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
-                     max_queue=max_queue, compile=compile_, device_map=_device_map(device_map),
+                     max_queue=max_queue, compile="auto" if compile_ is None else compile_,
+                     prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
                      max_memory=max_memory) as engine:
         server = CompletionServer(engine, host, port)
         info = engine.info

@@ -19,6 +19,8 @@ Under tensor parallelism each worker runs this same backend over its shard.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from prunus.artifacts.errors import PrunusError
@@ -46,12 +48,20 @@ class TorchBackend:
         self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
 
     def warm_up(self, set_threads=None) -> None:
-        """With ``compile``, compile the decode graphs now (prunus.serve.compiled_decode)."""
+        """With ``compile``, compile the decode graphs now (prunus.serve.compiled_decode). A compile that
+        fails (a compiler torch.compile could not run) leaves decoding eager, with a one-line warning."""
         if self.compile and self.compiled is None:
-            from .compiled_decode import CompiledDecode
+            from .compiled_decode import CompiledDecode, CompileUnavailable
 
-            compiled = CompiledDecode(self.model, self.cache)
-            compiled.warm_up(set_threads)
+            try:
+                compiled = CompiledDecode(self.model, self.cache)
+                compiled.warm_up(set_threads)
+            except Exception as e:
+                self.cache.lengths.zero_()
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                warnings.warn(f"torch.compile failed ({type(e).__name__}: {first}); decoding eagerly", CompileUnavailable)
+                self.compile = False
+                return
             self.compiled = compiled
 
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:

@@ -46,26 +46,33 @@ class Engine:
             raise PrunusError(f"the engine could not start: {type(error).__name__}: {error}") from error
         if self.scheduler.threads is not None:
             self.info["threads"] = self.scheduler.threads.describe()
+        if self.info.get("compile"):  # a compile that failed at warm-up left decoding eager
+            self.info["compile"] = getattr(backend, "compiled", None) is not None
         self._closed = False
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
-             dtype: str | None = None, threads: int | None = None, compile: bool = False,
-             device_map=None, max_memory=None) -> "Engine":
+             dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
+             prefill_chunk: int | None = 256, device_map=None, max_memory=None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
         each pass gets 1 or all of them, whichever was faster when timed at load,
         :mod:`prunus.serve.pass_threads`), or ONNX Runtime's intra-op threads. ``compile``: decode steps through ``torch.compile``
-        (:mod:`prunus.serve.compiled_decode`; the torch backend in one process; 10-25 s per
-        batch bucket at load). ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
+        (:mod:`prunus.serve.compiled_decode`, the torch backend in one process): True, False, or "auto",
+        which compiles where torch.compile runs here and its rule (:func:`prunus.serve.compiled_decode.choose_compile`) says it pays;
+        where it cannot run, decoding stays eager with a one-line warning. ``prefill_chunk``: prompt tokens per
+        row per prefill pass of the torch backend (None: whole prompts); a longer prompt goes through the cache
+        in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
         {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`)."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
             raise PrunusError(f"tp={tp!r} must be a positive integer")
-        if compile and (backend != "torch" or tp > 1):
+        if compile not in (True, False, "auto"):
+            raise PrunusError(f"compile={compile!r}: choose True, False or 'auto'")
+        if compile is True and (backend != "torch" or tp > 1):
             raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
         if tp > 1 and backend != "torch":
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
@@ -80,16 +87,16 @@ class Engine:
         if not 1 < max_len <= limit:
             raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
         info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len,
-                "compile": compile}
+                "compile": compile is True}
         if device_map is not None:
-            if backend != "torch" or tp > 1 or compile:
+            if backend != "torch" or tp > 1 or compile is True:
                 raise PrunusError(f"device_map places a model dir's modules for the torch backend in one process, not "
-                                  f"{backend} with tp={tp}{' and compile' if compile else ''}")
+                                  f"{backend} with tp={tp}{' and compile' if compile is True else ''}")
             from .backend_torch import TorchBackend
             from .device_map import load_dispatched, place_cache
 
             model, placed = load_dispatched(path, device_map, max_memory, dtype=DTYPES[dtype] if dtype else None)
-            impl = TorchBackend(model, max_batch, max_len)
+            impl = TorchBackend(model, max_batch, max_len, prefill_chunk=prefill_chunk)
             place_cache(impl.cache, model)
             tokenizer = load_model_tokenizer(path)
             info["device_map"] = {k: str(v) for k, v in placed.items()}
@@ -102,9 +109,11 @@ class Engine:
             tokenizer = load_model_tokenizer(path)
         elif backend == "torch":
             from .backend_torch import TorchBackend
+            from .compiled_decode import choose_compile
 
             model = load_model(path, device=device, dtype=DTYPES[dtype] if dtype else None)
-            impl = TorchBackend(model, max_batch, max_len, compile=compile)
+            info["compile"] = compile = choose_compile(compile, model)
+            impl = TorchBackend(model, max_batch, max_len, compile=compile, prefill_chunk=prefill_chunk)
             tokenizer = load_model_tokenizer(path)
         else:
             tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)

@@ -2,7 +2,11 @@
 
 Each step the scheduler (1) admits waiting requests into free cache rows and runs
 their prefill together in one pass, sampling each one's first token, then (2) runs
-one decode pass over every active row. A request that finishes (its length, end of
+one decode pass over every active row. With a backend that prefills in chunks
+(``extend`` and ``prefill_chunk``, the torch backend) step (1) takes at most one chunk
+of each prompt; a longer prompt's next chunk comes in the next step, after the decode
+pass, so a long prompt delays the running requests' tokens by a chunk's pass per step
+instead of stalling them for its whole prefill. A request that finishes (its length, end of
 text, a stop string) or is cancelled (a client went away) leaves the batch and frees
 its row before the next step, so a new request never waits for a whole batch to end.
 
@@ -40,6 +44,8 @@ class Scheduler:
         self.free = list(range(backend.n_slots))
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
+        self.prefilling: dict[int, Request] = {}  # slot -> request whose prompt is partly in the cache
+        self.prefilled: dict[int, int] = {}  # slot -> prompt tokens the cache holds
         self.tokens_generated = 0
         self.steps = 0
         self._cond = threading.Condition()
@@ -73,10 +79,11 @@ class Scheduler:
         if self._thread is not threading.current_thread():
             self._thread.join()
         closed = PrunusError("the engine was closed before this request finished")
-        for r in list(self.waiting) + list(self.active.values()):
+        for r in list(self.waiting) + list(self.active.values()) + list(self.prefilling.values()):
             r.fail(closed)
         self.waiting.clear()
         self.active.clear()
+        self.prefilling.clear()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -107,7 +114,7 @@ class Scheduler:
         self._choose_threads()
         while True:
             with self._cond:
-                while self._running and not self.waiting and not self.active:
+                while self._running and not self.waiting and not self.active and not self.prefilling:
                     self._cond.wait()
                 if not self._running:
                     return
@@ -121,25 +128,59 @@ class Scheduler:
                     r.slot = self.free.pop(0)
                     joining.append(r)
             try:
-                if joining:
+                if joining or self.prefilling:
                     self._prefill(joining)
                 if self.active:
                     self._decode()
             except Exception as e:  # a failed pass fails the requests in it; the loop serves the next ones
-                for r in joining + list(self.active.values()):
+                for r in joining + list(self.active.values()) + list(self.prefilling.values()):
                     if not r.done:
                         r.fail(e)
                     if r.slot is not None and r.slot not in self.free:
                         self.free.append(r.slot)
                 self.active.clear()
+                self.prefilling.clear()
+                self.prefilled.clear()
+
+    def _chunk(self) -> int | None:
+        """Prompt tokens per row per prefill pass, or None where the backend takes whole prompts only."""
+        return getattr(self.backend, "prefill_chunk", None) if hasattr(self.backend, "extend") else None
 
     def _prefill(self, joining: list[Request]) -> None:
-        self._set_threads(sum(len(r.prompt_ids) for r in joining))
-        logits = self.backend.prefill([r.slot for r in joining], [r.prompt_ids for r in joining])
-        self._sample(joining, logits)
-        for r in joining:
-            self.active[r.slot] = r
-        self._retire(joining)
+        """One chunk of every prompt being prefilled (the whole prompt without chunking): the joining
+        requests' first chunks start their rows, earlier requests' next chunks extend theirs; a request
+        whose prompt is all in the cache samples its first token and joins the decode batch."""
+        chunk = self._chunk()
+        for slot, r in list(self.prefilling.items()):
+            if r.cancelled.is_set():
+                del self.prefilling[slot], self.prefilled[slot]
+                r.finish_reason = "cancelled"
+                self.free.append(slot)
+                r.finish()
+        continuing = list(self.prefilling.values())
+        complete, logits = [], []
+        for reqs, fresh in ((continuing, False), (joining, True)):
+            if not reqs:
+                continue
+            starts = [0 if fresh else self.prefilled[r.slot] for r in reqs]
+            pieces = [r.prompt_ids[s:s + chunk] if chunk else r.prompt_ids for r, s in zip(reqs, starts)]
+            self._set_threads(sum(map(len, pieces)))
+            run = self.backend.prefill if fresh else self.backend.extend
+            out = run([r.slot for r in reqs], pieces)
+            for i, (r, s, piece) in enumerate(zip(reqs, starts, pieces)):
+                held = s + len(piece)
+                if held < len(r.prompt_ids):
+                    self.prefilling[r.slot], self.prefilled[r.slot] = r, held
+                    continue
+                self.prefilling.pop(r.slot, None)
+                self.prefilled.pop(r.slot, None)
+                complete.append(r)
+                logits.append(out[i])
+        if complete:
+            self._sample(complete, torch.stack(logits))
+            for r in complete:
+                self.active[r.slot] = r
+            self._retire(complete)
 
     def _decode(self) -> None:
         rows = sorted(self.active)

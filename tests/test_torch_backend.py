@@ -4,6 +4,8 @@ prompt's chunks with other rows' decode steps, oneDNN-packed weights equal plain
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -85,3 +87,109 @@ def test_prefill_chunk_is_checked(model):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(PrunusError, match="prefill_chunk="):
             TorchBackend(model, 1, 16, prefill_chunk=bad)
+
+
+def test_scheduler_interleaves_a_long_prompts_chunks_with_decode_steps(model_dir):
+    """A 90-token prompt in chunks of 8 joins while a short request decodes: the short one gets a decode
+    step between the long one's chunks, and both give the tokens they give alone."""
+    short, long_ = prompts([3])[0], prompts([90], seed=2)[0]
+    with Engine.load(model_dir, max_batch=2, prefill_chunk=8, compile=False, threads=1) as engine:
+        alone = [engine.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in ((short, 30), (long_, 5))]
+        backend, calls = engine.backend, []
+        for name in ("extend", "decode"):  # prefill runs its chunks through extend
+            def spy(rows, data, _run=getattr(backend, name), _name=name):
+                calls.append((_name, list(rows)))
+                return _run(rows, data)
+            setattr(backend, name, spy)
+        a = engine.submit(short, max_new_tokens=30, ignore_eos=True)
+        b = engine.submit(long_, max_new_tokens=5, ignore_eos=True)
+        together = [engine.wait(a).token_ids, engine.wait(b).token_ids]
+    assert together == alone
+    slot_b = b.slot
+    chunks = [i for i, (name, rows) in enumerate(calls) if name == "extend" and slot_b in rows]
+    assert len(chunks) == 12  # ceil(90 / 8)
+    between = [name for name, rows in calls[chunks[0]:chunks[-1]] if name == "decode" and slot_b not in rows]
+    assert len(between) >= 10, calls
+
+
+# --- compiled decode: the auto rule, the fallback, the tokens --------------------------------------
+
+
+def test_auto_compiles_by_the_rule_and_explicit_choices_stand(model, monkeypatch):
+    from prunus.serve import compiled_decode as cd
+
+    monkeypatch.setattr(cd, "compile_unavailable", lambda device: None)
+    assert cd.choose_compile(True, model) is True and cd.choose_compile(False, model) is False
+    assert cd.AUTO_DEVICES == ("cuda",) and cd.choose_compile("auto", model) is False  # a CPU model stays eager
+    monkeypatch.setattr(cd, "AUTO_DEVICES", ("cuda", "cpu"))
+    assert cd.choose_compile("auto", model) is True
+
+
+def test_no_compiler_means_eager_with_a_one_line_warning(model, model_dir, monkeypatch):
+    from prunus.serve import compiled_decode as cd
+
+    monkeypatch.setattr(cd, "compile_unavailable", lambda device: "InvalidCxxCompiler: no working C++ compiler found")
+    monkeypatch.setattr(cd, "AUTO_DEVICES", ("cpu",))  # auto would compile this model
+    for choice in (True, "auto"):
+        with pytest.warns(cd.CompileUnavailable, match=r"^torch.compile cannot run here \(InvalidCxxCompiler"):
+            assert cd.choose_compile(choice, model) is False
+    with pytest.warns(cd.CompileUnavailable) as caught:
+        with Engine.load(model_dir, max_batch=1, compile=True, threads=1) as engine:
+            assert engine.info["compile"] is False and engine.backend.compiled is None
+            assert len(engine.generate("x = ", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    with pytest.raises(PrunusError, match="compile='yes': choose True, False or 'auto'"):
+        Engine.load(model_dir, compile="yes")
+
+
+def test_a_compile_that_fails_at_load_leaves_decoding_eager(model_dir, monkeypatch):
+    from prunus.serve import compiled_decode as cd
+
+    def broken(self, set_threads=None):
+        raise RuntimeError("C++ compile failed\nwith a long log")
+
+    monkeypatch.setattr(cd, "compile_unavailable", lambda device: None)
+    monkeypatch.setattr(cd.CompiledDecode, "warm_up", broken)
+    with pytest.warns(cd.CompileUnavailable, match=r"torch.compile failed \(RuntimeError: C\+\+ compile failed\); "):
+        with Engine.load(model_dir, max_batch=2, compile=True, threads=1) as engine:
+            assert engine.info["compile"] is False and engine.backend.compiled is None
+            assert len(engine.generate(["a", "bc"], max_new_tokens=3, ignore_eos=True)[1].token_ids) == 3
+
+
+def test_static_steps_read_keys_up_to_the_longest_row(model, monkeypatch):
+    """The compiled path's Python side run eagerly, with key lengths rounded to 8 (so rows cross several):
+    its logits equal the ragged eager cache's at every step."""
+    from prunus.serve import compiled_decode as cd
+
+    monkeypatch.setattr(cd, "KEY_STEP", 8)
+    ragged, static = TorchBackend(model, 3, 64), TorchBackend(model, 3, 64)
+    fast = cd.CompiledDecode(model, static.cache)
+    fast._fn = fast._step  # no compile: the same graph, eager
+    assert [fast.key_len(n) for n in (1, 8, 9, 60, 64)] == [8, 8, 16, 64, 64]
+    ps = prompts([5, 13, 2])
+    for be in (ragged, static):
+        be.prefill([0, 1, 2], ps)
+    for step in range(20):
+        rows = [0, 1, 2] if step % 3 else [1, 2]
+        tokens = [(5 * step + r) % 300 for r in rows]
+        torch.testing.assert_close(fast(rows, tokens), ragged.decode(rows, tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not os.environ.get("PRUNUS_TEST_COMPILE"),
+                    reason="compiles a graph for real (20-65 s on 2 CPU cores); PRUNUS_TEST_COMPILE=1 runs it "
+                           "(tests/test_serve.py's compiled test runs every time)")
+def test_compiled_decode_gives_the_eager_greedy_tokens(model, monkeypatch):
+    """One bucket, compiled for real; key lengths of 8 so the one graph serves several lengths."""
+    from prunus.serve import compiled_decode as cd
+
+    if (why := cd.compile_unavailable(torch.device("cpu"))) is not None:
+        pytest.skip(f"torch.compile cannot run here: {why}")
+
+    monkeypatch.setattr(cd, "KEY_STEP", 8)
+    ps = prompts([6])
+    eager, compiled = TorchBackend(model, 1, 48), TorchBackend(model, 1, 48, compile=True)
+    compiled.warm_up()
+    assert compiled.compiled is not None
+    _, want = greedy(eager, [0], ps, 30)
+    _, got = greedy(compiled, [0], ps, 30)
+    assert got == want
