@@ -60,7 +60,8 @@ class Scheduler:
 
     @property
     def n_active(self) -> int:
-        return len(self.active)
+        """Requests holding a cache row: decoding, or with their prompt partly prefilled."""
+        return len(self.active) + len(self.prefilling)
 
     def submit(self, request: Request) -> Request:
         with self._cond:
@@ -84,6 +85,7 @@ class Scheduler:
         self.waiting.clear()
         self.active.clear()
         self.prefilling.clear()
+        self.prefilled.clear()
 
     # --- the loop -------------------------------------------------------------------------
 
