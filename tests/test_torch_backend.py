@@ -193,3 +193,27 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(model, monkeypatch):
     _, want = greedy(eager, [0], ps, 30)
     _, got = greedy(compiled, [0], ps, 30)
     assert got == want
+
+
+def test_generate_flags_reach_the_engine(model_dir, monkeypatch):
+    """--prefill-chunk and --no-compile go to Engine.load; chunks of 3 give the whole-prompt tokens."""
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    seen = []
+    load = Engine.load.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("compile", "prefill_chunk")})
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", classmethod(spy))
+    base = ["generate", str(model_dir), "--prompt", "def main(argv):\n    return", "--max-new-tokens", "6",
+            "--temperature", "0"]
+    outs = [CliRunner().invoke(cli, base + extra) for extra in ([], ["--prefill-chunk", "3", "--no-compile"],
+                                                              ["--prefill-chunk", "0"])]
+    assert all(r.exit_code == 0 for r in outs), [r.output for r in outs]
+    assert outs[0].stdout == outs[1].stdout == outs[2].stdout
+    assert seen == [{"compile": "auto", "prefill_chunk": 256}, {"compile": False, "prefill_chunk": 3},
+                    {"compile": "auto", "prefill_chunk": None}]
