@@ -217,12 +217,14 @@ def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> No
         for j, r in enumerate(same):
             colors[r.label] = plt.get_cmap(cmap)(0.95 - 0.5 * j / max(1, len(same) - 1))
     fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
-    ends = []
+    ends, prunus_markers = [], iter(["o", "D", "v", "P", "X", "*", "h", "<", ">", "p"] * 4)
     for r in rs:
         ls, marker = styles[r.kind]
+        marker = next(prunus_markers) if r.kind == "prunus" else marker
         color = colors.get(r.label, "dimgray")
         ys = [med(r.tps.get((k, b), [])) for b in BATCHES]
-        ax.plot(BATCHES, ys, linestyle=ls, marker=marker, color=color, linewidth=2, label=f"{r.label} ({r.precision})")
+        name = r.label if r.precision in r.label or r.kind == "llama.cpp" else f"{r.label} ({r.precision})"
+        ax.plot(BATCHES, ys, linestyle=ls, marker=marker, color=color, linewidth=2, label=name)
         ends.append((ys[-1], color))
     top = max(y for y, _ in ends)
     placed = []

@@ -22,7 +22,9 @@
 
 6. ``--peer llamacpp`` (this section alone): prunus beside llama.cpp at each precision on each
    ``--model`` (default smollm2): fp32 / F32, int8 / Q8_0, int4 / Q4_0, the GGUF files written
-   by prunus's own ``to_gguf`` from the same model dir; decode tokens/s at batch 1 and the time
+   by prunus's own ``to_gguf`` from the same model dir (Q4_0 from a stored int4 dir, RTN groups
+   of 32, whose codes it copies). prunus: the torch Engine and ONNX Runtime exports through the
+   genai and the torch graphs (``--onnx-graphs``), plus any ``--contender``; decode tokens/s at batch 1 and the time
    to the first token of a 512-token prompt at 1 and 2 threads, tokens/s at batch 1-8 beside
    Hugging Face ``generate()`` (a PNG), greedy agreement, ratios prunus / llama.cpp. llama.cpp
    runs in a worker process (llama-cpp-python in this interpreter, or ``--llamacpp-python``);
@@ -174,26 +176,51 @@ def _export_root(model_dir: Path, cache: Path):
     return root, lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp
 
 
-def cached_int4(model_dir: Path, cache: Path) -> tuple[Path, Path]:
-    """(a stored-int4 dir of ``model_dir``: RTN, groups of 32, symmetric, the layout GGUF Q4_0 holds as it is;
-    its ONNX export, MatMulNBits), each made once beside :func:`cached_exports`' and kept when parity fails."""
+def cached_int4(model_dir: Path, cache: Path) -> Path:
+    """A stored-int4 dir of ``model_dir`` (RTN, groups of 32, symmetric: the layout GGUF Q4_0 holds as it is),
+    made once beside :func:`cached_exports`' dirs."""
     from prunus.compress.quantize import quantize_pass
-    from prunus.export import export_model
     from prunus.models import load_model, load_model_tokenizer, save_model
 
     root, fresh = _export_root(model_dir, cache)
-    int4_dir, onnx_dir = root / "int4-rtn-g32", root / "onnx-int4-rtn-g32"
+    int4_dir = root / "int4-rtn-g32"
     if not fresh(int4_dir):
         model = quantize_pass(load_model(model_dir), None, scheme="int4-weight-only", group_size=32, symmetric=True)
         save_model(model, int4_dir, tokenizer=load_model_tokenizer(model_dir), stage="compress", parent=model_dir,
                    overwrite=True, command="benchmarks/serve_throughput.py (quantize int4-weight-only rtn, group 32)")
-    if not fresh(onnx_dir):
-        t0 = time.perf_counter()
-        print(f"   exporting stored int4 from {int4_dir} (once, cached in {onnx_dir}) ...", flush=True)
-        export_model(int4_dir, onnx_dir, verify=False, overwrite=True, progress=False,
+    return int4_dir
+
+
+def export_graph(d: Path) -> str:
+    """Which ONNX graphs an export dir holds: "genai" (one graph on ONNX Runtime's fused operators) or "torch"
+    (torch.onnx.export's prefill and decode graphs; exports made before the genai graph say nothing)."""
+    return json.loads((d / "config.json").read_text())["export"].get("graph") or "torch"
+
+
+def cached_onnx(src: Path, root: Path, name: str, precision: str | None, graph: str, reuse: Path | None = None):
+    """An ONNX export of ``src`` at ``precision`` through ``graph``: ``reuse`` when it is one (and newer than
+    ``src``), else ``root/onnx-<graph>-<name>``, made once (kept when parity fails: the report says so).
+    None, with the reason printed, when the exporter refuses this combination."""
+    from prunus.artifacts.errors import PrunusError
+    from prunus.export import export_model
+
+    stamp = (src / "prunus.json").stat().st_mtime
+    usable = lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp  # noqa: E731
+    d = root / f"onnx-{graph}-{name}"
+    for candidate in ([reuse] if reuse is not None else []) + [d]:
+        if usable(candidate) and export_graph(candidate) == graph:
+            return candidate
+    t0 = time.perf_counter()
+    print(f"   exporting {src} at {precision or 'its stored precision'}, {graph} graph (once, cached in {d}) ...",
+          flush=True)
+    try:
+        export_model(src, d, precision=precision, graph=graph, verify=False, overwrite=True, progress=False,
                      command="benchmarks/serve_throughput.py")
-        print(f"   ... {time.perf_counter() - t0:.0f} s", flush=True)
-    return int4_dir, onnx_dir
+    except PrunusError as e:
+        print(f"   ... not exported: {e}")
+        return None
+    print(f"   ... {time.perf_counter() - t0:.0f} s", flush=True)
+    return d
 
 
 def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
@@ -282,19 +309,25 @@ def side_by_side(spec: str, args, figures: list) -> None:
             figures.append((f"{name}: {label}, {k} thr", v))
 
 
-def llamacpp_contenders(model_dir: Path, cache: Path) -> tuple[list, Path]:
+def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch")) -> tuple[list, Path]:
     """The prunus side of ``--peer llamacpp`` as (label, dir, precision) Contenders, and the stored int4 dir
-    its Q4_0 GGUF is written from. Any dir ``Engine.load`` takes can be a contender: add one here (or pass
-    ``--contender``) and it is timed, plotted and compared with llama.cpp at its precision."""
+    its Q4_0 GGUF is written from: the torch Engine, and ONNX Runtime exports at fp32, int8
+    (``--precision int8``) and stored int4 through each of ``graphs`` (genai, torch). Any dir ``Engine.load`` takes
+    can be a contender: add one here (or pass ``--contender``) and it is timed, plotted and compared with
+    llama.cpp at its precision."""
     from _llamacpp_peer import Contender
 
-    exports = cached_exports(model_dir, cache)
-    int4_dir, int4_onnx = cached_int4(model_dir, cache)
-    return [Contender("prunus torch Engine", model_dir, "fp32"),
-            Contender("prunus onnxruntime fp32", exports["onnxruntime fp32"], "fp32"),
-            Contender("prunus onnxruntime int8 (--precision int8)", exports["onnxruntime int8 (export --precision int8)"],
-                      "int8"),
-            Contender("prunus onnxruntime int4 (stored RTN g32)", int4_onnx, "int4")], int4_dir
+    root, _ = _export_root(model_dir, cache)
+    int4_dir = cached_int4(model_dir, cache)
+    out = [Contender("prunus torch Engine", model_dir, "fp32")]
+    jobs = [("fp32", model_dir, "fp32", root / "onnx-fp32"), ("int8", model_dir, "int8", root / "onnx-int8"),
+            ("int4", int4_dir, None, None)]
+    for graph in graphs:
+        for precision, src, asked, reuse in jobs:
+            d = cached_onnx(src, root, f"{precision}-rtn-g32" if precision == "int4" else precision, asked, graph, reuse)
+            if d is not None:
+                out.append(Contender(f"prunus onnxruntime {graph} graph {precision}", d, precision))
+    return out, int4_dir
 
 
 def llamacpp_section(spec: str, args, figures: list) -> None:
@@ -310,7 +343,7 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
         return
     model_dir, name = resolve_model(spec, args.cache), model_name(spec)
     print(f"\n   -- {name} ({model_dir}); llama.cpp worker in {python}", flush=True)
-    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache))
+    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs)
     contenders += args.contender
     for c in contenders:
         if (c.path / "parity.json").is_file():
@@ -489,6 +522,9 @@ def main() -> None:
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores)")
     ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")
+    ap.add_argument("--onnx-graphs", default="genai,torch", type=lambda v: [g for g in v.split(",") if g],
+                    help="with --peer llamacpp: the ONNX graphs whose fp32 / int8 / int4 exports are timed "
+                         "(genai, torch; default both)")
     args = ap.parse_args()
     figures = []
     if args.peer == "llamacpp":
