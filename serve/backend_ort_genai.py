@@ -30,6 +30,13 @@ from prunus.artifacts.errors import PrunusError
 from .artifact import export_dims
 
 
+# ONNX Runtime's pool threads sleep between parallel sections instead of spinning. SmolLM2-135M int8, 2 threads,
+# batch 1, decode steps interleaved in one process on a busy 2-core machine: not spinning took 0.54x the step
+# time of spinning (spinning threads take cores that other work needs; at idle, 2 spinning threads of the
+# torch-exported graphs already decoded slower than 1 thread).
+SPINNING = False
+
+
 class GenaiBackend:
     name = "onnxruntime"
 
@@ -97,7 +104,8 @@ def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, thr
     if not graph.is_file():
         raise PrunusError(f"{graph}: missing from the export dir; re-create it with prunus export")
     try:
-        session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads)
+        session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads,
+                               spinning=SPINNING)
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None
