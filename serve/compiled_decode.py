@@ -62,11 +62,15 @@ def choose_compile(compile, model) -> bool:
     saves Python's per-operator cost and fuses elementwise work; a CPU decode step is bound by its
     fp32 matmuls (84% of an eager batch-8 step of SmolLM2-135M), which compiling does not speed up
     (oneDNN-prepacked weights, what freezing uses, measured no faster than torch's matmul there).
-    Measured on a 2-core AVX2 machine: the demo model (3.3M parameters) served 0.99x (batch 1) and
-    1.14x (batch 8) the eager Engine's tokens/s for 69 s of compiling its four batch buckets at load;
-    SmolLM2-135M took 7-12 minutes per bucket on a busy machine. On a GPU a small model's decode
-    step is bound by kernel launches, which one compiled graph per bucket removes (gpt-fast's
-    static cache); that side of the rule was not timed on these machines.
+    Measured on a 2-core AVX2 machine, compiled against eager decode steps in one process, alternating,
+    one thread: the demo model (3.3M parameters) stepped 1.76x faster compiled at batch 1 and 1.32x at
+    batch 8 (busy machine, 267 s to compile its four batch buckets; on an idle one the Engine served
+    0.99x and 1.14x the eager tokens/s for 69 s of compiling); SmolLM2-135M (max_len 256) stepped at
+    1.21x (batch 1) and 0.97x (batch 8) the eager speed, medians of three alternating rounds, after
+    7-17 minutes of compiling per bucket on the busy machine (49 minutes for four). On a GPU a small
+    model's decode step is bound by kernel launches, which one compiled graph per bucket removes
+    (gpt-fast's static cache; vLLM likewise captures its decode graphs at start); that side of the
+    rule was not timed on these machines.
 
     Where torch.compile cannot run, True (and "auto" where it would compile) decodes eagerly after a
     one-line :class:`CompileUnavailable` warning, never an error.
