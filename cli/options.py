@@ -30,6 +30,6 @@ compile_option = click.option(
     help="Decode through torch.compile (torch backend, tp=1), or not. Default: auto, by the model's size "
          "(prunus.serve.compiled_decode.choose_compile); eager with a warning where torch.compile cannot run.")
 prefill_chunk_option = click.option(
-    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,
+    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # serve.backend_torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "
          "between other requests' decode steps. 0: whole prompts.")

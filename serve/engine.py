@@ -25,6 +25,7 @@ from prunus.models import load_model, load_model_tokenizer, load_tokenizer
 from prunus.models.tokenizer import check_vocab
 
 from .artifact import resolve_backend
+from .backend_torch import PREFILL_CHUNK
 from .request import GenerationResult, Request, SamplingParams, StreamToken
 from .scheduler import Scheduler
 
@@ -54,7 +55,7 @@ class Engine:
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
-             prefill_chunk: int | None = 256, device_map=None, max_memory=None) -> "Engine":
+             prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
