@@ -262,8 +262,12 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
               "pool spins, so with other work on the cores its figures (above 1 thread most of all) are not fit to publish")
     short, long = tokenizer.encode(prompts[0]), long_prompt(tokenizer, min(LONG, max_seq_len - 2))
     max_len = min(max_seq_len, max(len(long) + 1, *(len(tokenizer.encode(p)) + n for p in prompts)) + 8)
-    for precision, path in ggufs.items():
-        peer.load(GGUF_TYPES[precision][0], path, max_len)
+    try:
+        for precision, path in ggufs.items():
+            peer.load(GGUF_TYPES[precision][0], path, max_len)
+    except RuntimeError as e:  # a file llama.cpp refuses (e.g. a byte-level vocabulary without merges)
+        print(f"   llama.cpp peer skipped: {e}")
+        return {}
     print(f"   prompts: batch 1 {len(short)} tokens, first-token prompt {len(long)} tokens; {rounds} alternating rounds "
           f"at batch 1, {sweep_rounds} at batches {', '.join(map(str, BATCHES[1:]))}", flush=True)
     results: dict[str, Runner] = {}

@@ -13,7 +13,8 @@ Protocol: one JSON request per line on stdin, one JSON answer per line on stdout
         -> {"seconds", "ttft", "tokens": [[ids]]}   (timed here, so the pipe is not in the figure)
     {"op": "quit"}
 
-A failure answers {"error": "..."}. llama.cpp's own log is silenced.
+A failure answers {"error": "..."}. llama.cpp's own log is kept off stdout: its last lines go into
+the error of a load that fails.
 """
 
 from __future__ import annotations
@@ -26,18 +27,24 @@ import llama_cpp as L
 import numpy as np
 
 
+LOG: list[str] = []  # llama.cpp's recent log lines (its load log would fill the benchmark's output)
+
+
 @L.llama_log_callback
-def _silent(level, text, user_data):  # noqa: ARG001  (llama.cpp's load log would fill the benchmark's output)
-    return None
+def _keep(level, text, user_data):  # noqa: ARG001
+    LOG.append(text.decode(errors="replace") if text else "")
+    del LOG[:-20]
 
 
 class Model:
     """One GGUF file with a context per sequence count (a batch-1 context, one for B sequences)."""
 
     def __init__(self, path: str, n_ctx_seq: int):
+        LOG.clear()
         self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
         if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
+            why = [line.strip() for line in LOG if "error" in line.lower()] or ["no reason logged"]
+            raise RuntimeError(f"llama.cpp could not load {path}: {why[0]}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_ctx_seq, self.contexts = n_ctx_seq, {}
 
@@ -96,7 +103,7 @@ class Model:
 
 def serve(inp, out) -> None:
     """Answer requests from ``inp`` on ``out`` until "quit" or end of input."""
-    L.llama_log_set(_silent, None)
+    L.llama_log_set(_keep, None)
     L.llama_backend_init()
     models: dict[str, Model] = {}
     for line in inp:
