@@ -19,8 +19,8 @@ with longer rows is a decode step. Positions for the rotary embedding come from 
 the operator (rows of any lengths in one batch).
 
 Supported: Llama-family decoders as prunus writes them (any rope scaling, GQA, q/k/v and output
-biases, a custom attention scale, tied or untied heads). Anything else (mixture of experts, q/k
-norms, sliding windows, soft-capping, GELU gates, (1 + w) norms, scaled embeddings, post-norms) is
+biases, a custom attention scale, sliding windows, tied or untied heads). Anything else (mixture of
+experts, q/k norms, soft-capping, GELU gates, (1 + w) norms, scaled embeddings, post-norms) is
 refused by :func:`check_genai_support` in one line, and export falls back to the torch graphs.
 """
 
@@ -45,7 +45,6 @@ def unsupported_features(cfg, modules: dict | None = None, precision: str = "fp3
     """What in this model the genai graph does not build (empty: supported)."""
     checks = [
         (cfg.n_experts > 0, "mixture of experts"), (cfg.qk_norm, "q/k norms"),
-        (cfg.sliding_window is not None, "sliding-window attention"),
         (cfg.attn_softcap is not None, "attention soft-capping"), (cfg.final_softcap is not None, "logit soft-capping"),
         (cfg.hidden_act != "silu", f"{cfg.hidden_act} gates"), (cfg.norm_one_plus_weight, "(1 + w) norms"),
         (cfg.scale_embeddings, "scaled embeddings"), (cfg.post_norms, "post-norms"),

@@ -12,6 +12,7 @@ ONNX Runtime's fused CPU kernels do the work of a Llama block in five to seven n
   to in place (past_present_share_buffer): no Concat of the cache per step. Each row's length comes
   from ``seqlens_k`` (its total length after this pass, minus one), so the op never reads a row's
   buffer beyond its own keys;
+  A sliding window (every layer, or the layers ``layer_types`` names) is the op's ``local_window_size``;
 * SwiGLU as Sigmoid(gate) * gate * up and the down projection.
 
 Weights are (in, out) float32 initializers of plain ``MatMul`` nodes, so ONNX Runtime's
@@ -96,6 +97,9 @@ class GraphWriter:
         attrs = {"num_heads": cfg.n_heads, "kv_num_heads": cfg.n_kv_heads, "do_rotary": 1, "rotary_interleaved": 0}
         if cfg.query_pre_attn_scalar is not None:
             attrs["scale"] = float(cfg.attn_scale)
+        window = cfg.layer_window(attn.layer_id)
+        if window is not None:  # local_window_size keys, the query's own included, as prunus counts its window
+            attrs["local_window_size"] = int(window)
         inputs = [*qkv, f"past.{layer}.key", f"past.{layer}.value", cache["seqlens_k"], cache["total"],
                   cache["cos"], cache["sin"]]
         outputs = [f"{p}/gqa", f"present.{layer}.key", f"present.{layer}.value"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from onnx import helper
 
+from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
 from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model, load_export
@@ -69,6 +70,19 @@ def test_fp32_greedy_equals_torch_for_prompts_of_different_lengths(tmp_path, var
         for g, t in zip(got, logits.argmax(-1).tolist()):
             g.append(t)
     assert got == [_want(model, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
+def test_families_greedy_equals_torch(tmp_path, family):
+    """The families' variants (llama3 / yarn / dynamic rope, biases, a sliding window of 6 over 30+ tokens)."""
+    model = family_model(family)
+    backend = GenaiBackend(_session(model, tmp_path, n_slots=len(PROMPTS), max_len=64), len(PROMPTS), 64)
+    rows = list(range(len(PROMPTS)))
+    got = [[t] for t in backend.prefill(rows, PROMPTS).argmax(-1).tolist()]
+    for _ in range(29):
+        for g, t in zip(got, backend.decode(rows, [g[-1] for g in got]).argmax(-1).tolist()):
+            g.append(t)
+    assert got == [_want(model, p, 30) for p in PROMPTS]
 
 
 def test_the_buffer_is_never_read_beyond_a_rows_length(tmp_path):
@@ -168,11 +182,11 @@ def test_stored_weights_become_matmulnbits(trained_run, tmp_path, scheme, bits):
 
 
 def test_an_unsupported_config_is_one_line_and_the_default_falls_back(tmp_path):
-    model = _model(qk_norm=True, sliding_window=8)
+    model = _model(qk_norm=True, attn_softcap=5.0)
     save_model(model, tmp_path / "qk", stage="train")
     with pytest.raises(PrunusError) as e:
         export_model(tmp_path / "qk", tmp_path / "genai", graph="genai", progress=False)
-    assert "q/k norms, sliding-window attention" in str(e.value) and "\n" not in str(e.value)
+    assert "q/k norms, attention soft-capping" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "genai").exists()
     with pytest.raises(PrunusError, match="build_genai_graph|q/k norms"):
         build_genai_graph(model)
