@@ -8,7 +8,9 @@ place). Attention reads each row's cache line up to a key length rounded up to
 that key length is the graph's one dynamic size, so a step reads the keys the rows
 hold, not the whole ``max_len`` line (a 8,192-token line of SmolLM2-135M is 377 MB of
 keys and values per row), and one graph serves every length (a layer's sliding window
-narrows the mask in the model, as in the eager path). The prefill stays eager: prompts
+narrows the mask in the model, as in the eager path). On a demo-shaped model (dim 256, 4
+layers) with max_len 4096, a one-row step at 100 tokens took 3.98 ms against 9.64 ms when
+the graph read the whole line (eager: 5.34 ms; one thread, a busy 2-core machine). The prefill stays eager: prompts
 come in any length, and one prefill per request is not where the time goes.
 
 On the demo model (3.3M parameters, one thread, a 2-core AVX2 machine) a one-row
