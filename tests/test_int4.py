@@ -281,3 +281,24 @@ def test_tensor_parallel_slices_of_an_int4_layer_add_up(style):
         parts.append(shard(x[:, rank * 64:(rank + 1) * 64] if style == "row" else x))
     got = torch.cat(parts, dim=-1) if style == "column" else parts[0] + parts[1]
     torch.testing.assert_close(got, full(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["int4-hqq-g64", "int4-gptq-g64", "int4-awq-gptq-g64", "int4-mixed"])
+def test_shipped_int4_recipes_quantize_the_head_to_int8_and_untie_it(ctx, recipe):
+    """The output head (a fifth of SmolLM2-135M's weights) is int8 per channel in every shipped int4 recipe; a tied
+    head gets its own copy first, and the embedding table stays float."""
+    from prunus.compress.recipe import get_pass, load_recipe
+    from prunus.models import Transformer, get_preset
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(tie_embeddings=True, n_layers=3))
+    model.init_weights()
+    table = model.tok_embeddings.weight.detach().clone()
+    (name, args), = load_recipe(recipe)[0]
+    model = get_pass(name)(model, Ctx(model.config.vocab_size), **args)
+    assert type(model.output) is QuantizedLinear and model.output.spec()["scheme"] == "int8-weight-only"
+    assert model.output.spec()["granularity"] == "per_channel"
+    assert not model.config.tie_embeddings and compression_state(model).quantization["untied_output"]
+    assert torch.equal(model.tok_embeddings.weight, table) and model.tok_embeddings.weight.dtype == torch.float32
+    assert type(model.layers["1"].attention.wq) is Int4Linear
+    assert type(model.layers["0"].feed_forward.w2) is (QuantizedLinear if recipe == "int4-mixed" else Int4Linear)
