@@ -302,3 +302,15 @@ def test_shipped_int4_recipes_quantize_the_head_to_int8_and_untie_it(ctx, recipe
     assert torch.equal(model.tok_embeddings.weight, table) and model.tok_embeddings.weight.dtype == torch.float32
     assert type(model.layers["1"].attention.wq) is Int4Linear
     assert type(model.layers["0"].feed_forward.w2) is (QuantizedLinear if recipe == "int4-mixed" else Int4Linear)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_hqq_weight_error_is_below_rtn_on_every_layer(tiny_model, symmetric):
+    """Per layer of a model (not only on planted outliers): HQQ's squared weight error is at most round to
+    nearest's (HQQ keeps, per group, the better of the two) and below it on every layer."""
+    for name, m in tiny_model.named_modules():
+        if type(m) is nn.Linear:
+            w = m.weight.detach().float()
+            err = lambda q, s, z: float((dequantize_int4(q, s, z, 64) - w).pow(2).sum())  # noqa: E731
+            e_rtn, e_hqq = err(*rtn_int4(w, 64, symmetric)), err(*hqq_int4(w, 64, symmetric))
+            assert e_hqq < e_rtn, (name, e_hqq, e_rtn)
