@@ -1,4 +1,6 @@
-"""The ONNX Runtime backend: an export dir's prefill/decode graphs in two CPU sessions."""
+"""The ONNX Runtime backend: an export dir's prefill/decode graphs in two CPU sessions, or its genai graph
+(one session, a shared KV buffer: :mod:`prunus.serve.backend_ort_genai`) where config.json's ``export.graph``
+says "genai"."""
 
 from __future__ import annotations
 
