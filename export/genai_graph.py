@@ -106,7 +106,8 @@ def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> o
         nxt = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
         x, h = w.skip_norm(f, h, nxt.weight, f"layers.{i + 1}.attention_norm" if i + 1 < len(layers) else "norm")
     y = w.last_token(x, "input_ids", "seqlens_k")
-    if cfg.tie_embeddings:  # one copy of the table in the file; the head reads it transposed
+    if model.output.weight is model.tok_embeddings.weight:  # tied: one copy in the file, read transposed by the head
+        # (a compressed dir whose head was untied and quantized has its own output module, config flag or not)
         (head,) = w.node("Transpose", [emb], name="output/Transpose", perm=[1, 0])
         w.node("MatMul", [y, head], name="output/MatMul", outputs=["logits"])
     else:
