@@ -19,7 +19,8 @@ def print_parity(console, title: str, report: dict) -> None:
     """The parity report as a table: each check's value beside its limit."""
     tol = report["tolerances"]
     checks = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
-              ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}")]
+              ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}"),
+              ("decode agreement (teacher-forced)", "decode_agreement", "{:.4f}")]
     rows = []
     for label, key, fmt in checks:
         limit = tol.get(key)

@@ -262,7 +262,7 @@ def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, 
 def _write_manifest(tmp: Path, model_dir: Path, parent_manifest: dict, report: dict, command: str | None) -> None:
     files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
     metrics = {k: report[k] for k in ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
-                                      "greedy_agreement", "passed")}
+                                      "greedy_agreement", "decode_agreement", "passed")}
     metrics["bytes_on_disk"] = sum((tmp / f).stat().st_size for f in files)
     metrics["graph_bytes"] = sum((tmp / f).stat().st_size for f in files if ".onnx" in f)
     atomic_write_json(tmp / MANIFEST, {

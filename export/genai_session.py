@@ -136,9 +136,12 @@ class GenaiGraphs:
                 feeds[f"past.{i}.{t}"] = np.zeros((b, d["n_kv_heads"], s, d["head_dim"]), np.float32)
         return torch.from_numpy(self.all_positions.run(["logits"], feeds)[0])
 
-    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+               follow: torch.Tensor | None = None) -> torch.Tensor:
         """(batch, prompt_len) prompts -> (batch, max_new_tokens) greedy tokens through the written graph, its KV
-        buffer shared between passes. ``attention_mask`` (1 = real token) trims left padding off each prompt."""
+        buffer shared between passes. ``attention_mask`` (1 = real token) trims left padding off each prompt.
+        ``follow`` (batch, max_new_tokens): feed these tokens instead of the argmaxes (teacher forcing through the
+        cache); the argmax of every step is still returned."""
         b, s = prompt.shape
         rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
                 for i, p in enumerate(prompt)]
@@ -152,6 +155,8 @@ class GenaiGraphs:
             out.append(torch.from_numpy(tok.astype(np.int64)))
             if i + 1 == max_new_tokens:
                 break
+            if follow is not None:
+                tok = follow[:, i].numpy().astype(tok.dtype)
             logits = sess.decode(lengths, tok)
             lengths += 1
         sess.close()

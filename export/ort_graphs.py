@@ -56,8 +56,11 @@ class OrtGraphs:
         b, s = tokens.shape
         return self.prefill(tokens, torch.arange(s).expand(b, s), torch.ones(b, s, dtype=torch.long))[0]
 
-    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(batch, prompt_len) left-padded prompts -> (batch, max_new_tokens) greedy tokens, with the KV cache."""
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+               follow: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, prompt_len) left-padded prompts -> (batch, max_new_tokens) greedy tokens, with the KV cache.
+        ``follow`` (batch, max_new_tokens): feed these tokens instead of the argmaxes (teacher forcing through the
+        cache); the argmax of every step is still returned."""
         b, s = prompt.shape
         mask = torch.ones(b, s, dtype=torch.long) if attention_mask is None else attention_mask.long()
         positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -69,6 +72,8 @@ class OrtGraphs:
             out.append(tok)
             if i + 1 == max_new_tokens:
                 break
+            if follow is not None:
+                tok = follow[:, i:i + 1].long()
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
             logits, past = self.decode(tok, nxt, mask, past)
             nxt = nxt + 1

@@ -9,11 +9,17 @@ Three figures, each against a per-precision tolerance (:data:`TOLERANCES`):
   of ``default_seq_len``; the ONNX side through ``score=``, a few rows at a time so its whole
   -window logits stay bounded), judged by ``bpb_increase`` = ort - torch;
 * ``greedy_agreement``: share of identical tokens when both generate 64 greedy tokens
-  from the same prompts, ONNX Runtime through the prefill + decode graphs with the KV
-  cache, PyTorch through ``prunus.models.generate``.
+  from the same prompts, ONNX Runtime through its decode path with the KV cache, PyTorch
+  through ``prunus.models.generate``;
+* ``decode_agreement``: the same decode path teacher-forced along PyTorch's greedy tokens:
+  the share of steps whose argmax is PyTorch's token.
 
-fp32 must match tightly; int8 / fp8 graphs (ONNX Runtime's integer kernels quantize
-activations their own way) are judged by the bits-per-byte increase and agreement.
+fp32 must match tightly, greedy tokens included. Quantized graphs (ONNX Runtime's integer
+kernels quantize activations their own way) are judged by the bits-per-byte increase and the
+two per-step agreements; their free-running greedy agreement is reported, not judged: after
+the first near-tie the two continuations differ, so on a few prompts it measures where that
+tie falls more than how close the export is (SmolLM2-135M's 8-bit export: 0.45 on 4 prompts,
+0.49 on 16, with top-1 0.965 and the same graph's torch-exported twin 0.59 / 0.61).
 """
 
 from __future__ import annotations
@@ -29,15 +35,20 @@ from prunus.models.generate import generate
 
 # A limit of None is not checked; agreement limits are minimums, the others maximums.
 TOLERANCES = {
-    "fp32": {"max_abs_logits": 1e-3, "bpb_increase": 1e-4, "top1_agreement": 1.0, "greedy_agreement": 1.0},
-    "fp16": {"max_abs_logits": None, "bpb_increase": 0.01, "top1_agreement": 0.97, "greedy_agreement": 0.75},
-    "int8": {"max_abs_logits": None, "bpb_increase": 0.05, "top1_agreement": 0.9, "greedy_agreement": 0.5},
-    "fp8": {"max_abs_logits": None, "bpb_increase": 0.05, "top1_agreement": 0.9, "greedy_agreement": 0.5},
+    "fp32": {"max_abs_logits": 1e-3, "bpb_increase": 1e-4, "top1_agreement": 1.0, "greedy_agreement": 1.0,
+             "decode_agreement": 1.0},
+    "fp16": {"max_abs_logits": None, "bpb_increase": 0.01, "top1_agreement": 0.97, "greedy_agreement": None,
+             "decode_agreement": 0.97},
+    "int8": {"max_abs_logits": None, "bpb_increase": 0.05, "top1_agreement": 0.9, "greedy_agreement": None,
+             "decode_agreement": 0.9},
+    "fp8": {"max_abs_logits": None, "bpb_increase": 0.05, "top1_agreement": 0.9, "greedy_agreement": None,
+            "decode_agreement": 0.9},
     # stored int4 weights are exported as they are (only MatMulNBits's int8 activations differ); --precision int4
     # of a float model is compared with that float model, so its limit holds the int4 rounding error too
-    "int4": {"max_abs_logits": None, "bpb_increase": 0.10, "top1_agreement": 0.85, "greedy_agreement": 0.5},
+    "int4": {"max_abs_logits": None, "bpb_increase": 0.10, "top1_agreement": 0.85, "greedy_agreement": None,
+             "decode_agreement": 0.85},
 }
-MINIMUMS = ("top1_agreement", "greedy_agreement")
+MINIMUMS = ("top1_agreement", "greedy_agreement", "decode_agreement")
 PROBE_ROWS, PROBE_LEN = 4, 128  # the logits compared position by position
 
 
@@ -86,6 +97,7 @@ def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tenso
         prompts = torch.stack([torch.from_numpy(np.asarray(val_tokens[s: s + prompt_len], dtype=np.int64)) for s in starts])
         want = generate(model, prompts, new_tokens)[:, prompt_len:]
         have = graphs.greedy(prompts, new_tokens)
+        forced = graphs.greedy(prompts, new_tokens, follow=want)
     agree = (want == have).float().mean().item()
     report = {
         "precision": precision,
@@ -95,6 +107,7 @@ def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tenso
         "bpb_onnx": ort_eval["val_bpb"],
         "bpb_increase": ort_eval["val_bpb"] - torch_eval["val_bpb"],
         "greedy_agreement": agree,
+        "decode_agreement": (want == forced).float().mean().item(),
         "greedy_tokens": int(want.numel()),
         "greedy_identical_rows": int((want == have).all(dim=1).sum()),
         "eval_tokens": torch_eval["val_tokens"],

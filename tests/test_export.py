@@ -23,7 +23,7 @@ from prunus.models.model_dir import sha256_file
 from prunus.models.quantized import QuantizedLinear
 
 PARITY_FIELDS = {"precision", "max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
-                 "greedy_agreement", "greedy_tokens", "tolerances", "failed", "passed"}
+                 "greedy_agreement", "decode_agreement", "greedy_tokens", "tolerances", "failed", "passed"}
 
 
 def run(*args):
@@ -71,6 +71,7 @@ def test_export_dir_follows_the_contract(fp32_export, trained_run):
         assert [o.name for o in graph.output] == outputs
     parity = json.loads((fp32_export / "parity.json").read_text())
     assert PARITY_FIELDS <= set(parity) and parity["passed"] and parity["greedy_agreement"] == 1.0
+    assert parity["decode_agreement"] == 1.0
     assert parity["max_abs_logits"] <= 1e-3
     manifest = json.loads((fp32_export / "prunus.json").read_text())
     assert manifest["stage"] == "export" and manifest["parent"]["path"] == str((trained_run / "model").resolve())
@@ -125,6 +126,18 @@ def test_greedy_64_tokens_identical_to_torch(ort_graphs, torch_model):
     prompts = torch.tensor([list(b"def main(args):\n    "), list(b"import os\nimport sys\n\n")[:20]])
     want = generate(torch_model, prompts, 64)[:, prompts.shape[1]:]
     assert torch.equal(ort_graphs.greedy(prompts, 64), want)
+
+
+def test_teacher_forced_decode_returns_the_argmax_along_the_given_tokens(ort_graphs, torch_model):
+    """parity's decode_agreement: the decode path fed chosen tokens, not its own argmaxes."""
+    prompts = torch.tensor([list(b"def main(args):\n    "), list(b"import os\nimport sys\n\n")[:20]])
+    follow = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = torch_model(torch.cat([prompts, follow[:, :-1]], dim=1))
+    want = logits[:, prompts.shape[1] - 1:].argmax(-1)
+    assert torch.equal(ort_graphs.greedy(prompts, 12, follow=follow), want)
+    free = ort_graphs.greedy(prompts, 12)
+    assert torch.equal(ort_graphs.greedy(prompts, 12, follow=free), free)
 
 
 def test_int8_export_quantizes_every_matmul(trained_run, tmp_path):

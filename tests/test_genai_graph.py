@@ -13,9 +13,9 @@ from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
 from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model, load_export
-from prunus.export.export_dir import _choose_graph
+from prunus.export.export_dir import _choose_graph, genai_dims
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
-from prunus.export.genai_session import GenaiSession
+from prunus.export.genai_session import GenaiGraphs, GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.models.config import ModelConfig
 from prunus.models.llama import Transformer
@@ -129,6 +129,17 @@ def test_export_dir_records_the_genai_graph_and_engine_picks_it(genai_export):
         assert isinstance(engine.backend, GenaiBackend)
         results = engine.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)  # 4 prompts through 2 slots
     assert [r.token_ids for r in results] == [_want(model, p, 10) for p in PROMPTS]
+
+
+def test_teacher_forced_decode_returns_the_argmax_along_the_given_tokens(genai_export):
+    """parity's decode_agreement through the shared buffer: fed tokens, the argmax of each step is torch's."""
+    root, model = genai_export
+    graphs = GenaiGraphs(root / "export" / GENAI_GRAPH, genai_dims(model), threads=1)
+    prompts = torch.tensor([PROMPTS[1][:5], PROMPTS[3][:5]])
+    follow = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(torch.cat([prompts, follow[:, :-1]], dim=1))[:, 4:].argmax(-1)
+    assert torch.equal(graphs.greedy(prompts, 9, follow=follow), want)
 
 
 def test_a_request_joins_while_another_decodes(genai_export):
