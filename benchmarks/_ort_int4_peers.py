@@ -11,8 +11,8 @@ at the bits, group size and symmetry asked for:
   per (MatMul input, batch), so it is given fewer calibration tokens than prunus's GPTQ takes
   (the caller says how many). In onnxruntime 1.31.1 its integers came out byte-identical to its RTN's:
   on every layer of the demo model's graph, and for ``weight_only.gptq`` called directly on a random
-  128 x 32 weight with a skewed Hessian (its GPTQ-updated weights are re-quantized by ``quant_tensor``
-  onto round to nearest's grid), so its row measures RTN;
+  128 x 32 weight with a skewed Hessian then re-quantized by its ``quant_tensor`` as the quantizer does
+  (the cause was not traced), so its row measures RTN;
 * ``hqq``: ``HQQWeightOnlyQuantConfig`` (float zero points; ONNX Runtime writes no accuracy level, so the
   node computes in float).
 """
