@@ -177,17 +177,19 @@ def _export_root(model_dir: Path, cache: Path):
 
 
 def cached_int4(model_dir: Path, cache: Path) -> Path:
-    """A stored-int4 dir of ``model_dir`` (RTN, groups of 32, symmetric: the layout GGUF Q4_0 holds as it is),
+    """A stored-int4 dir of ``model_dir`` (RTN, groups of 32, symmetric: the layout GGUF Q4_0 holds as it is;
+    the output head int8 per channel, as the shipped int4 recipes store it and as a Q4_0 file holds it at Q8_0),
     made once beside :func:`cached_exports`' dirs."""
     from prunus.compress.quantize import quantize_pass
     from prunus.models import load_model, load_model_tokenizer, save_model
 
     root, fresh = _export_root(model_dir, cache)
-    int4_dir = root / "int4-rtn-g32"
+    int4_dir = root / "int4-rtn-g32-head8"
     if not fresh(int4_dir):
-        model = quantize_pass(load_model(model_dir), None, scheme="int4-weight-only", group_size=32, symmetric=True)
+        model = quantize_pass(load_model(model_dir), None, scheme="int4-weight-only", group_size=32, symmetric=True,
+                              exclude=(), int8=("output",))
         save_model(model, int4_dir, tokenizer=load_model_tokenizer(model_dir), stage="compress", parent=model_dir,
-                   overwrite=True, command="benchmarks/serve_throughput.py (quantize int4-weight-only rtn, group 32)")
+                   overwrite=True, command="benchmarks/serve_throughput.py (quantize int4-weight-only rtn, group 32, int8 head)")
     return int4_dir
 
 
@@ -324,7 +326,7 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"))
             ("int4", int4_dir, None, None)]
     for graph in graphs:
         for precision, src, asked, reuse in jobs:
-            d = cached_onnx(src, root, f"{precision}-rtn-g32" if precision == "int4" else precision, asked, graph, reuse)
+            d = cached_onnx(src, root, f"{precision}-rtn-g32-head8" if precision == "int4" else precision, asked, graph, reuse)
             if d is not None:
                 out.append(Contender(f"prunus onnxruntime {graph} graph {precision}", d, precision))
     return out, int4_dir

@@ -30,11 +30,11 @@ from prunus.artifacts.errors import PrunusError
 from .artifact import export_dims
 
 
-# ONNX Runtime's pool threads sleep between parallel sections instead of spinning. SmolLM2-135M int8, 2 threads,
-# batch 1, decode steps interleaved in one process on a busy 2-core machine: not spinning took 0.54x the step
-# time of spinning (spinning threads take cores that other work needs; at idle, 2 spinning threads of the
-# torch-exported graphs already decoded slower than 1 thread).
-SPINNING = False
+# ONNX Runtime's pool threads spin between parallel sections (its default), as llama.cpp's do. SmolLM2-135M, 2 threads,
+# batch 1, 64 tokens, Engines alternating on an idle 2-core machine: spinning decoded 1.19x (int8) and 1.10x (int4)
+# the tokens/s of sleeping threads. On a busy machine it is the other way round (sleeping took 0.54x the step time
+# of spinning, int8): spinning threads take the cores other work needs. One thread has no pool to spin.
+SPINNING = True
 
 
 class GenaiBackend:
