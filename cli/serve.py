@@ -47,11 +47,21 @@ def _device_map(value: str | None):
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
             max_memory):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
+    # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
+    # put back after, for a caller that runs this command in its own process)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
+               device_map, max_memory)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
+           max_memory):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
 
-    # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it
-    signal.signal(signal.SIGTERM, _interrupt)
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),

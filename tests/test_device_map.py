@@ -130,8 +130,12 @@ def test_cli_bad_device_is_exit_2(model_dir):
 
     from prunus.cli.main import cli
 
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     r = CliRunner().invoke(cli, ["serve", str(model_dir), "--device-map", "auto", "--max-memory", "5=1GiB,cpu=1GiB"])
     assert r.exit_code == 2 and "does not exist" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert signal.getsignal(signal.SIGTERM) is before  # serve's SIGTERM handler does not outlive the command
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU placement needs a CUDA device; this machine has none")

@@ -133,11 +133,17 @@ def test_interrupted_overwrite_keeps_the_old_run(tmp_path, trained_run, text_fil
     before = snapshot(run_dir)
     cmd = [sys.executable, "-m", "prunus.cli.main", "train", *TINY, "--data", str(text_file), "--out", str(run_dir),
            "--overwrite", "--ckpt-every", "1"]
-    proc = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches the child even when this suite runs with SIGINT ignored (a background job of a shell without
+    # job control), which the child would otherwise inherit
+    proc = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(tmp_path / ".run.tmp-overwrite" / "checkpoints" / "step-1", proc)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"train did not stop within 60 s of SIGINT; its stderr: {proc.communicate()[1][-2000:]}")
     finally:
         proc.kill()
     assert proc.returncode != 0
