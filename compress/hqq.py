@@ -58,7 +58,8 @@ def hqq_int4(w: torch.Tensor, group_size: int, symmetric: bool, *, iters: int = 
             z = (q - target / s).mean(dim=1, keepdim=True).clamp(0, QMAX)
         qz = q - z
         denom = (qz * qz).sum(dim=1, keepdim=True)
-        s = torch.where(denom > 0, (target * qz).sum(dim=1, keepdim=True) / denom.clamp(min=_EPS), s).clamp(min=_EPS)
+        s = torch.where(denom > 0, (target * qz).sum(dim=1, keepdim=True) / denom.clamp(min=_EPS), s)
+        s = torch.where(s.abs() < _EPS, torch.where(s < 0, -_EPS, _EPS), s)  # symmetric scales may be negative
         beta *= kappa
     z = z.round().clamp(0, QMAX) if not symmetric else torch.full_like(z, SYMMETRIC_ZERO)
     q = (W / s + z).round().clamp(0, QMAX)
