@@ -171,9 +171,13 @@ def tp_section(model, n: int, rounds: int, figures: list, tp1: Engine, label: st
 
 def _export_root(model_dir: Path, cache: Path):
     """(the cache folder of ``model_dir``'s compressed dirs and exports, whether a dir there is newer than it)."""
-    root = cache / "exports" / model_name(str(model_dir)).replace("/", "-")
-    stamp = (model_dir / "prunus.json").stat().st_mtime
-    return root, lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp
+    return cache / "exports" / model_name(str(model_dir)).replace("/", "-"), _newer_than(model_dir)
+
+
+def _newer_than(src: Path):
+    """Whether a dir is a finished prunus dir written after ``src`` (so made from its current weights)."""
+    stamp = (src / "prunus.json").stat().st_mtime
+    return lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp
 
 
 def cached_int4(model_dir: Path, cache: Path) -> Path:
@@ -206,8 +210,7 @@ def cached_onnx(src: Path, root: Path, name: str, precision: str | None, graph: 
     from prunus.artifacts.errors import PrunusError
     from prunus.export import export_model
 
-    stamp = (src / "prunus.json").stat().st_mtime
-    usable = lambda d: (d / "prunus.json").is_file() and (d / "prunus.json").stat().st_mtime >= stamp  # noqa: E731
+    usable = _newer_than(src)
     d = root / f"onnx-{graph}-{name}"
     for candidate in ([reuse] if reuse is not None else []) + [d]:
         if usable(candidate) and export_graph(candidate) == graph:
