@@ -14,11 +14,22 @@ from prunus.artifacts.errors import PrunusError
 from .kv_cache import KVCache
 
 
+def greedy_next(logits: torch.Tensor) -> torch.Tensor:
+    """logits (batch, vocab) -> the index of each row's largest logit (the first on a tie), (batch,).
+
+    On a CPU float32 tensor numpy's argmax runs it: torch's CPU argmax over a 49k vocabulary
+    took 136 us a row against numpy's 6 us (1 thread), a per-token cost beside a 12 ms decode step.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(dim=-1)
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits (batch, vocab) -> next token ids (batch,)."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        return greedy_next(logits)
     logits = logits.float() / temperature
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]

@@ -39,6 +39,9 @@ SPINNING = True
 
 class GenaiBackend:
     name = "onnxruntime"
+    # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
+    # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
+    host_threads = 1
 
     def __init__(self, session, n_slots: int, max_len: int):
         self.session = session

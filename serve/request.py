@@ -2,10 +2,10 @@
 
 The scheduler thread feeds a request token by token (:meth:`Request.add_token`);
 the caller's thread reads :class:`StreamToken` events from ``request.events`` and
-ends with the :class:`GenerationResult`. Text is decoded from all the ids so far,
-so multi-byte characters and multi-token words come out whole: a piece is held
-back while it ends in an incomplete character or could be the start of a stop
-string.
+ends with the :class:`GenerationResult`. Text is the decode of all the ids so far,
+kept up to date a few ids at a time (:mod:`prunus.serve.detokenize`), so multi-byte
+characters and multi-token words come out whole: a piece is held back while it ends
+in an incomplete character or could be the start of a stop string.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prunus.artifacts.errors import PrunusError
+
+from .detokenize import IncrementalText
 
 MAX_STOP_STRINGS = 16
 
@@ -88,6 +90,7 @@ class Request:
     _text: str = ""
 
     def __post_init__(self) -> None:
+        self._decoded = IncrementalText(self.tokenizer)
         self.generator = None
         if self.params.temperature > 0:
             seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -108,8 +111,11 @@ class Request:
             self.events.put(StreamToken(token, self._take(final=True)))
             return
         self.generated.append(token)
-        text = self.tokenizer.decode(self.generated)
-        hit = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        searched = len(self._decoded.settled)  # no stop string lies wholly in the text settled before
+        self._decoded.add(token)
+        text = self._decoded.text
+        hit = min((i for i in (text.find(s, max(searched - len(s) + 1, 0)) for s in self.params.stop) if i >= 0),
+                  default=-1)
         if hit >= 0:
             self.finish_reason = "stop"
             self._text = text[:hit]

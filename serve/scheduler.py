@@ -101,6 +101,8 @@ class Scheduler:
                         self.threads = tune_pass_threads(self.backend, torch.get_num_threads())
                 except Exception:  # a backend that cannot run fails its first request with its own error
                     self.threads = None
+            elif getattr(self.backend, "host_threads", None):
+                torch.set_num_threads(self.backend.host_threads)  # this thread's setting alone
             if hasattr(self.backend, "warm_up"):
                 self.backend.warm_up(self._set_threads)
         except Exception as e:  # Engine.load reports it
@@ -194,15 +196,11 @@ class Scheduler:
         self._retire(reqs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        greedy = [i for i, r in enumerate(reqs) if r.generator is None]
-        tokens = [0] * len(reqs)
-        if greedy:
-            for i, t in zip(greedy, sample_next(logits[greedy]).tolist()):
-                tokens[i] = t
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                p = r.params
-                tokens[i] = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, r.generator)[0])
+        if all(r.generator is None for r in reqs):  # all greedy, the common case: one argmax, no row gather
+            tokens = sample_next(logits).tolist()
+        else:
+            tokens = [int(sample_next(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p,
+                                      r.generator)[0]) for i, r in enumerate(reqs)]  # temperature 0: greedy
         for r, t in zip(reqs, tokens):
             r.last_token = t
             r.add_token(t)
