@@ -12,7 +12,8 @@ for all (prunus's tokenizer; llama.cpp and Hugging Face take the ids), greedy, p
   token agreement of llama.cpp F32 with the prunus fp32 contenders.
 
 A contender is a label, a dir ``Engine.load`` takes and a precision (``_llamacpp_peer.Contender``),
-so a new backend or export joins by adding one to the list.
+so a new backend or export joins by adding one to the list. Each prunus contender runs in a process
+of its own (``_prunus_worker.py``), as llama.cpp does, and is timed there around ``Engine.generate``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,10 @@ from typing import Callable
 import torch
 
 from _llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
+from _worker_process import WorkerProcess
 
 BATCHES = (1, 2, 4, 8)
+PRUNUS_WORKER = Path(__file__).resolve().with_name("_prunus_worker.py")
 LONG = 512  # tokens of the time-to-first-token prompt
 
 
@@ -48,12 +52,19 @@ class Runner:
     tokens: dict = field(default_factory=dict)  # {batch: greedy tokens of the first round}
 
 
-def engine_run(engine) -> Callable:
-    def run(prompts: list[list[int]], n_new: int) -> dict:
-        t = time.perf_counter()
-        results = engine.generate(prompts, max_new_tokens=n_new, ignore_eos=True)
-        return {"seconds": time.perf_counter() - t, "tokens": [list(r.token_ids) for r in results]}
-    return run
+class PrunusWorker(WorkerProcess):
+    """One prunus contender's Engine in a process of its own (``_prunus_worker.py``)."""
+
+    def __init__(self, c: Contender):
+        super().__init__([sys.executable, str(PRUNUS_WORKER)], f"prunus ({c.label})")
+        self.path = c.path
+
+    def load(self, threads: int, max_batch: int, max_len: int) -> Callable:
+        self.call(op="load", path=str(self.path), max_batch=max_batch, max_len=max_len, threads=threads)
+        return self.run
+
+    def run(self, prompts: list[list[int]], n_new: int) -> dict:
+        return self.call(op="generate", prompts=prompts, n_new=n_new)
 
 
 def hf_run(model, threads: int) -> Callable:
@@ -94,13 +105,11 @@ def long_prompt(tokenizer, n: int) -> list[int]:
 
 @contextlib.contextmanager
 def runners(contenders: list[Contender], peer: LlamaCppPeer, hf, threads: int, max_batch: int, max_len: int):
-    """Every contender loaded at ``threads`` for batches up to ``max_batch``: prunus Engines, llama.cpp per
-    precision, Hugging Face."""
-    from prunus.serve import Engine
-
+    """Every contender loaded at ``threads`` for batches up to ``max_batch``: prunus Engines (a process each),
+    llama.cpp per precision, Hugging Face (in this process, alone with the bookkeeping)."""
     with contextlib.ExitStack() as stack:
-        out = [Runner(c.label, "prunus", c.precision, engine_run(stack.enter_context(
-            Engine.load(c.path, max_batch=max_batch, max_len=max_len, threads=threads)))) for c in contenders]
+        out = [Runner(c.label, "prunus", c.precision,
+                      stack.enter_context(PrunusWorker(c)).load(threads, max_batch, max_len)) for c in contenders]
         for precision in sorted({c.precision for c in contenders}, key=list(GGUF_TYPES).index):
             name = GGUF_TYPES[precision][0]
             out.append(Runner(f"llama.cpp {name}", "llama.cpp", precision, llama_run(peer, name, threads, max_batch)))

@@ -17,14 +17,14 @@ its source is newer.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _worker_process import WorkerProcess
 
 MISSING = "llama-cpp-python not installed (it builds from source in 20-30 min on 2 cores: pip install llama-cpp-python)"
 WORKER = Path(__file__).resolve().with_name("_llamacpp_worker.py")
@@ -67,27 +67,12 @@ def peer_python(given: str | None) -> tuple[str | None, str]:
     return None, MISSING + "; or point --llamacpp-python at an interpreter that has it"
 
 
-class LlamaCppPeer:
+class LlamaCppPeer(WorkerProcess):
     """The worker process: ``load`` GGUF files, then ``generate`` greedy tokens (timed inside the worker)."""
 
     def __init__(self, python: str):
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="llamacpp-worker-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env)
-
-    def call(self, **request) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.seek(0)
-            tail = "".join(self.log.readlines()[-5:])
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.wait()}); its stderr ends:\n{tail}")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(f"llama.cpp worker, {request['op']}: {answer['error']}")
-        return answer
+        super().__init__([python, str(WORKER)], "llama.cpp", env)
 
     def info(self) -> dict:
         return self.call(op="info")
@@ -97,23 +82,6 @@ class LlamaCppPeer:
 
     def generate(self, name: str, prompts: list[list[int]], n_new: int, threads: int, n_seq: int) -> dict:
         return self.call(op="generate", name=name, prompts=prompts, n_new=n_new, threads=threads, n_seq=n_seq)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.log.close()
-        os.unlink(self.log.name)
-
-    def __enter__(self) -> "LlamaCppPeer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def cached_ggufs(sources: dict[str, Path], root: Path) -> dict[str, Path]:

@@ -5,7 +5,7 @@ and drives llama.cpp through its low-level C API: one ``llama_batch`` per step t
 token per sequence (seq ids 0..B-1), so B sequences decode together in one context.
 Greedy: the next token is the argmax of the logits llama.cpp returns.
 
-Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
+Protocol (``_worker_process``): one JSON request per line on stdin, one JSON answer per line on stdout.
 
     {"op": "info"}                                      -> {"version", "system"}
     {"op": "load", "name", "path", "n_seq", "n_ctx_seq"} -> {"n_vocab"}
@@ -19,12 +19,12 @@ the error of a load that fails.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import llama_cpp as L
 import numpy as np
+from _worker_process import serve
 
 
 LOG: list[str] = []  # llama.cpp's recent log lines (its load log would fill the benchmark's output)
@@ -101,31 +101,23 @@ class Model:
                 for i in out]
 
 
-def serve(inp, out) -> None:
-    """Answer requests from ``inp`` on ``out`` until "quit" or end of input."""
-    L.llama_log_set(_keep, None)
-    L.llama_backend_init()
-    models: dict[str, Model] = {}
-    for line in inp:
-        req = json.loads(line)
-        op = req.get("op")
-        try:
-            if op == "quit":
-                break
-            if op == "info":
-                ans = {"version": getattr(L, "__version__", "?"), "system": L.llama_print_system_info().decode()}
-            elif op == "load":
-                m = models[req["name"]] = Model(req["path"], req["n_ctx_seq"])
-                ans = {"n_vocab": m.n_vocab}
-            elif op == "generate":
-                ans = models[req["name"]].generate(req["prompts"], req["n_new"], req["threads"], req["n_seq"])
-            else:
-                ans = {"error": f"unknown op {op!r}"}
-        except Exception as e:  # answered, so the benchmark can say what failed
-            ans = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(ans) + "\n")
-        out.flush()
+MODELS: dict[str, Model] = {}
+
+
+def info() -> dict:
+    return {"version": getattr(L, "__version__", "?"), "system": L.llama_print_system_info().decode()}
+
+
+def load(name: str, path: str, n_ctx_seq: int) -> dict:
+    MODELS[name] = Model(path, n_ctx_seq)
+    return {"n_vocab": MODELS[name].n_vocab}
+
+
+def generate(name: str, prompts: list[list[int]], n_new: int, threads: int, n_seq: int) -> dict:
+    return MODELS[name].generate(prompts, n_new, threads, n_seq)
 
 
 if __name__ == "__main__":
-    serve(sys.stdin, sys.stdout)
+    L.llama_log_set(_keep, None)
+    L.llama_backend_init()
+    serve({"info": info, "load": load, "generate": generate}, sys.stdin, sys.stdout)

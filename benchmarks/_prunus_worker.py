@@ -1,0 +1,45 @@
+"""One prunus Engine in a process of its own, for ``benchmarks/serve_throughput.py --peer llamacpp``.
+
+Each contender runs alone in its process, as llama.cpp does in its worker: no other Engine's
+threads, no Hugging Face model and no benchmark bookkeeping beside it. In one process, four
+Engines and Hugging Face cost the int8 graph 13% of its tokens/s at 2 threads (69 against 79
+alone) and made the comparison with llama.cpp unfair to prunus.
+
+Protocol (``_worker_process``): {"op": "load", "path", "max_batch", "max_len", "threads"} -> {};
+{"op": "generate", "prompts": [[ids]], "n_new"} -> {"seconds", "tokens"} (``Engine.generate``,
+timed here); {"op": "quit"}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from _worker_process import serve  # noqa: E402
+
+from prunus.serve import Engine  # noqa: E402
+
+ENGINE: list[Engine] = []
+
+
+def load(path: str, max_batch: int, max_len: int, threads: int) -> dict:
+    while ENGINE:
+        ENGINE.pop().close()
+    ENGINE.append(Engine.load(path, max_batch=max_batch, max_len=max_len, threads=threads))
+    return {}
+
+
+def generate(prompts: list[list[int]], n_new: int) -> dict:
+    t = time.perf_counter()
+    results = ENGINE[0].generate(prompts, max_new_tokens=n_new, ignore_eos=True)
+    return {"seconds": time.perf_counter() - t, "tokens": [list(r.token_ids) for r in results]}
+
+
+if __name__ == "__main__":
+    real_stdout, sys.stdout = sys.stdout, sys.stderr  # what prunus or its libraries print stays off the protocol
+    serve({"load": load, "generate": generate}, sys.stdin, real_stdout)
+    while ENGINE:
+        ENGINE.pop().close()
