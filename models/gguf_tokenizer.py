@@ -14,8 +14,9 @@ understood, both ways:
   highest score first) and scores from the merge ranks on the way out.
 
 prunus's byte tokenizer (bytes 0..255, end-of-text 256) is written as a ``gpt2`` vocabulary
-of the 256 byte symbols with no merges, which llama.cpp runs as is, and read back as the
-byte tokenizer. The ``tokenizers`` library builds ``tokenizer.json``; transformers is not needed.
+of the 256 byte symbols with one merge that never applies (``BYTE_VOCAB_MERGE``: llama.cpp
+refuses a ``gpt2`` vocabulary without a merge list, and the ``gguf`` package drops an empty
+one), which llama.cpp runs as is, and read back as the byte tokenizer. The ``tokenizers`` library builds ``tokenizer.json``; transformers is not needed.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ PRE_ALIASES = {
 }
 _SPM_DECODER = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
                 {"type": "Fuse"}]
+
+
+# a merge of two symbols no text ever holds (a pair of byte symbols, which no other merge makes)
+BYTE_VOCAB_MERGE = "\u0100\u0100 \u0100\u0100"
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -104,10 +109,12 @@ def _special_names(meta: dict, tokens: list[str]) -> dict[str, str | None]:
 
 
 def is_byte_vocab(meta: dict) -> bool:
-    """True for the vocabulary :func:`byte_tokenizer_metadata` writes (prunus's byte tokenizer)."""
+    """True for the vocabulary :func:`byte_tokenizer_metadata` writes (prunus's byte tokenizer; files written
+    before the placeholder merge have none)."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
     b2u = bytes_to_unicode()
-    return (meta.get("tokenizer.ggml.model") == "gpt2" and not meta.get("tokenizer.ggml.merges")
+    merges = list(meta.get("tokenizer.ggml.merges") or [])
+    return (meta.get("tokenizer.ggml.model") == "gpt2" and merges in ([], [BYTE_VOCAB_MERGE])
             and len(tokens) >= 257 and tokens[:256] == [b2u[b] for b in range(256)] and tokens[256] == EOT
             and meta.get("tokenizer.ggml.eos_token_id") == 256
             and all(t == f"[PAD{i}]" for i, t in enumerate(tokens[257:], start=257)))
@@ -236,7 +243,7 @@ def byte_tokenizer_metadata(vocab_size: int) -> dict:
     b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)] + [EOT] + [f"[PAD{i}]" for i in range(257, vocab_size)]
     types = [NORMAL] * 256 + [CONTROL] + [UNUSED] * (vocab_size - 257)
-    return {"model": "gpt2", "pre": "gpt-2", "tokens": tokens, "types": types, "merges": [],
+    return {"model": "gpt2", "pre": "gpt-2", "tokens": tokens, "types": types, "merges": [BYTE_VOCAB_MERGE],
             "special": {"eos": 256}, "add_bos": False, "add_eos": False, "add_space_prefix": False}
 
 
