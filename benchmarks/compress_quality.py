@@ -175,6 +175,10 @@ def section_int4(bench: Bench) -> None:
         model = quantize_pass(bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm=algorithm,
                               group_size=INT4_GROUP, symmetric=False, act_order=act_order)
         rows.append(bench.row(f"int4 {algorithm}{' act-order' if act_order else ''} g{INT4_GROUP}", model))
+    for algorithm, act_order in (("rtn", False), ("hqq", False), ("awq-gptq", True)):  # float zero points
+        model = quantize_pass(bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm=algorithm,
+                              group_size=INT4_GROUP, symmetric=False, act_order=act_order, float_zero=True)
+        rows.append(bench.row(f"int4 {algorithm}{' act-order' if act_order else ''} g{INT4_GROUP} float zero", model))
     rows.append(bench.row(f"int4 rtn g{INT4_GROUP} symmetric", quantize_pass(
         bench.fresh(), bench.ctx, scheme="int4-weight-only", algorithm="rtn", group_size=INT4_GROUP)))
     rows.append(bench.row(f"int4 gptq g{INT4_GROUP}, int8 first and last blocks", quantize_pass(
@@ -206,6 +210,7 @@ PEER_GPTQ_BATCHES = 1  # calibration batches (4 rows x 512 tokens) for ONNX Runt
 ORT_PEER_OURS = {
     "prunus rtn, head int4": dict(algorithm="rtn", exclude=()),
     "prunus hqq, head int4": dict(algorithm="hqq", exclude=()),
+    "prunus hqq float zero, head int4": dict(algorithm="hqq", exclude=(), float_zero=True),
     "prunus gptq, head int4": dict(algorithm="gptq", exclude=()),
     f"prunus gptq on {PEER_GPTQ_BATCHES} calibration batch(es) (the peer's), head int4":
         dict(algorithm="gptq", exclude=(), n_calib=PEER_GPTQ_BATCHES),

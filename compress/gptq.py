@@ -71,8 +71,10 @@ def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
 
 @torch.no_grad()
 def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool, *, damp: float = 0.01,
-              block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(unpacked values (out, in) uint8, scale, zero point (out, n_groups)) for weight ``w`` and Hessian ``H``."""
+              block_size: int = 128, act_order: bool = False,
+              float_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unpacked values (out, in) uint8, scale, zero point (out, n_groups): uint8, float32 with ``float_zero``)
+    for weight ``w`` and Hessian ``H``."""
     W = w.detach().float().clone()
     out_f, n = W.shape
     H = H.detach().float().clone()
@@ -84,7 +86,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
     zero = torch.empty(out_f, n_groups)
     perm = torch.arange(n)
     if act_order:
-        scale, zero = (t.float() for t in rtn_params(W, group_size, symmetric))  # static groups
+        scale, zero = (t.float() for t in rtn_params(W, group_size, symmetric, float_zero))  # static groups
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(n)
@@ -99,7 +101,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
             col = int(perm[i1 + i])
             g = col // group_size
             if not act_order and col % group_size == 0:
-                s, z = rtn_params(W1[:, i:i + group_size], group_size, symmetric)
+                s, z = rtn_params(W1[:, i:i + group_size], group_size, symmetric, float_zero)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0].float()
             q, dq = _quantize_column(W1[:, i], scale[:, g], zero[:, g])
             Q[:, i1 + i] = q
@@ -109,7 +111,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     if act_order:
         Q = Q[:, torch.argsort(perm)]
-    return Q.to(torch.uint8), scale, zero.round().to(torch.uint8)
+    return Q.to(torch.uint8), scale, zero if float_zero else zero.round().to(torch.uint8)
 
 
 __all__ = ["SHARED_INPUTS", "input_groups", "hessians", "gptq_int4"]

@@ -10,22 +10,23 @@ weight error, splitting it with an auxiliary error variable E (half-quadratic sp
     s  = <W - E, q - z> / <q - z, q - z>              # closed form for the scale
     beta *= kappa
 
-prunus stores integer zero points (ONNX Runtime's ``MatMulNBits`` and tinygemm take them),
-so after the iterations z is rounded and q recomputed. Then, per group, the parameters
-with the smaller squared error (HQQ's or round-to-nearest's) are kept, so HQQ's weight
-error never exceeds RTN's. Symmetric: z stays 8 and only the scale moves.
+Two modes:
 
-Beside torchao's and the original HQQ (``optimize_weights_proximal``: p 0.7, beta 10, kappa 1.01, 20
-iterations with an early stop, groups along the input features), two differences: they move only the
-zero point and keep it in float, prunus also fits the scale and stores an integer zero point. The float
-zero point is what makes theirs better on SmolLM2-135M at group 64 (torchao +9.0% bits per byte, prunus
-+11.9%, RTN +12.3%): with its zero point rounded to an integer at the end torchao's scores +12.3%, the
-same as RTN. That model was dequantized from a Q4_1 GGUF, whose groups of 32 are exact grids
-d * k + m with a float minimum m, which a float zero point partly reproduces (torchao's squared weight
-error is 0.63x RTN's there, prunus's 0.94x); on weights trained in float the two are close (0.91x and
-0.94x on the demo model). prunus keeps integer zero points because ONNX Runtime's ``MatMulNBits`` (and
-its own HQQ output) with float zero points leaves the fast CPU kernel: a 576 x 4,608 layer took about 40x
-the time of integer zero points at accuracy level 4.
+* ``float_zero`` (asymmetric): the reference HQQ, as torchao and the original ``optimize_weights_proximal``
+  run it (p 0.7, beta 10, kappa 1.01, up to 20 iterations, stopping once the mean absolute error stops
+  falling): the step is round-to-nearest's min-max step, the zero point starts rounded and alone is
+  fitted, and stays a float (exported as an integer zero point plus a per-group term,
+  :mod:`prunus.export.int4_float_zero`). On SmolLM2-135M at group 64 (head float, 4,096 held-out prose
+  tokens): +8.96% bits per byte, the same as torchao's HQQ on the same weights; RTN +12.31%. Starting
+  from the unrounded zero point gave +10.35%, fitting the scale too +11.56%, and keeping per group the
+  squared-error-better of HQQ's and round-to-nearest's grids +9.87%: HQQ's lp objective spares the
+  outliers that squared error weighs most, so that fallback is for the integer mode only. At group 32
+  the model's own Q4_1 grids (it was dequantized from one) come back exactly: +0.00%.
+* integer zero points (the default; ``MatMulNBits`` and tinygemm take them at full speed): scale and
+  zero point are both fitted, z is rounded at the end and q recomputed; then, per group, the parameters
+  with the smaller squared error (HQQ's or round-to-nearest's) are kept, so the weight error never
+  exceeds RTN's. +11.92% on SmolLM2 at group 64 (RTN +12.31%). Symmetric: z stays 8 and only the
+  scale moves.
 """
 
 from __future__ import annotations
@@ -42,36 +43,56 @@ def _shrink(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
     return torch.sign(x) * torch.relu(x.abs() - (1.0 / beta) * x.abs().clamp(min=1e-8).pow(p - 1))
 
 
-@torch.no_grad()
-def hqq_int4(w: torch.Tensor, group_size: int, symmetric: bool, *, iters: int = 20, p: float = 0.7,
-             beta: float = 10.0, kappa: float = 1.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(unpacked values (out, in) uint8, scale, zero point (out, n_groups) uint8) for weight ``w``."""
-    out_f, in_f = w.shape
-    W = w.detach().float().reshape(-1, group_size)  # one group per row
-    s0, z0 = rtn_params(w, group_size, symmetric)
-    s, z = s0.reshape(-1, 1).clone(), z0.reshape(-1, 1).float()
+def _fit(W: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, fit_zero: bool, fit_scale: bool, float_zero: bool,
+         iters: int, p: float, beta: float, kappa: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half-quadratic iterations on groups ``W`` (one per row) from (s, z); returns the fitted (s, z).
+    A zero-point-only fit stops once the mean absolute weight error stops falling, as the reference does."""
+    best = float("inf")
     for _ in range(iters):
         q = (W / s + z).round().clamp(0, QMAX)
-        E = _shrink(W - (q - z) * s, beta, p)
-        target = W - E
-        if not symmetric:
-            z = (q - target / s).mean(dim=1, keepdim=True).clamp(0, QMAX)
-        qz = q - z
-        denom = (qz * qz).sum(dim=1, keepdim=True)
-        s = torch.where(denom > 0, (target * qz).sum(dim=1, keepdim=True) / denom.clamp(min=_EPS), s)
-        s = torch.where(s.abs() < _EPS, torch.where(s < 0, -_EPS, _EPS), s)  # symmetric scales may be negative
+        error = W - (q - z) * s
+        target = W - _shrink(error, beta, p)
+        if fit_zero:
+            z = (q - target / s).mean(dim=1, keepdim=True)
+            z = z if float_zero else z.clamp(0, QMAX)
+        if fit_scale:
+            qz = q - z
+            denom = (qz * qz).sum(dim=1, keepdim=True)
+            s = torch.where(denom > 0, (target * qz).sum(dim=1, keepdim=True) / denom.clamp(min=_EPS), s)
+            s = torch.where(s.abs() < _EPS, torch.where(s < 0, -_EPS, _EPS), s)  # symmetric scales may be negative
         beta *= kappa
-    z = z.round().clamp(0, QMAX) if not symmetric else torch.full_like(z, SYMMETRIC_ZERO)
+        mean_error = float(error.abs().mean())
+        if mean_error >= best and not fit_scale:
+            break
+        best = min(best, mean_error)
+    return s, z
+
+
+@torch.no_grad()
+def hqq_int4(w: torch.Tensor, group_size: int, symmetric: bool, *, float_zero: bool = False, iters: int = 20,
+             p: float = 0.7, beta: float = 10.0, kappa: float = 1.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unpacked values (out, in) uint8, scale, zero point (out, n_groups): uint8, float32 with ``float_zero``)
+    for weight ``w``."""
+    out_f, in_f = w.shape
+    W = w.detach().float().reshape(-1, group_size)  # one group per row
+    s0, z0 = rtn_params(w, group_size, symmetric, float_zero)
+    s0, z0 = s0.reshape(-1, 1), z0.reshape(-1, 1).float()
+    n_groups = in_f // group_size
+    if float_zero:  # the reference HQQ: the min-max step, the zero point rounded, then the zero point alone fitted
+        s, z = _fit(W, s0, z0.round(), fit_zero=True, fit_scale=False, float_zero=True, iters=iters, p=p, beta=beta,
+                    kappa=kappa)
+        q = (W / s + z).round().clamp(0, QMAX)
+        return q.reshape(out_f, in_f).to(torch.uint8), s.reshape(out_f, n_groups), z.reshape(out_f, n_groups)
+    s, z = _fit(W, s0.clone(), z0, fit_zero=not symmetric, fit_scale=True, float_zero=False, iters=iters, p=p,
+                beta=beta, kappa=kappa)
+    z = torch.full_like(z, SYMMETRIC_ZERO) if symmetric else z.round().clamp(0, QMAX)
     q = (W / s + z).round().clamp(0, QMAX)
     err = ((q - z) * s - W).pow(2).sum(dim=1, keepdim=True)
-    s0, z0 = s0.reshape(-1, 1), z0.reshape(-1, 1).float()
     q0 = (W / s0 + z0).round().clamp(0, QMAX)
     err0 = ((q0 - z0) * s0 - W).pow(2).sum(dim=1, keepdim=True)
-    better = err < err0
+    better = err < err0  # per group, the better (squared error) of HQQ's and round-to-nearest's grid
     q, s, z = torch.where(better, q, q0), torch.where(better, s, s0), torch.where(better, z, z0)
-    n_groups = in_f // group_size
-    return (q.reshape(out_f, in_f).to(torch.uint8), s.reshape(out_f, n_groups),
-            z.reshape(out_f, n_groups).to(torch.uint8))
+    return q.reshape(out_f, in_f).to(torch.uint8), s.reshape(out_f, n_groups), z.reshape(out_f, n_groups).to(torch.uint8)
 
 
 __all__ = ["hqq_int4"]

@@ -1,6 +1,6 @@
 """The int4 weight-only pass: every chosen Linear becomes an Int4Linear (packed int4, per-group scales).
 
-``quantize: {scheme: int4-weight-only, algorithm: rtn | gptq | awq | hqq, group_size, symmetric}``
+``quantize: {scheme: int4-weight-only, algorithm: rtn | gptq | awq | hqq, group_size, symmetric, float_zero}``
 
 * ``rtn``: round to nearest on each group's range (:mod:`prunus.models.int4`);
 * ``gptq``: error-compensating column order updates on calibration Hessians (:mod:`.gptq`);
@@ -11,7 +11,9 @@
   group 64 with act_order: +2.7% bits per byte; +3.6% without act_order; AWQ alone +5.5%, GPTQ
   alone +6.8%, +5.1% with act_order).
 
-``group_size`` None takes, per layer, the largest of 128 / 64 / 32 dividing its input
+``float_zero`` (asymmetric only) keeps each group's zero point as a float, as torchao's and ONNX
+Runtime's HQQ and llama.cpp's Q4_1 do (:mod:`prunus.models.int4`); round to nearest then spans each
+group's own min and max. ``group_size`` None takes, per layer, the largest of 128 / 64 / 32 dividing its input
 features; a given group size that does not divide a layer's width is refused naming the
 layer. ``int8`` lists modules or blocks (``layers.0``, ``layers.-1``, globs) that get
 int8 weight-only per-channel weights instead: mixed precision, recorded per module in
@@ -38,11 +40,14 @@ def _state(model):
     return state.quantization or {"modules": {}, "excluded": []}, lambda value: setattr(state, "quantization", value)
 
 
-def check_args(model, algorithm: str, symmetric, act_order, damp) -> None:
+def check_args(model, algorithm: str, symmetric, act_order, damp, float_zero=False) -> None:
     if algorithm not in ALGORITHMS:
         raise PrunusError(f"quantize: unknown int4 algorithm {algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
-    if not isinstance(symmetric, bool) or not isinstance(act_order, bool):
-        raise PrunusError("quantize: symmetric and act_order must be true or false")
+    if not all(isinstance(v, bool) for v in (symmetric, act_order, float_zero)):
+        raise PrunusError("quantize: symmetric, act_order and float_zero must be true or false")
+    if float_zero and symmetric:
+        raise PrunusError("quantize: float_zero is for asymmetric int4 (a symmetric grid's zero point is 8); "
+                          "add symmetric: false, or drop float_zero")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp < 1:
         raise PrunusError(f"quantize: damp={damp!r} must be a number in (0, 1) (0.01 is usual)")
     n_int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
@@ -77,9 +82,10 @@ def calibration(ctx, algorithm: str, n_calib) -> list[torch.Tensor]:
 
 
 def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = None, symmetric: bool = True,
-              act_order: bool = False, damp: float = 0.01, int8=(), exclude=("output",), n_calib: int = 8):
+              act_order: bool = False, damp: float = 0.01, int8=(), exclude=("output",), n_calib: int = 8,
+              float_zero: bool = False):
     """Quantize ``model`` in place as described in the module docstring; returns it."""
-    check_args(model, algorithm, symmetric, act_order, damp)
+    check_args(model, algorithm, symmetric, act_order, damp, float_zero)
     int4_names, int8_names, skipped = choose_modules(model, exclude, int8)
     groups = {n: check_group_size(group_size, model.get_submodule(n).in_features, f"quantize {n}") for n in int4_names}
     batches = calibration(ctx, algorithm, n_calib)
@@ -92,7 +98,7 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
 
     def fake_quant(w: torch.Tensor) -> torch.Tensor:
         g = check_group_size(group_size, w.shape[1], "quantize")
-        return dequantize_int4(*rtn_int4(w, g, symmetric), g)
+        return dequantize_int4(*rtn_int4(w, g, symmetric, float_zero), g)
 
     with torch.no_grad():
         if algorithm in ("awq", "awq-gptq"):
@@ -109,8 +115,9 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
         def replace(name: str, hessian=None) -> None:
             linear = model.get_submodule(name)
             q, s, z = quantize_weight(linear.weight, groups[name], symmetric, algorithm, hessian,
-                                      act_order=act_order, damp=damp)
-            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm))
+                                      act_order=act_order, damp=damp, float_zero=float_zero)
+            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm,
+                                                                float_zero=float_zero))
             info["modules"][name] = model.get_submodule(name).spec()
 
         hessians = {}
@@ -123,29 +130,30 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
     store(info)
     if ctx is not None:
-        ctx.note(layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric))
+        ctx.note(layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric, float_zero))
     return model
 
 
 def quantize_weight(w: torch.Tensor, group_size: int, symmetric: bool, algorithm: str, hessian=None, *,
-                    act_order: bool = False, damp: float = 0.01):
+                    act_order: bool = False, damp: float = 0.01, float_zero: bool = False):
     """(unpacked int4 values, scale, zero point) of one weight by ``algorithm`` (awq: already folded, so RTN;
     awq-gptq: already folded, so GPTQ)."""
     if algorithm in ("gptq", "awq-gptq"):
         from .gptq import gptq_int4
 
-        return gptq_int4(w, hessian, group_size, symmetric, damp=damp, act_order=act_order)
+        return gptq_int4(w, hessian, group_size, symmetric, damp=damp, act_order=act_order, float_zero=float_zero)
     if algorithm == "hqq":
         from .hqq import hqq_int4
 
-        return hqq_int4(w, group_size, symmetric)
-    return rtn_int4(w, group_size, symmetric)
+        return hqq_int4(w, group_size, symmetric, float_zero=float_zero)
+    return rtn_int4(w, group_size, symmetric, float_zero)
 
 
-def layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric) -> str:
+def layout_note(int4_names, int8_names, skipped, groups, algorithm, symmetric, float_zero=False) -> str:
     """One line saying which layer got which precision."""
     sizes = sorted(set(groups.values()))
-    line = (f"{INT4_SCHEME} ({algorithm}, {'symmetric' if symmetric else 'asymmetric'}, group "
+    grid = "symmetric" if symmetric else "asymmetric, float zero points" if float_zero else "asymmetric"
+    line = (f"{INT4_SCHEME} ({algorithm}, {grid}, group "
             f"{'/'.join(map(str, sizes))}): {len(int4_names)} modules")
     if int8_names:
         line += f"; int8-weight-only: {', '.join(_compact(int8_names))}"

@@ -39,20 +39,22 @@ def untie_output(model: nn.Module) -> None:
 def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                   calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8, exclude=("output",),
                   algorithm: str | None = None, symmetric: bool = True, act_order: bool = False, damp: float = 0.01,
-                  int8=()):
+                  int8=(), float_zero: bool = False):
     """Replace every float Linear not in ``exclude`` by a QuantizedLinear of ``scheme``, in place; record the
     layout in the model's CompressionState (``quantization``). Returns ``model``.
 
     ``int4-weight-only`` goes to :func:`prunus.compress.int4.int4_pass` with ``algorithm`` (rtn, gptq, awq,
-    hqq), ``group_size`` (None: 128 / 64 / 32 per layer), ``symmetric``, ``act_order`` and ``damp`` (gptq), and
-    ``int8`` (modules or blocks kept at int8 weight-only); those arguments are for int4 only."""
+    hqq), ``group_size`` (None: 128 / 64 / 32 per layer), ``symmetric``, ``float_zero``, ``act_order`` and ``damp``
+    (gptq), and ``int8`` (modules or blocks kept at int8 weight-only); those arguments are for int4 only."""
     if scheme == "int4-weight-only":
         from .int4 import int4_pass
 
         return int4_pass(model, ctx, algorithm=algorithm or "rtn", group_size=group_size, symmetric=symmetric,
-                         act_order=act_order, damp=damp, int8=int8, exclude=exclude, n_calib=n_calib)
-    if algorithm is not None or int8 or symmetric is not True or act_order or damp != 0.01:
-        raise PrunusError(f"quantize: algorithm, symmetric, act_order, damp and int8 are for scheme int4-weight-only, "
+                         act_order=act_order, damp=damp, int8=int8, exclude=exclude, n_calib=n_calib,
+                         float_zero=float_zero)
+    if algorithm is not None or int8 or symmetric is not True or act_order or damp != 0.01 or float_zero:
+        raise PrunusError(f"quantize: algorithm, symmetric, float_zero, act_order, damp and int8 are for scheme "
+                          f"int4-weight-only, "
                           f"not {scheme}; drop them")
     check_scheme(scheme, granularity, group_size)
     check_calibration(calibration, percentile)

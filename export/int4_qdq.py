@@ -25,6 +25,8 @@ from onnx import TensorProto, helper, numpy_helper
 from prunus.artifacts.errors import PrunusError
 from prunus.models.int4 import SYMMETRIC_ZERO
 
+from .int4_float_zero import add_group_term, integer_zero
+
 INT4_OPSET = 21  # the first opset with INT4 / UINT4 and blocked DequantizeLinear
 
 
@@ -50,18 +52,22 @@ def int4_qdq_nodes(a: str, outputs: list[str], prefix: str, module) -> tuple[lis
     Int4Linear; returns (nodes, initializers). The MatMul writes ``outputs`` (the float MatMul's)."""
     q = module.unpacked().to(torch.int64).t().contiguous().numpy()  # (K, N), values in [0, 15]
     scale = module.weight_scale.float().t().contiguous().numpy()  # (K / group, N)
+    zero, term = integer_zero(module)
     if module.symmetric:
         inits = [int4_tensor(f"{prefix}.weight_q4", q - SYMMETRIC_ZERO, signed=True),
                  numpy_helper.from_array(scale, f"{prefix}.weight_scale")]
     else:
-        zero = module.weight_zero.to(torch.int64).t().contiguous().numpy()
         inits = [int4_tensor(f"{prefix}.weight_q4", q, signed=False),
                  numpy_helper.from_array(scale, f"{prefix}.weight_scale"),
-                 int4_tensor(f"{prefix}.weight_zero_point", zero, signed=False)]
+                 int4_tensor(f"{prefix}.weight_zero_point", zero.to(torch.int64).t().contiguous().numpy(), signed=False)]
     dq = helper.make_node("DequantizeLinear", [i.name for i in inits], [f"{prefix}.weight_dq"],
                           name=f"{prefix}.weight_dequantize", axis=0, block_size=int(module.group_size))
-    mm = helper.make_node("MatMul", [a, dq.output[0]], list(outputs), name=f"{prefix}.matmul")
-    return [dq, mm], inits
+    y = list(outputs) if term is None else [f"{prefix}.matmul_int_zero"]
+    mm = helper.make_node("MatMul", [a, dq.output[0]], y, name=f"{prefix}.matmul")
+    if term is None:
+        return [dq, mm], inits
+    nodes, more = add_group_term(a, y[0], list(outputs), prefix, module, term)
+    return [dq, mm, *nodes], inits + more
 
 
 def check_tensorrt_int4(modules: dict, model_dir) -> None:

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from prunus.artifacts.errors import PrunusError
 
+from .int4_float_zero import add_group_term, integer_zero
 from .int4_qdq import int4_qdq_nodes
 from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 
@@ -161,17 +162,22 @@ def _matmul_nbits(a: str, outputs: list[str], prefix: str, module) -> tuple[list
     (out, n_blocks, group_size / 2) (prunus packs as MatMulNBits does: low nibble first, groups along the input
     features), scales (out * n_blocks,), and for asymmetric modules the zero points packed two per byte.
     ONNX Runtime dequantizes (q - zero_point) * scale with a default zero point of 8, which is prunus's
-    symmetric grid, so a symmetric module writes none."""
+    symmetric grid, so a symmetric module writes none. Float zero points: see :mod:`.int4_float_zero`."""
     from prunus.models.int4 import pack_zero_points
 
     n, k, g = module.out_features, module.in_features, module.group_size
+    zero, term = integer_zero(module)
     inits = [_tensor(f"{prefix}.weight_q4", module.weight.reshape(n, k // g, g // 2)),
              _tensor(f"{prefix}.weight_scale", module.weight_scale.float().reshape(-1))]
     if not module.symmetric:
-        inits.append(_tensor(f"{prefix}.weight_zero_point", pack_zero_points(module.weight_zero)))
-    node = helper.make_node("MatMulNBits", [a, *(i.name for i in inits)], outputs, domain=MS_DOMAIN,
+        inits.append(_tensor(f"{prefix}.weight_zero_point", pack_zero_points(zero)))
+    y = outputs if term is None else [f"{prefix}.matmul_int_zero"]
+    node = helper.make_node("MatMulNBits", [a, *(i.name for i in inits)], y, domain=MS_DOMAIN,
                             name=f"{prefix}.matmul", K=k, N=n, bits=4, block_size=g, accuracy_level=4)
-    return [node], inits
+    if term is None:
+        return [node], inits
+    nodes, more = add_group_term(a, y[0], outputs, prefix, module, term)
+    return [node, *nodes], inits + more
 
 
 def nbits8_block(module) -> int | None:

@@ -9,6 +9,12 @@ in [0, 15]; the stored 4-bit values q in [0, 15] stand for
 Symmetric quantization is the case z = 8 everywhere (q - 8 in [-8, 7]); asymmetric
 quantization fits z to each group's range (see :func:`rtn_params`).
 
+Float zero points (``float_zero``, asymmetric only): z is a float32 per group instead of an
+integer, as torchao's and ONNX Runtime's HQQ and llama.cpp's Q4_1 keep it (a Q4_1 block
+d * k + m is the grid s = d, z = -m / d). Kernels that take integer zero points only
+(``MatMulNBits``, ``DequantizeLinear``) run with z_int = round(z) and add the rest as a
+per-group term: W = (q - z_int) * s + (z_int - z) * s (:func:`split_float_zero`).
+
 The byte layout is ONNX Runtime's ``MatMulNBits`` layout, so an export writes these bytes
 unchanged: ``packed[o, j]`` holds q[o, 2j] in its low nibble and q[o, 2j + 1] in its high
 nibble, and each group occupies group_size / 2 consecutive bytes of its row. Zero points
@@ -80,7 +86,8 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     return (q.float() - expand_groups(zero.float(), group_size)) * expand_groups(scale.float(), group_size)
 
 
-def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool,
+               float_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero point), each (out, n_groups), covering each group's range.
 
     Symmetric: z = 8 and s = e / -8, e the group's value of largest magnitude with its sign, so e lands
@@ -88,7 +95,9 @@ def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch
     as llama.cpp's Q4_0 and ONNX Runtime's symmetric blocks store it. Its step |e| / 8 is finer than the
     positive-only max(-min / 8, max / 7) by 8/7 wherever e > 0 (on SmolLM2-135M's w1 of block 5, group
     64: 15% less squared error, the same as ONNX Runtime's ``quantize_matmul_4bits``).
-    Asymmetric: s = (max - min) / 15 over a range that includes 0, z = round(-min / s)."""
+    Asymmetric: s = (max - min) / 15 over a range that includes 0, z = round(-min / s). With ``float_zero``
+    the range is the group's own (min and max, 0 need not lie on the grid) and z = -min / s, a float:
+    Q4_1's grid, on which min and max are exact."""
     out_f, in_f = w.shape
     g = w.detach().float().reshape(out_f, in_f // group_size, group_size)
     if symmetric:
@@ -97,6 +106,13 @@ def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch
         scale = torch.where(scale.abs() < _EPS, torch.full_like(scale, _EPS), scale)  # an all-zero group
         zero = torch.full_like(scale, SYMMETRIC_ZERO, dtype=torch.uint8)
         return scale, zero
+    if float_zero:
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        # a (nearly) constant group: step |min|, zero -+1, so q = 0 stands for min exactly (a step of
+        # span / 15 there would put z at -min / step, too large for float32 to round q correctly)
+        flat = hi - lo <= 1e-4 * torch.maximum(lo.abs(), hi.abs()).clamp(min=_EPS)
+        scale = torch.where(flat, lo.abs().clamp(min=_EPS), (hi - lo) / QMAX)
+        return scale, -lo / scale
     lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
     scale = ((hi - lo) / QMAX).clamp(min=_EPS)
     zero = (-lo / scale).round().clamp(0, QMAX).to(torch.uint8)
@@ -109,11 +125,21 @@ def quantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
     return q.round().clamp(0, QMAX).to(torch.uint8)
 
 
-def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool,
+             float_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round to nearest: (unpacked values, scale, zero point)."""
-    scale, zero = rtn_params(w, group_size, symmetric)
+    scale, zero = rtn_params(w, group_size, symmetric, float_zero)
     return quantize_int4(w, scale, zero, group_size), scale, zero
 
 
+def split_float_zero(zero: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float zero points (out, n_groups) -> (integer zero points uint8 in [0, 15], the per-group term
+    (z_int - z) * s, float32): (q - z) * s == (q - z_int) * s + term, for kernels that take integers only."""
+    z = zero.float()
+    z_int = z.round().clamp(0, QMAX)
+    return z_int.to(torch.uint8), ((z_int - z) * scale.float()).contiguous()
+
+
 __all__ = ["INT4_SCHEME", "GROUP_SIZES", "default_group_size", "check_group_size", "pack_int4", "unpack_int4",
-           "pack_zero_points", "dequantize_int4", "rtn_params", "quantize_int4", "rtn_int4", "expand_groups"]
+           "pack_zero_points", "dequantize_int4", "rtn_params", "quantize_int4", "rtn_int4", "expand_groups",
+           "split_float_zero"]

@@ -232,7 +232,7 @@ def quantized_layout(model: nn.Module, modules: dict[str, dict]) -> None:
 
             q = Int4Linear(linear.in_features, linear.out_features, spec.get("group_size"), spec.get("symmetric", True),
                            spec.get("algorithm", "rtn"), device=linear.weight.device, bias=linear.bias is not None,
-                           where=f"config.json: module {name}")
+                           where=f"config.json: module {name}", float_zero=spec.get("float_zero") is True)
         else:
             q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
                                 spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None)

@@ -2,8 +2,9 @@
 
 Buffers (the storage format, see :mod:`prunus.models.int4`): ``weight`` uint8 (out, in // 2),
 two 4-bit values per byte; ``weight_scale`` float32 (out, in // group_size); ``weight_zero``
-uint8 (out, in // group_size), values in [0, 15] (8 everywhere when symmetric); ``bias``
-(out,) float32 when the layer has one.
+uint8 (out, in // group_size), values in [0, 15] (8 everywhere when symmetric), or float32 with
+``float_zero`` (any value; see :mod:`prunus.models.int4`); ``bias`` (out,) float32 when the layer
+has one.
 
 Forward pass:
 
@@ -44,16 +45,17 @@ class Int4Linear(QuantizedLinear):
     """Packed int4 weights; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, symmetric: bool = True,
-                 algorithm: str = "rtn", device=None, bias: bool = False, where: str = "int4"):
+                 algorithm: str = "rtn", device=None, bias: bool = False, where: str = "int4", float_zero: bool = False):
         nn.Module.__init__(self)
         group_size = check_group_size(group_size, in_features, where)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.granularity, self.group_size = INT4_SCHEME, "per_group", group_size
-        self.symmetric, self.algorithm = bool(symmetric), algorithm
+        self.symmetric, self.algorithm, self.float_zero = bool(symmetric), algorithm, bool(float_zero)
         n_groups = in_features // group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
-        self.register_buffer("weight_zero", torch.full((out_features, n_groups), 8, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_zero", torch.full((out_features, n_groups), 8, device=device,
+                                                       dtype=torch.float32 if float_zero else torch.uint8))
         self.input_scale = None
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device))
@@ -63,13 +65,13 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_quantized(cls, linear: nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                       group_size: int, symmetric: bool, algorithm: str) -> "Int4Linear":
+                       group_size: int, symmetric: bool, algorithm: str, float_zero: bool = False) -> "Int4Linear":
         """A module holding unpacked values ``q`` (out, in) in [0, 15] with their scales and zero points."""
         m = cls(linear.in_features, linear.out_features, group_size, symmetric, algorithm,
-                device=linear.weight.device, bias=linear.bias is not None)
+                device=linear.weight.device, bias=linear.bias is not None, float_zero=float_zero)
         m.weight = pack_int4(q)
         m.weight_scale = scale.detach().float().contiguous()
-        m.weight_zero = zero.to(torch.uint8).contiguous()
+        m.weight_zero = zero.to(m.weight_zero.dtype).contiguous()
         if linear.bias is not None:
             m.bias = linear.bias.detach().float().clone()
         return m
@@ -104,12 +106,14 @@ class Int4Linear(QuantizedLinear):
         return self._tinygemm[1], self._tinygemm[2]
 
     def spec(self) -> dict:
-        return {"scheme": self.scheme, "granularity": "per_group", "group_size": self.group_size,
+        spec = {"scheme": self.scheme, "granularity": "per_group", "group_size": self.group_size,
                 "symmetric": self.symmetric, "algorithm": self.algorithm}
+        return {**spec, "float_zero": True} if self.float_zero else spec
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}, algorithm={self.algorithm}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}, algorithm={self.algorithm}"
+                + (", float_zero=True" if self.float_zero else ""))
 
 
 __all__ = ["Int4Linear", "tinygemm_available"]

@@ -287,13 +287,15 @@ def test_int4_group_64_is_under_0_30_of_fp16():
     assert stored <= 0.30 * 576 * 1536 * 2, stored / (576 * 1536 * 2)
 
 
+@pytest.mark.parametrize("float_zero", [False, True])
 @pytest.mark.parametrize("style", ["column", "row"])
-def test_tensor_parallel_slices_of_an_int4_layer_add_up(style):
+def test_tensor_parallel_slices_of_an_int4_layer_add_up(style, float_zero):
     from prunus.serve.tp_shard import shard_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(128, 64, bias=False)
-    full = Int4Linear.from_quantized(lin, *rtn_int4(lin.weight, 32, False), 32, False, "rtn")
+    full = Int4Linear.from_quantized(lin, *rtn_int4(lin.weight, 32, False, float_zero), 32, False, "rtn",
+                                     float_zero=float_zero)
     x = torch.randn(3, 128)
     parts = []
     for rank in range(2):
