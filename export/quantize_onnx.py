@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from prunus.artifacts.errors import PrunusError
 
-from .int4_float_zero import add_group_term, integer_zero
+from .int4_float_zero import add_group_term, integer_zero, unique_by_name
 from .int4_qdq import int4_qdq_nodes
 from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 
@@ -284,8 +284,8 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         raise PrunusError(f"export: quantized module(s) {', '.join(missing[:3])} not found in the exported graph; "
                           "re-create the compressed model dir")
     del g.node[:]
-    g.node.extend(new_nodes)
-    g.initializer.extend(new_inits)
+    g.node.extend(unique_by_name(new_nodes))  # float zero points: one group-sum node per input (int4_float_zero)
+    g.initializer.extend(unique_by_name(new_inits))
     _prune_unused(g)
     if any(n.domain == MS_DOMAIN for n in g.node):
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
