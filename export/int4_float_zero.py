@@ -48,10 +48,12 @@ def add_group_term(a: str, y: str, outputs: list[str], prefix: str, module, term
 
 
 def unique_by_name(items: list) -> list:
-    """The first of each name (nodes or initializers), in order."""
+    """The first of each initializer name, or of each node's outputs (nodes may be unnamed; two nodes writing
+    the same tensor are the same group sum), in order."""
     seen, out = set(), []
     for item in items:
-        if item.name not in seen:
-            seen.add(item.name)
+        key = tuple(item.output) if hasattr(item, "op_type") else item.name
+        if key not in seen:
+            seen.add(key)
             out.append(item)
     return out

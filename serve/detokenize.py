@@ -26,7 +26,7 @@ class IncrementalText:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.settled = ""  # the decode of ids[:read]; never changes once written
+        self.settled = ""  # the decode of ids[:read]; only appended to (but for the whole-decode fallback)
         self.pending = ""  # the decode of ids[read:], in the window's context; may change
         self._prefix = 0
         self._read = 0
