@@ -13,7 +13,11 @@ upper Cholesky factor of H^-1 (optimal brain surgeon updates). Here:
   energy first). Groups then use "static" scales computed from the float weight before
   any update, so each group still covers consecutive input features and the storage
   format is unchanged. Without act_order each group's scale and zero point are computed
-  when GPTQ reaches the group, from the already-updated weights (as the paper does).
+  when GPTQ reaches the group, from the already-updated weights (as the paper does);
+* ``clip``: "mse" fits each group's range by the search of :mod:`.int4_clip`, weighing each
+  column's error by H's diagonal (its input's energy), instead of spanning the whole range.
+  SmolLM2-135M, group 64, head in float: +8.61% -> +6.96% bits per byte; weighing the columns
+  equally, +8.35%.
 
 The Hessians come from calibration activations of the float model, in one pass with hooks
 (:func:`hessians`). On SmolLM2-135M (int4, group 64, asymmetric) this scored +6.8% bits per
@@ -27,9 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunus.models.int4 import QMAX, rtn_params
+from prunus.models.int4 import QMAX
 
 from .calibrate import observe_inputs
+from .int4_clip import grid_params
 
 
 # Linear modules of a block that read the same tensor: one Hessian serves them all
@@ -72,9 +77,9 @@ def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
 @torch.no_grad()
 def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool, *, damp: float = 0.01,
               block_size: int = 128, act_order: bool = False,
-              float_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              float_zero: bool = False, clip: str = "none") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(unpacked values (out, in) uint8, scale, zero point (out, n_groups): uint8, float32 with ``float_zero``)
-    for weight ``w`` and Hessian ``H``."""
+    for weight ``w`` and Hessian ``H``; ``clip`` "mse" searches each group's range weighted by H's diagonal."""
     W = w.detach().float().clone()
     out_f, n = W.shape
     H = H.detach().float().clone()
@@ -85,8 +90,9 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
     scale = torch.empty(out_f, n_groups)
     zero = torch.empty(out_f, n_groups)
     perm = torch.arange(n)
+    energy = torch.diag(H).clone() if clip == "mse" else None  # before the damping
     if act_order:
-        scale, zero = (t.float() for t in rtn_params(W, group_size, symmetric, float_zero))  # static groups
+        scale, zero = (t.float() for t in grid_params(W, group_size, symmetric, float_zero, clip, energy))  # static
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(n)
@@ -101,7 +107,8 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
             col = int(perm[i1 + i])
             g = col // group_size
             if not act_order and col % group_size == 0:
-                s, z = rtn_params(W1[:, i:i + group_size], group_size, symmetric, float_zero)
+                imp = None if energy is None else energy[col:col + group_size]
+                s, z = grid_params(W1[:, i:i + group_size], group_size, symmetric, float_zero, clip, imp)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0].float()
             q, dq = _quantize_column(W1[:, i], scale[:, g], zero[:, g])
             Q[:, i1 + i] = q

@@ -39,7 +39,7 @@ def untie_output(model: nn.Module) -> None:
 def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                   calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8, exclude=("output",),
                   algorithm: str | None = None, symmetric: bool = True, act_order: bool = False, damp: float = 0.01,
-                  int8=(), float_zero: bool = False):
+                  int8=(), float_zero: bool = False, clip: str = "none"):
     """Replace every float Linear not in ``exclude`` by a QuantizedLinear of ``scheme``, in place; record the
     layout in the model's CompressionState (``quantization``). Returns ``model``.
 
@@ -51,9 +51,10 @@ def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", 
 
         return int4_pass(model, ctx, algorithm=algorithm or "rtn", group_size=group_size, symmetric=symmetric,
                          act_order=act_order, damp=damp, int8=int8, exclude=exclude, n_calib=n_calib,
-                         float_zero=float_zero)
-    if algorithm is not None or int8 or symmetric is not True or act_order or damp != 0.01 or float_zero:
-        raise PrunusError(f"quantize: algorithm, symmetric, float_zero, act_order, damp and int8 are for scheme "
+                         float_zero=float_zero, clip=clip)
+    if (algorithm is not None or int8 or symmetric is not True or act_order or damp != 0.01 or float_zero
+            or clip != "none"):
+        raise PrunusError(f"quantize: algorithm, symmetric, float_zero, clip, act_order, damp and int8 are for scheme "
                           f"int4-weight-only, "
                           f"not {scheme}; drop them")
     check_scheme(scheme, granularity, group_size)
