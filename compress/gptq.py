@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunus.models.int4 import QMAX
+from prunus.models.int4 import QMAX, round_half_up
 
 from .calibrate import observe_inputs
 from .int4_clip import grid_params
@@ -70,7 +70,7 @@ def hessians(model: nn.Module, names: list[str], batches: list[torch.Tensor]) ->
 
 
 def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q = (w / scale + zero).round().clamp(0, QMAX)
+    q = round_half_up(w * (1 / scale) + zero).clamp(0, QMAX)
     return q, (q - zero) * scale
 
 
@@ -118,7 +118,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     if act_order:
         Q = Q[:, torch.argsort(perm)]
-    return Q.to(torch.uint8), scale, zero if float_zero else zero.round().to(torch.uint8)
+    return Q.to(torch.uint8), scale, zero if float_zero else round_half_up(zero).to(torch.uint8)
 
 
 __all__ = ["SHARED_INPUTS", "input_groups", "hessians", "gptq_int4"]

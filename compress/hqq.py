@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from prunus.models.int4 import QMAX, SYMMETRIC_ZERO, rtn_params
+from prunus.models.int4 import QMAX, SYMMETRIC_ZERO, round_half_up, rtn_params
 
 _EPS = 1e-12
 
@@ -88,7 +88,7 @@ def hqq_int4(w: torch.Tensor, group_size: int, symmetric: bool, *, float_zero: b
     z = torch.full_like(z, SYMMETRIC_ZERO) if symmetric else z.round().clamp(0, QMAX)
     q = (W / s + z).round().clamp(0, QMAX)
     err = ((q - z) * s - W).pow(2).sum(dim=1, keepdim=True)
-    q0 = (W / s0 + z0).round().clamp(0, QMAX)
+    q0 = round_half_up(W * (1 / s0) + z0).clamp(0, QMAX)  # round to nearest's own integers
     err0 = ((q0 - z0) * s0 - W).pow(2).sum(dim=1, keepdim=True)
     better = err < err0  # per group, the better (squared error) of HQQ's and round-to-nearest's grid
     q, s, z = torch.where(better, q, q0), torch.where(better, s, s0), torch.where(better, z, z0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from prunus.models.int4 import QMAX, rtn_params
+from prunus.models.int4 import QMAX, round_half_up, rtn_params
 
 CLIPS = ("none", "mse")
 MAX_SHRINK = 0.25  # p from 1 down to 0.75
@@ -41,7 +41,7 @@ def clip_params(w: torch.Tensor, group_size: int, symmetric: bool, float_zero: b
     for p in shrink_factors():
         scale, zero = rtn_params(w * p, group_size, symmetric, float_zero)
         s, z = scale.unsqueeze(2), zero.float().unsqueeze(2)
-        dq = ((groups / s + z).round().clamp(0, QMAX) - z) * s
+        dq = (round_half_up(groups * (1 / s) + z).clamp(0, QMAX) - z) * s
         err = (dq - groups).abs().pow(NORM)
         err = (err if weight is None else err * weight).sum(2)
         if best is None:

@@ -86,6 +86,14 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     return (q.float() - expand_groups(zero.float(), group_size)) * expand_groups(scale.float(), group_size)
 
 
+def round_half_up(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, exact halves up, as ONNX Runtime's blockwise quantizer (``roundf``, on the
+    non-negative values that survive the clamp to [0, 15]) does; torch.round sends halves to even. Halves are
+    common here: weights dequantized from a GGUF lie on a grid. (floor(x + 0.5) would be wrong just below 0.5.)"""
+    r = torch.round(x)
+    return r + ((x - r) == 0.5).to(r.dtype)
+
+
 def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool,
                float_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero point), each (out, n_groups), covering each group's range.
@@ -115,14 +123,15 @@ def rtn_params(w: torch.Tensor, group_size: int, symmetric: bool,
         return scale, -lo / scale
     lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
     scale = ((hi - lo) / QMAX).clamp(min=_EPS)
-    zero = (-lo / scale).round().clamp(0, QMAX).to(torch.uint8)
+    zero = round_half_up((-lo / scale).clamp(0, QMAX)).to(torch.uint8)
     return scale, zero
 
 
 def quantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Round ``w`` (out, in) onto the grid of (scale, zero): uint8 values in [0, 15], unpacked."""
-    q = w.detach().float() / expand_groups(scale.float(), group_size) + expand_groups(zero.float(), group_size)
-    return q.round().clamp(0, QMAX).to(torch.uint8)
+    """Round ``w`` (out, in) onto the grid of (scale, zero): uint8 values in [0, 15], unpacked. As ONNX Runtime's
+    ``quantize_matmul_4bits``: w times the reciprocal scale, plus z, halves up (the same integers, bit for bit)."""
+    q = w.detach().float() * expand_groups(1 / scale.float(), group_size) + expand_groups(zero.float(), group_size)
+    return round_half_up(q).clamp(0, QMAX).to(torch.uint8)
 
 
 def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool,
@@ -136,10 +145,10 @@ def split_float_zero(zero: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     """Float zero points (out, n_groups) -> (integer zero points uint8 in [0, 15], the per-group term
     (z_int - z) * s, float32): (q - z) * s == (q - z_int) * s + term, for kernels that take integers only."""
     z = zero.float()
-    z_int = z.round().clamp(0, QMAX)
+    z_int = round_half_up(z).clamp(0, QMAX)
     return z_int.to(torch.uint8), ((z_int - z) * scale.float()).contiguous()
 
 
 __all__ = ["INT4_SCHEME", "GROUP_SIZES", "default_group_size", "check_group_size", "pack_int4", "unpack_int4",
            "pack_zero_points", "dequantize_int4", "rtn_params", "quantize_int4", "rtn_int4", "expand_groups",
-           "split_float_zero"]
+           "split_float_zero", "round_half_up"]

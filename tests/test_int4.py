@@ -337,3 +337,28 @@ def test_hqq_weight_error_is_below_rtn_on_every_layer(tiny_model, symmetric):
             err = lambda q, s, z: float((dequantize_int4(q, s, z, 64) - w).pow(2).sum())  # noqa: E731
             e_rtn, e_hqq = err(*rtn_int4(w, 64, symmetric)), err(*hqq_int4(w, 64, symmetric))
             assert e_hqq < e_rtn, (name, e_hqq, e_rtn)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_round_to_nearest_writes_onnx_runtimes_integers_bit_for_bit(symmetric):
+    """The same packed values, scales and zero points as ONNX Runtime's ``quantize_matmul_4bits``, on weights that
+    lie on a coarser grid (as weights dequantized from a GGUF do), where exact halves are common."""
+    import numpy as np
+
+    pybind = pytest.importorskip("onnxruntime.capi._pybind_state")
+    g = torch.Generator().manual_seed(0)
+    n, k, bs = 96, 576, 64
+    w = torch.randint(-30, 31, (n, k), generator=g).float() / 256  # on a grid: step 4 / 256, halves at m % 4 == 2
+    w[:, ::bs], w[:, 1::bs] = -30 / 256, 30 / 256  # (and the zero point 7.5 a half too)
+    w[n // 2:] = torch.randn(n - n // 2, k, generator=g) * 0.05  # and ordinary weights
+    packed = np.zeros((n, k // bs, bs // 2), dtype=np.uint8)
+    scales = np.zeros(n * (k // bs), dtype=np.float32)
+    zeros = np.zeros(n * ((k // bs + 1) // 2), dtype=np.uint8)
+    pybind.quantize_matmul_4bits(packed, np.ascontiguousarray(w.t().numpy()), scales, zeros, bs, n, k, symmetric)
+    q, s, z = rtn_int4(w, bs, symmetric)
+    assert np.array_equal(pack_int4(q).numpy().reshape(packed.shape), packed)
+    assert np.array_equal(s.numpy().reshape(-1), scales)
+    if not symmetric:
+        assert np.array_equal(pack_zero_points(z).numpy(), zeros)
+        halves = (w.reshape(n, -1, bs) / s.unsqueeze(2) + 7.5) % 1 == 0.5
+        assert halves.sum() > 1000 and (z[: n // 2] == 8).all()  # the cases the rounding rule decides
