@@ -40,6 +40,7 @@ class Contender:
     label: str
     path: Path
     precision: str
+    prompt_graph: bool = False  # Engine.load(prompt_graph=...): a quantized genai export's prompt twin
 
 
 def parse_contender(text: str) -> Contender:

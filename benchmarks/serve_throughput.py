@@ -314,12 +314,14 @@ def side_by_side(spec: str, args, figures: list) -> None:
             figures.append((f"{name}: {label}, {k} thr", v))
 
 
-def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch")) -> tuple[list, Path]:
+def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
+                        prompt_graph: bool = False) -> tuple[list, Path]:
     """The prunus side of ``--peer llamacpp`` as (label, dir, precision) Contenders, and the stored int4 dir
     its Q4_0 GGUF is written from: the torch Engine, and ONNX Runtime exports at fp32, int8
     (``--precision int8``) and stored int4 through each of ``graphs`` (genai, torch). Any dir ``Engine.load`` takes
     can be a contender: add one here (or pass ``--contender``) and it is timed, plotted and compared with
-    llama.cpp at its precision."""
+    llama.cpp at its precision. ``prompt_graph``: the int8 and int4 genai exports once more, served with their
+    prompt twin (``Engine.load(prompt_graph=True)``)."""
     from _llamacpp_peer import Contender
 
     root, _ = _export_root(model_dir, cache)
@@ -332,6 +334,8 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"))
             d = cached_onnx(src, root, f"{precision}-rtn-g32-head8" if precision == "int4" else precision, asked, graph, reuse)
             if d is not None:
                 out.append(Contender(f"prunus onnxruntime {graph} graph {precision}", d, precision))
+                if prompt_graph and graph == "genai" and precision != "fp32":
+                    out.append(Contender(f"prunus onnxruntime genai {precision} + prompt graph", d, precision, True))
     return out, int4_dir
 
 
@@ -348,7 +352,7 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
         return
     model_dir, name = resolve_model(spec, args.cache), model_name(spec)
     print(f"\n   -- {name} ({model_dir}); llama.cpp worker in {python}", flush=True)
-    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs)
+    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs, args.prompt_graph)
     contenders += args.contender
     for c in contenders:
         if (c.path / "parity.json").is_file():
@@ -524,6 +528,8 @@ def main() -> None:
                          "or int4 (repeatable)")
     ap.add_argument("--sweep-threads", type=int, default=None,
                     help="with --peer llamacpp: threads of the batch 1-8 sweep (default the largest of --threads)")
+    ap.add_argument("--prompt-graph", action="store_true",
+                    help="with --peer llamacpp: also time the int8 and int4 genai exports with their prompt twin")
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores)")
     ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")

@@ -29,6 +29,10 @@ compile_option = click.option(
     "--compile/--no-compile", "compile_", default=None,
     help="Decode through torch.compile (torch backend, tp=1), or not. Default: auto, by the model's size "
          "(prunus.serve.compiled_decode.choose_compile); eager with a warning where torch.compile cannot run.")
+prompt_graph_option = click.option(
+    "--prompt-graph", is_flag=True, default=False,
+    help="Genai export of int8 / int4 weights: long prompts through a twin graph with float activations "
+         "(faster first token, a second copy of the weights in memory).")
 prefill_chunk_option = click.option(
     "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # serve.backend_torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "

@@ -8,6 +8,12 @@ cache. The token ids, ``seqlens_k`` and ``total_sequence_length`` are written in
 arrays bound by address, and ``logits`` into a preallocated (n_slots, vocab) array. A decode step's
 binding depends only on its batch size and is kept, so a step is: write the ids and lengths, run.
 
+``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.export.genai_prompt_graph`):
+the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
+buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
+every decode step run in the graph itself. The twin holds its own copy of the weights: on SmolLM2-135M the
+process grew by 391 MB for the int8 graph alone and by 846 MB with its twin (int4: 311 / 644 MB).
+
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.serve.backend_ort_genai`) keeps its active rows in slots ``[0, n)``.
 
@@ -28,8 +34,12 @@ from .ort_graphs import ort_session
 
 class GenaiSession:
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
-                 max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None):
+                 max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
+                 prompt_twin: bool = False):
         self.session = ort_session(path_or_bytes, threads, spinning, config)
+        self.prompt_session, self.prompt_min_tokens = None, None
+        if prompt_twin:
+            self._load_prompt_twin(path_or_bytes, threads, spinning, config)
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
@@ -40,10 +50,24 @@ class GenaiSession:
         self.total = np.zeros((), np.int32)
         self._decode_bindings: dict[int, object] = {}
 
-    def _bind(self, ids: np.ndarray, start: int):
+    def _load_prompt_twin(self, path_or_bytes, threads, spinning, config) -> None:
+        import onnx
+
+        from .genai_prompt_graph import prompt_graph
+
+        if isinstance(path_or_bytes, bytes):
+            proto = onnx.load_model_from_string(path_or_bytes)
+        else:
+            proto = onnx.load(str(path_or_bytes), load_external_data=False)
+        twin = prompt_graph(proto)
+        if twin is not None:
+            self.prompt_session = variant_session(path_or_bytes, twin[0], "prompt", threads, spinning, config)
+            self.prompt_min_tokens = twin[1]
+
+    def _bind(self, ids: np.ndarray, start: int, session=None):
         """An I/O binding of ``ids`` (b, seq) on slots [start, start + b)."""
         b = ids.shape[0]
-        binding = self.session.io_binding()
+        binding = (session or self.session).io_binding()
 
         def array(name, a, output=False):
             bind = binding.bind_output if output else binding.bind_input
@@ -75,7 +99,10 @@ class GenaiSession:
             ids[i, :len(p)] = p
         self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
         self.total[...] = width
-        self.session.run_with_iobinding(self._bind(ids, start))
+        session = self.session
+        if self.prompt_session is not None and b * width >= self.prompt_min_tokens:
+            session = self.prompt_session
+        session.run_with_iobinding(self._bind(ids, start, session))
         return self.logits[:b]
 
     def decode(self, lengths: np.ndarray, tokens) -> np.ndarray:
@@ -100,7 +127,25 @@ class GenaiSession:
 
     def close(self) -> None:
         self._decode_bindings.clear()
-        self.session = None
+        self.session = self.prompt_session = None
+
+
+def variant_session(source, variant, tag: str, threads: int | None = None, spinning: bool = True,
+                    config: dict | None = None):
+    """An ONNX Runtime session of ``variant``, a changed copy of the graph at ``source`` (a path or bytes) whose
+    initializers may be external: then it is written beside the graph's data file for the load and removed."""
+    import onnx
+
+    if isinstance(source, bytes) or not any(t.data_location == onnx.TensorProto.EXTERNAL
+                                            for t in variant.graph.initializer):
+        return ort_session(variant.SerializeToString(), threads, spinning, config)
+    path = Path(source)
+    target = path.with_name(f".{path.stem}.{tag}.onnx")
+    onnx.save_model(variant, str(target))
+    try:
+        return ort_session(target, threads, spinning, config)
+    finally:
+        target.unlink()
 
 
 class GenaiGraphs:
@@ -114,16 +159,8 @@ class GenaiGraphs:
 
         self.path, self.dims, self.threads, self.config = Path(path), dims, threads, config
         proto = onnx.load(str(path), load_external_data=False)
-        variant = all_positions_graph(proto)
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in variant.graph.initializer):
-            target = self.path.with_name(f".{self.path.stem}.all_positions.onnx")  # beside its .data file
-            onnx.save_model(variant, str(target))
-            try:
-                self.all_positions = ort_session(target, threads, config=config)
-            finally:
-                target.unlink()
-        else:
-            self.all_positions = ort_session(variant.SerializeToString(), threads, config=config)
+        self.all_positions = variant_session(self.path, all_positions_graph(proto), "all_positions", threads,
+                                             config=config)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""

@@ -40,14 +40,19 @@ class OrtRunner:
         self.sessions.clear()
 
 
-def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None):
+def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
+                             prompt_graph: bool = False):
     """A :class:`GraphBackend` over the torch-exported prefill / decode graphs, or for an export dir holding the
-    genai graph (``export.graph == "genai"``) a :class:`prunus.serve.backend_ort_genai.GenaiBackend`."""
+    genai graph (``export.graph == "genai"``) a :class:`prunus.serve.backend_ort_genai.GenaiBackend`
+    (``prompt_graph``: with its prompt twin, see :class:`prunus.export.genai_session.GenaiSession`)."""
     export = config["export"]
     if export.get("graph") == "genai":
         from .backend_ort_genai import load_genai_backend
 
-        return load_genai_backend(path, config, n_slots, max_len, threads)
+        return load_genai_backend(path, config, n_slots, max_len, threads, prompt_graph)
+    if prompt_graph:
+        raise PrunusError(f"{path}: --prompt-graph needs a genai export (this one holds the torch graphs); "
+                          "re-export with --graph genai or drop it")
     graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
     dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)

@@ -98,7 +98,8 @@ class GenaiBackend:
         self.session.close()
 
 
-def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None) -> GenaiBackend:
+def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
+                       prompt_graph: bool = False) -> GenaiBackend:
     """An export dir whose config.json says ``export.graph == "genai"``."""
     from prunus.export.genai_session import GenaiSession
 
@@ -108,7 +109,7 @@ def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, thr
         raise PrunusError(f"{graph}: missing from the export dir; re-create it with prunus export")
     try:
         session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads,
-                               spinning=SPINNING)
+                               spinning=SPINNING, prompt_twin=prompt_graph)
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None

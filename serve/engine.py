@@ -55,7 +55,8 @@ class Engine:
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
-             prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None) -> "Engine":
+             prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
+             prompt_graph: bool = False) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
@@ -66,7 +67,9 @@ class Engine:
         where it cannot run, decoding stays eager with a one-line warning. ``prefill_chunk``: prompt tokens per
         row per prefill pass of the torch backend (None: whole prompts); a longer prompt goes through the cache
         in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
-        {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`)."""
+        {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`).
+        ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
+        (:mod:`prunus.export.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights)."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
@@ -77,6 +80,9 @@ class Engine:
             raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
         if tp > 1 and backend != "torch":
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
+        if prompt_graph and backend != "onnxruntime":
+            raise PrunusError(f"prompt_graph applies to an ONNX Runtime export dir, not the {backend} backend; "
+                              "drop it (--prompt-graph)")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise PrunusError(f"max_batch={max_batch!r} must be a positive integer")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -122,7 +128,10 @@ class Engine:
             if backend == "onnxruntime":
                 from .backend_onnxruntime import load_onnxruntime_backend
 
-                impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads)
+                impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads,
+                                                prompt_graph=prompt_graph)
+                if prompt_graph:
+                    info["prompt_graph_min_tokens"] = getattr(getattr(impl, "session", None), "prompt_min_tokens", None)
             else:
                 from .backend_tensorrt import load_tensorrt_backend
 
