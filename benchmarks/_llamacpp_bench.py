@@ -283,8 +283,8 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
     results: dict[str, Runner] = {}
     for k in sorted(set(threads) | {sweep_threads}):
         with runners(contenders, peer, hf, k, 1, max_len) as rs:
-            for r in rs:
-                r.run([short], 4), r.run([long[:64]], 1)  # warm-up
+            for r in rs:  # warm-up: first passes of a session grow its arena (prunus's prompt twin: 2.7 s then 1.0 s)
+                r.run([short], 4), r.run([long], 1), r.run([long], 1)
             rs = [_merge(results, r) for r in rs]
             for i in range(rounds):
                 batch1_round(rs, short, long, n, k, first=i == 0)

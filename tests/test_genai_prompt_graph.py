@@ -42,7 +42,7 @@ def mixed(trained_run, tmp_path_factory):
 def _session(model, path, prompt_twin: bool = True) -> GenaiSession:
     cfg = model.config
     return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        vocab_size=cfg.vocab_size, n_slots=len(PROMPTS), max_len=48, threads=1, prompt_twin=prompt_twin)
+                        vocab_size=cfg.vocab_size, n_slots=len(PROMPTS), max_len=96, threads=1, prompt_twin=prompt_twin)
 
 
 def _attrs(node) -> dict:
@@ -115,6 +115,10 @@ def test_long_prompt_passes_go_to_the_twin_and_the_rest_stays_in_the_graph(mixed
     assert (sess.session.runs, sess.prompt_session.runs) == (1, 1)
     sess.decode(np.array([14, 2, 11]), np.array([1, 2, 3]))
     assert (sess.session.runs, sess.prompt_session.runs) == (2, 1)
+    cfg = model.config  # no pass of a 1-row, 96-position buffer reaches the int8 threshold (256): no twin is loaded
+    small = GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         vocab_size=cfg.vocab_size, n_slots=1, max_len=96, threads=1, prompt_twin=True)
+    assert small.prompt_session is None and small.prompt_min_tokens is None
 
 
 @pytest.mark.parametrize("min_tokens", [1, 10**6])
@@ -124,7 +128,7 @@ def test_serving_through_the_twin_keeps_greedy_tokens_and_joins(mixed, min_token
     model, path = mixed
     sess = _session(model, path)
     sess.prompt_min_tokens = min_tokens
-    backend = GenaiBackend(sess, len(PROMPTS), 48)
+    backend = GenaiBackend(sess, len(PROMPTS), 96)
     got = {0: [int(backend.prefill([0], PROMPTS[:1])[0].argmax())]}
     for _ in range(3):  # row 0 decodes alone, then rows 1 and 2 join in one pass
         got[0].append(int(backend.decode([0], [got[0][-1]])[0].argmax()))
