@@ -65,7 +65,7 @@ class GenaiSession:
         twin = prompt_graph(proto)
         if twin is None or self.max_len * self.n_slots < twin[1]:
             return
-        self.prompt_session = variant_session(path_or_bytes, twin[0], "prompt", threads, spinning, config)
+        self.prompt_session = variant_session(path_or_bytes, twin[0], "prompt", threads, spinning, config, lean=True)
         self.prompt_min_tokens = twin[1]
         rows = -(-twin[1] // self.max_len)  # the fewest rows whose padded width reaches the threshold
         warm = [[0] * -(-twin[1] // rows)] * rows
@@ -139,21 +139,23 @@ class GenaiSession:
 
 
 def variant_session(source, variant, tag: str, threads: int | None = None, spinning: bool = True,
-                    config: dict | None = None):
-    """An ONNX Runtime session of ``variant``, a changed copy of the graph at ``source`` (a path or bytes) whose
-    initializers may be external: then it is written beside the graph's data file for the load and removed."""
+                    config: dict | None = None, lean: bool = False):
+    """An ONNX Runtime session of ``variant``, a changed copy of the graph at ``source`` (a path or bytes), loaded
+    from a file that is removed after: beside the graph's data file when its initializers are external, else in
+    a temporary dir. (A session made from bytes keeps them for its lifetime: the int8 SmolLM2 graph's 254 MB.)"""
+    import tempfile
+
     import onnx
 
-    if isinstance(source, bytes) or not any(t.data_location == onnx.TensorProto.EXTERNAL
-                                            for t in variant.graph.initializer):
-        return ort_session(variant.SerializeToString(), threads, spinning, config)
-    path = Path(source)
-    target = path.with_name(f".{path.stem}.{tag}.onnx")
-    onnx.save_model(variant, str(target))
-    try:
-        return ort_session(target, threads, spinning, config)
-    finally:
-        target.unlink()
+    external = not isinstance(source, bytes) and any(t.data_location == onnx.TensorProto.EXTERNAL
+                                                     for t in variant.graph.initializer)
+    with tempfile.TemporaryDirectory(prefix="prunus-") as tmp:
+        target = Path(source).with_name(f".{Path(source).stem}.{tag}.onnx") if external else Path(tmp) / f"{tag}.onnx"
+        onnx.save_model(variant, str(target))
+        try:
+            return ort_session(target, threads, spinning, config, lean)
+        finally:
+            target.unlink()
 
 
 class GenaiGraphs:

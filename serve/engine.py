@@ -15,6 +15,8 @@ KV cache.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,20 @@ from .request import GenerationResult, Request, SamplingParams, StreamToken
 from .scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Engines not closed yet. At interpreter exit they are closed before the runtimes' own teardown: a process that
+# left two ONNX Runtime Engines open (their scheduler threads idle) ended in "terminate called without an active
+# exception" every time, one Engine never.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception:
+            pass
 
 
 class Engine:
@@ -50,6 +66,7 @@ class Engine:
         if self.info.get("compile"):  # a compile that failed at warm-up left decoding eager
             self.info["compile"] = getattr(backend, "compiled", None) is not None
         self._closed = False
+        _OPEN.add(self)
 
     @classmethod
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
@@ -222,6 +239,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self.scheduler.close()
         self.backend.close()
 

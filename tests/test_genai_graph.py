@@ -206,3 +206,23 @@ def test_an_unsupported_config_is_one_line_and_the_default_falls_back(tmp_path):
     assert _choose_graph(None, "onnx", _model().config, {}, "fp32") == "genai"
     assert _choose_graph(None, "onnx", _model().config, {}, "fp16") == "torch"
     assert _choose_graph(None, "tensorrt", _model().config, {}, "fp32") == "torch"
+
+
+def test_a_process_that_leaves_engines_open_exits_cleanly(genai_export):
+    """Two ONNX Runtime Engines left open at exit are closed by the atexit hook. Without it a process holding two
+    SmolLM2 Engines (Hugging Face tokenizer) aborted at exit, "terminate called without an active exception", every
+    time; this tiny model's process exits cleanly either way, so here the hook's exit path is what is checked."""
+    import subprocess
+    import sys
+
+    root, _ = genai_export
+    code = ("from prunus.serve import Engine\n"
+            f"engines = [Engine.load({str(root / 'export')!r}, max_batch=1, max_len=32, threads=2) for _ in range(2)]\n"
+            "print([len(e.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) for e in engines])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("[3, 3]")
+    hooked = subprocess.run([sys.executable, "-c", code + "import prunus.serve.engine as m\n"
+                             "assert len(m._OPEN) == 2\nm._close_open_engines()\nassert len(m._OPEN) == 0\n"],
+                            capture_output=True, text=True, timeout=300)
+    assert hooked.returncode == 0, hooked.stderr[-2000:]
