@@ -11,8 +11,9 @@ binding depends only on its batch size and is kept, so a step is: write the ids 
 ``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.export.genai_prompt_graph`):
 the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
 buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
-every decode step run in the graph itself. The twin holds its own copy of the weights: on SmolLM2-135M the
-process grew by 391 MB for the int8 graph alone and by 846 MB with its twin (int4: 311 / 644 MB).
+every decode step run in the graph itself. The twin holds its own copy of the weights and runs without ONNX
+Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`): on SmolLM2-135M a session grew the
+process by 340 MB for the int8 graph alone and by 618 MB with its twin (int4, round to nearest: 286 / 494 MB).
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.serve.backend_ort_genai`) keeps its active rows in slots ``[0, n)``.
