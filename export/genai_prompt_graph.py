@@ -54,8 +54,8 @@ def _dequantized_matmul(node, attrs: dict, inits: dict) -> tuple[list, list] | N
         zero = inits.get(node.input[3])
         if zero is None or zero.data_type != onnx.TensorProto.UINT8:
             return None
-        (zp,) = zero_in = [f"{p}.prompt.zero"]
-        nodes = [helper.make_node("Reshape", [node.input[3], new[1].name], zero_in)]
+        zp = f"{p}.prompt.zero"
+        nodes = [helper.make_node("Reshape", [node.input[3], new[1].name], [zp])]
     else:
         new.append(numpy_helper.from_array(np.full((n, k // block), 128, np.uint8), f"{p}.prompt.zero"))
         zp, nodes = new[-1].name, []

@@ -148,7 +148,7 @@ class Engine:
                 impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads,
                                                 prompt_graph=prompt_graph)
                 if prompt_graph:
-                    info["prompt_graph_min_tokens"] = getattr(getattr(impl, "session", None), "prompt_min_tokens", None)
+                    info["prompt_graph_min_tokens"] = impl.session.prompt_min_tokens  # None: an fp32 graph
             else:
                 from .backend_tensorrt import load_tensorrt_backend
 
