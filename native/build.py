@@ -1,0 +1,96 @@
+"""Compiling and loading ``decode.c``: once per source and compiler, into ``$XDG_CACHE_HOME/prunus/native``.
+
+The library is built on first use with the machine's C compiler (``$CC``, else ``cc``) for AVX2 + FMA, like
+torch's own JIT extensions: no build step at install, nothing compiled when the native decoder is never asked for.
+The file name carries a hash of the source and the command, so an edited source or another compiler builds anew;
+a build is written under a temporary name and renamed into place, so two processes never load a half-written one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from prunus.artifacts.errors import PrunusError
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
+ABI = 1  # prunus_abi() of the source this module's structures match
+
+
+def cpu_supported() -> str | None:
+    """None when this CPU runs the kernels, else why not (one phrase)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"an x86-64 CPU with AVX2 (this is {platform.machine()})"
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return "/proc/cpuinfo to check for AVX2 (not readable here)"
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
+    return f"a CPU with {', '.join(missing)} (this one lacks it)" if missing else None
+
+
+def _cache_dir() -> Path:
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return home / "prunus" / "native"
+
+
+def _compiler() -> list[str]:
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    if not cc or shutil.which(cc[0]) is None:
+        raise PrunusError(f"the native decoder is compiled on first use and no C compiler was found ({' '.join(cc) or 'CC'}); "
+                          "install gcc or set CC, or serve without --native")
+    return cc
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built if missing), with their functions' argument types set."""
+    why = cpu_supported()
+    if why is not None:
+        raise PrunusError(f"the native decoder needs {why}; serve without --native")
+    cc = _compiler()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(cc + FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"prunus-decode-{key}.so"
+    if not target.is_file():
+        _build(cc, target)
+    lib = ctypes.CDLL(str(target))
+    if lib.prunus_abi() != ABI:
+        raise PrunusError(f"{target}: built from another version of decode.c; delete it and retry")
+    _declare(lib)
+    return lib
+
+
+def _build(cc: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0][:200]
+            raise PrunusError(f"compiling {SOURCE.name} failed ({first}); serve without --native")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.prunus_pool_new.restype = p
+    lib.prunus_pool_new.argtypes = [i]
+    lib.prunus_pool_free.argtypes = [p]
+    lib.prunus_forward.restype = i
+    lib.prunus_forward.argtypes = [p, p, i, i, p, p, p, i, p]
+    lib.prunus_linear.argtypes = [p, p, i, p, p]

@@ -1,0 +1,488 @@
+/* prunus native decode: a Llama-family decoder step on the CPU (AVX2 + FMA), over a genai export's weights.
+ *
+ * One call, prunus_forward, runs every layer of a pass: rows of new tokens at their own positions, keys and
+ * values written into the caller's KV buffers (n_slots, kv_heads, max_len, head_dim) per layer, the logits of
+ * each row's last token out. Linear layers are fp32, or int8 / int4 in blocks of 32 with a float scale (and a
+ * float scale x zero point) per block, repacked at load (prunus/native/weights.py) four output rows at a time:
+ *
+ *   f32: (tiles, k / 8, 4, 8) floats
+ *   q8:  (tiles, k / 32, 4, 32) int8, the block's integers minus 128 for unsigned storage
+ *   q4:  (tiles, k / 32, 4, 16) bytes: element j in the low nibble of byte j, element j + 16 in its high nibble
+ *   s, sz: (tiles, k / 32, 4) floats: scale, and scale x zero point (NULL: no zero point)
+ *
+ * so one tile's blocks are one sequential stream. Activations are quantized per block of 32 (scale
+ * max|x| / 127, as llama.cpp's Q8_0 and ONNX Runtime's MatMulNBits at accuracy level 4 do). The int8 dot
+ * products use the sign trick (|w| unsigned times sign(x, w) signed) so that _mm256_maddubs_epi16 cannot
+ * saturate without VNNI; int4 nibbles are unsigned and their products are small.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- thread pool */
+
+typedef void (*task_fn)(void *ctx, int ith, int nth);
+
+typedef struct Pool {
+    int n;
+    pthread_t *tid;
+    atomic_int gen, done, stop;
+    task_fn fn;
+    void *ctx;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} Pool;
+
+typedef struct { Pool *p; int ith; } WorkerArg;
+
+#define SPIN_ROUNDS (1 << 16) /* pause instructions before a worker sleeps: about a millisecond */
+
+static void *worker(void *arg) {
+    WorkerArg *wa = (WorkerArg *)arg;
+    Pool *p = wa->p;
+    int ith = wa->ith, seen = 0;
+    free(wa);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&p->gen, memory_order_acquire) == seen) {
+            if (atomic_load(&p->stop)) return NULL;
+            if (++spins < SPIN_ROUNDS) { _mm_pause(); continue; }
+            pthread_mutex_lock(&p->mu);
+            while (atomic_load(&p->gen) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->cv, &p->mu);
+            pthread_mutex_unlock(&p->mu);
+        }
+        seen = atomic_load(&p->gen);
+        p->fn(p->ctx, ith, p->n);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+    }
+}
+
+Pool *prunus_pool_new(int n) {
+    Pool *p = calloc(1, sizeof(Pool));
+    p->n = n < 1 ? 1 : n;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    p->tid = calloc(p->n, sizeof(pthread_t));
+    for (int i = 1; i < p->n; i++) {
+        WorkerArg *wa = malloc(sizeof(WorkerArg));
+        wa->p = p; wa->ith = i;
+        pthread_create(&p->tid[i], NULL, worker, wa);
+    }
+    return p;
+}
+
+void prunus_pool_free(Pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->stop, 1);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->tid[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->tid);
+    free(p);
+}
+
+static void pool_run(Pool *p, task_fn fn, void *ctx) {
+    if (p->n == 1) { fn(ctx, 0, 1); return; }
+    p->fn = fn; p->ctx = ctx;
+    atomic_store(&p->done, 0);
+    atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    fn(ctx, 0, p->n);
+    while (atomic_load_explicit(&p->done, memory_order_acquire) < p->n - 1) _mm_pause();
+}
+
+static void split(int n, int ith, int nth, int *a, int *b) {
+    int per = n / nth, rem = n % nth;
+    *a = ith * per + (ith < rem ? ith : rem);
+    *b = *a + per + (ith < rem);
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static inline float hsum8(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
+/* the four sums of a0..a3 as one vector */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* x (k floats) -> q (k int8), d (k / 32 scales), dsum (k / 32: scale x sum of the block's integers) */
+static void quantize_row(const float *x, int k, int8_t *q, float *d, float *dsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < k / 32; b++) {
+        const float *p = x + 32 * b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(p + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        float a = _mm_cvtss_f32(t), id = a > 0.f ? 127.f / a : 0.f;
+        __m256 vid = _mm256_set1_ps(id);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++)
+            i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), b8);
+        d[b] = a / 127.f;
+        dsum[b] = d[b] * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* ---------------------------------------------------------------- linear layers */
+
+enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8 };
+
+typedef struct {
+    int32_t kind, n, k, tiles;
+    const void *w;
+    const float *s, *sz, *bias;
+} Linear;
+
+typedef struct {
+    const Linear *L;
+    int m;
+    const float *x;    /* (m, k) floats: f32 layers */
+    const int8_t *xq;  /* (m, k) quantized: q8 / q4 layers */
+    const float *xd, *xds; /* (m, k / 32) */
+    float *y;
+    int ldy;
+} GemmTask;
+
+static void store4(const GemmTask *g, int m, int t, __m128 r) {
+    const Linear *L = g->L;
+    float out[4];
+    _mm_storeu_ps(out, r);
+    float *y = g->y + (size_t)m * g->ldy;
+    for (int i = 0; i < 4 && 4 * t + i < L->n; i++) y[4 * t + i] = out[i] + (L->bias ? L->bias[4 * t + i] : 0.f);
+}
+
+static void tile_f32(const GemmTask *g, int t) {
+    const Linear *L = g->L;
+    const int kk = L->k / 8;
+    const float *w = (const float *)L->w + (size_t)t * kk * 32;
+    for (int m = 0; m < g->m; m++) {
+        const float *x = g->x + (size_t)m * L->k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < kk; j++) {
+            __m256 xv = _mm256_loadu_ps(x + 8 * j);
+            const float *wj = w + 32 * j;
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wj), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 8), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 16), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 24), xv, a3);
+        }
+        store4(g, m, t, hsum4x8(a0, a1, a2, a3));
+    }
+}
+
+/* the int8 dot of one weight block (already split into |w| and w) with one activation block, as 8 floats */
+static inline __m256 dot_q8(__m256i aw, __m256i wv, __m256i xv) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+}
+
+static inline __m256 dot_q4(__m256i wv, __m256i xv) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+}
+
+static inline __m256i unpack_q4(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+static void tile_quant(const GemmTask *g, int t) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
+    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    for (int m = 0; m < g->m; m++) {
+        const int8_t *xq = g->xq + (size_t)m * L->k;
+        const float *xd = g->xd + (size_t)m * kb, *xds = g->xds + (size_t)m * kb;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m128 zacc = _mm_setzero_ps();
+        for (int b = 0; b < kb; b++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+            __m256 d = _mm256_set1_ps(xd[b]);
+            const uint8_t *wb = w + (size_t)b * 4 * bytes;
+            const float *sb = s + 4 * b;
+            for (int i = 0; i < 4; i++) {
+                __m256 p;
+                if (q4) {
+                    p = dot_q4(unpack_q4(wb + 16 * i), xv);
+                } else {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
+                    p = dot_q8(_mm256_abs_epi8(wv), wv, xv);
+                }
+                a[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_broadcast_ss(sb + i)), a[i]);
+            }
+            if (sz) zacc = _mm_fmadd_ps(_mm_loadu_ps(sz + 4 * b), _mm_set1_ps(xds[b]), zacc);
+        }
+        store4(g, m, t, _mm_sub_ps(hsum4x8(a[0], a[1], a[2], a[3]), zacc));
+    }
+}
+
+static void gemm_task(void *ctx, int ith, int nth) {
+    const GemmTask *g = (const GemmTask *)ctx;
+    int t0, t1;
+    split(g->L->tiles, ith, nth, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
+        if (g->L->kind == KIND_F32) tile_f32(g, t);
+        else tile_quant(g, t);
+    }
+}
+
+/* y (m, ldy) = x @ W^T (+ bias); xq / xd / xds: x quantized by quantize_row (unused for f32 layers) */
+static void linear(Pool *p, const Linear *L, int m, const float *x, const int8_t *xq, const float *xd,
+                   const float *xds, float *y, int ldy) {
+    GemmTask g = {L, m, x, xq, xd, xds, y, ldy};
+    pool_run(p, gemm_task, &g);
+}
+
+/* ---------------------------------------------------------------- the model */
+
+typedef struct {
+    Linear q, k, v, o, gate, up, down; /* packed q/k/v: q holds all three (k.n == 0); packed gate/up: gate holds both */
+    const float *attn_norm, *ffn_norm;
+    int32_t window; /* keys a query sees, its own included (0: all) */
+} Layer;
+
+typedef struct {
+    int32_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab, max_len, n_slots, rope_len;
+    float eps, scale;
+    const float *emb, *cos, *sin, *norm;
+    const Layer *layers;
+    Linear head;
+    float **kc, **vc; /* per layer (n_slots, kv_heads, max_len, head_dim) */
+} Model;
+
+typedef struct {
+    const Model *m;
+    int T;
+    const int32_t *slot, *pos; /* per token */
+    int layer;
+    const float *qkv;
+    float *out;
+    float *scores; /* per thread max_len floats */
+} AttnTask;
+
+static void rmsnorm(const float *x, const float *w, int n, float eps, float *y) {
+    float ss = dot(x, x, n) / n;
+    float r = 1.f / sqrtf(ss + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+static void rope(float *x, const float *cos, const float *sin, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+static void attn_task(void *ctx, int ith, int nth) {
+    const AttnTask *a = (const AttnTask *)ctx;
+    const Model *m = a->m;
+    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd;
+    const int window = m->layers[a->layer].window;
+    float *sc = a->scores + (size_t)ith * m->max_len;
+    int i0, i1;
+    split(a->T * H, ith, nth, &i0, &i1);
+    for (int it = i0; it < i1; it++) {
+        int t = it / H, h = it % H, g = h / (H / G), pos = a->pos[t];
+        const float *q = a->qkv + (size_t)t * width + h * hd;
+        const size_t base = ((size_t)a->slot[t] * G + g) * m->max_len * hd;
+        const float *K = m->kc[a->layer] + base, *V = m->vc[a->layer] + base;
+        int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+        float mx = -INFINITY;
+        for (int j = first; j <= pos; j++) {
+            sc[j] = dot(q, K + (size_t)j * hd, hd) * m->scale;
+            if (sc[j] > mx) mx = sc[j];
+        }
+        float sum = 0.f;
+        for (int j = first; j <= pos; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+        float *o = a->out + (size_t)t * H * hd + h * hd;
+        memset(o, 0, hd * sizeof(float));
+        for (int j = first; j <= pos; j++) {
+            const float w = sc[j] / sum, *vj = V + (size_t)j * hd;
+            for (int e = 0; e < hd; e++) o[e] += w * vj[e];
+        }
+    }
+}
+
+typedef struct {
+    float *h, *x, *qkv, *att, *ff, *act, *xd, *xds, *scores, *last;
+    int8_t *xq;
+} Scratch;
+
+static void *zalloc(size_t n) { return calloc(n ? n : 1, 1); }
+
+static Scratch scratch_new(const Model *m, int T, int nth) {
+    int width = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim, kmax = m->hidden > m->dim ? m->hidden : m->dim;
+    int att = m->n_heads * m->head_dim;
+    if (att > kmax) kmax = att;
+    Scratch s;
+    s.h = zalloc((size_t)T * m->dim * 4);
+    s.x = zalloc((size_t)T * m->dim * 4);
+    s.qkv = zalloc((size_t)T * width * 4);
+    s.att = zalloc((size_t)T * att * 4);
+    s.ff = zalloc((size_t)T * 2 * m->hidden * 4);
+    s.act = zalloc((size_t)T * m->hidden * 4);
+    s.xq = zalloc((size_t)T * kmax);
+    s.xd = zalloc((size_t)T * (kmax / 32 + 1) * 4);
+    s.xds = zalloc((size_t)T * (kmax / 32 + 1) * 4);
+    s.scores = zalloc((size_t)nth * m->max_len * 4);
+    s.last = zalloc((size_t)T * m->dim * 4);
+    return s;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->ff); free(s->act);
+    free(s->xq); free(s->xd); free(s->xds); free(s->scores); free(s->last);
+}
+
+/* x (T, k) quantized into the scratch when any of the layers that read it is an integer one */
+static void quantize_input(const Scratch *s, int T, int k, const float *x, int needed) {
+    if (!needed) return;
+    for (int t = 0; t < T; t++) quantize_row(x + (size_t)t * k, k, s->xq + (size_t)t * k, s->xd + (size_t)t * (k / 32),
+                                             s->xds + (size_t)t * (k / 32));
+}
+
+static void run_linear(Pool *p, const Scratch *s, const Linear *L, int T, const float *x, float *y, int ldy) {
+    if (L->n == 0) return;
+    linear(p, L, T, x, s->xq, s->xd, s->xds, y, ldy);
+}
+
+static int quantized(const Linear *L) { return L->n > 0 && L->kind != KIND_F32; }
+
+static void attention_block(const Model *m, Pool *p, const Scratch *s, int li, int T, const int32_t *slot,
+                            const int32_t *pos) {
+    const Layer *L = &m->layers[li];
+    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd, half = hd / 2;
+    quantize_input(s, T, m->dim, s->x, quantized(&L->q) || quantized(&L->k) || quantized(&L->v));
+    run_linear(p, s, &L->q, T, s->x, s->qkv, width);
+    run_linear(p, s, &L->k, T, s->x, s->qkv + H * hd, width);
+    run_linear(p, s, &L->v, T, s->x, s->qkv + (H + G) * hd, width);
+    for (int t = 0; t < T; t++) {
+        float *row = s->qkv + (size_t)t * width;
+        const float *c = m->cos + (size_t)pos[t] * half, *sn = m->sin + (size_t)pos[t] * half;
+        for (int h = 0; h < H + G; h++) rope(row + h * hd, c, sn, half);
+        for (int g = 0; g < G; g++) {
+            size_t at = (((size_t)slot[t] * G + g) * m->max_len + pos[t]) * hd;
+            memcpy(m->kc[li] + at, row + (H + g) * hd, hd * sizeof(float));
+            memcpy(m->vc[li] + at, row + (H + G + g) * hd, hd * sizeof(float));
+        }
+    }
+    AttnTask a = {m, T, slot, pos, li, s->qkv, s->att, s->scores};
+    pool_run(p, attn_task, &a);
+    quantize_input(s, T, H * hd, s->att, quantized(&L->o));
+    run_linear(p, s, &L->o, T, s->att, s->x, m->dim);
+}
+
+static void feed_forward_block(const Model *m, Pool *p, const Scratch *s, int li, int T) {
+    const Layer *L = &m->layers[li];
+    const int F = m->hidden;
+    quantize_input(s, T, m->dim, s->x, quantized(&L->gate) || quantized(&L->up));
+    run_linear(p, s, &L->gate, T, s->x, s->ff, 2 * F);
+    run_linear(p, s, &L->up, T, s->x, s->ff + F, 2 * F);
+    for (int t = 0; t < T; t++) {
+        const float *g = s->ff + (size_t)t * 2 * F, *u = g + F;
+        float *a = s->act + (size_t)t * F;
+        for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    quantize_input(s, T, F, s->act, quantized(&L->down));
+    run_linear(p, s, &L->down, T, s->act, s->x, m->dim);
+}
+
+/* h += x; x = norm(h) * w, for T rows of dim */
+static void add_norm(const Model *m, const Scratch *s, int T, const float *w) {
+    for (int t = 0; t < T; t++) {
+        float *h = s->h + (size_t)t * m->dim, *x = s->x + (size_t)t * m->dim;
+        for (int i = 0; i < m->dim; i++) h[i] += x[i];
+        rmsnorm(h, w, m->dim, m->eps, x);
+    }
+}
+
+/* A pass over b rows: row i's count[i] tokens ids[i * seq + j] at positions start[i] + j, in buffer slot
+ * slot0 + i. Writes each row's last-token logits to logits (b, vocab). Returns 0, or -1 on a bad argument. */
+int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
+                   const int32_t *count, int slot0, float *logits) {
+    int T = 0;
+    for (int i = 0; i < b; i++) {
+        if (count[i] < 1 || count[i] > seq || start[i] < 0 || start[i] + count[i] > m->max_len ||
+            start[i] + count[i] > m->rope_len || slot0 + i >= m->n_slots) return -1;
+        T += count[i];
+    }
+    int32_t *slot = malloc(sizeof(int32_t) * T), *pos = malloc(sizeof(int32_t) * T), *last = malloc(sizeof(int32_t) * b);
+    Scratch s = scratch_new(m, T, p->n);
+    int t = 0, bad = 0;
+    for (int i = 0; i < b; i++)
+        for (int j = 0; j < count[i]; j++, t++) {
+            int64_t id = ids[(size_t)i * seq + j];
+            if (id < 0 || id >= m->vocab) bad = 1;
+            slot[t] = slot0 + i; pos[t] = start[i] + j;
+            memcpy(s.h + (size_t)t * m->dim, m->emb + (size_t)(bad ? 0 : id) * m->dim, m->dim * sizeof(float));
+            if (j == count[i] - 1) last[i] = t;
+        }
+    if (!bad) {
+        for (t = 0; t < T; t++) rmsnorm(s.h + (size_t)t * m->dim, m->layers[0].attn_norm, m->dim, m->eps, s.x + (size_t)t * m->dim);
+        for (int li = 0; li < m->n_layers; li++) {
+            attention_block(m, p, &s, li, T, slot, pos);
+            add_norm(m, &s, T, m->layers[li].ffn_norm);
+            feed_forward_block(m, p, &s, li, T);
+            add_norm(m, &s, T, li + 1 < m->n_layers ? m->layers[li + 1].attn_norm : m->norm);
+        }
+        for (int i = 0; i < b; i++) memcpy(s.last + (size_t)i * m->dim, s.x + (size_t)last[i] * m->dim, m->dim * sizeof(float));
+        quantize_input(&s, b, m->dim, s.last, quantized(&m->head));
+        run_linear(p, &s, &m->head, b, s.last, logits, m->vocab);
+    }
+    scratch_free(&s);
+    free(slot); free(pos); free(last);
+    return bad ? -1 : 0;
+}
+
+/* one linear layer alone, for tests and the kernel benchmark: y (m, n) = x (m, k) @ W^T */
+void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
+    int kb = L->k / 32;
+    int8_t *xq = zalloc((size_t)m * L->k);
+    float *xd = zalloc((size_t)m * (kb + 1) * 4), *xds = zalloc((size_t)m * (kb + 1) * 4);
+    if (L->kind != KIND_F32)
+        for (int t = 0; t < m; t++) quantize_row(x + (size_t)t * L->k, L->k, xq + (size_t)t * L->k, xd + (size_t)t * kb, xds + (size_t)t * kb);
+    linear(p, L, m, x, xq, xd, xds, y, L->n);
+    free(xq); free(xd); free(xds);
+}
+
+int prunus_abi(void) { return 1; }

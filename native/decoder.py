@@ -1,0 +1,126 @@
+"""The native decoder: ``decode.c`` over a genai export's packed weights and a :class:`GenaiSession`'s KV buffers.
+
+:class:`NativeDecoder` mirrors the C structures with ctypes, keeps every array they point to alive, and runs a
+pass with one call: rows of new tokens at their own positions (a decode step: one token per row at its length;
+a prompt: its tokens from position 0), keys and values written into the same (n_slots, kv_heads, max_len,
+head_dim) buffers that ONNX Runtime's GroupQueryAttention uses, rotated the same way, so the two can take turns
+on one cache (:class:`prunus.export.genai_session.GenaiSession` with ``native=True``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from prunus.artifacts.errors import PrunusError
+
+from .build import library
+from .weights import KINDS, PackedLinear, PackedModel, read_genai_graph
+
+P, I32 = ctypes.c_void_p, ctypes.c_int32
+
+
+class LinearC(ctypes.Structure):
+    _fields_ = [("kind", I32), ("n", I32), ("k", I32), ("tiles", I32), ("w", P), ("s", P), ("sz", P), ("bias", P)]
+
+
+class LayerC(ctypes.Structure):
+    _fields_ = [(name, LinearC) for name in ("q", "k", "v", "o", "gate", "up", "down")] + [
+        ("attn_norm", P), ("ffn_norm", P), ("window", I32)]
+
+
+class ModelC(ctypes.Structure):
+    _fields_ = [(name, I32) for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab",
+                                         "max_len", "n_slots", "rope_len")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("emb", P), ("cos", P), ("sin", P), ("norm", P),
+        ("layers", P), ("head", LinearC), ("kc", P), ("vc", P)]
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def _linear(lin: PackedLinear | None) -> LinearC:
+    if lin is None:
+        return LinearC()  # n == 0: not run (the packed q/k/v or gate/up projection holds its rows)
+    return LinearC(KINDS[lin.kind], lin.n, lin.k, lin.tiles, _address(lin.w), _address(lin.s), _address(lin.sz),
+                   _address(lin.bias))
+
+
+class NativeDecoder:
+    def __init__(self, packed: PackedModel, k_buffers: list, v_buffers: list, n_slots: int, max_len: int,
+                 threads: int | None = None):
+        self.lib = library()
+        self.packed, self.n_slots, self.max_len = packed, n_slots, max_len
+        d = packed.dims
+        self.vocab_size = d["vocab_size"]
+        self._buffers = (list(k_buffers), list(v_buffers))
+        for buf in (*k_buffers, *v_buffers):
+            if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.shape != (n_slots, d["n_kv_heads"], max_len, d["head_dim"]):
+                raise ValueError("KV buffers must be C-contiguous float32 (n_slots, kv_heads, max_len, head_dim)")
+        self._kc = (P * len(k_buffers))(*(b.ctypes.data for b in k_buffers))
+        self._vc = (P * len(v_buffers))(*(b.ctypes.data for b in v_buffers))
+        self._layers = (LayerC * len(packed.layers))(*(self._layer(x) for x in packed.layers))
+        self.model = ModelC(d["n_layers"], packed.emb.shape[1], d["n_heads"], d["n_kv_heads"], d["head_dim"],
+                            d["hidden"], d["vocab_size"], max_len, n_slots, packed.cos.shape[0], packed.eps,
+                            packed.scale, _address(packed.emb), _address(packed.cos), _address(packed.sin),
+                            _address(packed.norm), ctypes.addressof(self._layers), _linear(packed.head),
+                            ctypes.addressof(self._kc), ctypes.addressof(self._vc))
+        self.threads = threads or os.cpu_count() or 1
+        self.pool = self.lib.prunus_pool_new(self.threads)
+        self._start = np.zeros(n_slots, np.int32)
+        self._count = np.zeros(n_slots, np.int32)
+
+    @staticmethod
+    def _layer(x: dict) -> LayerC:
+        return LayerC(*(_linear(x[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")),
+                      _address(x["attn_norm"]), _address(x["ffn_norm"]), max(0, x["window"]))
+
+    @classmethod
+    def from_graph(cls, path: str | Path, dims: dict, k_buffers: list, v_buffers: list, n_slots: int, max_len: int,
+                   threads: int | None = None) -> "NativeDecoder":
+        """The decoder of the genai graph at ``path`` (weights external or not)."""
+        import onnx
+
+        proto = onnx.load(str(path))
+        packed = read_genai_graph(proto, dims, str(path))
+        del proto
+        return cls(packed, k_buffers, v_buffers, n_slots, max_len, threads)
+
+    def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray) -> np.ndarray:
+        """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i``; writes
+        and returns ``logits[:b]``, each row's last-token logits."""
+        b, seq = ids.shape
+        ids = np.ascontiguousarray(ids, np.int64)
+        self._start[:b] = start
+        self._count[:b] = count
+        if logits.dtype != np.float32 or not logits[:b].flags.c_contiguous or logits.shape[1] != self.vocab_size:
+            raise ValueError("logits must be a C-contiguous float32 (rows, vocab) array")
+        rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
+                                     self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data)
+        if rc != 0:
+            raise ValueError(f"native pass refused: a token id outside the vocabulary, a row past the buffer's "
+                             f"{self.max_len} positions or slots past {self.n_slots}")
+        return logits[:b]
+
+    def close(self) -> None:
+        if self.pool:
+            self.lib.prunus_pool_free(self.pool)
+            self.pool = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def check_native(where: str) -> None:
+    """Raise one PrunusError line when the native decoder cannot run here (CPU, compiler)."""
+    try:
+        library()
+    except PrunusError as e:
+        raise PrunusError(f"{where}: {e}") from None
