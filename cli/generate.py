@@ -11,7 +11,7 @@ import click
 
 from prunus.artifacts.errors import PrunusError
 
-from .options import backend_option, compile_option, device_option, prefill_chunk_option, prompt_graph_option, resolve_device
+from .options import backend_option, compile_option, device_option, native_option, prefill_chunk_option, prompt_graph_option, resolve_device
 
 
 def check_sampling(**params) -> None:
@@ -43,8 +43,9 @@ def check_sampling(**params) -> None:
 @compile_option
 @prefill_chunk_option
 @prompt_graph_option
+@native_option
 def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device,
-            compile_, prefill_chunk, prompt_graph):
+            compile_, prefill_chunk, prompt_graph, native):
     """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if system is not None and not chat:
@@ -53,7 +54,7 @@ def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k,
 
     with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device),
                      compile="auto" if compile_ is None else compile_,
-                     prefill_chunk=prefill_chunk or None, prompt_graph=prompt_graph) as engine:
+                     prefill_chunk=prefill_chunk or None, prompt_graph=prompt_graph, native=native) as engine:
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system is not None else []) + [

@@ -33,6 +33,10 @@ prompt_graph_option = click.option(
     "--prompt-graph", is_flag=True, default=False,
     help="Genai export of int8 / int4 weights: long prompts through a twin graph with float activations "
          "(faster first token, a second copy of the weights in memory).")
+native_option = click.option(
+    "--native", is_flag=True, default=False,
+    help="Genai export: decode steps in prunus's own CPU kernels (AVX2; compiled with the machine's C compiler on "
+         "first use) instead of ONNX Runtime, over the same weights.")
 prefill_chunk_option = click.option(
     "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # serve.backend_torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "

@@ -6,7 +6,7 @@ import signal
 
 import click
 
-from .options import backend_option, compile_option, device_option, prefill_chunk_option, prompt_graph_option, resolve_device
+from .options import backend_option, compile_option, device_option, native_option, prefill_chunk_option, prompt_graph_option, resolve_device
 
 
 def _interrupt(signum, frame):
@@ -41,32 +41,33 @@ def _device_map(value: str | None):
 @compile_option
 @prefill_chunk_option
 @prompt_graph_option
+@native_option
 @click.option("--device-map", default=None,
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
 @click.option("--max-memory", default=None, help="Budgets for --device-map auto, e.g. 0=10GiB,cpu=30GiB,disk=100GiB.")
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph):
+            max_memory, prompt_graph, native):
     """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
     # put back after, for a caller that runs this command in its own process)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
-               device_map, max_memory, prompt_graph)
+               device_map, max_memory, prompt_graph, native)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-           max_memory, prompt_graph=False):
+           max_memory, prompt_graph=False, native=False):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
 
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
-                     max_memory=max_memory, prompt_graph=prompt_graph) as engine:
+                     max_memory=max_memory, prompt_graph=prompt_graph, native=native) as engine:
         server = CompletionServer(engine, host, port)
         info = engine.info
         click.echo(f"prunus serve: {info['path']} on {info['backend']} (tp={info['tp']}, max batch {info['max_batch']}, "

@@ -15,6 +15,12 @@ every decode step run in the graph itself. The twin holds its own copy of the we
 Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`): on SmolLM2-135M a session grew the
 process by 340 MB for the int8 graph alone and by 618 MB with its twin (int4, round to nearest: 286 / 494 MB).
 
+``native=True`` runs decode steps, and prompt passes of at most ``native_prompt_tokens`` tokens, in prunus's own
+kernels (:mod:`prunus.native.decoder`) over the same weights and the same KV buffers: keys are rotated and laid out
+as GroupQueryAttention lays them, so either may run any pass. Longer prompts still run in ONNX Runtime (its GEMMs,
+or the twin's, are the faster ones for many rows), whose threads then sleep between runs instead of spinning
+beside the native pool's.
+
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.serve.backend_ort_genai`) keeps its active rows in slots ``[0, n)``.
 
@@ -36,9 +42,10 @@ from .ort_graphs import ort_session
 class GenaiSession:
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
-                 prompt_twin: bool = False):
-        self.session = ort_session(path_or_bytes, threads, spinning, config)
+                 prompt_twin: bool = False, native: bool = False):
+        self.session = ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
+        self.native, self.native_prompt_tokens = None, 0
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
@@ -49,7 +56,13 @@ class GenaiSession:
         self.total = np.zeros((), np.int32)
         self._decode_bindings: dict[int, object] = {}
         if prompt_twin:
-            self._load_prompt_twin(path_or_bytes, threads, spinning, config)
+            self._load_prompt_twin(path_or_bytes, threads, spinning and not native, config)
+        if native:
+            from prunus.native.decoder import NativeDecoder, native_prompt_tokens
+
+            dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
+            self.native = NativeDecoder.from_graph(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads)
+            self.native_prompt_tokens = native_prompt_tokens(self.native.packed)
 
     def _load_prompt_twin(self, path_or_bytes, threads, spinning, config) -> None:
         """The twin's session, run twice on a pass of its threshold: its first passes grow ONNX Runtime's arena
@@ -106,6 +119,8 @@ class GenaiSession:
         ids = np.zeros((b, width), np.int64)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p
+        if sum(lengths) <= self.native_prompt_tokens:
+            return self.native.forward(ids, np.zeros(b, np.int32), lengths, start, self.logits)
         self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
         self.total[...] = width
         session = self.session
@@ -121,6 +136,8 @@ class GenaiSession:
         if int(np.max(lengths)) >= self.max_len:
             raise ValueError(f"a row is full: its {self.max_len} positions are used")
         self.step_ids[:b, 0] = tokens
+        if self.native is not None:
+            return self.native.forward(self.step_ids[:b], lengths, np.ones(b, np.int32), 0, self.logits)
         self.seqlens[:b] = lengths
         self.total[...] = int(np.max(lengths)) + 1
         binding = self._decode_bindings.get(b)
@@ -136,7 +153,9 @@ class GenaiSession:
 
     def close(self) -> None:
         self._decode_bindings.clear()
-        self.session = self.prompt_session = None
+        if self.native is not None:
+            self.native.close()
+        self.session = self.prompt_session = self.native = None
 
 
 def variant_session(source, variant, tag: str, threads: int | None = None, spinning: bool = True,

@@ -41,18 +41,20 @@ class OrtRunner:
 
 
 def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
-                             prompt_graph: bool = False):
+                             prompt_graph: bool = False, native: bool = False):
     """A :class:`GraphBackend` over the torch-exported prefill / decode graphs, or for an export dir holding the
     genai graph (``export.graph == "genai"``) a :class:`prunus.serve.backend_ort_genai.GenaiBackend`
-    (``prompt_graph``: with its prompt twin, see :class:`prunus.export.genai_session.GenaiSession`)."""
+    (``prompt_graph``: with its prompt twin; ``native``: decode in prunus's own kernels; see
+    :class:`prunus.export.genai_session.GenaiSession`)."""
     export = config["export"]
     if export.get("graph") == "genai":
         from .backend_ort_genai import load_genai_backend
 
-        return load_genai_backend(path, config, n_slots, max_len, threads, prompt_graph)
-    if prompt_graph:
-        raise PrunusError(f"{path}: --prompt-graph needs a genai export (this one holds the torch graphs); "
-                          "re-export with --graph genai or drop it")
+        return load_genai_backend(path, config, n_slots, max_len, threads, prompt_graph, native)
+    for wanted, flag in ((prompt_graph, "--prompt-graph"), (native, "--native")):
+        if wanted:
+            raise PrunusError(f"{path}: {flag} needs a genai export (this one holds the torch graphs); "
+                              "re-export with --graph genai or drop it")
     graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
     dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)

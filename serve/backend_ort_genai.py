@@ -99,17 +99,24 @@ class GenaiBackend:
 
 
 def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
-                       prompt_graph: bool = False) -> GenaiBackend:
-    """An export dir whose config.json says ``export.graph == "genai"``."""
+                       prompt_graph: bool = False, native: bool = False) -> GenaiBackend:
+    """An export dir whose config.json says ``export.graph == "genai"`` (``native``: decode in prunus's own kernels,
+    :mod:`prunus.native.decoder`)."""
     from prunus.export.genai_session import GenaiSession
 
     export = config["export"]
     graph = path / export["graphs"]["model"]
     if not graph.is_file():
         raise PrunusError(f"{graph}: missing from the export dir; re-create it with prunus export")
+    if native:
+        from prunus.native.decoder import check_native
+
+        check_native(str(path))
     try:
         session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads,
-                               spinning=SPINNING, prompt_twin=prompt_graph)
+                               spinning=SPINNING, prompt_twin=prompt_graph, native=native)
+    except PrunusError:
+        raise
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None

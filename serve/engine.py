@@ -73,7 +73,7 @@ class Engine:
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
-             prompt_graph: bool = False) -> "Engine":
+             prompt_graph: bool = False, native: bool = False) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
@@ -86,7 +86,9 @@ class Engine:
         in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
         {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`).
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
-        (:mod:`prunus.export.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights)."""
+        (:mod:`prunus.export.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
+        ``native``: for a genai export, decode steps (and int8 prompts of up to 64 tokens) in prunus's own CPU kernels
+        (:mod:`prunus.native.decoder`, AVX2, compiled on first use) over the same weights and KV buffers."""
         path = Path(path)
         backend, config = resolve_backend(path, backend)
         if not isinstance(tp, int) or tp < 1:
@@ -97,9 +99,10 @@ class Engine:
             raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
         if tp > 1 and backend != "torch":
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
-        if prompt_graph and backend != "onnxruntime":
-            raise PrunusError(f"prompt_graph applies to an ONNX Runtime export dir, not the {backend} backend; "
-                              "drop it (--prompt-graph)")
+        for wanted, name in ((prompt_graph, "prompt_graph"), (native, "native")):
+            if wanted and backend != "onnxruntime":
+                raise PrunusError(f"{name} applies to an ONNX Runtime export dir, not the {backend} backend; "
+                                  f"drop it (--{name.replace('_', '-')})")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise PrunusError(f"max_batch={max_batch!r} must be a positive integer")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -146,9 +149,11 @@ class Engine:
                 from .backend_onnxruntime import load_onnxruntime_backend
 
                 impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads,
-                                                prompt_graph=prompt_graph)
+                                                prompt_graph=prompt_graph, native=native)
                 if prompt_graph:
                     info["prompt_graph_min_tokens"] = impl.session.prompt_min_tokens  # None: an fp32 graph
+                if native:
+                    info["native_prompt_tokens"] = impl.session.native_prompt_tokens
             else:
                 from .backend_tensorrt import load_tensorrt_backend
 

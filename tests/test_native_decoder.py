@@ -1,0 +1,229 @@
+"""The native decoder (prunus's own AVX2 kernels over a genai export's weights): its linear kernels against numpy,
+its passes against ONNX Runtime's on the same graph and the same KV buffers (fp32 exactly, with every family
+variant the genai graph builds), quantized graphs against the PyTorch model, serving through it, and its refusals.
+Skipped with the reason where the kernels cannot be built (no AVX2, no C compiler)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from family_variants import family_model
+from prunus.artifacts.errors import PrunusError
+from prunus.cli.main import cli
+from prunus.compress.quantize import quantize_pass
+from prunus.export import export_model
+from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
+from prunus.export.genai_session import GenaiSession
+from prunus.models import generate, load_model, save_model
+from prunus.serve import Engine
+from prunus.serve.backend_ort_genai import GenaiBackend
+
+try:
+    from prunus.native.build import library
+
+    library()
+    WHY = None
+except PrunusError as e:
+    WHY = str(e)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
+
+from prunus.native.decoder import _linear  # noqa: E402
+from prunus.native.weights import pack_blocks, pack_f32  # noqa: E402
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40], [3, 1, 4, 1, 5, 9]]
+
+
+def _run_linear(packed, x: np.ndarray, threads: int) -> np.ndarray:
+    lib = library()
+    pool = lib.prunus_pool_new(threads)
+    try:
+        y = np.zeros((x.shape[0], packed.n), np.float32)
+        c = _linear(packed)
+        lib.prunus_linear(ctypes.addressof(c), pool, x.shape[0], np.ascontiguousarray(x).ctypes.data, y.ctypes.data)
+        return y
+    finally:
+        lib.prunus_pool_free(pool)
+
+
+def _quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: blocks of 32 rounded to amax / 127 steps."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 127
+    return (np.round(blocks / np.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits,zero", [(8, None), (8, "uint8"), (4, None), (4, "uint8")])
+@pytest.mark.parametrize("m,threads", [(1, 1), (5, 2)])
+def test_integer_kernels_equal_numpy(bits, zero, m, threads):
+    """(q - zero) * scale against block-quantized activations, 37 output rows (not a multiple of the tile's 4)."""
+    rng = np.random.default_rng(bits + m)
+    n, k = 37, 96
+    q = rng.integers(0, 2 ** bits, (n, k)).astype(np.uint8)
+    scale = rng.uniform(0.01, 0.1, (n, k // 32)).astype(np.float32)
+    z = None if zero is None else rng.integers(0, 2 ** bits, (n, k // 32)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, 3] = 40.0  # an outlier: its own block's scale, not the row's
+    mid = 128 if bits == 8 else 8
+    zero = np.full((n, k // 32), mid, np.float32) if z is None else z
+    w = (q.astype(np.float32) - np.repeat(zero, 32, axis=1)) * np.repeat(scale, 32, axis=1)
+    want = _quantized_activations(x) @ w.T + bias
+    got = _run_linear(pack_blocks(q, scale, z, bits, bias), x, threads)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_float_kernel_equals_numpy():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((13, 64)).astype(np.float32)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    assert np.allclose(_run_linear(pack_f32(w), x, 2), x @ w.T, atol=1e-5)
+
+
+def _graph(model, tmp_path):
+    path = tmp_path / GENAI_GRAPH
+    save_genai_graph(build_genai_graph(model), path, external_data=False)
+    return path
+
+
+def _session(model, path, n_slots: int, max_len: int, native: bool, threads: int = 1) -> GenaiSession:
+    cfg = model.config
+    return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=threads, native=native)
+
+
+def _native_prefill(sess: GenaiSession, prompts) -> np.ndarray:
+    """Every prompt through the native kernels, whatever the routing threshold."""
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    return sess.native.forward(ids, np.zeros(len(prompts), np.int32), [len(p) for p in prompts], 0, sess.logits).copy()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
+def test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers(tmp_path, family):
+    """Prompts of different lengths, then 30 greedy steps (a sliding window of 6 for mistral, biases for qwen2,
+    scaled rope for llama): logits and the KV buffers as GroupQueryAttention writes them, and torch's tokens."""
+    model = family_model(family)
+    path = _graph(model, tmp_path)
+    ort, nat = (_session(model, path, len(PROMPTS), 64, native) for native in (False, True))
+    want = ort.prefill(0, PROMPTS).copy()
+    got = _native_prefill(nat, PROMPTS)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    for r, p in enumerate(PROMPTS):  # keys and values in GroupQueryAttention's layout, rotated the same way
+        for a, b in zip(ort.k + ort.v, nat.k + nat.v):
+            assert np.allclose(a[r, :, :len(p)], b[r, :, :len(p)], atol=1e-5)
+    lengths = np.array([len(p) for p in PROMPTS])
+    tokens = [list(got.argmax(-1))]
+    for _ in range(29):
+        step_want = ort.decode(lengths, tokens[-1]).copy()
+        step = nat.decode(lengths, tokens[-1]).copy()
+        assert np.abs(step - step_want).max() < 1e-4 * np.abs(step_want).max()
+        tokens.append(list(step.argmax(-1)))
+        lengths += 1
+    with torch.no_grad():
+        ref = [generate(model, torch.tensor([p]), 30)[0, len(p):].tolist() for p in PROMPTS]
+    assert [list(map(int, col)) for col in zip(*tokens)] == ref
+
+
+def test_the_native_pass_never_reads_beyond_a_rows_length(tmp_path):
+    model = family_model("llama")
+    path = _graph(model, tmp_path)
+
+    def run(poison: float | None) -> list[np.ndarray]:
+        sess = _session(model, path, 3, 32, native=True)
+        lengths = np.array([len(p) for p in PROMPTS[:3]])
+        out = [_native_prefill(sess, PROMPTS[:3])]
+        for _ in range(4):
+            if poison is not None:
+                for buf in (*sess.k, *sess.v):
+                    for r, n in enumerate(lengths):
+                        buf[r, :, n:] = poison
+            out.append(sess.decode(lengths, out[-1].argmax(-1)).copy())
+            lengths += 1
+        return out
+
+    clean = run(None)
+    for poison in (float("nan"), 1e30):
+        assert all(np.array_equal(a, b) for a, b in zip(clean, run(poison)))
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(trained_run, tmp_path, precision):
+    """Both runtimes quantize activations to int8 blocks of 32; the native kernels may round them differently,
+    not worse: their largest logit error against the fp32 PyTorch model stays within 1.5x ONNX Runtime's."""
+    model = load_model(trained_run / "model").eval()
+    export_model(trained_run / "model", tmp_path / "e", precision=precision, progress=False)
+    path = tmp_path / "e" / GENAI_GRAPH
+    ort, nat = (_session(model, path, len(PROMPTS), 48, native) for native in (False, True))
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p]))[0, -1] for p in PROMPTS]).numpy()
+    err_ort = np.abs(ort.prefill(0, PROMPTS) - ref).max()
+    err_native = np.abs(_native_prefill(nat, PROMPTS) - ref).max()
+    assert 0 < err_native <= 1.5 * err_ort
+    assert nat.native_prompt_tokens == (64 if precision == "int8" else 0)
+
+
+def test_stored_int4_with_zero_points_runs_natively(trained_run, tmp_path):
+    """Asymmetric int4 (uint8 zero points in MatMulNBits) and an int8 block: the packed weights' own zero points."""
+    model = load_model(trained_run / "model")
+    quantize_pass(model, None, scheme="int4-weight-only", algorithm="rtn", group_size=32, symmetric=False,
+                  int8=["layers.-1"])
+    save_model(model, tmp_path / "q", stage="compress")
+    export_model(tmp_path / "q", tmp_path / "e", progress=False)
+    path = tmp_path / "e" / GENAI_GRAPH
+    ort, nat = (_session(model.eval(), path, len(PROMPTS), 48, native) for native in (False, True))
+    want = ort.prefill(0, PROMPTS)
+    got = _native_prefill(nat, PROMPTS)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    model = family_model("llama")
+    save_model(model, root / "model", stage="train")
+    export_model(root / "model", root / "export", progress=False)
+    return root, model
+
+
+def test_engine_serves_natively_with_joins_and_leaves(export_dir):
+    """Continuous batching through the native decoder: rows join, leave (their slots compacted by copies) and
+    join again, and every request still gets torch's greedy tokens."""
+    root, model = export_dir
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [40], [3, 1, 4, 1, 5], [8, 8]]
+    lengths = [12, 3, 9, 5, 7]
+    with Engine.load(root / "export", max_batch=3, max_len=64, native=True, threads=2) as engine:
+        assert engine.info["native_prompt_tokens"] == 0
+        assert engine.backend.session.native is not None
+        requests = [engine.submit(p, n, temperature=0.0, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        results = [engine.wait(r) for r in requests]
+    with torch.no_grad():
+        for p, n, r in zip(prompts, lengths, results):
+            assert r.token_ids == generate(model, torch.tensor([p]), n)[0, len(p):].tolist()
+
+
+def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user_error):
+    root, _ = export_dir
+    with pytest.raises(PrunusError, match="native applies to an ONNX Runtime export dir"):
+        Engine.load(root / "model", native=True)
+    export_model(root / "model", tmp_path / "torch", graph="torch", progress=False)
+    with pytest.raises(PrunusError, match="--native needs a genai export"):
+        Engine.load(tmp_path / "torch", native=True)
+    proto = onnx.load(str(root / "export" / GENAI_GRAPH))
+    proto.graph.node.append(onnx.helper.make_node("Relu", ["logits"], ["relu_out"], name="extra"))
+    onnx.save(proto, str(tmp_path / "odd.onnx"))
+    with pytest.raises(PrunusError, match="cannot run this graph: it holds Relu nodes"):
+        _session(load_model(root / "model"), tmp_path / "odd.onnx", 1, 16, native=True)
+    runner = CliRunner()
+    assert_user_error(runner.invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--native"]),
+                      "native applies to an ONNX Runtime export dir")
+    ok = runner.invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--native", "--max-new-tokens", "4",
+                             "--temperature", "0"])
+    assert ok.exit_code == 0, ok.output
