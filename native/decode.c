@@ -188,11 +188,12 @@ static void store4(const GemmTask *g, int m, int t, __m128 r) {
     for (int i = 0; i < 4 && 4 * t + i < L->n; i++) y[4 * t + i] = out[i] + (L->bias ? L->bias[4 * t + i] : 0.f);
 }
 
-static void tile_f32(const GemmTask *g, int t) {
+/* one row m of x against tile t */
+static void tile_f32_row(const GemmTask *g, int t, int m) {
     const Linear *L = g->L;
     const int kk = L->k / 8;
     const float *w = (const float *)L->w + (size_t)t * kk * 32;
-    for (int m = 0; m < g->m; m++) {
+    {
         const float *x = g->x + (size_t)m * L->k;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int j = 0; j < kk; j++) {
@@ -204,6 +205,30 @@ static void tile_f32(const GemmTask *g, int t) {
             a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 24), xv, a3);
         }
         store4(g, m, t, hsum4x8(a0, a1, a2, a3));
+    }
+}
+
+/* rows m and m + 1 of x against tile t: each weight vector loaded once for both */
+static void tile_f32_pair(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kk = L->k / 8;
+    const float *w = (const float *)L->w + (size_t)t * kk * 32;
+    {
+        const int m1 = m + 1;
+        const float *x0 = g->x + (size_t)m * L->k, *x1 = g->x + (size_t)m1 * L->k;
+        __m256 a[2][4];
+        for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+        for (int j = 0; j < kk; j++) {
+            __m256 v0 = _mm256_loadu_ps(x0 + 8 * j), v1 = _mm256_loadu_ps(x1 + 8 * j);
+            const float *wj = w + 32 * j;
+            for (int i = 0; i < 4; i++) {
+                __m256 wv = _mm256_loadu_ps(wj + 8 * i);
+                a[0][i] = _mm256_fmadd_ps(wv, v0, a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(wv, v1, a[1][i]);
+            }
+        }
+        store4(g, m, t, hsum4x8(a[0][0], a[0][1], a[0][2], a[0][3]));
+        store4(g, m1, t, hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]));
     }
 }
 
@@ -224,12 +249,13 @@ static inline __m256i unpack_q4(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
-static void tile_quant(const GemmTask *g, int t) {
+/* one row m against tile t */
+static void tile_quant_row(const GemmTask *g, int t, int m) {
     const Linear *L = g->L;
     const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
     const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
     const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    for (int m = 0; m < g->m; m++) {
+    {
         const int8_t *xq = g->xq + (size_t)m * L->k;
         const float *xd = g->xd + (size_t)m * kb, *xds = g->xds + (size_t)m * kb;
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -255,13 +281,67 @@ static void tile_quant(const GemmTask *g, int t) {
     }
 }
 
+/* rows m and m + 1 against tile t: each weight block loaded (and its |w| taken, or its nibbles unpacked) once for
+ * both rows (SmolLM2's 576 x 1536 layer, 8 rows, one thread: 8-22% faster than a row at a time) */
+static void tile_quant_pair(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
+    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    {
+        const int m1 = m + 1;
+        const int8_t *xq0 = g->xq + (size_t)m * L->k, *xq1 = g->xq + (size_t)m1 * L->k;
+        const float *xd0 = g->xd + (size_t)m * kb, *xd1 = g->xd + (size_t)m1 * kb;
+        const float *xds0 = g->xds + (size_t)m * kb, *xds1 = g->xds + (size_t)m1 * kb;
+        __m256 a[2][4];
+        for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+        __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
+        for (int b = 0; b < kb; b++) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
+            const uint8_t *wb = w + (size_t)b * 4 * bytes;
+            const float *sb = s + 4 * b;
+            for (int i = 0; i < 4; i++) {
+                __m256 p0, p1;
+                if (q4) {
+                    __m256i wv = unpack_q4(wb + 16 * i);
+                    p0 = dot_q4(wv, x0);
+                    p1 = dot_q4(wv, x1);
+                } else {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i)), aw = _mm256_abs_epi8(wv);
+                    p0 = dot_q8(aw, wv, x0);
+                    p1 = dot_q8(aw, wv, x1);
+                }
+                __m256 si = _mm256_broadcast_ss(sb + i);
+                a[0][i] = _mm256_fmadd_ps(p0, _mm256_mul_ps(si, _mm256_broadcast_ss(xd0 + b)), a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(p1, _mm256_mul_ps(si, _mm256_broadcast_ss(xd1 + b)), a[1][i]);
+            }
+            if (sz) {
+                __m128 zb = _mm_loadu_ps(sz + 4 * b);
+                z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds0 + b), z0);
+                z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds1 + b), z1);
+            }
+        }
+        store4(g, m, t, _mm_sub_ps(hsum4x8(a[0][0], a[0][1], a[0][2], a[0][3]), z0));
+        store4(g, m1, t, _mm_sub_ps(hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]), z1));
+    }
+}
+
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
     int t0, t1;
     split(g->L->tiles, ith, nth, &t0, &t1);
+    const int f32 = g->L->kind == KIND_F32;
     for (int t = t0; t < t1; t++) {
-        if (g->L->kind == KIND_F32) tile_f32(g, t);
-        else tile_quant(g, t);
+        int m = 0;
+        for (; m + 2 <= g->m; m += 2) {
+            if (f32) tile_f32_pair(g, t, m);
+            else tile_quant_pair(g, t, m);
+        }
+        if (m < g->m) {
+            if (f32) tile_f32_row(g, t, m);
+            else tile_quant_row(g, t, m);
+        }
     }
 }
 
