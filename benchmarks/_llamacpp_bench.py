@@ -57,11 +57,11 @@ class PrunusWorker(WorkerProcess):
 
     def __init__(self, c: Contender):
         super().__init__([sys.executable, str(PRUNUS_WORKER)], f"prunus ({c.label})")
-        self.path, self.prompt_graph = c.path, c.prompt_graph
+        self.path, self.prompt_graph, self.native = c.path, c.prompt_graph, c.native
 
     def load(self, threads: int, max_batch: int, max_len: int) -> Callable:
         self.call(op="load", path=str(self.path), max_batch=max_batch, max_len=max_len, threads=threads,
-                  prompt_graph=self.prompt_graph)
+                  prompt_graph=self.prompt_graph, native=self.native)
         return self.run
 
     def run(self, prompts: list[list[int]], n_new: int) -> dict:

@@ -41,6 +41,7 @@ class Contender:
     path: Path
     precision: str
     prompt_graph: bool = False  # Engine.load(prompt_graph=...): a quantized genai export's prompt twin
+    native: bool = False  # Engine.load(native=...): a genai export decoded in prunus's own kernels
 
 
 def parse_contender(text: str) -> Contender:

@@ -5,7 +5,7 @@ threads, no Hugging Face model and no benchmark bookkeeping beside it. In one pr
 Engines and Hugging Face cost the int8 graph 13% of its tokens/s at 2 threads (69 against 79
 alone) and made the comparison with llama.cpp unfair to prunus.
 
-Protocol (``_worker_process``): {"op": "load", "path", "max_batch", "max_len", "threads", "prompt_graph"} -> {};
+Protocol (``_worker_process``): {"op": "load", "path", "max_batch", "max_len", "threads", "prompt_graph", "native"} -> {};
 {"op": "generate", "prompts": [[ids]], "n_new"} -> {"seconds", "tokens"} (``Engine.generate``,
 timed here); {"op": "quit"}.
 """
@@ -25,10 +25,12 @@ from prunus.serve import Engine  # noqa: E402
 ENGINE: list[Engine] = []
 
 
-def load(path: str, max_batch: int, max_len: int, threads: int, prompt_graph: bool = False) -> dict:
+def load(path: str, max_batch: int, max_len: int, threads: int, prompt_graph: bool = False,
+         native: bool = False) -> dict:
     while ENGINE:
         ENGINE.pop().close()
-    ENGINE.append(Engine.load(path, max_batch=max_batch, max_len=max_len, threads=threads, prompt_graph=prompt_graph))
+    ENGINE.append(Engine.load(path, max_batch=max_batch, max_len=max_len, threads=threads, prompt_graph=prompt_graph,
+                              native=native))
     return {}
 
 

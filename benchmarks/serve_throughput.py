@@ -268,6 +268,26 @@ def parity_line(d: Path) -> tuple[str, bool]:
             f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), parity {verdict}"), p["passed"]
 
 
+def native_parity_line(export: Path, source: Path) -> tuple[str, bool]:
+    """The export's parity check (as ``prunus export`` runs it in ONNX Runtime, same corpus and tolerances) run
+    through the native kernels (``GenaiGraphs(native=True)``), against ``source``, the dir it was exported from."""
+    from prunus.data.corpus import default_data, load_corpus
+    from prunus.export.genai_session import GenaiGraphs
+    from prunus.export.parity import check_parity
+    from prunus.models import load_model, load_model_tokenizer
+    from prunus.serve.artifact import export_dims
+
+    config = json.loads((export / "config.json").read_text())["export"]
+    model, tok = load_model(source).eval(), load_model_tokenizer(source)
+    corpus = load_corpus(default_data(None, tok), tok, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
+    graphs = GenaiGraphs(export / config["graphs"]["model"], export_dims(export, config), threads=os.cpu_count(),
+                         native=True)
+    p = check_parity(model, graphs, corpus.val, tok.token_bytes(), config.get("precision", "fp32"))
+    verdict = "passed" if p["passed"] else "FAILED: " + ", ".join(p["failed"])
+    return (f"top-1 {p['top1_agreement']:.3f}, greedy {p['greedy_agreement']:.2f}, bits/byte {p['bpb_onnx']:.4f} "
+            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_increase']:+.4f}), native parity {verdict}"), p["passed"]
+
+
 def side_by_side(spec: str, args, figures: list) -> None:
     """Batch 1, args.tokens new tokens after a short prompt, prefill included, at each of args.threads:
     HF generate() on the same weights, the torch Engine and the Engine on each ONNX export, rounds alternating."""
@@ -315,13 +335,14 @@ def side_by_side(spec: str, args, figures: list) -> None:
 
 
 def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
-                        prompt_graph: bool = False) -> tuple[list, Path]:
+                        prompt_graph: bool = False, native: bool = False) -> tuple[list, Path]:
     """The prunus side of ``--peer llamacpp`` as (label, dir, precision) Contenders, and the stored int4 dir
     its Q4_0 GGUF is written from: the torch Engine, and ONNX Runtime exports at fp32, int8
     (``--precision int8``) and stored int4 through each of ``graphs`` (genai, torch). Any dir ``Engine.load`` takes
     can be a contender: add one here (or pass ``--contender``) and it is timed, plotted and compared with
     llama.cpp at its precision. ``prompt_graph``: the int8 and int4 genai exports once more, served with their
-    prompt twin (``Engine.load(prompt_graph=True)``)."""
+    prompt twin (``Engine.load(prompt_graph=True)``). ``native``: every genai export once more, decoded in prunus's
+    own kernels (``Engine.load(native=True)``; with ``prompt_graph`` the quantized ones keep their twin too)."""
     from _llamacpp_peer import Contender
 
     root, _ = _export_root(model_dir, cache)
@@ -336,6 +357,10 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
                 out.append(Contender(f"prunus onnxruntime {graph} graph {precision}", d, precision))
                 if prompt_graph and graph == "genai" and precision != "fp32":
                     out.append(Contender(f"prunus onnxruntime genai {precision} + prompt graph", d, precision, True))
+                if native and graph == "genai":
+                    twin = prompt_graph and precision != "fp32"
+                    out.append(Contender(f"prunus native {precision}" + (" + prompt graph" if twin else ""), d,
+                                         precision, twin, native=True))
     return out, int4_dir
 
 
@@ -352,10 +377,14 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
         return
     model_dir, name = resolve_model(spec, args.cache), model_name(spec)
     print(f"\n   -- {name} ({model_dir}); llama.cpp worker in {python}", flush=True)
-    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs, args.prompt_graph)
+    contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs, args.prompt_graph,
+                                                 args.native)
     contenders += args.contender
     for c in contenders:
-        if (c.path / "parity.json").is_file():
+        if c.native:
+            print(f"   {c.label:44s} {native_parity_line(c.path, int4_dir if c.precision == 'int4' else model_dir)[0]}",
+                  flush=True)
+        elif (c.path / "parity.json").is_file():
             print(f"   {c.label:44s} {parity_line(c.path)[0]}")
     root, _ = _export_root(model_dir, Path(args.cache))
     ggufs = cached_ggufs({"fp32": model_dir, "int8": model_dir, "int4": int4_dir}, root / "gguf")
@@ -530,6 +559,8 @@ def main() -> None:
                     help="with --peer llamacpp: threads of the batch 1-8 sweep (default the largest of --threads)")
     ap.add_argument("--prompt-graph", action="store_true",
                     help="with --peer llamacpp: also time the int8 and int4 genai exports with their prompt twin")
+    ap.add_argument("--native", action="store_true",
+                    help="with --peer llamacpp: also time every genai export decoded in prunus's own kernels")
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores)")
     ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")

@@ -180,20 +180,45 @@ def variant_session(source, variant, tag: str, threads: int | None = None, spinn
 
 class GenaiGraphs:
     """A genai export's graph for the parity check: ``graphs(tokens)`` -> every position's logits and
-    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs."""
+    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs.
+    ``native``: both through prunus's native kernels (:mod:`prunus.native.decoder`) instead of ONNX Runtime."""
 
-    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None):
+    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None,
+                 native: bool = False):
         import onnx
 
         from .genai_graph import all_positions_graph
 
-        self.path, self.dims, self.threads, self.config = Path(path), dims, threads, config
+        self.path, self.dims, self.threads, self.config, self.native = Path(path), dims, threads, config, native
+        if native:
+            from prunus.native.weights import read_genai_graph
+
+            self.packed = read_genai_graph(onnx.load(str(path)), dims, str(path))
+            return
         proto = onnx.load(str(path), load_external_data=False)
         self.all_positions = variant_session(self.path, all_positions_graph(proto), "all_positions", threads,
                                              config=config)
 
+    def _native_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        from prunus.native.decoder import NativeDecoder
+
+        b, s = tokens.shape
+        d = self.dims
+        shape = (b, d["n_kv_heads"], s, d["head_dim"])
+        k, v = ([np.zeros(shape, np.float32) for _ in range(d["n_layers"])] for _ in range(2))
+        decoder = NativeDecoder(self.packed, k, v, b, s, self.threads)
+        try:
+            logits = np.empty((b * s, d["vocab_size"]), np.float32)
+            decoder.forward(tokens.long().numpy(), np.zeros(b, np.int32), np.full(b, s, np.int32), 0, logits,
+                            every_position=True)
+        finally:
+            decoder.close()
+        return torch.from_numpy(logits.reshape(b, s, -1))
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""
+        if self.native:
+            return self._native_logits(tokens)
         b, s = tokens.shape
         d = self.dims
         feeds = {"input_ids": tokens.long().numpy(), "seqlens_k": np.full(b, s - 1, np.int32),
@@ -213,7 +238,7 @@ class GenaiGraphs:
         rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
                 for i, p in enumerate(prompt)]
         sess = GenaiSession(self.path, **self.dims, n_slots=b, max_len=s + max_new_tokens, threads=self.threads,
-                            config=self.config)
+                            config=self.config, native=self.native)
         lengths = np.array([len(r) for r in rows], np.int64)
         logits = sess.prefill(0, rows)
         out = []

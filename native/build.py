@@ -22,7 +22,7 @@ from prunus.artifacts.errors import PrunusError
 
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
-ABI = 1  # prunus_abi() of the source this module's structures match
+ABI = 2  # prunus_abi() of the source this module's structures match
 
 
 def cpu_supported() -> str | None:
@@ -92,5 +92,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prunus_pool_new.argtypes = [i]
     lib.prunus_pool_free.argtypes = [p]
     lib.prunus_forward.restype = i
-    lib.prunus_forward.argtypes = [p, p, i, i, p, p, p, i, p]
+    lib.prunus_forward.argtypes = [p, p, i, i, p, p, p, i, p, i]
     lib.prunus_linear.argtypes = [p, p, i, p, p]

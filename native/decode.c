@@ -517,9 +517,10 @@ static void add_norm(const Model *m, const Scratch *s, int T, const float *w) {
 }
 
 /* A pass over b rows: row i's count[i] tokens ids[i * seq + j] at positions start[i] + j, in buffer slot
- * slot0 + i. Writes each row's last-token logits to logits (b, vocab). Returns 0, or -1 on a bad argument. */
+ * slot0 + i. Writes each row's last-token logits to logits (b, vocab), or with every_position the logits of every
+ * token, row after row (sum of count, vocab). Returns 0, or -1 on a bad argument. */
 int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
-                   const int32_t *count, int slot0, float *logits) {
+                   const int32_t *count, int slot0, float *logits, int every_position) {
     int T = 0;
     for (int i = 0; i < b; i++) {
         if (count[i] < 1 || count[i] > seq || start[i] < 0 || start[i] + count[i] > m->max_len ||
@@ -528,6 +529,7 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
     }
     int32_t *slot = malloc(sizeof(int32_t) * T), *pos = malloc(sizeof(int32_t) * T), *last = malloc(sizeof(int32_t) * b);
     Scratch s = scratch_new(m, T, p->n);
+    const int rows = every_position ? T : b;
     int t = 0, bad = 0;
     for (int i = 0; i < b; i++)
         for (int j = 0; j < count[i]; j++, t++) {
@@ -545,9 +547,10 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
             feed_forward_block(m, p, &s, li, T);
             add_norm(m, &s, T, li + 1 < m->n_layers ? m->layers[li + 1].attn_norm : m->norm);
         }
-        for (int i = 0; i < b; i++) memcpy(s.last + (size_t)i * m->dim, s.x + (size_t)last[i] * m->dim, m->dim * sizeof(float));
-        quantize_input(&s, b, m->dim, s.last, quantized(&m->head));
-        run_linear(p, &s, &m->head, b, s.last, logits, m->vocab);
+        for (int i = 0; i < rows; i++)
+            memcpy(s.last + (size_t)i * m->dim, s.x + (size_t)(every_position ? i : last[i]) * m->dim, m->dim * sizeof(float));
+        quantize_input(&s, rows, m->dim, s.last, quantized(&m->head));
+        run_linear(p, &s, &m->head, rows, s.last, logits, m->vocab);
     }
     scratch_free(&s);
     free(slot); free(pos); free(last);
@@ -565,4 +568,4 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 1; }
+int prunus_abi(void) { return 2; }

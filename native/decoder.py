@@ -93,21 +93,26 @@ class NativeDecoder:
         del proto
         return cls(packed, k_buffers, v_buffers, n_slots, max_len, threads)
 
-    def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray) -> np.ndarray:
+    def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray,
+                every_position: bool = False) -> np.ndarray:
         """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i``; writes
-        and returns ``logits[:b]``, each row's last-token logits."""
+        and returns ``logits[:b]``, each row's last-token logits (``every_position``: ``logits[:sum(count)]``, every
+        token's, row after row)."""
         b, seq = ids.shape
         ids = np.ascontiguousarray(ids, np.int64)
         self._start[:b] = start
         self._count[:b] = count
-        if logits.dtype != np.float32 or not logits[:b].flags.c_contiguous or logits.shape[1] != self.vocab_size:
-            raise ValueError("logits must be a C-contiguous float32 (rows, vocab) array")
+        rows = int(self._count[:b].sum()) if every_position else b
+        if (logits.dtype != np.float32 or logits.shape[0] < rows or not logits[:rows].flags.c_contiguous
+                or logits.shape[1] != self.vocab_size):
+            raise ValueError(f"logits must be a C-contiguous float32 ({rows}, vocab) array")
         rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
-                                     self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data)
+                                     self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data,
+                                     int(every_position))
         if rc != 0:
             raise ValueError(f"native pass refused: a token id outside the vocabulary, a row past the buffer's "
                              f"{self.max_len} positions or slots past {self.n_slots}")
-        return logits[:b]
+        return logits[:rows]
 
     def close(self) -> None:
         if self.pool:

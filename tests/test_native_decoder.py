@@ -227,3 +227,25 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
     ok = runner.invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--native", "--max-new-tokens", "4",
                              "--temperature", "0"])
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_the_parity_check_runs_through_the_native_kernels(trained_run, tmp_path, precision):
+    """``GenaiGraphs(native=True)``: every position's logits and greedy decoding through the native kernels pass
+    the export's own parity check, with fp32 at the PyTorch model's bits per byte."""
+    from prunus.data.corpus import default_data, load_corpus
+    from prunus.export.export_dir import genai_dims
+    from prunus.export.genai_session import GenaiGraphs
+    from prunus.export.parity import check_parity
+    from prunus.models import load_model_tokenizer
+
+    model = load_model(trained_run / "model").eval()
+    export_model(trained_run / "model", tmp_path / "e", precision=precision, progress=False)
+    tokenizer = load_model_tokenizer(trained_run / "model")
+    corpus = load_corpus(default_data(None, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
+    graphs = GenaiGraphs(tmp_path / "e" / GENAI_GRAPH, genai_dims(model), threads=2, native=True)
+    report = check_parity(model, graphs, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=4096)
+    assert report["passed"], report
+    if precision == "fp32":
+        assert report["max_abs_logits"] < 1e-3 and report["greedy_agreement"] == 1.0
+        assert abs(report["bpb_increase"]) < 1e-5
