@@ -37,6 +37,10 @@ from _worker_process import WorkerProcess
 BATCHES = (1, 2, 4, 8)
 PRUNUS_WORKER = Path(__file__).resolve().with_name("_prunus_worker.py")
 LONG = 512  # tokens of the time-to-first-token prompt
+# Idle seconds before each timed run: a runtime's pool threads spin on after its run (ONNX Runtime's, llama.cpp's),
+# taking a core from whatever runs next in another process. SmolLM2 int8 native steps at 2 threads took 6.6 ms right
+# after an ONNX Runtime prompt pass with spinning threads, 5.6-5.9 ms after a pause of 50 ms or more.
+SETTLE_S = 0.25
 
 
 @dataclass
@@ -122,10 +126,12 @@ def runners(contenders: list[Contender], peer: LlamaCppPeer, hf, threads: int, m
 def batch1_round(rs: list[Runner], short: list[int], long: list[int], n: int, threads: int, first: bool) -> None:
     """One alternating round: each contender decodes ``n`` tokens after ``short``, then prefills ``long``."""
     for r in rs:
+        time.sleep(SETTLE_S)
         res = r.run([short], n)
         r.tps.setdefault((threads, 1), []).append(n / res["seconds"])
         if first:
             r.tokens[(threads, 1)] = res["tokens"]
+        time.sleep(SETTLE_S)
         r.ttft.setdefault(threads, []).append(r.run([long], 1)["seconds"])
 
 
@@ -133,6 +139,7 @@ def sweep_round(rs: list[Runner], batches: dict[int, list[list[int]]], n: int, t
     """One alternating round of batches 2, 4, 8 (batch 1 comes from the batch-1 rounds)."""
     for b, prompts in batches.items():
         for r in rs:
+            time.sleep(SETTLE_S)
             res = r.run(prompts, n)
             r.tps.setdefault((threads, b), []).append(b * n / res["seconds"])
             if first:
