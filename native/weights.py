@@ -140,12 +140,16 @@ class GraphReader:
         bias = self.bias(node)
         if node.op_type == "MatMul":
             b = node.input[1]
-            if b in self.inits:
-                return pack_f32(self.array(b).T, bias)
             source = self.by_output.get(b)
-            if source is not None and source.op_type == "Transpose" and source.input[0] in self.inits:
-                return pack_f32(self.array(source.input[0]), bias)  # the tied head: the embedding, (vocab, dim)
-            self.refuse(f"has a MatMul ({node.name}) whose weight is not an initializer")
+            if b in self.inits:
+                w = self.array(b).T
+            elif source is not None and source.op_type == "Transpose" and source.input[0] in self.inits:
+                w = self.array(source.input[0])  # the tied head: the embedding, (vocab, dim)
+            else:
+                self.refuse(f"has a MatMul ({node.name}) whose weight is not an initializer")
+            if w.ndim != 2 or w.shape[1] % 8:
+                self.refuse(f"has a MatMul ({node.name}) over {w.shape[-1]} inputs; the kernels take multiples of 8")
+            return pack_f32(w.astype(np.float32), bias)
         return self._nbits(node, bias)
 
     def _nbits(self, node, bias) -> PackedLinear:
@@ -185,7 +189,8 @@ def read_genai_graph(proto: onnx.ModelProto, dims: dict, where: str) -> PackedMo
     if gqa is None or norm0 is None:
         g.refuse("is not a prunus genai graph (no layers.0 attention)")
     attrs = {x.name: onnx.helper.get_attribute_value(x) for x in gqa.attribute}
-    if attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0) != 0 or attrs.get("softcap", 0.0):
+    if (attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0) != 0 or attrs.get("softcap", 0.0)
+            or attrs.get("smooth_softmax", 0)):
         g.refuse("has an attention without the rotary embedding prunus writes")
     hd = dims["head_dim"]
     model = PackedModel(dict(dims, n_heads=attrs["num_heads"]),
@@ -206,7 +211,33 @@ def read_genai_graph(proto: onnx.ModelProto, dims: dict, where: str) -> PackedMo
     if extra:
         g.refuse(f"has MatMul nodes outside the decoder's layers ({extra[0]})")
     model.dims["hidden"] = model.layers[0]["down"].k
+    _check_shapes(g, model)
     return model
+
+
+def _check_shapes(g: GraphReader, model: PackedModel) -> None:
+    """Every projection's shape as the C side indexes it (one wrong width would read or write out of bounds)."""
+    d = model.dims
+    dim, hd, heads, kv, hidden = model.emb.shape[1], d["head_dim"], d["n_heads"], d["n_kv_heads"], d["hidden"]
+    if model.cos.shape[1] != hd // 2 or model.sin.shape != model.cos.shape or model.emb.shape[0] != d["vocab_size"]:
+        g.refuse("has rotary tables or an embedding of other shapes than its config's")
+    for i, x in enumerate(model.layers):
+        want = {"o": (dim, heads * hd), "down": (dim, hidden)}
+        if x["k"] is None:
+            want["q"] = ((heads + 2 * kv) * hd, dim)
+        else:
+            want.update(q=(heads * hd, dim), k=(kv * hd, dim), v=(kv * hd, dim))
+        if x["up"] is None:
+            want["gate"] = (2 * hidden, dim)
+        else:
+            want.update(gate=(hidden, dim), up=(hidden, dim))
+        for name, (n, k) in want.items():
+            if (x[name].n, x[name].k) != (n, k):
+                g.refuse(f"has a layer {i} {name} projection of {x[name].k} -> {x[name].n}, not {k} -> {n}")
+        if x["attn_norm"].shape != (dim,) or x["ffn_norm"].shape != (dim,):
+            g.refuse(f"has layer {i} norms of another width than {dim}")
+    if (model.head.n, model.head.k) != (d["vocab_size"], dim) or model.norm.shape != (dim,):
+        g.refuse("has a head or final norm of other shapes than its config's")
 
 
 def _layer(g: GraphReader, i: int, used: set) -> dict:

@@ -34,7 +34,8 @@ except PrunusError as e:
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
 
 from prunus.native.decoder import _linear  # noqa: E402
-from prunus.native.weights import pack_blocks, pack_f32  # noqa: E402
+from prunus.export.export_dir import genai_dims  # noqa: E402
+from prunus.native.weights import pack_blocks, pack_f32, read_genai_graph  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40], [3, 1, 4, 1, 5, 9]]
 
@@ -221,6 +222,11 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
     onnx.save(proto, str(tmp_path / "odd.onnx"))
     with pytest.raises(PrunusError, match="cannot run this graph: it holds Relu nodes"):
         _session(load_model(root / "model"), tmp_path / "odd.onnx", 1, 16, native=True)
+    proto = onnx.load(str(root / "export" / GENAI_GRAPH))  # heads that do not match the projections' widths
+    gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
+    next(a for a in gqa.attribute if a.name == "num_heads").i = 2
+    with pytest.raises(PrunusError, match="has a layer 0 [a-z]+ projection of 64 -> 64, not 32 -> 64"):
+        read_genai_graph(proto, genai_dims(load_model(root / "model")), "wide.onnx")
     runner = CliRunner()
     assert_user_error(runner.invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--native"]),
                       "native applies to an ONNX Runtime export dir")
@@ -234,7 +240,6 @@ def test_the_parity_check_runs_through_the_native_kernels(trained_run, tmp_path,
     """``GenaiGraphs(native=True)``: every position's logits and greedy decoding through the native kernels pass
     the export's own parity check, with fp32 at the PyTorch model's bits per byte."""
     from prunus.data.corpus import default_data, load_corpus
-    from prunus.export.export_dir import genai_dims
     from prunus.export.genai_session import GenaiGraphs
     from prunus.export.parity import check_parity
     from prunus.models import load_model_tokenizer
