@@ -72,8 +72,12 @@ def library() -> ctypes.CDLL:
 
 
 def _build(cc: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise PrunusError(f"the native kernels are compiled into {target.parent}, which cannot be written "
+                          f"({e.strerror}); set XDG_CACHE_HOME to a writable dir, or serve without --native") from None
     os.close(fd)
     try:
         done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)

@@ -254,3 +254,17 @@ def test_the_parity_check_runs_through_the_native_kernels(trained_run, tmp_path,
     if precision == "fp32":
         assert report["max_abs_logits"] < 1e-3 and report["greedy_agreement"] == 1.0
         assert abs(report["bpb_increase"]) < 1e-5
+
+
+@pytest.mark.parametrize("env,message", [("XDG_CACHE_HOME", "cannot be written"), ("CC", "no C compiler was found")])
+def test_a_kernel_build_that_cannot_happen_is_one_line(monkeypatch, tmp_path, env, message):
+    """An unwritable cache dir (here a file in its path) or a missing compiler: one PrunusError line."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    monkeypatch.setenv(env, str(a_file / "x") if env == "XDG_CACHE_HOME" else str(tmp_path / "no-such-cc"))
+    library.cache_clear()
+    try:
+        with pytest.raises(PrunusError, match=message):
+            library()
+    finally:
+        library.cache_clear()
