@@ -58,6 +58,8 @@ class NativeDecoder:
         d = packed.dims
         self.vocab_size = d["vocab_size"]
         self._buffers = (list(k_buffers), list(v_buffers))
+        if not len(k_buffers) == len(v_buffers) == len(packed.layers) == d["n_layers"]:
+            raise ValueError(f"one key and one value buffer per layer: {d['n_layers']} layers")
         for buf in (*k_buffers, *v_buffers):
             if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.shape != (n_slots, d["n_kv_heads"], max_len, d["head_dim"]):
                 raise ValueError("KV buffers must be C-contiguous float32 (n_slots, kv_heads, max_len, head_dim)")
@@ -98,6 +100,8 @@ class NativeDecoder:
         """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i``; writes
         and returns ``logits[:b]``, each row's last-token logits (``every_position``: ``logits[:sum(count)]``, every
         token's, row after row)."""
+        if self.pool is None:
+            raise ValueError("the native decoder is closed")
         b, seq = ids.shape
         ids = np.ascontiguousarray(ids, np.int64)
         self._start[:b] = start

@@ -221,6 +221,8 @@ def _check_shapes(g: GraphReader, model: PackedModel) -> None:
     dim, hd, heads, kv, hidden = model.emb.shape[1], d["head_dim"], d["n_heads"], d["n_kv_heads"], d["hidden"]
     if model.cos.shape[1] != hd // 2 or model.sin.shape != model.cos.shape or model.emb.shape[0] != d["vocab_size"]:
         g.refuse("has rotary tables or an embedding of other shapes than its config's")
+    if hd % 2 or heads % kv:
+        g.refuse(f"has {heads} query heads over {kv} key / value heads of width {hd}")
     for i, x in enumerate(model.layers):
         want = {"o": (dim, heads * hd), "down": (dim, hidden)}
         if x["k"] is None:
@@ -232,11 +234,15 @@ def _check_shapes(g: GraphReader, model: PackedModel) -> None:
         else:
             want.update(gate=(hidden, dim), up=(hidden, dim))
         for name, (n, k) in want.items():
-            if (x[name].n, x[name].k) != (n, k):
-                g.refuse(f"has a layer {i} {name} projection of {x[name].k} -> {x[name].n}, not {k} -> {n}")
+            lin = x[name]
+            if (lin.n, lin.k) != (n, k) or (lin.bias is not None and lin.bias.shape != (n,)):
+                g.refuse(f"has a layer {i} {name} projection of {lin.k} -> {lin.n}, not {k} -> {n} (or a bias of "
+                         "another width)")
         if x["attn_norm"].shape != (dim,) or x["ffn_norm"].shape != (dim,):
             g.refuse(f"has layer {i} norms of another width than {dim}")
-    if (model.head.n, model.head.k) != (d["vocab_size"], dim) or model.norm.shape != (dim,):
+    head = model.head
+    if (head.n, head.k) != (d["vocab_size"], dim) or model.norm.shape != (dim,) or (
+            head.bias is not None and head.bias.shape != (head.n,)):
         g.refuse("has a head or final norm of other shapes than its config's")
 
 
