@@ -21,7 +21,7 @@ from pathlib import Path
 from prunus.artifacts.errors import PrunusError
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
 ABI = 2  # prunus_abi() of the source this module's structures match
 
 
@@ -35,7 +35,7 @@ def cpu_supported() -> str | None:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return "/proc/cpuinfo to check for AVX2 (not readable here)"
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
+    missing = [f for f in ("avx2", "fma") if f not in flags.split()]
     return f"a CPU with {', '.join(missing)} (this one lacks it)" if missing else None
 
 
