@@ -159,7 +159,8 @@ class GraphReader:
         if bits not in (4, 8) or block % 32 or k % 32:
             self.refuse(f"has a {bits}-bit MatMulNBits of blocks of {block} over {k} inputs ({node.name}); "
                         "the kernels take 4 or 8 bits in blocks of a multiple of 32")
-        if ins[4] or (ins[3] and self.inits[ins[3]].data_type != onnx.TensorProto.UINT8):
+        zero_points = self.inits.get(ins[3]) if ins[3] else None
+        if ins[4] or (ins[3] and (zero_points is None or zero_points.data_type != onnx.TensorProto.UINT8)):
             self.refuse(f"has a MatMulNBits with a g_idx or float zero points ({node.name})")
         raw = self.array(ins[1])
         n_blocks = raw.shape[1]
