@@ -262,10 +262,13 @@ def cached_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
 
 def parity_line(d: Path) -> tuple[str, bool]:
     """(a summary of the export's parity.json, whether the check passed)."""
-    p = json.loads((d / "parity.json").read_text())
+    return _parity_summary(json.loads((d / "parity.json").read_text()), "parity")
+
+
+def _parity_summary(p: dict, what: str) -> tuple[str, bool]:
     verdict = "passed" if p["passed"] else "FAILED: " + ", ".join(p.get("failed", []))
     return (f"top-1 {p['top1_agreement']:.3f}, greedy {p['greedy_agreement']:.2f}, bits/byte {p['bpb_onnx']:.4f} "
-            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), parity {verdict}"), p["passed"]
+            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_onnx'] - p['bpb_torch']:+.4f}), {what} {verdict}"), p["passed"]
 
 
 def native_parity_line(export: Path, source: Path) -> tuple[str, bool]:
@@ -282,10 +285,8 @@ def native_parity_line(export: Path, source: Path) -> tuple[str, bool]:
     corpus = load_corpus(default_data(None, tok), tok, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
     graphs = GenaiGraphs(export / config["graphs"]["model"], export_dims(export, config), threads=os.cpu_count(),
                          native=True)
-    p = check_parity(model, graphs, corpus.val, tok.token_bytes(), config.get("precision", "fp32"))
-    verdict = "passed" if p["passed"] else "FAILED: " + ", ".join(p["failed"])
-    return (f"top-1 {p['top1_agreement']:.3f}, greedy {p['greedy_agreement']:.2f}, bits/byte {p['bpb_onnx']:.4f} "
-            f"vs torch {p['bpb_torch']:.4f} ({p['bpb_increase']:+.4f}), native parity {verdict}"), p["passed"]
+    report = check_parity(model, graphs, corpus.val, tok.token_bytes(), config.get("precision", "fp32"))
+    return _parity_summary(report, "native parity")
 
 
 def side_by_side(spec: str, args, figures: list) -> None:

@@ -71,6 +71,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def unavailable() -> str | None:
+    """None when the kernels build and load here, else the one-line reason (for skipping what needs them)."""
+    try:
+        library()
+    except PrunusError as e:
+        return str(e)
+    return None
+
+
 def _build(cc: list[str], target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,10 @@ ATTENTION = ("wqkv", "wq", "wk", "wv", "wo")
 FEED_FORWARD = ("w13", "w1", "w3", "w2")
 
 
+def _attrs(node) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
 @dataclass
 class PackedLinear:
     kind: str
@@ -153,7 +157,7 @@ class GraphReader:
         return self._nbits(node, bias)
 
     def _nbits(self, node, bias) -> PackedLinear:
-        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        a = _attrs(node)
         k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
         ins = list(node.input) + [""] * 6
         if bits not in (4, 8) or block % 32 or k % 32:
@@ -189,13 +193,13 @@ def read_genai_graph(proto: onnx.ModelProto, dims: dict, where: str) -> PackedMo
     norm0 = g.nodes.get("layers.0.attention_norm")
     if gqa is None or norm0 is None:
         g.refuse("is not a prunus genai graph (no layers.0 attention)")
-    attrs = {x.name: onnx.helper.get_attribute_value(x) for x in gqa.attribute}
+    attrs = _attrs(gqa)
     if (attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0) != 0 or attrs.get("softcap", 0.0)
             or attrs.get("smooth_softmax", 0)):
         g.refuse("has an attention without the rotary embedding prunus writes")
     hd = dims["head_dim"]
     model = PackedModel(dict(dims, n_heads=attrs["num_heads"]),
-                        eps=float(next(onnx.helper.get_attribute_value(x) for x in norm0.attribute if x.name == "epsilon")),
+                        eps=float(_attrs(norm0)["epsilon"]),
                         scale=float(attrs.get("scale", 0.0)) or hd ** -0.5,
                         emb=g.array("tok_embeddings.weight").astype(np.float32),
                         cos=g.array(gqa.input[7]).astype(np.float32), sin=g.array(gqa.input[8]).astype(np.float32),
@@ -267,7 +271,7 @@ def _layer(g: GraphReader, i: int, used: set) -> dict:
     gqa = g.nodes.get(f"{p}.attention/GroupQueryAttention")
     if gqa is None:
         g.refuse(f"has no attention in layer {i}")
-    attrs = {x.name: onnx.helper.get_attribute_value(x) for x in gqa.attribute}
+    attrs = _attrs(gqa)
     return {"q": mods[qkv[0]], "k": mods.get("wk") if len(qkv) == 3 else None,
             "v": mods.get("wv") if len(qkv) == 3 else None, "o": mods["wo"],
             "gate": mods[gate_up[0]], "up": mods.get("w3") if len(gate_up) == 2 else None, "down": mods["w2"],

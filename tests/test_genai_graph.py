@@ -19,6 +19,7 @@ from prunus.export.genai_session import GenaiGraphs, GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.models.config import ModelConfig
 from prunus.models.llama import Transformer
+from prunus.native.build import unavailable
 from prunus.serve import Engine
 from prunus.serve.backend_ort_genai import GenaiBackend
 
@@ -43,12 +44,12 @@ def _model(**changes) -> Transformer:
     return model.eval()
 
 
-def _session(model, tmp_path, n_slots: int, max_len: int = 48) -> GenaiSession:
+def _session(model, tmp_path, n_slots: int, max_len: int = 48, native: bool = False) -> GenaiSession:
     path = tmp_path / GENAI_GRAPH
     save_genai_graph(build_genai_graph(model), path, external_data=False)
     cfg = model.config
     return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=1)
+                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=1, native=native)
 
 
 def _want(model, prompt: list[int], n: int) -> list[int]:
@@ -85,11 +86,18 @@ def test_families_greedy_equals_torch(tmp_path, family):
     assert got == [_want(model, p, 30) for p in PROMPTS]
 
 
-def test_the_buffer_is_never_read_beyond_a_rows_length(tmp_path):
+NATIVE_WHY = unavailable()
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    NATIVE_WHY is not None, reason=f"native kernels unavailable: {NATIVE_WHY}"))])
+def test_the_buffer_is_never_read_beyond_a_rows_length(tmp_path, native):
+    """Decode steps in ONNX Runtime's GroupQueryAttention, and in the native kernels (prunus.native) over the same
+    buffers, give the same logits whatever lies past each row's length."""
     model = _model(tie_embeddings=True)
 
     def run(poison: float | None) -> list[np.ndarray]:
-        sess = _session(model, tmp_path, n_slots=3, max_len=32)
+        sess = _session(model, tmp_path, n_slots=3, max_len=32, native=native)
         lengths = np.array([len(p) for p in PROMPTS[:3]])
         out = [sess.prefill(0, PROMPTS[:3]).copy()]
         for step in range(4):

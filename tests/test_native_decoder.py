@@ -24,13 +24,9 @@ from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
 from prunus.serve.backend_ort_genai import GenaiBackend
 
-try:
-    from prunus.native.build import library
+from prunus.native.build import library, unavailable
 
-    library()
-    WHY = None
-except PrunusError as e:
-    WHY = str(e)
+WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
 
 from prunus.native.decoder import _linear  # noqa: E402
@@ -130,28 +126,6 @@ def test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers(tmp_path, family):
     with torch.no_grad():
         ref = [generate(model, torch.tensor([p]), 30)[0, len(p):].tolist() for p in PROMPTS]
     assert [list(map(int, col)) for col in zip(*tokens)] == ref
-
-
-def test_the_native_pass_never_reads_beyond_a_rows_length(tmp_path):
-    model = family_model("llama")
-    path = _graph(model, tmp_path)
-
-    def run(poison: float | None) -> list[np.ndarray]:
-        sess = _session(model, path, 3, 32, native=True)
-        lengths = np.array([len(p) for p in PROMPTS[:3]])
-        out = [_native_prefill(sess, PROMPTS[:3])]
-        for _ in range(4):
-            if poison is not None:
-                for buf in (*sess.k, *sess.v):
-                    for r, n in enumerate(lengths):
-                        buf[r, :, n:] = poison
-            out.append(sess.decode(lengths, out[-1].argmax(-1)).copy())
-            lengths += 1
-        return out
-
-    clean = run(None)
-    for poison in (float("nan"), 1e30):
-        assert all(np.array_equal(a, b) for a, b in zip(clean, run(poison)))
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
