@@ -35,6 +35,8 @@ typedef struct Pool {
     void *ctx;
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    void *arena; /* the passes' buffers (scratch_new) */
+    size_t arena_size;
 } Pool;
 
 typedef struct { Pool *p; int ith; } WorkerArg;
@@ -85,6 +87,7 @@ void prunus_pool_free(Pool *p) {
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p->tid);
+    free(p->arena);
     free(p);
 }
 
@@ -128,6 +131,34 @@ static float dot(const float *a, const float *b, int n) {
     float s = hsum8(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* e^x for 8 floats: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for e^r (Cephes' expf, within 2 ulp),
+ * 2^n through the exponent bits; x clamped to [-87.3, 88.3] so that 2^n stays a normal float */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    static const float c[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                              1.6666665459e-1f, 5.0000001201e-1f};
+    __m256 y = _mm256_set1_ps(c[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c[i]));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] */
+static void swiglu(const float *g, const float *u, int n, float *a) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_xor_ps(gv, neg));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
 /* x (k floats) -> q (k int8), d (k / 32 scales), dsum (k / 32: scale x sum of the block's integers) */
@@ -430,35 +461,99 @@ typedef struct {
 
 static void *zalloc(size_t n) { return calloc(n ? n : 1, 1); }
 
-static Scratch scratch_new(const Model *m, int T, int nth) {
-    int width = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim, kmax = m->hidden > m->dim ? m->hidden : m->dim;
-    int att = m->n_heads * m->head_dim;
+/* The pass's buffers, carved from the pool's arena: kept from pass to pass (a fresh allocation per pass cost page
+ * faults on every decode step) and grown when a pass needs more. Returns 0 when it cannot be allocated. */
+static int scratch_new(Pool *p, const Model *m, int T, Scratch *s) {
+    const size_t width = (size_t)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim, att = (size_t)m->n_heads * m->head_dim;
+    size_t kmax = m->hidden > m->dim ? m->hidden : m->dim;
     if (att > kmax) kmax = att;
-    Scratch s;
-    s.h = zalloc((size_t)T * m->dim * 4);
-    s.x = zalloc((size_t)T * m->dim * 4);
-    s.qkv = zalloc((size_t)T * width * 4);
-    s.att = zalloc((size_t)T * att * 4);
-    s.ff = zalloc((size_t)T * 2 * m->hidden * 4);
-    s.act = zalloc((size_t)T * m->hidden * 4);
-    s.xq = zalloc((size_t)T * kmax);
-    s.xd = zalloc((size_t)T * (kmax / 32 + 1) * 4);
-    s.xds = zalloc((size_t)T * (kmax / 32 + 1) * 4);
-    s.scores = zalloc((size_t)nth * m->max_len * 4);
-    s.last = zalloc((size_t)T * m->dim * 4);
-    return s;
+    const size_t dim = m->dim, F = m->hidden, kb = kmax / 32 + 1;
+    const size_t sizes[] = {T * dim * 4, T * dim * 4, T * width * 4, T * att * 4, T * 2 * F * 4, T * F * 4, T * kmax,
+                            T * kb * 4, T * kb * 4, (size_t)p->n * m->max_len * 4, T * dim * 4};
+    void **slots[] = {(void **)&s->h, (void **)&s->x, (void **)&s->qkv, (void **)&s->att, (void **)&s->ff,
+                      (void **)&s->act, (void **)&s->xq, (void **)&s->xd, (void **)&s->xds, (void **)&s->scores,
+                      (void **)&s->last};
+    const int n = sizeof(sizes) / sizeof(sizes[0]);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (sizes[i] + 63) & ~(size_t)63;
+    if (total > p->arena_size) {
+        free(p->arena);
+        p->arena = aligned_alloc(64, total);
+        p->arena_size = p->arena ? total : 0;
+        if (!p->arena) return 0;
+    }
+    char *at = p->arena;
+    for (int i = 0; i < n; i++) {
+        *slots[i] = at;
+        at += (sizes[i] + 63) & ~(size_t)63;
+    }
+    return 1;
 }
 
-static void scratch_free(Scratch *s) {
-    free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->ff); free(s->act);
-    free(s->xq); free(s->xd); free(s->xds); free(s->scores); free(s->last);
+/* ---------------------------------------------------------------- per-row work between the linear layers */
+
+enum { ROW_NONE, ROW_NORM, ROW_ADD_NORM, ROW_SWIGLU, ROW_ROPE };
+
+/* One row's work: op, then (qx != NULL) the row of qx, qk wide, quantized into the scratch for integer layers */
+typedef struct {
+    const Model *m;
+    const Scratch *s;
+    int op, li;
+    const float *w;                /* ROW_NORM (x = norm(h) * w), ROW_ADD_NORM (h += x first) */
+    const int32_t *slot, *pos;     /* ROW_ROPE: rotate the row's q and k, store its k and v in layer li's buffers */
+    const float *qx;
+    int qk;
+} RowJob;
+
+static void rope_row(const RowJob *r, int t) {
+    const Model *m = r->m;
+    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, half = hd / 2, width = (H + 2 * G) * hd;
+    float *row = r->s->qkv + (size_t)t * width;
+    const float *c = m->cos + (size_t)r->pos[t] * half, *sn = m->sin + (size_t)r->pos[t] * half;
+    for (int h = 0; h < H + G; h++) rope(row + h * hd, c, sn, half);
+    for (int g = 0; g < G; g++) {
+        size_t at = (((size_t)r->slot[t] * G + g) * m->max_len + r->pos[t]) * hd;
+        memcpy(m->kc[r->li] + at, row + (H + g) * hd, hd * sizeof(float));
+        memcpy(m->vc[r->li] + at, row + (H + G + g) * hd, hd * sizeof(float));
+    }
 }
 
-/* x (T, k) quantized into the scratch when any of the layers that read it is an integer one */
-static void quantize_input(const Scratch *s, int T, int k, const float *x, int needed) {
-    if (!needed) return;
-    for (int t = 0; t < T; t++) quantize_row(x + (size_t)t * k, k, s->xq + (size_t)t * k, s->xd + (size_t)t * (k / 32),
-                                             s->xds + (size_t)t * (k / 32));
+static void row_job(const RowJob *r, int t) {
+    const Model *m = r->m;
+    const Scratch *s = r->s;
+    float *h = s->h + (size_t)t * m->dim, *x = s->x + (size_t)t * m->dim;
+    if (r->op == ROW_ADD_NORM)
+        for (int i = 0; i < m->dim; i++) h[i] += x[i];
+    if (r->op == ROW_NORM || r->op == ROW_ADD_NORM) rmsnorm(h, r->w, m->dim, m->eps, x);
+    if (r->op == ROW_SWIGLU) {
+        const float *g = s->ff + (size_t)t * 2 * m->hidden;
+        swiglu(g, g + m->hidden, m->hidden, s->act + (size_t)t * m->hidden);
+    }
+    if (r->op == ROW_ROPE) rope_row(r, t);
+    if (r->qx) {
+        const int k = r->qk;
+        quantize_row(r->qx + (size_t)t * k, k, s->xq + (size_t)t * k, s->xd + (size_t)t * (k / 32), s->xds + (size_t)t * (k / 32));
+    }
+}
+
+typedef struct { const RowJob *job; int T; } RowsTask;
+
+static void rows_task(void *ctx, int ith, int nth) {
+    const RowsTask *r = (const RowsTask *)ctx;
+    int t0, t1;
+    split(r->T, ith, nth, &t0, &t1);
+    for (int t = t0; t < t1; t++) row_job(r->job, t);
+}
+
+/* the job over rows 0..T-1, shared across the pool when there are two rows or more */
+static void rows(Pool *p, const RowJob *job, int T) {
+    if (job->op == ROW_NONE && !job->qx) return;
+    if (T < 2) {
+        for (int t = 0; t < T; t++) row_job(job, t);
+        return;
+    }
+    RowsTask r = {job, T};
+    pool_run(p, rows_task, &r);
 }
 
 static void run_linear(Pool *p, const Scratch *s, const Linear *L, int T, const float *x, float *y, int ldy) {
@@ -468,57 +563,60 @@ static void run_linear(Pool *p, const Scratch *s, const Linear *L, int T, const 
 
 static int quantized(const Linear *L) { return L->n > 0 && L->kind != KIND_F32; }
 
+/* x (T, k) quantized for the layers that read it when any of them is an integer one */
+static const float *quant_for(int needed, const float *x) { return needed ? x : NULL; }
+
 static void attention_block(const Model *m, Pool *p, const Scratch *s, int li, int T, const int32_t *slot,
                             const int32_t *pos) {
     const Layer *L = &m->layers[li];
-    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd, half = hd / 2;
-    quantize_input(s, T, m->dim, s->x, quantized(&L->q) || quantized(&L->k) || quantized(&L->v));
+    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd;
     run_linear(p, s, &L->q, T, s->x, s->qkv, width);
     run_linear(p, s, &L->k, T, s->x, s->qkv + H * hd, width);
     run_linear(p, s, &L->v, T, s->x, s->qkv + (H + G) * hd, width);
-    for (int t = 0; t < T; t++) {
-        float *row = s->qkv + (size_t)t * width;
-        const float *c = m->cos + (size_t)pos[t] * half, *sn = m->sin + (size_t)pos[t] * half;
-        for (int h = 0; h < H + G; h++) rope(row + h * hd, c, sn, half);
-        for (int g = 0; g < G; g++) {
-            size_t at = (((size_t)slot[t] * G + g) * m->max_len + pos[t]) * hd;
-            memcpy(m->kc[li] + at, row + (H + g) * hd, hd * sizeof(float));
-            memcpy(m->vc[li] + at, row + (H + G + g) * hd, hd * sizeof(float));
-        }
-    }
+    RowJob r = {m, s, ROW_ROPE, li, NULL, slot, pos, NULL, 0};
+    rows(p, &r, T);
     AttnTask a = {m, T, slot, pos, li, s->qkv, s->att, s->scores};
     pool_run(p, attn_task, &a);
-    quantize_input(s, T, H * hd, s->att, quantized(&L->o));
+    RowJob q = {m, s, ROW_NONE, li, NULL, NULL, NULL, quant_for(quantized(&L->o), s->att), H * hd};
+    rows(p, &q, T);
     run_linear(p, s, &L->o, T, s->att, s->x, m->dim);
 }
 
 static void feed_forward_block(const Model *m, Pool *p, const Scratch *s, int li, int T) {
     const Layer *L = &m->layers[li];
     const int F = m->hidden;
-    quantize_input(s, T, m->dim, s->x, quantized(&L->gate) || quantized(&L->up));
     run_linear(p, s, &L->gate, T, s->x, s->ff, 2 * F);
     run_linear(p, s, &L->up, T, s->x, s->ff + F, 2 * F);
-    for (int t = 0; t < T; t++) {
-        const float *g = s->ff + (size_t)t * 2 * F, *u = g + F;
-        float *a = s->act + (size_t)t * F;
-        for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
-    quantize_input(s, T, F, s->act, quantized(&L->down));
+    RowJob r = {m, s, ROW_SWIGLU, li, NULL, NULL, NULL, quant_for(quantized(&L->down), s->act), F};
+    rows(p, &r, T);
     run_linear(p, s, &L->down, T, s->act, s->x, m->dim);
 }
 
-/* h += x; x = norm(h) * w, for T rows of dim */
-static void add_norm(const Model *m, const Scratch *s, int T, const float *w) {
-    for (int t = 0; t < T; t++) {
-        float *h = s->h + (size_t)t * m->dim, *x = s->x + (size_t)t * m->dim;
-        for (int i = 0; i < m->dim; i++) h[i] += x[i];
-        rmsnorm(h, w, m->dim, m->eps, x);
+/* x = norm(h (+= x)) * w, quantized for the next block's first layers when any of them is an integer one */
+static void norm_rows(const Model *m, Pool *p, const Scratch *s, int T, int op, const float *w, int next_quantized) {
+    RowJob r = {m, s, op, 0, w, NULL, NULL, quant_for(next_quantized, s->x), m->dim};
+    rows(p, &r, T);
+}
+
+static int attn_quantized(const Layer *L) { return quantized(&L->q) || quantized(&L->k) || quantized(&L->v); }
+
+static void layers(const Model *m, Pool *p, const Scratch *s, int T, const int32_t *slot, const int32_t *pos) {
+    norm_rows(m, p, s, T, ROW_NORM, m->layers[0].attn_norm, attn_quantized(&m->layers[0]));
+    for (int li = 0; li < m->n_layers; li++) {
+        const Layer *L = &m->layers[li];
+        attention_block(m, p, s, li, T, slot, pos);
+        norm_rows(m, p, s, T, ROW_ADD_NORM, L->ffn_norm, quantized(&L->gate) || quantized(&L->up));
+        feed_forward_block(m, p, s, li, T);
+        const int last = li + 1 == m->n_layers;
+        norm_rows(m, p, s, T, ROW_ADD_NORM, last ? m->norm : m->layers[li + 1].attn_norm,
+                  !last && attn_quantized(&m->layers[li + 1]));
     }
 }
 
 /* A pass over b rows: row i's count[i] tokens ids[i * seq + j] at positions start[i] + j, in buffer slot
  * slot0 + i. Writes each row's last-token logits to logits (b, vocab), or with every_position the logits of every
- * token, row after row (sum of count, vocab). Returns 0, or -1 on a bad argument. */
+ * token, row after row (sum of count, vocab). Returns 0, -1 on a bad argument, -2 when its buffers cannot be
+ * allocated. */
 int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
                    const int32_t *count, int slot0, float *logits, int every_position) {
     int T = 0;
@@ -527,9 +625,10 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
             start[i] + count[i] > m->rope_len || slot0 + i >= m->n_slots) return -1;
         T += count[i];
     }
+    Scratch s;
+    if (!scratch_new(p, m, T, &s)) return -2;
     int32_t *slot = malloc(sizeof(int32_t) * T), *pos = malloc(sizeof(int32_t) * T), *last = malloc(sizeof(int32_t) * b);
-    Scratch s = scratch_new(m, T, p->n);
-    const int rows = every_position ? T : b;
+    const int rows_out = every_position ? T : b;
     int t = 0, bad = 0;
     for (int i = 0; i < b; i++)
         for (int j = 0; j < count[i]; j++, t++) {
@@ -540,19 +639,13 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
             if (j == count[i] - 1) last[i] = t;
         }
     if (!bad) {
-        for (t = 0; t < T; t++) rmsnorm(s.h + (size_t)t * m->dim, m->layers[0].attn_norm, m->dim, m->eps, s.x + (size_t)t * m->dim);
-        for (int li = 0; li < m->n_layers; li++) {
-            attention_block(m, p, &s, li, T, slot, pos);
-            add_norm(m, &s, T, m->layers[li].ffn_norm);
-            feed_forward_block(m, p, &s, li, T);
-            add_norm(m, &s, T, li + 1 < m->n_layers ? m->layers[li + 1].attn_norm : m->norm);
-        }
-        for (int i = 0; i < rows; i++)
+        layers(m, p, &s, T, slot, pos);
+        for (int i = 0; i < rows_out; i++)
             memcpy(s.last + (size_t)i * m->dim, s.x + (size_t)(every_position ? i : last[i]) * m->dim, m->dim * sizeof(float));
-        quantize_input(&s, rows, m->dim, s.last, quantized(&m->head));
-        run_linear(p, &s, &m->head, rows, s.last, logits, m->vocab);
+        RowJob q = {m, &s, ROW_NONE, 0, NULL, NULL, NULL, quant_for(quantized(&m->head), s.last), m->dim};
+        rows(p, &q, rows_out);
+        run_linear(p, &s, &m->head, rows_out, s.last, logits, m->vocab);
     }
-    scratch_free(&s);
     free(slot); free(pos); free(last);
     return bad ? -1 : 0;
 }

@@ -113,6 +113,8 @@ class NativeDecoder:
         rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
                                      self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data,
                                      int(every_position))
+        if rc == -2:
+            raise MemoryError(f"native pass: no memory for the buffers of {rows} rows")
         if rc != 0:
             raise ValueError(f"native pass refused: a token id outside the vocabulary, a row past the buffer's "
                              f"{self.max_len} positions or slots past {self.n_slots}")
