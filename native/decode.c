@@ -400,14 +400,17 @@ typedef struct {
     float **kc, **vc; /* per layer (n_slots, kv_heads, max_len, head_dim) */
 } Model;
 
+#define ATTN_CHUNK 256 /* positions one attention item covers at most: a longer context is split into chunks, so
+                          * that both threads share even one row's few KV heads, and the chunks are merged after */
+
 typedef struct {
     const Model *m;
-    int T;
+    int T, layer, chunks;
     const int32_t *slot, *pos; /* per token */
-    int layer;
     const float *qkv;
-    float *out;
-    float *scores; /* per thread max_len floats */
+    float *out;    /* chunks == 1: (T, H * hd) */
+    float *part;   /* chunks > 1: (T, H, chunks, 2 + hd): a chunk's max score, sum of exponentials, unscaled output */
+    float *scores; /* per thread ATTN_CHUNK floats */
 } AttnTask;
 
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *y) {
@@ -424,55 +427,108 @@ static void rope(float *x, const float *cos, const float *sin, int half) {
     }
 }
 
+/* One query head over keys j0..j1-1: o (hd) = sum of e^(score - mx) v_j; returns the sum of e^(score - mx) and
+ * sets *mx (-inf and 0 for an empty range) */
+static float attend(const float *q, const float *K, const float *V, int j0, int j1, int hd, float scale, float *sc,
+                    float *o, float *mx) {
+    float top = -INFINITY;
+    const int n = j1 - j0;
+    for (int j = 0; j < n; j++) {
+        sc[j] = dot(q, K + (size_t)(j0 + j) * hd, hd) * scale;
+        if (sc[j] > top) top = sc[j];
+    }
+    __m256 vm = _mm256_set1_ps(top), vs = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vm));
+        _mm256_storeu_ps(sc + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum8(vs);
+    for (; j < n; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
+    memset(o, 0, hd * sizeof(float));
+    for (j = 0; j < n; j++) {
+        const float w = sc[j], *vj = V + (size_t)(j0 + j) * hd;
+        for (int e = 0; e < hd; e++) o[e] += w * vj[e];
+    }
+    *mx = top;
+    return sum;
+}
+
+/* Items are (token, KV head, chunk of positions): the KV head's query heads one after another, so its keys and
+ * values are read from memory once and from cache for the others */
 static void attn_task(void *ctx, int ith, int nth) {
     const AttnTask *a = (const AttnTask *)ctx;
     const Model *m = a->m;
-    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd;
+    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd, per = H / G, C = a->chunks;
     const int window = m->layers[a->layer].window;
-    float *sc = a->scores + (size_t)ith * m->max_len;
+    float *sc = a->scores + (size_t)ith * ATTN_CHUNK;
     int i0, i1;
-    split(a->T * H, ith, nth, &i0, &i1);
+    split(a->T * G * C, ith, nth, &i0, &i1);
     for (int it = i0; it < i1; it++) {
-        int t = it / H, h = it % H, g = h / (H / G), pos = a->pos[t];
-        const float *q = a->qkv + (size_t)t * width + h * hd;
+        const int t = it / (G * C), g = it / C % G, c = it % C, pos = a->pos[t];
         const size_t base = ((size_t)a->slot[t] * G + g) * m->max_len * hd;
         const float *K = m->kc[a->layer] + base, *V = m->vc[a->layer] + base;
-        int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-        float mx = -INFINITY;
-        for (int j = first; j <= pos; j++) {
-            sc[j] = dot(q, K + (size_t)j * hd, hd) * m->scale;
-            if (sc[j] > mx) mx = sc[j];
-        }
-        float sum = 0.f;
-        for (int j = first; j <= pos; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
-        float *o = a->out + (size_t)t * H * hd + h * hd;
-        memset(o, 0, hd * sizeof(float));
-        for (int j = first; j <= pos; j++) {
-            const float w = sc[j] / sum, *vj = V + (size_t)j * hd;
-            for (int e = 0; e < hd; e++) o[e] += w * vj[e];
+        const int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+        const int j0 = first > c * ATTN_CHUNK ? first : c * ATTN_CHUNK;
+        const int j1 = pos + 1 < (c + 1) * ATTN_CHUNK ? pos + 1 : (c + 1) * ATTN_CHUNK;
+        for (int h = g * per; h < (g + 1) * per; h++) {
+            const float *q = a->qkv + (size_t)t * width + h * hd;
+            float mx;
+            if (C == 1) {
+                float *o = a->out + ((size_t)t * H + h) * hd;
+                const float r = 1.f / attend(q, K, V, j0, j1, hd, m->scale, sc, o, &mx);
+                for (int e = 0; e < hd; e++) o[e] *= r;
+            } else {
+                float *part = a->part + (((size_t)t * H + h) * C + c) * (2 + hd);
+                part[1] = attend(q, K, V, j0, j1 > j0 ? j1 : j0, hd, m->scale, sc, part + 2, &mx);
+                part[0] = mx;
+            }
         }
     }
 }
 
+/* row t's attention output from its chunks' partial results */
+static void merge_chunks(const float *part, int H, int C, int hd, float *out) {
+    for (int h = 0; h < H; h++) {
+        const float *p = part + (size_t)h * C * (2 + hd);
+        float top = -INFINITY, sum = 0.f;
+        for (int c = 0; c < C; c++)
+            if (p[c * (2 + hd)] > top) top = p[c * (2 + hd)];
+        float *o = out + (size_t)h * hd;
+        memset(o, 0, hd * sizeof(float));
+        for (int c = 0; c < C; c++) {
+            const float *pc = p + (size_t)c * (2 + hd);
+            if (pc[0] == -INFINITY) continue;
+            const float w = expf(pc[0] - top);
+            sum += w * pc[1];
+            for (int e = 0; e < hd; e++) o[e] += w * pc[2 + e];
+        }
+        for (int e = 0; e < hd; e++) o[e] /= sum;
+    }
+}
+
 typedef struct {
-    float *h, *x, *qkv, *att, *ff, *act, *xd, *xds, *scores, *last;
+    float *h, *x, *qkv, *att, *ff, *act, *xd, *xds, *scores, *last, *part;
     int8_t *xq;
+    int chunks; /* attention chunks (ATTN_CHUNK positions each) of the pass's longest row */
 } Scratch;
 
 static void *zalloc(size_t n) { return calloc(n ? n : 1, 1); }
 
 /* The pass's buffers, carved from the pool's arena: kept from pass to pass (a fresh allocation per pass cost page
  * faults on every decode step) and grown when a pass needs more. Returns 0 when it cannot be allocated. */
-static int scratch_new(Pool *p, const Model *m, int T, Scratch *s) {
+static int scratch_new(Pool *p, const Model *m, int T, int chunks, Scratch *s) {
     const size_t width = (size_t)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim, att = (size_t)m->n_heads * m->head_dim;
     size_t kmax = m->hidden > m->dim ? m->hidden : m->dim;
     if (att > kmax) kmax = att;
     const size_t dim = m->dim, F = m->hidden, kb = kmax / 32 + 1;
     const size_t sizes[] = {T * dim * 4, T * dim * 4, T * width * 4, T * att * 4, T * 2 * F * 4, T * F * 4, T * kmax,
-                            T * kb * 4, T * kb * 4, (size_t)p->n * m->max_len * 4, T * dim * 4};
+                            T * kb * 4, T * kb * 4, (size_t)p->n * ATTN_CHUNK * 4, T * dim * 4,
+                            chunks > 1 ? T * att * chunks * 4 + T * m->n_heads * chunks * 8 : 0};
     void **slots[] = {(void **)&s->h, (void **)&s->x, (void **)&s->qkv, (void **)&s->att, (void **)&s->ff,
                       (void **)&s->act, (void **)&s->xq, (void **)&s->xd, (void **)&s->xds, (void **)&s->scores,
-                      (void **)&s->last};
+                      (void **)&s->last, (void **)&s->part};
     const int n = sizeof(sizes) / sizeof(sizes[0]);
     size_t total = 0;
     for (int i = 0; i < n; i++) total += (sizes[i] + 63) & ~(size_t)63;
@@ -483,6 +539,7 @@ static int scratch_new(Pool *p, const Model *m, int T, Scratch *s) {
         if (!p->arena) return 0;
     }
     char *at = p->arena;
+    s->chunks = chunks;
     for (int i = 0; i < n; i++) {
         *slots[i] = at;
         at += (sizes[i] + 63) & ~(size_t)63;
@@ -492,7 +549,7 @@ static int scratch_new(Pool *p, const Model *m, int T, Scratch *s) {
 
 /* ---------------------------------------------------------------- per-row work between the linear layers */
 
-enum { ROW_NONE, ROW_NORM, ROW_ADD_NORM, ROW_SWIGLU, ROW_ROPE };
+enum { ROW_NONE, ROW_NORM, ROW_ADD_NORM, ROW_SWIGLU, ROW_ROPE, ROW_MERGE };
 
 /* One row's work: op, then (qx != NULL) the row of qx, qk wide, quantized into the scratch for integer layers */
 typedef struct {
@@ -501,6 +558,7 @@ typedef struct {
     int op, li;
     const float *w;                /* ROW_NORM (x = norm(h) * w), ROW_ADD_NORM (h += x first) */
     const int32_t *slot, *pos;     /* ROW_ROPE: rotate the row's q and k, store its k and v in layer li's buffers */
+                                   /* ROW_MERGE: the row's attention output from its chunks (Scratch.part) */
     const float *qx;
     int qk;
 } RowJob;
@@ -530,6 +588,10 @@ static void row_job(const RowJob *r, int t) {
         swiglu(g, g + m->hidden, m->hidden, s->act + (size_t)t * m->hidden);
     }
     if (r->op == ROW_ROPE) rope_row(r, t);
+    if (r->op == ROW_MERGE) {
+        const size_t H = m->n_heads, hd = m->head_dim;
+        merge_chunks(s->part + t * H * s->chunks * (2 + hd), H, s->chunks, hd, s->att + t * H * hd);
+    }
     if (r->qx) {
         const int k = r->qk;
         quantize_row(r->qx + (size_t)t * k, k, s->xq + (size_t)t * k, s->xd + (size_t)t * (k / 32), s->xds + (size_t)t * (k / 32));
@@ -575,9 +637,9 @@ static void attention_block(const Model *m, Pool *p, const Scratch *s, int li, i
     run_linear(p, s, &L->v, T, s->x, s->qkv + (H + G) * hd, width);
     RowJob r = {m, s, ROW_ROPE, li, NULL, slot, pos, NULL, 0};
     rows(p, &r, T);
-    AttnTask a = {m, T, slot, pos, li, s->qkv, s->att, s->scores};
+    AttnTask a = {m, T, li, s->chunks, slot, pos, s->qkv, s->att, s->part, s->scores};
     pool_run(p, attn_task, &a);
-    RowJob q = {m, s, ROW_NONE, li, NULL, NULL, NULL, quant_for(quantized(&L->o), s->att), H * hd};
+    RowJob q = {m, s, s->chunks > 1 ? ROW_MERGE : ROW_NONE, li, NULL, NULL, NULL, quant_for(quantized(&L->o), s->att), H * hd};
     rows(p, &q, T);
     run_linear(p, s, &L->o, T, s->att, s->x, m->dim);
 }
@@ -625,8 +687,11 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
             start[i] + count[i] > m->rope_len || slot0 + i >= m->n_slots) return -1;
         T += count[i];
     }
+    int ctx = 0;
+    for (int i = 0; i < b; i++)
+        if (start[i] + count[i] > ctx) ctx = start[i] + count[i];
     Scratch s;
-    if (!scratch_new(p, m, T, &s)) return -2;
+    if (!scratch_new(p, m, T, (ctx + ATTN_CHUNK - 1) / ATTN_CHUNK, &s)) return -2;
     int32_t *slot = malloc(sizeof(int32_t) * T), *pos = malloc(sizeof(int32_t) * T), *last = malloc(sizeof(int32_t) * b);
     const int rows_out = every_position ? T : b;
     int t = 0, bad = 0;

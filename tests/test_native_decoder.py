@@ -128,6 +128,29 @@ def test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers(tmp_path, family):
     assert [list(map(int, col)) for col in zip(*tokens)] == ref
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_contexts_over_several_attention_chunks_equal_onnx_runtimes(tmp_path, family):
+    """Native attention splits a context longer than 256 positions into chunks and merges them: prompts of 300 and
+    600 tokens (one pass, both rows), then decode steps across the 512 boundary, against ONNX Runtime on the same
+    buffers (mistral: a sliding window of 6, so most chunks are empty), one and two threads."""
+    model = family_model(family, max_seq_len=640)
+    path = _graph(model, tmp_path)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 320, 300)), list(rng.integers(0, 320, 600))]
+    ort = _session(model, path, 2, 640, False)
+    want = ort.prefill(0, prompts).copy()
+    lengths = np.array([len(p) for p in prompts])
+    steps = [ort.decode(lengths + i, [7, 8]).copy() for i in range(3)]
+    for threads in (1, 2):
+        nat = _session(model, path, 2, 640, True, threads)
+        got = _native_prefill(nat, prompts)
+        assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+        for i, step_want in enumerate(steps):
+            step = nat.decode(lengths + i, [7, 8])
+            assert np.abs(step - step_want).max() < 1e-4 * np.abs(step_want).max()
+        nat.close()
+
+
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(trained_run, tmp_path, precision):
     """Both runtimes quantize activations to int8 blocks of 32; the native kernels may round them differently,
