@@ -219,6 +219,16 @@ static void store4(const GemmTask *g, int m, int t, __m128 r) {
     for (int i = 0; i < 4 && 4 * t + i < L->n; i++) y[4 * t + i] = out[i] + (L->bias ? L->bias[4 * t + i] : 0.f);
 }
 
+/* A pass of several rows goes over each tile once per pair of rows. The first pass streams the tile from memory
+ * and the others find it in cache, so each pass prefetches its share of the next tile, spread over its iterations
+ * (every pass then reads memory at the same pace). NULL for passes of fewer than six rows. */
+static inline const char *next_share(const GemmTask *g, int t, int m, size_t tile_bytes, size_t *step, int iters) {
+    const int passes = g->m / 2;
+    if (passes < 3 || t + 1 >= g->L->tiles) return NULL; /* with two passes it cost more than it gave */
+    *step = tile_bytes / iters / passes;
+    return (const char *)g->L->w + (t + 1) * tile_bytes + tile_bytes * (m / 2) / passes;
+}
+
 /* one row m of x against tile t */
 static void tile_f32_row(const GemmTask *g, int t, int m) {
     const Linear *L = g->L;
@@ -249,9 +259,12 @@ static void tile_f32_pair(const GemmTask *g, int t, int m) {
         const float *x0 = g->x + (size_t)m * L->k, *x1 = g->x + (size_t)m1 * L->k;
         __m256 a[2][4];
         for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+        size_t step = 0;
+        const char *next = next_share(g, t, m, (size_t)kk * 128, &step, kk);
         for (int j = 0; j < kk; j++) {
             __m256 v0 = _mm256_loadu_ps(x0 + 8 * j), v1 = _mm256_loadu_ps(x1 + 8 * j);
             const float *wj = w + 32 * j;
+            if (next) _mm_prefetch(next + step * j, _MM_HINT_T0);
             for (int i = 0; i < 4; i++) {
                 __m256 wv = _mm256_loadu_ps(wj + 8 * i);
                 a[0][i] = _mm256_fmadd_ps(wv, v0, a[0][i]);
@@ -327,11 +340,17 @@ static void tile_quant_pair(const GemmTask *g, int t, int m) {
         __m256 a[2][4];
         for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
         __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
+        float scale[2][4]; /* the block's four weight scales times each row's activation scale */
+        size_t step = 0;
+        const char *next = next_share(g, t, m, (size_t)kb * 4 * bytes, &step, kb);
         for (int b = 0; b < kb; b++) {
+            if (next) _mm_prefetch(next + step * b, _MM_HINT_T0);
             __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
             __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
             const uint8_t *wb = w + (size_t)b * 4 * bytes;
-            const float *sb = s + 4 * b;
+            const __m128 sb = _mm_loadu_ps(s + 4 * b);
+            _mm_storeu_ps(scale[0], _mm_mul_ps(sb, _mm_broadcast_ss(xd0 + b)));
+            _mm_storeu_ps(scale[1], _mm_mul_ps(sb, _mm_broadcast_ss(xd1 + b)));
             for (int i = 0; i < 4; i++) {
                 __m256 p0, p1;
                 if (q4) {
@@ -343,9 +362,8 @@ static void tile_quant_pair(const GemmTask *g, int t, int m) {
                     p0 = dot_q8(aw, wv, x0);
                     p1 = dot_q8(aw, wv, x1);
                 }
-                __m256 si = _mm256_broadcast_ss(sb + i);
-                a[0][i] = _mm256_fmadd_ps(p0, _mm256_mul_ps(si, _mm256_broadcast_ss(xd0 + b)), a[0][i]);
-                a[1][i] = _mm256_fmadd_ps(p1, _mm256_mul_ps(si, _mm256_broadcast_ss(xd1 + b)), a[1][i]);
+                a[0][i] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(scale[0] + i), a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(scale[1] + i), a[1][i]);
             }
             if (sz) {
                 __m128 zb = _mm_loadu_ps(sz + 4 * b);

@@ -56,7 +56,7 @@ def _quantized_activations(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits,zero", [(8, None), (8, "uint8"), (4, None), (4, "uint8")])
-@pytest.mark.parametrize("m,threads", [(1, 1), (5, 2)])
+@pytest.mark.parametrize("m,threads", [(1, 1), (5, 2), (9, 2)])
 def test_integer_kernels_equal_numpy(bits, zero, m, threads):
     """(q - zero) * scale against block-quantized activations, 37 output rows (not a multiple of the tile's 4)."""
     rng = np.random.default_rng(bits + m)
@@ -75,10 +75,12 @@ def test_integer_kernels_equal_numpy(bits, zero, m, threads):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_float_kernel_equals_numpy():
+@pytest.mark.parametrize("m", [3, 9])
+def test_float_kernel_equals_numpy(m):
+    """9 rows: passes of six rows or more prefetch the next tile's weights as they go."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((13, 64)).astype(np.float32)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x = rng.standard_normal((m, 64)).astype(np.float32)
     assert np.allclose(_run_linear(pack_f32(w), x, 2), x @ w.T, atol=1e-5)
 
 
