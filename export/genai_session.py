@@ -42,7 +42,7 @@ from .ort_graphs import ort_session
 class GenaiSession:
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
-                 prompt_twin: bool = False, native: bool = False):
+                 prompt_twin: bool = False, native: bool = False, packed=None):
         self.session = ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
@@ -61,7 +61,10 @@ class GenaiSession:
             from prunus.native.decoder import NativeDecoder, native_prompt_tokens
 
             dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
-            self.native = NativeDecoder.from_graph(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads)
+            if packed is None:  # the graph's weights read and repacked (``packed``: already done by the caller)
+                self.native = NativeDecoder.from_graph(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads)
+            else:
+                self.native = NativeDecoder(packed, self.k, self.v, n_slots, max_len, threads)
             self.native_prompt_tokens = native_prompt_tokens(self.native.packed)
             # ONNX Runtime's first pass with sleeping threads is slow (SmolLM2 int4, a 5-token prompt at 2 threads:
             # 212 ms, then 15 ms): pay it at load, not in the first request's first token
@@ -242,7 +245,7 @@ class GenaiGraphs:
         rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
                 for i, p in enumerate(prompt)]
         sess = GenaiSession(self.path, **self.dims, n_slots=b, max_len=s + max_new_tokens, threads=self.threads,
-                            config=self.config, native=self.native)
+                            config=self.config, native=self.native, packed=self.packed if self.native else None)
         lengths = np.array([len(r) for r in rows], np.int64)
         logits = sess.prefill(0, rows)
         out = []
