@@ -122,7 +122,7 @@ def steps_section(exports: dict, threads: int, rounds: int, long: int) -> None:
         for b, start in cases:
             o, n = best[("onnxruntime", b, start)] * 1e3, best[("native", b, start)] * 1e3
             print(f"   {precision:5s} batch {b} at position {start:5d}: native {n:6.2f}  onnxruntime {o:6.2f}  "
-                  f"ratio {o / n:.2f}x")
+                  f"onnxruntime / native {o / n:.2f}x")
         for sess in sessions.values():
             sess.close()
 
