@@ -9,19 +9,30 @@ template from ``tokenizer.*`` (:mod:`prunus.models.gguf_tokenizer`).
 Anything prunus would run differently from llama.cpp (another architecture, rope
 scaling other than linear, experts, sliding windows, a tensor type or a tensor it does
 not know) is refused in one line.
+
+A GGUF is input from outside, so it is checked in order before anything is allocated:
+the header (:mod:`prunus.artifacts.gguf_header`: every count, length and offset bounded by
+the file's size, strings UTF-8, tensors inside the file and apart), then the metadata
+(typed, in range), then every tensor's name, type and shape against the model the metadata
+describes (:func:`check_tensors`: a block count or width the tensors do not hold is never
+built), then the tokenizer metadata; weights are read last and must be finite.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import MAX_SEQ_LEN, ModelConfig
 from prunus.artifacts.errors import PrunusError
-from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, prunus_name, rotary_heads
+from prunus.artifacts.gguf_header import MAX_TENSORS, GGUFTensor, read_gguf_header
+from prunus.artifacts.validate import check_int_range, short
+from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, gguf_name, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
 from .model_dir import save_model
@@ -30,48 +41,40 @@ from .tokenizer import ByteTokenizer, HFTokenizer
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_WIDTH = 1 << 31  # a model dimension or head count read from metadata; the tensors must then hold it
+_REQUIRED = object()
 
 
-def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` on ``path``, or one PrunusError line for a file that is not a whole GGUF."""
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise PrunusError(f"{path}: no such file; give a .gguf file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise PrunusError(f"{path}: not a GGUF file (it does not start with 'GGUF'); give a .gguf file written by llama.cpp")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError / struct errors on a cut or damaged file
-        raise PrunusError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {str(e)[:80]}); "
-                          "re-download or re-convert it") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise PrunusError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file); re-download it")
-    return reader
+def _int(meta: dict, key: str, where: str, default=_REQUIRED, hi: int = MAX_WIDTH) -> int | None:
+    """The integer metadata ``key`` (1 to ``hi``), ``default`` when absent, or one line naming the file and key."""
+    if key not in meta:
+        if default is _REQUIRED:
+            raise PrunusError(f"{where}: missing metadata {key}; not a complete model GGUF")
+        return default
+    check_int_range(meta[key], f"metadata {key}", 1, hi, where)
+    return meta[key]
 
 
-def read_metadata(reader) -> dict:
-    """Every metadata key with its Python value (strings decoded, arrays as lists)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+def _float(meta: dict, key: str, where: str, default: float) -> float:
+    """The positive, finite number metadata ``key`` as its float32 value, ``default`` when absent."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PrunusError(f"{where}: metadata {key}={short(value)} must be a positive finite number")
+    return _f32(value)
 
 
 def _refuse_unsupported(meta: dict, tensor_names: set[str], where: str) -> str:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise PrunusError(f"{where}: general.architecture={arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
+        raise PrunusError(f"{where}: general.architecture={short(arch)} is not supported; supported: {', '.join(ARCHITECTURES)} "
                           "(Llama, SmolLM, Mistral 7B and others llama.cpp writes as 'llama'; Qwen2 / 2.5; Qwen3)")
     a = arch
     bad = []
     if meta.get(f"{a}.expert_count"):
-        bad.append(f"{a}.expert_count={meta[f'{a}.expert_count']} (mixture of experts)")
+        bad.append(f"{a}.expert_count={short(meta[f'{a}.expert_count'])} (mixture of experts)")
     scaling = meta.get(f"{a}.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
-        bad.append(f"rope scaling {scaling!r}")
+        bad.append(f"rope scaling {short(scaling)}")
     if "rope_freqs.weight" in tensor_names:
         bad.append("rope_freqs.weight (Llama 3.1 rope scaling)")
     for key in (f"{a}.attention.head_count", f"{a}.attention.head_count_kv", f"{a}.feed_forward_length"):
@@ -94,9 +97,13 @@ def _variant_fields(meta: dict, arch: str, names: set[str], where: str) -> dict:
         raise PrunusError(f"{where}: a {arch} file with q/k/v bias={qkv_bias}, output bias={out_bias}, "
                           f"q/k norm={qk_norm} is not a layout prunus converts")
     fields = {"attn_qkv_bias": qkv_bias, "attn_out_bias": out_bias, "qk_norm": qk_norm}
-    if meta.get(f"{arch}.rope.scaling.type") == "linear" or meta.get(f"{arch}.rope.scale_linear") not in (None, 1.0):
-        fields["rope_type"] = "linear"
-        fields["rope_factor"] = _f32(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear")))
+    linear_key, factor_key = f"{arch}.rope.scale_linear", f"{arch}.rope.scaling.factor"
+    linear = _float(meta, linear_key, where, 1.0) if linear_key in meta else None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear" or linear not in (None, 1.0):
+        key = factor_key if factor_key in meta else linear_key
+        if key not in meta:
+            raise PrunusError(f"{where}: linear rope scaling without metadata {factor_key}; re-convert it")
+        fields["rope_type"], fields["rope_factor"] = "linear", _float(meta, key, where, 1.0)
     return fields
 
 
@@ -106,105 +113,156 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def config_from_gguf(meta: dict, tensors: dict, where: str, dtype: str) -> ModelConfig:
-    """The ModelConfig the ``llama.*`` metadata and the tensor shapes describe."""
+def _head_dim(meta: dict, a: str, dim: int, n_heads: int, where: str) -> int | None:
+    """key_length (or dim / head_count), checked against value_length and the rotary dimension count."""
+    head_dim = _int(meta, f"{a}.attention.key_length", where, default=dim // n_heads if dim % n_heads == 0 else None)
+    for key in (f"{a}.attention.value_length", f"{a}.rope.dimension_count"):
+        value = _int(meta, key, where, default=None)
+        if value is not None and value != head_dim:
+            raise PrunusError(f"{where}: metadata {key}={value} differs from the head size {head_dim}; prunus needs "
+                              "them equal (whole heads rotated, values as wide as keys)")
+    return head_dim
+
+
+def config_from_gguf(meta: dict, tensors: dict[str, GGUFTensor], where: str, dtype: str) -> ModelConfig:
+    """The ModelConfig the ``<arch>.*`` metadata and the tensor shapes describe, every value checked."""
     a = _refuse_unsupported(meta, set(tensors), where)
-    if "token_embd.weight" not in tensors:
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
         raise PrunusError(f"{where}: no token_embd.weight tensor; not a complete model GGUF")
-    vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes are (columns, rows)
+    if len(embd.shape) != 2:
+        raise PrunusError(f"{where}: token_embd.weight has shape {list(embd.shape)}; an embedding has 2 dimensions")
+    vocab_size = embd.shape[1]  # GGUF shapes are (columns, rows)
+    if meta.get(f"{a}.vocab_size") not in (None, vocab_size):
+        raise PrunusError(f"{where}: metadata {a}.vocab_size={short(meta[f'{a}.vocab_size'])} but token_embd.weight "
+                          f"has {vocab_size} rows; the file is inconsistent")
+    dim, n_heads = _int(meta, f"{a}.embedding_length", where), _int(meta, f"{a}.attention.head_count", where)
+    head_dim = _head_dim(meta, a, dim, n_heads, where)
+    fields = dict(
+        dim=dim, n_layers=_int(meta, f"{a}.block_count", where, hi=MAX_TENSORS), n_heads=n_heads,
+        n_kv_heads=_int(meta, f"{a}.attention.head_count_kv", where, default=n_heads),
+        ffn_dim=_int(meta, f"{a}.feed_forward_length", where), vocab_size=vocab_size,
+        max_seq_len=_int(meta, f"{a}.context_length", where, default=2048, hi=MAX_SEQ_LEN),
+        rope_theta=_float(meta, f"{a}.rope.freq_base", where, 10000.0),
+        norm_eps=_float(meta, f"{a}.attention.layer_norm_rms_epsilon", where, 1e-5),
+        tie_embeddings="output.weight" not in tensors, dtype=dtype,
+        head_dim=None if head_dim == dim // n_heads else head_dim,
+        **_variant_fields(meta, a, set(tensors), where))
     try:
-        dim, n_heads = int(meta[f"{a}.embedding_length"]), int(meta[f"{a}.attention.head_count"])
-        head_dim = int(meta.get(f"{a}.attention.key_length", dim // n_heads))
-        if int(meta.get(f"{a}.attention.value_length", head_dim)) != head_dim:
-            raise PrunusError(f"{where}: {a}.attention.value_length differs from key_length; prunus needs them equal")
-        if int(meta.get(f"{a}.rope.dimension_count", head_dim)) != head_dim:
-            raise PrunusError(f"{where}: {a}.rope.dimension_count={meta[f'{a}.rope.dimension_count']} rotates part "
-                              f"of a head of {head_dim}; prunus rotates whole heads")
-        if meta.get(f"{a}.vocab_size") not in (None, vocab_size):
-            raise PrunusError(f"{where}: {a}.vocab_size={meta[f'{a}.vocab_size']} but token_embd.weight has "
-                              f"{vocab_size} rows; the file is inconsistent")
-        return ModelConfig(
-            dim=dim, n_layers=int(meta[f"{a}.block_count"]), n_heads=n_heads,
-            n_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", n_heads)),
-            ffn_dim=int(meta[f"{a}.feed_forward_length"]), vocab_size=vocab_size,
-            max_seq_len=int(meta.get(f"{a}.context_length", 2048)),
-            rope_theta=_f32(meta.get(f"{a}.rope.freq_base", 10000.0)),
-            norm_eps=_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_embeddings="output.weight" not in tensors, dtype=dtype,
-            head_dim=None if head_dim == dim // n_heads else head_dim,
-            **_variant_fields(meta, a, set(tensors), where),
-        )
-    except KeyError as e:
-        raise PrunusError(f"{where}: missing metadata {e.args[0]}; not a complete model GGUF") from None
+        return ModelConfig(**fields)
     except PrunusError as e:
-        raise PrunusError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
+        raise PrunusError(f"{where}: {str(e).removeprefix('model config: ')}; the metadata is inconsistent") from None
 
 
-def _tensor(t, where: str) -> torch.Tensor:
-    """One GGUF tensor as a float32 torch tensor in prunus's (rows, columns) order."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{prunus state-dict key: shape} of the model ``cfg`` describes, from one layer built on the meta device
+    (so a block count the file cannot hold is never built)."""
+    with torch.device("meta"):
+        one = Transformer(cfg.replace(n_layers=1))
+    shapes = {}
+    for key, value in one.state_dict().items():
+        if key.startswith("layers.0."):
+            shapes.update({f"layers.{i}.{key[len('layers.0.'):]}": tuple(value.shape) for i in range(cfg.n_layers)})
+        elif not (cfg.tie_embeddings and key == "output.weight"):
+            shapes[key] = tuple(value.shape)
+    return shapes
+
+
+def check_tensors(cfg: ModelConfig, tensors: dict[str, GGUFTensor], arch: str, where: str) -> dict[str, str]:
+    """Every tensor of the file against the model the metadata describes, before any tensor is read:
+    names, types and shapes. Returns {GGUF name: prunus key}."""
+    unknown = [name for name in tensors if prunus_name(name) is None]
+    if unknown:
+        raise PrunusError(f"{where}: tensor(s) {', '.join(short(n) for n in unknown[:3])} are not part of a Llama / "
+                          "Qwen2 / Qwen3 model; this GGUF uses a feature prunus does not convert")
+    layers = 1 + max((int(m[1]) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))), default=-1)
+    if cfg.n_layers != layers:
+        raise PrunusError(f"{where}: metadata {arch}.block_count={cfg.n_layers} but the file holds tensors of "
+                          f"{layers} layer(s); the file is inconsistent")
+    expected = expected_shapes(cfg)
+    names = {name: prunus_name(name) for name in tensors}
+    missing = [gguf_name(k) for k in expected if k not in names.values()]
+    if missing:
+        raise PrunusError(f"{where}: tensor(s) {', '.join(missing[:3])} missing for the model its metadata "
+                          "describes; the file is incomplete")
+    for name, t in tensors.items():
+        if t.type_name not in READ_TYPES:
+            raise PrunusError(f"{where}: tensor {short(name)} is of type {t.type_name}, which prunus does not read; "
+                              f"supported: {', '.join(READ_TYPES)}")
+        want = expected.get(names[name])
+        if want is None or t.rows_shape != want:
+            raise PrunusError(f"{where}: tensor {short(name)} has shape {list(t.rows_shape)} but the metadata gives "
+                              f"{list(want) if want else 'no such tensor'}; the file is inconsistent")
+    return names
+
+
+def _tensor(t: GGUFTensor, raw: np.ndarray, where: str) -> torch.Tensor:
+    """One GGUF tensor (its bytes ``raw``) as a float32 torch tensor in prunus's (rows, columns) order."""
+    import gguf
     from gguf.quants import dequantize
 
-    kind = t.tensor_type.name
-    if kind not in READ_TYPES:
-        raise PrunusError(f"{where}: tensor {t.name} is of type {kind}, which prunus does not read; "
-                          f"supported: {', '.join(READ_TYPES)}")
-    shape = tuple(int(n) for n in reversed(t.shape))
-    data = dequantize(np.asarray(t.data), t.tensor_type)
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+    rows = math.prod(t.shape[1:])
+    with np.errstate(all="ignore"):
+        data = np.asarray(dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[t.type_name]), dtype=np.float32)
+        finite = bool(np.isfinite(data).all())
+    if not finite:
+        raise PrunusError(f"{where}: tensor {short(t.name)} holds NaN or infinite values; the file is damaged, "
+                          "re-download or re-convert it")
+    return torch.from_numpy(np.array(data.reshape(t.rows_shape), dtype=np.float32))
 
 
-def read_state(reader, cfg: ModelConfig, arch: str, where: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The prunus state dict of a GGUF (llama's q/k rows back in rotate-half order, cast to ``dtype``)."""
-    state, unknown = {}, []
-    for t in reader.tensors:
-        name = prunus_name(t.name)
-        if name is None:
-            unknown.append(t.name)
-            continue
-        w = _tensor(t, where)
-        heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
+def read_state(path: Path, tensors: dict[str, GGUFTensor], names: dict[str, str], cfg: ModelConfig, arch: str,
+               where: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The prunus state dict of a checked GGUF (llama's q/k rows back in rotate-half order, cast to ``dtype``)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    state = {}
+    for name, t in tensors.items():
+        w = _tensor(t, data[t.offset:t.offset + t.n_bytes], where)
+        key = names[name]
+        heads = rotary_heads(key, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
         if heads is not None:
             w = from_gguf_rows(w, heads)
-        state[name] = w.to(dtype)
-    if unknown:
-        raise PrunusError(f"{where}: tensor(s) {', '.join(unknown[:3])} are not part of a Llama / Qwen2 / Qwen3 model; "
-                          "this GGUF uses a feature prunus does not convert")
+        state[key] = w.to(dtype)
     return state
 
 
-def _build(cfg: ModelConfig, state: dict, where: str) -> Transformer:
+def _build(cfg: ModelConfig, state: dict) -> Transformer:
+    """The model of ``cfg`` holding ``state`` (names and shapes already checked by :func:`check_tensors`)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as e:  # a shape that disagrees with the metadata
-        raise PrunusError(f"{where}: tensors do not match the metadata ({str(e).splitlines()[-1].strip()})") from None
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight")]
-    if missing or unexpected:
-        raise PrunusError(f"{where}: tensors do not match a Llama with this metadata (missing {missing[:3]}); "
-                          "the file is incomplete")
+    model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_buffers(device=torch.device("cpu"))
     return model.eval()
 
 
+def _tokenizer(meta: dict, tmp: Path, where: str, cfg: ModelConfig):
+    hf = write_tokenizer_files(meta, tmp, where, cfg.vocab_size, cfg.max_seq_len)
+    if not hf:
+        return ByteTokenizer()
+    try:
+        return HFTokenizer(tmp)
+    except PrunusError as e:
+        raise PrunusError(f"{where}: its tokenizer.* metadata does not form a tokenizer "
+                          f"({str(e).removeprefix(str(tmp))[:160]}); re-convert it") from None
+
+
 def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> Path:
-    """Convert the GGUF file ``path`` into a prunus model dir at ``out`` (weights in ``dtype``)."""
+    """Convert the GGUF file ``path`` into a prunus model dir at ``out`` (weights in ``dtype``). The header,
+    the metadata, the tensor entries and the tokenizer are all checked before any weight is read."""
     path, out = Path(path), Path(out)
     if dtype not in DTYPES:
         raise PrunusError(f"convert: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_output(out, [("--from-gguf", path)])  # prunus.artifacts.paths: never over an input
-    reader = open_gguf(path)
-    where = str(path)
-    meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    header = read_gguf_header(path)  # prunus.artifacts.gguf_header: every count and offset bounded by the file
+    where, meta, tensors = str(path), header.metadata, header.tensors
     cfg = config_from_gguf(meta, tensors, where, dtype)
-    state = read_state(reader, cfg, meta["general.architecture"], where, DTYPES[dtype])
-    model = _build(cfg, state, where)
-    types = sorted({t.tensor_type.name for t in reader.tensors})
+    arch = meta["general.architecture"]
+    names = check_tensors(cfg, tensors, arch, where)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = write_tokenizer_files(meta, Path(tmp), where, cfg.vocab_size, cfg.max_seq_len)
-        tokenizer = HFTokenizer(tmp) if hf else ByteTokenizer()
+        tokenizer = _tokenizer(meta, Path(tmp), where, cfg)
+        model = _build(cfg, read_state(path, tensors, names, cfg, arch, where, DTYPES[dtype]))
+        types = sorted({t.type_name for t in tensors.values()})
         return save_model(model, out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
                           metrics={"gguf_source": str(path.resolve()), "gguf_tensor_types": types})

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
 
 # llama.cpp token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -99,6 +100,59 @@ def pre_tokenizer_name(pre: dict | None, where: str) -> str:
 # --------------------------------------------------------------------------- GGUF -> tokenizer.json
 
 
+MAX_TOKEN_CHARS = 1024  # no vocabulary has longer tokens; merges derived from scores cost its square per token
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+# tokenizer metadata key -> (what each value must be, whether the value is a list of them)
+_SCHEMA = {"tokenizer.ggml.model": ("str", False), "tokenizer.ggml.pre": ("str", False),
+           "tokenizer.ggml.tokens": ("str", True), "tokenizer.ggml.token_type": ("int", True),
+           "tokenizer.ggml.scores": ("number", True), "tokenizer.ggml.merges": ("str", True),
+           "tokenizer.ggml.add_bos_token": ("bool", False), "tokenizer.ggml.add_eos_token": ("bool", False),
+           "tokenizer.ggml.add_space_prefix": ("bool", False), "tokenizer.chat_template": ("str", False),
+           **{f"tokenizer.ggml.{key}": ("int", False) for key in SPECIAL_IDS}}
+_WORDS = {"str": "text", "int": "an integer", "bool": "true or false", "number": "a number"}
+
+
+def _fits(value, kind: str) -> bool:
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    return isinstance(value, {"str": str, "int": int, "number": (int, float)}[kind])
+
+
+def check_tokenizer_metadata(meta: dict, where: str) -> None:
+    """Every ``tokenizer.*`` value prunus reads, of its type, tokens of a sane length, special token ids
+    inside the vocabulary: one line naming the file and the key otherwise."""
+    for key, (kind, is_list) in _SCHEMA.items():
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not (isinstance(value, list) and all(_fits(v, kind) for v in value) if is_list else _fits(value, kind)):
+            raise PrunusError(f"{where}: metadata {key}={short(value)} must be {'a list of ' if is_list else ''}"
+                              f"{_WORDS[kind]}; re-convert the file")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    for i, t in enumerate(tokens):
+        if len(t) > MAX_TOKEN_CHARS:
+            raise PrunusError(f"{where}: metadata tokenizer.ggml.tokens item {i} is {len(t):,} characters long, above "
+                              f"the {MAX_TOKEN_CHARS} a token may have; re-convert the file")
+    for key in SPECIAL_IDS:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None and not 0 <= i < len(tokens):
+            raise PrunusError(f"{where}: metadata tokenizer.ggml.{key}={i} is not a token id of its {len(tokens)}-token "
+                              "vocabulary; re-convert the file")
+
+
+def _merge_pairs(merges: list[str], vocab: dict[str, int], where: str) -> list[tuple[str, str]]:
+    """The merges as pairs, each joining two tokens of ``vocab`` into a third (the tokenizers library aborts
+    on any other)."""
+    pairs = []
+    for i, m in enumerate(merges):
+        pair = m.split(" ", 1)
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise PrunusError(f"{where}: metadata tokenizer.ggml.merges item {i} ({short(m)}) does not join two tokens "
+                              "of the vocabulary into a third; re-convert the file")
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
 def _special_names(meta: dict, tokens: list[str]) -> dict[str, str | None]:
     names = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -134,7 +188,7 @@ def _byte_level_model(meta: dict, tokens: list[str], types: list[int], where: st
         if types[i] == NORMAL and not set(t) <= alphabet:
             t = "".join(b2u[b] for b in t.encode("utf-8"))
         vocab.setdefault(t, i)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    merges = _merge_pairs(meta.get("tokenizer.ggml.merges") or [], vocab, where)
     tok = Tokenizer(models.BPE(vocab, merges, dropout=None, fuse_unk=False, byte_fallback=False))
     tok.decoder = decoders.ByteLevel()
     return tok, PRE_ALIASES[pre]
@@ -184,41 +238,51 @@ def _with_json_parts(tok, pre: str | None, meta: dict):
 def write_tokenizer_files(meta: dict, directory: Path, where: str, n_vocab: int, max_len: int | None = None) -> bool:
     """Write tokenizer.json + tokenizer_config.json for the GGUF tokenizer metadata ``meta``
     into ``directory``. Returns False (writing nothing) for prunus's byte tokenizer."""
-    from tokenizers import AddedToken
-
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise PrunusError(f"{where}: no tokenizer.ggml.model in its metadata; give a GGUF that carries its tokenizer")
+    check_tokenizer_metadata(meta, where)
     if is_byte_vocab(meta):
         return False
+    if kind not in ("gpt2", "llama"):
+        raise PrunusError(f"{where}: tokenizer.ggml.model={short(kind)} is not supported; supported: gpt2 (byte-level "
+                          "BPE), llama (SentencePiece BPE)")
     tokens = list(meta.get("tokenizer.ggml.tokens") or [])
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     if not tokens or len(types) != len(tokens):
         raise PrunusError(f"{where}: tokenizer.ggml.tokens / token_type are missing or of different lengths")
     if len(tokens) > n_vocab:
         raise PrunusError(f"{where}: {len(tokens)} tokens but the embedding has {n_vocab} rows; the file is inconsistent")
+    config = _tokenizer_config(meta, tokens, kind, max_len)
+    try:
+        _hf_tokenizer(meta, kind, tokens, types, config, where).save(str(directory / "tokenizer.json"))
+    except PrunusError:
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a vocabulary it cannot build
+        raise PrunusError(f"{where}: its tokenizer.ggml.* metadata does not form a tokenizer "
+                          f"({(str(e).splitlines() or [''])[0][:120]}); re-convert the file") from None
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return True
+
+
+def _hf_tokenizer(meta: dict, kind: str, tokens: list[str], types: list[int], config: dict, where: str):
+    """The ``tokenizers.Tokenizer`` of a checked ``gpt2`` or ``llama`` vocabulary."""
+    from tokenizers import AddedToken, processors
+
     if kind == "gpt2":
         tok, pre = _byte_level_model(meta, tokens, types, where)
-    elif kind == "llama":
-        tok, pre = _sentencepiece_model(meta, tokens, types, where)
     else:
-        raise PrunusError(f"{where}: tokenizer.ggml.model={kind!r} is not supported; supported: gpt2 (byte-level BPE), "
-                          "llama (SentencePiece BPE)")
+        tok, pre = _sentencepiece_model(meta, tokens, types, where)
     tok = _with_json_parts(tok, pre, meta)
     # control tokens (<|im_start|>) are matched whole and are special; user-defined ones are matched whole too
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
-    config = _tokenizer_config(meta, tokens, kind, max_len)
     if config.get("add_bos_token") and config.get("bos_token"):
-        from tokenizers import processors
-
         bos = config["bos_token"]
         bos_id = meta["tokenizer.ggml.bos_token_id"]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
                                                            special_tokens=[(bos, bos_id)])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return True
+    return tok
 
 
 def _tokenizer_config(meta: dict, tokens: list[str], kind: str, max_len: int | None) -> dict:
