@@ -14,7 +14,8 @@
   and ``val.bin`` (and optionally ``corpus.json``, ``{"name": ...}``: the corpus those
   tokens came from, shown instead of the directory's path).
 
-Documents are joined with the tokenizer's end-of-text token when it has one.
+Documents are joined with the tokenizer's end-of-text token when it has one. Text reaches the tokenizer
+bounded: a line over 4 MiB (:data:`prunus.data.bounded_lines.MAX_LINE_BYTES`) is refused by file and line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import read_json_object
 
+from .bounded_lines import check_line_lengths
 from .prose import PROSE, prose_documents, tokenize_documents
 
 BUILTIN = "builtin"
@@ -91,6 +93,7 @@ def _tokenize_docs(paths: list[Path], tokenizer) -> tuple[np.ndarray, int]:
         except OSError as e:
             raise PrunusError(f"data path {p}: cannot be read ({e.strerror}); fix its permissions or remove it") from None
         n_bytes += len(data)
+        check_line_lengths(data, f"data path {p}")
         parts.append(tokenizer.encode_array(data))
         if sep is not None:
             parts.append(sep)
@@ -209,6 +212,7 @@ def load_corpus(data: str | Path | None, tokenizer, *, max_bytes: int | None = D
                 data_bytes = path.read_bytes()
             except OSError as e:
                 raise PrunusError(f"data path {path}: cannot be read ({e.strerror}); fix the path or its permissions") from None
+            check_line_lengths(data_bytes, f"data path {path}")
             cut = len(data_bytes) - int(len(data_bytes) * val_fraction)
             train_bytes = data_bytes[: min(cut, max_bytes or cut)]
             corpus = Corpus(str(path), tokenizer.encode_array(train_bytes), tokenizer.encode_array(data_bytes[cut:]),

@@ -13,22 +13,30 @@ does not count. A chat is split at the assistant turns by rendering the conversa
 (with the generation prompt, then with the turn): the text between is the assistant's, its end-of-turn
 marker included, so the model learns to stop.
 
-Rows are read whole and checked as they come: a bad row is one :class:`PrunusError` line naming the
-file and line (Parquet: row) number.
+Rows are read one at a time and checked as they come: a bad row is one :class:`PrunusError` line naming
+the file and line (Parquet: row) number. Before any row is parsed or tokenized it is bounded
+(:mod:`prunus.data.bounded_lines`: at most 4 MiB a line, JSON at most 100 deep), its integers must be
+ones Python reads (at most 4,300 digits), its text must be UTF-8 (no lone surrogate such as ``"\\ud800"``),
+and a chat row holds at most 1,024 messages.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
+
+from .bounded_lines import MAX_JSON_DEPTH, MAX_LINE_BYTES, read_lines, too_deep
 
 INSTRUCT_SUFFIXES = (".jsonl", ".parquet")
+MAX_MESSAGES = 1024  # messages in one chat row
 ROW_KINDS = ('{"text"}', '{"prompt", "completion"}', '{"messages": [{"role", "content"}, ...]}')
 
 
@@ -46,34 +54,76 @@ def is_instruct_path(path) -> bool:
 
 
 def read_rows(path: str | Path):
-    """``(where, row)`` for each row of a JSONL or Parquet file; where is "FILE line N" (Parquet: "FILE row N")."""
+    """``(where, row)`` for each row of a JSONL or Parquet file; where is "FILE line N" (Parquet: "FILE row N").
+    Every row is bounded (:mod:`prunus.data.bounded_lines`) and is valid UTF-8 once read."""
     path = Path(path)
     if not path.is_file():
         raise PrunusError(f"data {path}: no such file; give a .jsonl or .parquet file of instruction rows")
-    if path.suffix.lower() == ".parquet":
+    rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
+    for where, row in rows:
+        _check_row_text(row, where)
+        yield where, row
+
+
+def _jsonl_rows(path: Path):
+    for i, raw in read_lines(path):
+        where = f"{path} line {i}"
         try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise PrunusError(f"data {path}: reading Parquet needs pyarrow: pip install 'prunus[parquet]'") from None
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow raises its own error types on bad files
-            raise PrunusError(f"data {path}: not a readable Parquet file ({str(e).splitlines()[0][:160]})") from None
-        for i, row in enumerate(rows, 1):
-            yield f"{path} row {i}", row
-        return
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise PrunusError(f"data {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    for i, line in enumerate(lines, 1):
+            line = raw.decode("utf-8").removeprefix("\ufeff" if i == 1 else "")
+        except UnicodeDecodeError as e:
+            raise PrunusError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line); save the file as "
+                              "UTF-8") from None
         if not line.strip():
             continue
+        if too_deep(line):
+            raise PrunusError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} deep; write a flat row "
+                              f"({', '.join(ROW_KINDS)})")
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PrunusError(f"{path} line {i}: not JSON ({e.msg}); write one JSON object per line") from None
-        yield f"{path} line {i}", row
+            raise PrunusError(f"{where}: not JSON ({e.msg}); write one JSON object per line") from None
+        except (ValueError, RecursionError) as e:  # an integer of more digits than Python converts
+            reason = (f"an integer of more than {sys.get_int_max_str_digits():,} digits" if "digits" in str(e)
+                      else short(str(e), 100))
+            raise PrunusError(f"{where}: not usable JSON ({reason}); write long numbers as strings") from None
+        yield where, row
+
+
+def _parquet_rows(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrunusError(f"data {path}: reading Parquet needs pyarrow: pip install 'prunus[parquet]'") from None
+    i = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+            for row in batch.to_pylist():
+                i += 1
+                yield f"{path} row {i}", row
+    except Exception as e:  # pyarrow raises its own error types on bad files (and a deep schema: RecursionError)
+        where = f"{path} row {i + 1}" if i else str(path)
+        raise PrunusError(f"data {where}: not a readable Parquet file ({short(str(e), 160)}); re-write it with "
+                          "pyarrow or pandas") from None
+
+
+def _check_row_text(row, where: str) -> None:
+    """Refuse a row whose text is not UTF-8 (a lone surrogate such as "\\ud800") or that is over the line cap."""
+    try:
+        size = len(canonical_json(row).encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise PrunusError(f"{where}: holds text that is not valid UTF-8 (a lone surrogate "
+                          f"{short(e.object[e.start:e.end])}); remove it or re-encode the data") from None
+    except (TypeError, ValueError, RecursionError):  # a Parquet value JSON cannot hold
+        raise PrunusError(f"{where}: a value cannot be written as JSON; give plain strings and numbers") from None
+    if size > MAX_LINE_BYTES:
+        raise PrunusError(f"{where}: {size:,} bytes, above the {MAX_LINE_BYTES:,} one row may hold before it is "
+                          "tokenized; split the row or shorten it")
+
+
+def canonical_json(row) -> str:
+    """One row as JSON with sorted keys (what the held-out split hashes); Parquet values JSON lacks (dates,
+    bytes) are written as their text."""
+    return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def _text(row: dict, key: str, where: str) -> str:
@@ -118,6 +168,9 @@ def chat_segments(tokenizer, messages, where: str) -> list[tuple[str, bool]]:
 def _check_roles(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise PrunusError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    if len(messages) > MAX_MESSAGES:  # each assistant turn renders the conversation up to it: bounded work
+        raise PrunusError(f"{where}: {len(messages):,} messages, above the {MAX_MESSAGES:,} one row may hold; "
+                          "split the conversation into several rows")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise PrunusError(f"{where}: messages[{j}] needs a 'role' and a 'content' string")
@@ -154,7 +207,7 @@ def render_row(row, where: str, tokenizer, *, train_on_prompt: bool = False) -> 
 
 def held_out(row, val_fraction: float) -> bool:
     """Whether a row belongs to the held-out split: a hash of its content (stable when rows move)."""
-    digest = hashlib.sha256(json.dumps(row, sort_keys=True, ensure_ascii=False).encode()).digest()
+    digest = hashlib.sha256(canonical_json(row).encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
 
 

@@ -161,3 +161,81 @@ def test_parquet_rows_match_jsonl(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "bad.parquet")
     with pytest.raises(PrunusError, match=r"bad.parquet row 1: 'completion' must be a string"):
         load_documents(tmp_path / "bad.parquet", BYTES)
+
+
+# --- hostile rows: bounded before parsing and tokenizing, one line naming the file and line ----------
+
+class NoBigText:
+    """A tokenizer that fails the test when text longer than a few KB reaches it."""
+
+    eos_id, n_vocab, chat_template = 256, 257, None
+
+    def encode(self, text):
+        assert len(text) < 10_000, "a huge line reached the tokenizer"
+        return BYTES.encode(text)
+
+    def encode_array(self, data):
+        assert len(data) < 10_000, "a huge line reached the tokenizer"
+        return BYTES.encode_array(data)
+
+
+HOSTILE_LINES = [
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than 100 deep"),
+    ('{"text": "ab", "n": ' + "9" * 5000 + "}", "an integer of more than 4,300 digits"),
+    ('{"text": "a\\ud800b"}', "not valid UTF-8 (a lone surrogate '\\ud800')"),
+    ('{"prompt": "p", "completion": "\\udfff"}', "a lone surrogate '\\udfff'"),
+    ('{"messages": [{"role": "user", "content": "x"}], "\\udbff": 1}', "a lone surrogate"),
+    (b'{"text": "caf\xe9"}', "not UTF-8 text (invalid continuation byte at byte 13 of the line)"),
+    ('{"messages": [' + ", ".join(['{"role": "user", "content": "x"}'] * 1025) + "]}", "1,025 messages, above the 1,024"),
+]
+
+
+@pytest.mark.parametrize("line, needle", HOSTILE_LINES, ids=["deep", "bigint", "surrogate", "surrogate-completion",
+                                                             "surrogate-key", "not-utf8", "many-messages"])
+def test_hostile_rows_are_one_line(tmp_path, line, needle):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n' + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+    with pytest.raises(PrunusError) as e:
+        load_documents(path, NoBigText())
+    assert str(e.value).startswith(f"{path} line 2: ") and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_huge_line_is_refused_before_it_is_read_whole(tmp_path):
+    from prunus.data.bounded_lines import MAX_LINE_BYTES
+
+    path = tmp_path / "d.jsonl"
+    with open(path, "wb") as f:  # a 50 MB row once aborted the process inside the tokenizer
+        f.write(b'{"text": "fine"}\n{"text": "fine"}\n{"text": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}\n')
+    with pytest.raises(PrunusError, match=rf"d.jsonl line 3: longer than {MAX_LINE_BYTES:,} bytes"):
+        load_documents(path, NoBigText())
+    within = tmp_path / "ok.jsonl"  # a long row under the cap is read (and a CRLF file and a BOM are fine)
+    within.write_bytes(b'\xef\xbb\xbf{"text": "' + b"y" * 5000 + b'"}\r\n{"text": "two"}\r\n')
+    train, val = load_documents(within, BYTES)
+    assert sorted(len(d.tokens) for d in train + val) == [4, 5001]
+
+
+def test_a_huge_parquet_cell_is_refused_before_tokenizing(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr("prunus.data.instruct.MAX_LINE_BYTES", 1000)
+    pq.write_table(pa.Table.from_pylist([{"text": "fine"}, {"text": "x" * 2000}]), tmp_path / "d.parquet")
+    with pytest.raises(PrunusError, match=r"d.parquet row 2: 2,\d{3} bytes, above the 1,000 one row may hold"):
+        load_documents(tmp_path / "d.parquet", NoBigText())
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(PrunusError, match=r"bad.parquet: not a readable Parquet file"):
+        load_documents(tmp_path / "bad.parquet", NoBigText())
+
+
+def test_a_text_corpus_with_a_huge_line(tmp_path):
+    from prunus.data import load_corpus
+    from prunus.data.bounded_lines import MAX_LINE_BYTES
+
+    path = tmp_path / "c.txt"
+    path.write_bytes(b"short line\n" * 2 + b"z" * (MAX_LINE_BYTES + 1) + b"\nend\n")
+    with pytest.raises(PrunusError, match=rf"data path {path} line 3: longer than {MAX_LINE_BYTES:,} bytes"):
+        load_corpus(path, NoBigText())
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.txt").write_bytes(b"z" * (MAX_LINE_BYTES + 1))
+    with pytest.raises(PrunusError, match=r"a.txt line 1: longer than"):
+        load_corpus(tmp_path / "dir", NoBigText())

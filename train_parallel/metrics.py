@@ -18,7 +18,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     for line in path.read_bytes().decode("utf-8", "replace").splitlines():
         try:
             record = json.loads(line) if line.strip() else None
-        except ValueError:  # a line torn by a killed process: the records before it stand
+        except (ValueError, RecursionError):  # a torn line (a killed process) or a damaged one: the records before it stand
             continue
         if isinstance(record, dict):
             records.append(record)
