@@ -10,7 +10,10 @@ a sandbox that cannot change its inputs (``ImmutableSandboxedEnvironment``) with
 a ``tojson`` filter that leaves ``<``, ``>`` and non-ASCII text as they are, ``dict`` and
 a ``namespace`` that refuses underscore names; the variables are ``messages``, ``tools``,
 ``documents``, ``add_generation_prompt`` and the tokenizer's named special tokens
-(``bos_token``, ``eos_token``, ...). Sandboxed because templates come with downloaded models.
+(``bos_token``, ``eos_token``, ...). Sandboxed because templates come with downloaded models, and
+bounded (:mod:`prunus.models.template_sandbox`): output size, what a render builds, loop steps and
+time, so a template cannot exhaust memory or hang the process; every way a template fails is one
+PrunusError line.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from functools import lru_cache
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from prunus.artifacts.errors import PrunusError
+
+from .template_sandbox import BoundedEnvironment, check_strftime_format, render_bounded
 
 # names a message's reasoning may come under; templates read the first (transformers aliases them alike)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -54,6 +58,7 @@ def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
 
 
 def strftime_now(format):
+    check_strftime_format(format)
     return datetime.now().strftime(format)
 
 
@@ -90,15 +95,17 @@ class TemplateNamespace(jinja2.utils.Namespace):
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template, or one PrunusError line naming the syntax error and its line."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=TemplateNamespace)
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols],
+                             filters={"tojson": tojson},
+                             globals={"raise_exception": raise_exception, "strftime_now": strftime_now,
+                                      "dict": TemplateDict(), "namespace": TemplateNamespace})
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise PrunusError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message}); "
+        raise PrunusError(f"the chat template is not valid Jinja (line {e.lineno}: {_line(e.message)}); "
+                          "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
+    except (RecursionError, MemoryError) as e:  # nesting too deep for the parser
+        raise PrunusError(f"the chat template cannot be compiled ({type(e).__name__}); "
                           "fix chat_template.jinja or tokenizer_config.json's chat_template") from None
 
 
@@ -136,13 +143,24 @@ def render_chat(source: str, messages, *, add_generation_prompt: bool = True, sp
                 tools: list | None = None, documents: list | None = None, **variables) -> str:
     """The prompt text for ``messages``; ``special_tokens`` (``{"bos_token": "<s>", ...}``) and
     ``variables`` become template variables. A template that fails (``raise_exception``, an undefined
-    operation) is one PrunusError line carrying the template's own message."""
+    operation, a bound of the sandbox, deep recursion, any exception) is one PrunusError line carrying
+    the template's own message."""
     template = compile_template(source)
     chat = [alias_reasoning(m) for m in check_messages(messages)]
+    variables = {**(special_tokens or {}), **variables, "messages": chat, "tools": tools, "documents": documents,
+                 "add_generation_prompt": add_generation_prompt}
     try:
-        return template.render(**{**(special_tokens or {}), **variables}, messages=chat, tools=tools,
-                               documents=documents, add_generation_prompt=add_generation_prompt)
+        return render_bounded(template, variables)
     except jinja2.exceptions.TemplateError as e:
-        raise PrunusError(f"the chat template failed to render these messages: {e.message or type(e).__name__}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
-        raise PrunusError(f"the chat template failed to render these messages: {type(e).__name__}: {e}") from None
+        detail = _line(e.message or type(e).__name__)
+    except RecursionError:
+        detail = "RecursionError: macros or loops nested too deep"
+    except Exception as e:  # noqa: BLE001 (a template is code: whatever it raises is the template's failure)
+        detail = _line(f"{type(e).__name__}: {e}")
+    raise PrunusError(f"the chat template failed to render these messages: {detail}")
+
+
+def _line(text, limit: int = 300) -> str:
+    """A message from a template as one short line."""
+    text = " ".join(str(text)[: 4 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
