@@ -36,6 +36,8 @@ from prunus.artifacts.atomic import atomic_write_json, discard_on_error, replace
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import read_json_object, short
 
+from .checkpoint_reader import CheckpointUnreadable, SafePlanner, SafeReader, read_metadata
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -172,6 +174,10 @@ def read_train_state(path: str | Path) -> dict:
     files = state.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in files.values()):
         raise PrunusError(f"{where}: 'files' is not an object of file sizes; resume from another checkpoint")
+    outside = [k for k in files if not k or "/" in k or "\\" in k or k in (".", "..") or "\0" in k]
+    if outside:
+        raise PrunusError(f"{where}: 'files' names {short(outside[0])}, not a file of the checkpoint dir; "
+                          "resume from another checkpoint")
     return state
 
 
@@ -187,23 +193,23 @@ def checkpoint_problem(path: str | Path) -> str | None:
         if not f.is_file() or f.stat().st_size != size:
             return f"{name} is {'missing' if not f.is_file() else f'{f.stat().st_size} bytes, not {size}'}"
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        entries = list(metadata.storage_data.values())
-    except Exception as e:  # a damaged .metadata: pickle, EOF or attribute errors
-        return f".metadata cannot be read ({type(e).__name__})"
-    for info in entries:
-        f = path / info.relative_path
-        if not f.is_file() or f.stat().st_size < info.offset + info.length:
-            return f"{info.relative_path} is missing or shorter than .metadata says"
+        read_metadata(path)
+    except CheckpointUnreadable as e:
+        return str(e)
     return None
+
+
+def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+    """``dcp.load`` through the reader and planner that unpickle nothing but allow-listed metadata and values."""
+    with _quiet():
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
 
 
 def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
     """Load model and optimizer state in place, whatever layout saved it; return the train state."""
     path = Path(path)
     state = _state(parts, optimizers)
-    with _quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    _dcp_load(state, path, no_dist=not _distributed())
     for part, opt in zip(parts, map(_local, optimizers)):
         set_model_state_dict(part, state["model"], options=_PARTIAL)
         set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
@@ -215,6 +221,5 @@ def load_checkpoint(path: str | Path, parts, optimizers) -> dict:
 def load_model_weights(path: str | Path, model) -> None:
     """Fill a plain (unparallelized) model from a checkpoint, in this process alone."""
     state = {"model": get_model_state_dict(model)}
-    with _quiet():
-        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+    _dcp_load(state, Path(path), no_dist=True)
     set_model_state_dict(model, state["model"])

@@ -55,6 +55,7 @@ def _read_init_config(init_from: str, stamp: int | None) -> ModelConfig:
         raise PrunusError(f"--init-from {e}") from None
     if not (path / WEIGHTS).is_file():
         raise PrunusError(f"--init-from {path}: no {WEIGHTS}; give a model dir written by prunus train, compress or convert")
+    _check_weights_file(path)
     return read_config(path)[0]
 
 
@@ -89,6 +90,25 @@ def run_tokenizer(cfg, vocab_size: int):
                           f"tokenizer has {own.n_vocab}; drop --tokenizer to use the model's own")
     check_vocab(given, vocab_size, cfg.tokenizer)
     return given
+
+
+class _WeightsReader(HuggingFaceStorageReader):
+    """DCP's safetensors reader over the model dir's own ``model.safetensors`` only: the stock reader takes every
+    ``*.safetensors`` it lists in the dir, a planted or symlinked one included."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        weights = str(path / WEIGHTS)
+        ls = self.fs.ls
+        self.fs.ls = lambda p: [f for f in ls(p) if f == weights]
+
+
+def _check_weights_file(init_from: Path) -> None:
+    """``model.safetensors`` is a regular file of the dir itself, not a link to another model's weights."""
+    weights = init_from / WEIGHTS
+    if weights.is_symlink() or not weights.resolve().is_relative_to(init_from.resolve()) or not weights.is_file():
+        raise PrunusError(f"--init-from {init_from}: {WEIGHTS} is not a regular file inside the dir; "
+                          "copy the weights into it")
 
 
 def _differences(a: ModelConfig, b: ModelConfig) -> list[str]:
@@ -147,7 +167,7 @@ def load_init_weights(parts: list[torch.nn.Module], init_from: str | Path, devic
         return missing
     try:
         with _quiet():
-            dcp.load(merged, storage_reader=HuggingFaceStorageReader(str(init_from)),
+            dcp.load(merged, storage_reader=_WeightsReader(Path(init_from)),
                      no_dist=not (dist.is_available() and dist.is_initialized()))
     except Exception as e:  # DCP wraps every reader error in its own exception types
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__

@@ -40,6 +40,7 @@ from prunus.models.moe import moe_aux_loss, moe_dropped
 from prunus.models.quantized import QuantizedLinear
 
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
+from .checkpoint_reader import CheckpointUnreadable
 from .config import TrainConfig
 from .context_parallel import cp_sum, shard_batch
 from .data_parallel import apply_ddp
@@ -331,6 +332,9 @@ class Trainer:
         except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
             cause = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
             reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
+            if isinstance(cause, CheckpointUnreadable):
+                raise PrunusError(f"--resume: {self.resume_from} is damaged ({reason}); "
+                                  "delete it to resume from an earlier checkpoint, or start a new run") from None
             raise PrunusError(f"--resume: {self.resume_from} does not fit this model ({reason}); "
                               "resume with the model it was written for") from None
         return state.pop("step"), state
