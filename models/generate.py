@@ -1,6 +1,6 @@
 """Autoregressive generation with a KV cache: prefill the prompt once, then one token per step.
 
-Sampling: temperature (0 is greedy), top-k and nucleus (top-p). The serving
+Sampling: temperature (0, or anything up to MIN_TEMPERATURE, is greedy), top-k and nucleus (top-p). The serving
 engine and the compression and export reports (greedy-token agreement) build on it.
 """
 
@@ -25,19 +25,32 @@ def greedy_next(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# below this temperature sampling is greedy: logits / t would leave float32's range and the
+# distribution is the argmax's to within rounding anyway
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (batch, vocab) -> next token ids (batch,)."""
-    if temperature <= 0:
+    """logits (batch, vocab) -> next token ids (batch,).
+
+    Any settings give a distribution: temperatures up to MIN_TEMPERATURE are greedy, larger ones are
+    capped at MAX_TEMPERATURE, the logits are shifted so that the division stays finite, and top-p
+    always keeps the most likely token (a top_p of 1e-300 is 0 in float32)."""
+    if not temperature > MIN_TEMPERATURE:
         return greedy_next(logits)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    temperature = min(float(temperature), MAX_TEMPERATURE)  # beyond it: uniform, and -inf / inf would be NaN
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # <= 0, never NaN
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and 0 < top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # keep the smallest set reaching top_p
+        drop[..., 0] = False  # and the most likely token, whatever top_p is
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)

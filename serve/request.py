@@ -38,7 +38,7 @@ class SamplingParams:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise PrunusError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not 0 <= self.temperature < 1e6:
-            raise PrunusError(f"temperature={self.temperature!r} must be a number >= 0 (0 is greedy)")
+            raise PrunusError(f"temperature={self.temperature!r} must be a number from 0 (greedy) to below 1e6")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0):
             raise PrunusError(f"top_k={self.top_k!r} must be a non-negative integer")
         if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1):
