@@ -7,7 +7,9 @@ aligned tensor data. Every count and length in it is a number the file states, s
 real model's) before reading what it counts: a header that claims twenty million array items, a
 billion keys or a tensor past the end of the file is one :class:`PrunusError` line after reading a
 few bytes, not an allocation. Strings must be UTF-8; tensors must have a known type, whole blocks of
-it, an aligned offset, and bytes inside the file that no other tensor shares. Offsets are Python
+it, an aligned offset, and bytes inside the file that no other tensor shares; the data section
+holds the tensors and their alignment padding and nothing else, so a type or shape that does
+not match the bytes a tensor was given is refused. Offsets are Python
 integers, so a 64-bit offset that would wrap cannot come back inside the file.
 
 Nothing here reads tensor data; :mod:`prunus.models.gguf_read` does, for the entries this returns.
@@ -184,11 +186,20 @@ def _check_tensor(cur: _Cursor, entry, data_start: int, alignment: int) -> GGUFT
     return GGUFTensor(name, tuple(int(d) for d in shape), type_name, block, start, n_bytes)
 
 
-def _check_overlaps(cur: _Cursor, tensors: list[GGUFTensor]) -> None:
+def _check_layout(cur: _Cursor, tensors: list[GGUFTensor], data_start: int, alignment: int) -> None:
+    """Every byte of the data section belongs to one tensor or to the padding after one: overlapping tensors,
+    and a type or shape that accounts for fewer bytes than the tensor was given, are refused."""
     ordered = sorted(tensors, key=lambda t: t.offset)
-    for a, b in zip(ordered, ordered[1:]):
-        if a.offset + a.n_bytes > b.offset:
-            raise cur.fail(f"tensors {short(a.name)} and {short(b.name)} share bytes (overlapping data)")
+    if not ordered:
+        return
+    ends = [("the start of the data", data_start)] + [(f"tensor {short(t.name)}", t.offset + t.n_bytes) for t in ordered]
+    starts = [(f"tensor {short(t.name)}", t.offset) for t in ordered] + [("the end of the file", cur.size)]
+    for (before, end), (after, start) in zip(ends, starts):
+        if end > start:
+            raise cur.fail(f"{before} and {after} share bytes (overlapping tensor data)")
+        if start - end >= alignment:
+            raise cur.fail(f"{start - end:,} bytes between {before} and {after} belong to no tensor (a tensor type "
+                           "or shape that does not match its data)")
 
 
 def _alignment(cur: _Cursor, meta: dict) -> int:
@@ -219,7 +230,7 @@ def _parse(buf, path: Path) -> GGUFHeader:
         if t.name in tensors:
             raise cur.fail(f"tensor {short(t.name)} is given twice")
         tensors[t.name] = t
-    _check_overlaps(cur, list(tensors.values()))
+    _check_layout(cur, list(tensors.values()), data_start, alignment)
     return GGUFHeader(path, cur.size, version, meta, tensors)
 
 

@@ -129,6 +129,10 @@ def check_tokenizer_metadata(meta: dict, where: str) -> None:
             raise PrunusError(f"{where}: metadata {key}={short(value)} must be {'a list of ' if is_list else ''}"
                               f"{_WORDS[kind]}; re-convert the file")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in meta and len(meta[key]) != len(tokens):
+            raise PrunusError(f"{where}: metadata {key} has {len(meta[key])} items for {len(tokens)} tokens; "
+                              "re-convert the file")
     for i, t in enumerate(tokens):
         if len(t) > MAX_TOKEN_CHARS:
             raise PrunusError(f"{where}: metadata tokenizer.ggml.tokens item {i} is {len(t):,} characters long, above "
