@@ -198,10 +198,10 @@ def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: 
             shutil.rmtree(work, ignore_errors=True)
 
 
-def distill_pass(model: Transformer, ctx, *, student=None, steps: int | None = None, batch_size: int | None = None,
-                 seq_len: int | None = None, lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9,
-                 reverse_kl: float = 0.0, hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0,
-                 progress: bool = True) -> Transformer:
+def distill_pass(model: Transformer, ctx, *, student: str | dict | None = None, steps: int | None = None,
+                 batch_size: int | None = None, seq_len: int | None = None, lr: float = 1e-3, temperature: float = 2.0,
+                 kd_weight: float = 0.9, reverse_kl: float = 0.0, hidden_weight: float = 0.0, nproc: int = 1,
+                 seed: int = 0, progress: bool = True) -> Transformer:
     """The compression pass: ``model`` (or the student derived from it) distilled from ``ctx.teacher``.
 
     ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"width:F"``, a

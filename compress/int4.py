@@ -37,8 +37,8 @@ from prunus.models.quantized import QuantizedLinear
 from prunus.models.quantized_int4 import Int4Linear
 
 from .int4_clip import CLIPS, grid_params
+from .options import INT4_ALGORITHMS as ALGORITHMS
 
-ALGORITHMS = ("rtn", "gptq", "awq", "hqq", "awq-gptq")
 CALIBRATED = ("gptq", "awq", "awq-gptq")
 
 
@@ -94,8 +94,8 @@ def calibration(ctx, algorithm: str, n_calib) -> list[torch.Tensor]:
 
 
 def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = None, symmetric: bool = True,
-              act_order: bool = False, damp: float = 0.01, int8=(), exclude=("output",), n_calib: int = 8,
-              float_zero: bool = False, clip: str = "none"):
+              act_order: bool = False, damp: float = 0.01, int8: str | list | tuple = (),
+              exclude: str | list | tuple = ("output",), n_calib: int = 8, float_zero: bool = False, clip: str = "none"):
     """Quantize ``model`` in place as described in the module docstring; returns it."""
     check_args(model, algorithm, symmetric, act_order, damp, float_zero, clip)
     int4_names, int8_names, skipped = choose_modules(model, exclude, int8)

@@ -18,7 +18,8 @@ import torch
 
 from prunus.models.int4 import QMAX, round_half_up, rtn_params
 
-CLIPS = ("none", "mse")
+from .options import INT4_CLIPS as CLIPS
+
 MAX_SHRINK = 0.25  # p from 1 down to 0.75
 STEPS = 25
 NORM = 2.4  # GPTQ's reference norm: between squared error and a maximum

@@ -11,6 +11,8 @@ PRUNE_METHODS = ("magnitude", "wanda", "2:4", "2:4-magnitude")
 PRUNE_SCOPES = ("layer", "row", "global")  # see compress/prune.py for what each ranks together
 STRUCTURED_TARGETS = ("heads", "channels", "blocks")
 CALIBRATION_METHODS = ("minmax", "percentile")
+INT4_ALGORITHMS = ("rtn", "gptq", "awq", "hqq", "awq-gptq")
+INT4_CLIPS = ("none", "mse")  # see compress/int4_clip.py
 
 
 def check_calibration(method: str, percentile: float = 99.99) -> None:

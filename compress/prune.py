@@ -152,7 +152,7 @@ def _check_args(method, sparsity, scope, n_calib) -> None:
 
 
 def prune_pass(model: nn.Module, ctx, *, method: str, sparsity: float = 0.5, scope: str = "layer", n_calib: int = 8,
-               exclude=("output",)) -> nn.Module:
+               exclude: str | list | tuple = ("output",)) -> nn.Module:
     """Zero the least important weights of every Linear not in ``exclude`` (the embedding is
     never a Linear); record it in the model's CompressionState (``sparsity``). Returns ``model``, pruned in place."""
     _check_args(method, sparsity, scope, n_calib)

@@ -246,7 +246,7 @@ def _remove_blocks(model: Transformer, amount, batches):
     return cfg.keep_layers([keys.index(k) for k in kept]), state, removed, fraction, note
 
 
-def prune_structured_pass(model: Transformer, ctx, *, target: str, amount, n_calib: int = 8) -> Transformer:
+def prune_structured_pass(model: Transformer, ctx, *, target: str, amount: float, n_calib: int = 8) -> Transformer:
     """Remove ``amount`` of ``target`` (heads, channels or blocks) from every block (from the
     model, for blocks). Returns a new, smaller Transformer whose config matches its shapes, with
     what was removed recorded in its CompressionState (``sparsity``)."""

@@ -37,9 +37,10 @@ def untie_output(model: nn.Module) -> None:
 
 
 def quantize_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
-                  calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8, exclude=("output",),
+                  calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8,
+                  exclude: str | list | tuple = ("output",),
                   algorithm: str | None = None, symmetric: bool = True, act_order: bool = False, damp: float = 0.01,
-                  int8=(), float_zero: bool = False, clip: str = "none"):
+                  int8: str | list | tuple = (), float_zero: bool = False, clip: str = "none"):
     """Replace every float Linear not in ``exclude`` by a QuantizedLinear of ``scheme``, in place; record the
     layout in the model's CompressionState (``quantization``). Returns ``model``.
 

@@ -16,17 +16,20 @@ a path (``--recipe int8-weight-only``). The CLI shortcuts (``--quantize``, ``--p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import math
 from pathlib import Path
 
 import yaml
 
 from prunus.artifacts.errors import PrunusError
 from prunus.models.schemes import GRANULARITIES, SCHEMES
-from prunus.artifacts.validate import check_size, parse_document, read_text, short
+from prunus.artifacts.validate import check_dataclass, check_size, parse_document, read_text, short
 
-from .options import CALIBRATION_METHODS, PRUNE_METHODS, PRUNE_SCOPES, STRUCTURED_TARGETS, accepts, check_calibration
+from .options import (CALIBRATION_METHODS, INT4_ALGORITHMS, INT4_CLIPS, PRUNE_METHODS, PRUNE_SCOPES, STRUCTURED_TARGETS,
+                      accepts, check_calibration)
 
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -55,6 +58,18 @@ def _amount(v):  # a fraction, or for blocks an int count
     return _fraction(v) or _positive_int(v)
 
 
+def _between(lo, hi, *, open_lo=False, open_hi=False):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        return (lo < v if open_lo else lo <= v) and (v < hi if open_hi else v <= hi)
+    return check
+
+
+def _names(v):  # a module name or a list of them
+    return isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
+
+
 # (pass, argument) -> (check, what a good value is)
 VALUE_CHECKS = {
     ("quantize", "scheme"): (lambda v: v in SCHEMES, f"one of {', '.join(SCHEMES)}"),
@@ -62,19 +77,28 @@ VALUE_CHECKS = {
     ("quantize", "group_size"): (lambda v: v is None or _positive_int(v), "a positive integer"),
     ("quantize", "calibration"): (lambda v: accepts(check_calibration, v), " or ".join(CALIBRATION_METHODS)),
     ("quantize", "percentile"): (lambda v: accepts(check_calibration, "minmax", v), "a number in (0, 100]"),
-    ("quantize", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
-    ("smoothquant", "alpha"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1, "a number in [0, 1]"),
+    ("quantize", "exclude"): (_names, "a module name or a list of them"),
+    ("quantize", "int8"): (_names, "a module name or a list of them"),
+    ("quantize", "algorithm"): (lambda v: v is None or v in INT4_ALGORITHMS, f"one of {', '.join(INT4_ALGORITHMS)}"),
+    ("quantize", "clip"): (lambda v: v in INT4_CLIPS, f"one of {', '.join(INT4_CLIPS)}"),
+    ("quantize", "damp"): (_between(0, 1, open_lo=True, open_hi=True), "a number in (0, 1) (0.01 is usual)"),
+    ("smoothquant", "alpha"): (_between(0, 1), "a number in [0, 1]"),
     ("prune", "method"): (lambda v: v in PRUNE_METHODS, f"one of {', '.join(PRUNE_METHODS)}"),
     ("prune", "sparsity"): (_fraction, "a fraction in [0, 1)"),
     ("prune", "scope"): (lambda v: v in PRUNE_SCOPES, f"one of {', '.join(PRUNE_SCOPES)}"),
-    ("prune", "exclude"): (lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)), "a module name or a list of them"),
+    ("prune", "exclude"): (_names, "a module name or a list of them"),
     ("prune_structured", "target"): (lambda v: v in STRUCTURED_TARGETS, f"one of {', '.join(STRUCTURED_TARGETS)}"),
     ("prune_structured", "amount"): (_amount, "a fraction in [0, 1) (or for blocks a count)"),
     ("distill", "steps"): (_positive_int, "a positive integer"),
     ("distill", "batch_size"): (_positive_int, "a positive integer"),
     ("distill", "nproc"): (_positive_int, "a positive integer"),
-    ("distill", "lr"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
-    ("distill", "temperature"): (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
+    ("distill", "seq_len"): (lambda v: v is None or _positive_int(v), "a positive integer"),
+    ("distill", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
+    ("distill", "temperature"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
+    ("distill", "kd_weight"): (_between(0, 1), "a number in [0, 1]"),
+    ("distill", "reverse_kl"): (_between(0, 1), "a number in [0, 1]"),
+    ("distill", "hidden_weight"): (_between(0, math.inf, open_hi=True), "a number of at least 0"),
+    ("distill", "seed"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
     ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, width:F, a preset name or a mapping of model fields"),
 }
 for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
@@ -95,7 +119,9 @@ def get_pass(name: str, where: str = "recipe"):
 
 
 def check_pass(name: str, args: dict, where: str = "recipe") -> None:
-    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value."""
+    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value: each argument
+    must fit the type the pass function declares for it (``int``, ``float | None``, ``str | list``, ...) and
+    the range :data:`VALUE_CHECKS` gives, so every recipe is checked whole before any pass runs."""
     if not isinstance(args, dict):
         raise PrunusError(f"{where}: the arguments of {name!r} must be a mapping (name: value), not {type(args).__name__}")
     params = inspect.signature(get_pass(name, where)).parameters
@@ -110,6 +136,9 @@ def check_pass(name: str, args: dict, where: str = "recipe") -> None:
         check = VALUE_CHECKS.get((name, key))
         if check is not None and not check[0](value):
             raise PrunusError(f"{where}: {name}.{key}={short(value)} is not valid; use {check[1]}")
+    # every argument, checked or not above, against the type the pass declares for it
+    typed = dataclasses.make_dataclass(f"{name}_arguments", [(k, params[k].annotation) for k in args])
+    check_dataclass(typed(**args), f"{where}: {name}")
 
 
 def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:

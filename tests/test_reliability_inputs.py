@@ -6,6 +6,7 @@ values; and the input is left byte-for-byte as it was."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -83,6 +84,12 @@ CONFIG_CASES = [  # (file name, content, words)
     ("r.yaml", b"passes:\n  - quantize: {scheme: \xff}\n", "not UTF-8"),
     ("r.yaml", "passes: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
     ("r.yaml", "#" * (2 << 20), "bytes, above"),
+    ("r.yaml", "passes:\n  - distill: {student: 'keep-every:2', temperature: hot}\n", "pass 1: distill.temperature='hot'"),
+    ("r.yaml", "passes:\n  - prune: {method: magnitude}\n  - distill: {kd_weight: x}\n", "pass 2: distill.kd_weight='x'"),
+    ("r.yaml", "passes:\n  - smoothquant: {alpha: x}\n", "r.yaml: pass 1: smoothquant.alpha='x'"),
+    ("r.yaml", "passes:\n  - distill: {steps: ten}\n", "distill.steps='ten'"),
+    ("r.yaml", "passes:\n  - quantize: {scheme: int4-weight-only, symmetric: 'yes'}\n",
+     "r.yaml: pass 1: quantize: symmetric='yes' must be true or false"),
     ("c.toml", b"steps = 3\nlr = \xff\n", "not UTF-8"),
     ("c.toml", "lr = nan\n", "lr=nan must be a finite number"),
     ("c.toml", "steps = '100'\n", "steps='100' must be an integer"),
@@ -107,6 +114,21 @@ def test_recipes_and_configs(tmp_path, tiny_model, name, content, words, assert_
     assert_user_error(r, words)
     assert len(r.stderr) < 400, "an error echoed a huge value"
     assert snapshot(tmp_path) == before
+
+
+def test_every_pass_argument_is_typed_and_checked():
+    """Each argument of every pass is refused in one line naming it when its value has the wrong type, so
+    a recipe is checked whole before any pass runs (an argument added later without a type fails here)."""
+    from prunus.compress.recipe import PASSES, check_pass, get_pass
+
+    needed = {"quantize": {"scheme": "int4-weight-only"}, "prune": {"method": "magnitude"},
+              "prune_structured": {"target": "heads", "amount": 0.25}}
+    for name in PASSES:
+        check_pass(name, needed.get(name, {}), where="r.yaml: pass 1")
+        for key in list(inspect.signature(get_pass(name)).parameters)[2:]:
+            with pytest.raises(PrunusError) as e:
+                check_pass(name, {**needed.get(name, {}), key: object()}, where="r.yaml: pass 1")
+            assert str(e.value).startswith("r.yaml: pass 1: ") and key in str(e.value) and "\n" not in str(e.value)
 
 
 # --- files prunus reads: every JSON format, safetensors headers, shapes --------------------------
