@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
+from .contained import inside, plain_name
 from .errors import PrunusError
 from .validate import short
 
@@ -32,12 +33,6 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _safe_name(name: str) -> bool:
-    p = PurePosixPath(name)
-    return (bool(name) and "\\" not in name and "\0" not in name and not p.is_absolute()
-            and all(part not in ("", ".", "..") for part in p.parts))
-
-
 def check_manifest(manifest: dict, path: str | Path, fix: str = "re-create the dir") -> dict:
     """Raise one PrunusError line when ``manifest`` (read from ``path/prunus.json``) is malformed."""
     where = Path(path) / MANIFEST
@@ -45,7 +40,7 @@ def check_manifest(manifest: dict, path: str | Path, fix: str = "re-create the d
     if not isinstance(files, dict):
         raise PrunusError(f"{where}: 'files' must be an object of file name -> SHA-256; {fix}")
     for name, digest in files.items():
-        if not _safe_name(name):
+        if not plain_name(name):
             raise PrunusError(f"{where}: lists {short(name)}, which is not a file name inside the dir; {fix}")
         if not isinstance(digest, str) or not _HEX64.match(digest):
             raise PrunusError(f"{where}: the hash of {short(name)} is {short(digest)}, not a SHA-256 hex digest; {fix}")
@@ -67,17 +62,11 @@ def verify_files(path: str | Path, manifest: dict, required: tuple[str, ...] = (
     for name in required:
         if name not in manifest["files"]:
             raise PrunusError(f"{path / MANIFEST}: does not list {name}; {fix}")
-    root = path.resolve()
     for name, digest in manifest["files"].items():
-        f = path / name
-        try:
-            inside = f.resolve().is_relative_to(root)
-        except (OSError, RuntimeError):
-            inside = False
-        if not inside:
-            raise PrunusError(f"{f}: leads outside the {kind} (a symlink?); {fix}")
-        if not f.is_file():
-            raise PrunusError(f"{f}: missing from the {kind}; restore it or {fix}")
+        # inside the dir through symlinks, a regular file (never a FIFO that blocks the hash)
+        f = inside(path, name, f"{path / MANIFEST}: files", fix=fix, required=False)
+        if f is None:
+            raise PrunusError(f"{path / name}: missing from the {kind}; restore it or {fix}")
         if sha256_file(f) != digest:
             raise PrunusError(f"{f}: content hash does not match {MANIFEST}; the file was changed or corrupted, {fix}")
     return manifest

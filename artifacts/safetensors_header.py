@@ -12,6 +12,7 @@ config that does not fit its weights is one line naming both, not an allocation 
 from __future__ import annotations
 
 import math
+import stat
 import struct
 from pathlib import Path
 
@@ -24,45 +25,49 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
 FIX = "re-create the model dir"
 
 
-def read_header(path: str | Path) -> dict[str, dict]:
-    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, every entry checked."""
+def read_header(path: str | Path, fix: str = FIX) -> dict[str, dict]:
+    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, every entry checked (``fix``: what
+    the one-line error tells the user to do)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open
+            raise PrunusError(f"{path}: not a regular file (a directory, FIFO or device); {fix}")
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
             if n is None or n > min(size - 8, MAX_HEADER_BYTES):
                 raise PrunusError(f"{path}: truncated or not a safetensors file (header of {n} bytes in a "
-                                  f"{size}-byte file); {FIX}")
+                                  f"{size}-byte file); {fix}")
             raw = f.read(n)
     except OSError as e:
-        raise PrunusError(f"{path}: cannot be read ({e.strerror}); {FIX}") from None
-    header = parse_json(raw, str(path), FIX)
+        raise PrunusError(f"{path}: cannot be read ({e.strerror}); {fix}") from None
+    header = parse_json(raw, str(path), fix)
     if not isinstance(header, dict):
-        raise PrunusError(f"{path}: the safetensors header is not a JSON object; {FIX}")
+        raise PrunusError(f"{path}: the safetensors header is not a JSON object; {fix}")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, entry in header.items():
-        _check_entry(path, name, entry, data_bytes)
+        _check_entry(path, name, entry, data_bytes, fix)
     return header
 
 
-def _check_entry(path: Path, name: str, entry, data_bytes: int) -> None:
+def _check_entry(path: Path, name: str, entry, data_bytes: int, fix: str) -> None:
     where = f"{path}: tensor {short(name)}"
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_BYTES:
-        raise PrunusError(f"{where} has no known dtype; {FIX}")
+        raise PrunusError(f"{where} has no known dtype; {fix}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise PrunusError(f"{where}: shape {short(shape)} is not a list of sizes; {FIX}")
+        raise PrunusError(f"{where}: shape {short(shape)} is not a list of sizes; {fix}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
         raise PrunusError(f"{where}: data offsets {short(offsets)} lie outside the file's {data_bytes} data bytes "
-                          f"(truncated?); {FIX}")
+                          f"(truncated?); {fix}")
     if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[entry["dtype"]]:
         raise PrunusError(f"{where}: {offsets[1] - offsets[0]} bytes do not hold a {entry['dtype']} tensor of shape "
-                          f"{shape}; {FIX}")
+                          f"{shape}; {fix}")
 
 
 def check_shapes(path: str | Path, header: dict[str, dict], expected: dict[str, tuple[int, ...]]) -> None:

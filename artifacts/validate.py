@@ -20,8 +20,10 @@ import dataclasses
 import json
 import math
 import re
+import stat
 from pathlib import Path
 
+from .contained import inside
 from .errors import PrunusError
 
 MAX_SMALL_FILE_BYTES = 16 << 20  # configs, manifests, run settings, recipes: far below this
@@ -41,12 +43,17 @@ def read_text(path: str | Path, *, fix: str, max_bytes: int = MAX_SMALL_FILE_BYT
     """The UTF-8 text of a small file, or one PrunusError line naming it."""
     path = Path(path)
     try:
-        if not path.is_file():
-            raise PrunusError(f"{path}: missing or not a regular file; {fix}")
-        size = path.stat().st_size
+        st = path.stat()  # never open before this: opening a FIFO blocks
+        if not stat.S_ISREG(st.st_mode):
+            mode = st.st_mode
+            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise PrunusError(f"{path}: is {what}, not a regular file; {fix}")
+        size = st.st_size
         if size > max_bytes:
             raise PrunusError(f"{path}: {size:,} bytes, above the {max_bytes:,} this file may hold; {fix}")
         data = path.read_bytes()
+    except FileNotFoundError:
+        raise PrunusError(f"{path}: missing; {fix}") from None
     except OSError as e:
         raise PrunusError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
     try:
@@ -96,8 +103,8 @@ def read_dir_json(path: str | Path, name: str, *, no_dir: str, no_file: str, bad
     path = Path(path)
     if not path.is_dir():
         raise PrunusError(f"{path}: {no_dir}")
-    fpath = path / name
-    if not fpath.is_file():
+    fpath = inside(path, name, fix=bad_json, required=False)  # a symlink out of the dir, a FIFO: one line
+    if fpath is None:
         raise PrunusError(f"{path}: {no_file}")
     return read_json_object(fpath, fix=bad_json)  # UTF-8, size, JSON, an object
 

@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 
 from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import read_json_object
@@ -109,8 +110,8 @@ def load_export(path: str | Path):
     from prunus.models.tokenizer import load_tokenizer
 
     path = Path(path)
-    cpath = path / CONFIG
-    if not cpath.is_file():
+    cpath = inside(path, CONFIG, fix="re-create the export dir", required=False)  # a symlink out, a FIFO: one line
+    if cpath is None:
         raise PrunusError(f"{path}: no {CONFIG}; give a directory written by prunus export")
     config = read_json_object(cpath, fix="re-create the export dir")
     if "export" not in config:

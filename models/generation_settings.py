@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import read_json_object
 
@@ -32,8 +33,8 @@ class GenerationSettings:
     @classmethod
     def read(cls, directory: str | Path) -> "GenerationSettings":
         """``directory/generation_config.json``, or empty settings when there is none."""
-        path = Path(directory) / GENERATION_CONFIG
-        if not path.is_file():
+        path = inside(directory, GENERATION_CONFIG, fix="fix or remove it", required=False)  # a FIFO: one line
+        if path is None:
             return cls()
         cfg = read_json_object(path, fix="fix or remove it")  # bounded, UTF-8, one line on any failure
         one = {k: _ids(cfg.get(k), str(path), k) for k in ("bos_token_id", "pad_token_id")}

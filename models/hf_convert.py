@@ -15,31 +15,34 @@ prunus config.json (``"hf"``), so ``to_hf`` writes them back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
+from .hf_config_check import check_fits_weights, check_hf_config
 from .hf_families import FAMILIES, TOKEN_IDS, config_from_hf, config_to_hf, get_family, inexpressible
 from .hf_tensors import state_from_hf, state_to_hf
-from .hf_weights import read_weights, write_weights
+from .hf_weights import read_headers, read_weights, shard_files, write_weights
 from .llama import Transformer
 from .compression_state import compression_state
 from .model_dir import load_model, load_model_tokenizer, save_model, state_dict_for_save
 from prunus.artifacts.paths import check_output
-from prunus.artifacts.validate import read_dir_json
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
+from prunus.artifacts.validate import read_dir_json, read_json_object
+from .tokenizer import MAX_TOKENIZER_BYTES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _read_hf_config(hf_dir: Path) -> dict:
-    return read_dir_json(hf_dir, "config.json",
-                         no_dir="no such directory; give a Hugging Face checkpoint dir (config.json + *.safetensors)",
-                         no_file="no config.json; give a Hugging Face checkpoint dir written by save_pretrained",
-                         bad_json="re-download or re-save the checkpoint")
+    hf = read_dir_json(hf_dir, "config.json",
+                       no_dir="no such directory; give a Hugging Face checkpoint dir (config.json + *.safetensors)",
+                       no_file="no config.json; give a Hugging Face checkpoint dir written by save_pretrained",
+                       bad_json="re-download or re-save the checkpoint")
+    check_hf_config(hf, str(hf_dir / "config.json"))  # types and sizes of every key prunus reads
+    return hf
 
 
 def _config(hf_dir: Path, hf: dict, dtype: str):
@@ -49,6 +52,9 @@ def _config(hf_dir: Path, hf: dict, dtype: str):
         return config_from_hf(hf, dtype)
     except KeyError as e:
         raise PrunusError(f"{where}: missing {e.args[0]}; re-save the checkpoint with save_pretrained") from None
+    except (TypeError, ValueError) as e:  # a null where a family needs a value: check_hf_config typed the rest
+        raise PrunusError(f"{where}: a value prunus needs is null or of the wrong type ({e}); fix config.json or "
+                          "re-save the checkpoint with save_pretrained") from None
     except PrunusError as e:
         raise PrunusError(f"{where}: {e}") from None
 
@@ -87,24 +93,31 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
     hf_dir = Path(hf_dir)
     check_output(out, [("--from-hf", hf_dir)])  # prunus.artifacts.paths: never over an input
     hf = _read_hf_config(hf_dir)
-    _config(hf_dir, hf, "float32")  # refuse an unsupported family or feature before reading any weights
-    model = _build(hf_dir, hf, read_weights(hf_dir))
-    tokenizer = HFTokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else ByteTokenizer()
+    _, cfg = _config(hf_dir, hf, "float32")  # refuse an unsupported family or feature before reading any weights
+    files = shard_files(hf_dir)  # each inside the dir (prunus.artifacts.contained)
+    check_fits_weights(cfg, read_headers(files), str(hf_dir / "config.json"))  # before any module or tensor
+    tokenizer = HFTokenizer(hf_dir) if inside(hf_dir, TOKENIZER_FILE, required=False) else ByteTokenizer()
+    model = _build(hf_dir, hf, read_weights(hf_dir, files))
     return save_model(model, out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
                       metrics={"hf_source": str(hf_dir.resolve()), "hf_model_type": model.hf_origin["model_type"]})
 
 
 def _bos_id(model_dir: Path) -> int | None:
     """The id of tokenizer_config.json's bos_token in tokenizer.json, if both say so."""
-    cfg, tok = model_dir / "tokenizer_config.json", model_dir / TOKENIZER_FILE
-    if not (cfg.is_file() and tok.is_file()):
+    fix = "re-create the model dir"
+    cfg, tok = (inside(model_dir, name, fix=fix, required=False) for name in ("tokenizer_config.json", TOKENIZER_FILE))
+    if cfg is None or tok is None:
         return None
-    bos = json.loads(cfg.read_text()).get("bos_token")
+    bos = read_json_object(cfg, fix=fix).get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
-    tok = json.loads(tok.read_text())
-    ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    vocab = (tok.get("model") or {}).get("vocab")
-    return ids.get(bos, vocab.get(bos) if isinstance(vocab, dict) else None)
+    if not isinstance(bos, str):
+        return None
+    tok = read_json_object(tok, fix=fix, max_bytes=MAX_TOKENIZER_BYTES)
+    added = tok.get("added_tokens") if isinstance(tok.get("added_tokens"), list) else []
+    ids = {t["content"]: t.get("id") for t in added if isinstance(t, dict) and isinstance(t.get("content"), str)}
+    vocab = tok.get("model").get("vocab") if isinstance(tok.get("model"), dict) else None
+    found = ids.get(bos, vocab.get(bos) if isinstance(vocab, dict) else None)
+    return found if isinstance(found, int) and not isinstance(found, bool) and found >= 0 else None
 
 
 def pick_family(cfg, family: str | None, origin: dict | None, where: str):

@@ -3,8 +3,9 @@
 
 Sharding follows transformers' layout: ``model-00001-of-0000N.safetensors`` files filled in
 order up to ``max_shard_size`` bytes each, and an index with ``metadata.total_size`` and a
-``weight_map`` from tensor name to file. A file that cannot be read (truncated, not safetensors)
-is refused in one line naming it.
+``weight_map`` from tensor name to file. A file that cannot be read (truncated, not safetensors),
+an index entry that names anything but a regular file inside the dir (``../x``, an absolute path,
+a symlink out, a FIFO) and a tensor holding NaN or infinity are refused in one line naming them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.safetensors_header import read_header
+from prunus.artifacts.validate import read_json_object, short
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -34,36 +38,68 @@ def parse_size(size: int | str) -> int:
     return int(float(m[1]) * UNITS[(m[2] or "").upper()])
 
 
+FIX = "re-download or re-save the checkpoint"
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _load(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise PrunusError(f"{path}: missing; the checkpoint's shards are incomplete, re-download or re-save it")
+    """Every tensor of one safetensors file, each checked to hold no NaN or infinity as it is read."""
     try:
-        return load_file(path)
+        state = load_file(path)
     except Exception as e:  # truncated or not safetensors: the library's message, on one line
         msg = " ".join(str(e).split()) or type(e).__name__
-        raise PrunusError(f"{path}: not a readable safetensors file ({msg}); re-download or re-save it") from None
+        raise PrunusError(f"{path}: not a readable safetensors file ({msg}); {FIX}") from None
+    for name, t in state.items():
+        if t.dtype in FLOATS and not bool(torch.isfinite(t).all()):
+            raise PrunusError(f"{path}: tensor {short(name)} holds NaN or infinite values; the checkpoint is damaged, "
+                              f"{FIX}")
+    return state
+
+
+def _weight_map(hf_dir: Path) -> dict:
+    """The index's ``weight_map`` (tensor name -> shard file name), every value a string."""
+    index = hf_dir / INDEX
+    data = read_json_object(index, fix=FIX)  # bounded, UTF-8, JSON: one line on any failure
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PrunusError(f"{index}: weight_map is {short(weight_map)}, not an object of tensor name -> file; "
+                          "re-save the checkpoint")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise PrunusError(f"{index}: weight_map[{short(name)}] is {short(file)}, not a file name; "
+                              "re-save the checkpoint")
+    return weight_map
 
 
 def shard_files(hf_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint dir, in the order of its index."""
-    if (hf_dir / SINGLE).is_file():
-        return [hf_dir / SINGLE]
-    index = hf_dir / INDEX
-    if not index.is_file():
+    """The safetensors files of a checkpoint dir, in the order of its index; each a regular file inside the
+    dir (prunus.artifacts.contained: an index naming ``../x``, ``/etc/passwd`` or a symlink out is refused)."""
+    single = inside(hf_dir, SINGLE, fix=FIX, required=False)
+    if single is not None:
+        return [single]
+    if inside(hf_dir, INDEX, fix=FIX, required=False) is None:
         raise PrunusError(f"{hf_dir}: no {SINGLE} or {INDEX}; re-save the checkpoint with "
                           "save_pretrained(safe_serialization=True)")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = list(dict.fromkeys(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise PrunusError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); re-save the checkpoint") from None
-    return [hf_dir / n for n in names]
+    files: dict[str, Path] = {}
+    for name, file in _weight_map(hf_dir).items():
+        if file not in files:
+            files[file] = inside(hf_dir, file, f"{hf_dir / INDEX}: weight_map[{short(name)}]",
+                                 fix="the checkpoint's shards are incomplete or the index is damaged, " + FIX)
+    return list(files.values())
 
 
-def read_weights(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint dir, by name."""
+def read_headers(files: list[Path]) -> dict[str, dict]:
+    """Tensor name -> safetensors header entry (dtype, shape, offsets) over every file, nothing but headers read."""
+    headers: dict[str, dict] = {}
+    for f in files:
+        headers.update(read_header(f, fix=FIX))
+    return headers
+
+
+def read_weights(hf_dir: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint dir (of ``files``, from :func:`shard_files`), by name."""
     state: dict[str, torch.Tensor] = {}
-    for f in shard_files(Path(hf_dir)):
+    for f in files if files is not None else shard_files(Path(hf_dir)):
         state.update(_load(f))
     return state
 

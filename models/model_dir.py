@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.contained import inside
 from .compression_state import CompressionState, compression_state, set_compression_state
 from .config import ModelConfig
 from prunus.artifacts.errors import PrunusError
@@ -122,7 +123,7 @@ def verify_model_dir(path: str | Path) -> dict:
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
-    cpath = Path(path) / CONFIG
+    cpath = inside(path, CONFIG, fix="re-create the model dir")  # a regular file inside the dir (a FIFO: one line)
     config = read_json_object(cpath, fix="re-create the model dir")
     if not isinstance(config.get("model"), dict):
         raise PrunusError(f"{cpath}: has no 'model' object; re-create the model dir")
@@ -145,8 +146,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = Transformer(cfg)
         quantized_layout(model, compression.quantized_modules)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_shapes(path / WEIGHTS, read_header(path / WEIGHTS), expected)  # prunus.artifacts.safetensors_header
-    state = load_file(path / WEIGHTS, device=str(device)) if placement is None else _placed(path / WEIGHTS, placement)
+    weights = inside(path, WEIGHTS, fix="re-create the model dir")  # inside the dir, a regular file
+    check_shapes(weights, read_header(weights), expected)  # prunus.artifacts.safetensors_header
+    state = load_file(weights, device=str(device)) if placement is None else _placed(weights, placement)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     streamed = set() if placement is None else set(expected) - set(state)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "output.weight") and k not in streamed]

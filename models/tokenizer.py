@@ -22,17 +22,30 @@ import numpy as np
 import torch
 
 from .chat_template import render_chat
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
-from prunus.artifacts.validate import read_json_object
+from prunus.artifacts.validate import short
 from .generation_settings import GENERATION_CONFIG, GenerationSettings
+from .tokenizer_files import (CHAT_TEMPLATE_FILE, FIX_TOKENIZER, MAX_TOKENIZER_BYTES, SPECIAL_TOKENS_MAP,  # noqa: F401
+                              TOKENIZER_CONFIG, TOKENIZER_FILE, companion_json, read_chat_templates,
+                              read_special_tokens, read_tokenizer_json)
 
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # the files a Hugging Face tokenizer dir may hold, carried through every prunus stage
 HF_TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_FILE, GENERATION_CONFIG)
 FALLBACK_EOS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+PROBE = "prunus checks its tokenizer: caf\u00e9 \u2603 42 qzxv"  # encoded once at load: a tokenizer that cannot fails here
+
+
+def _tokenizers_call(path: Path, what: str, fn):
+    """``fn()``, with the tokenizers library's failures as one PrunusError line naming ``path``: it raises plain
+    Exceptions on bad files, and a PanicException (a BaseException) where its Rust code panics."""
+    try:
+        return fn()
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 (PanicException derives from BaseException)
+        msg = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise PrunusError(f"{path}: {what} ({msg}); {FIX_TOKENIZER}") from None
 
 
 class ByteTokenizer:
@@ -68,70 +81,26 @@ class ByteTokenizer:
                           "a chat checkpoint, or give a plain prompt")
 
 
-def _read_json(path: Path) -> dict:
-    """An optional tokenizer-side JSON file: {} when absent, else one bounded, checked read."""
-    return read_json_object(path, fix="fix or remove it") if path.is_file() else {}
-
-
-def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    value = value.get("content") if isinstance(value, dict) else value
-    return value if isinstance(value, str) else None
-
-
-def read_special_tokens(directory: Path, config: dict) -> dict[str, str]:
-    """The named special tokens (``bos_token``, ``eos_token``, ``pad_token``, ``image_token``, ...) that
-    templates see: tokenizer_config.json's ``*_token`` entries and its ``extra_special_tokens`` by name,
-    then special_tokens_map.json's for the rest."""
-    tokens = {}
-    for source in (config, _read_json(directory / SPECIAL_TOKENS_MAP)):
-        extra = source.get("extra_special_tokens")
-        for key, value in [*source.items(), *(extra.items() if isinstance(extra, dict) else ())]:
-            if key.endswith("_token") and key not in tokens and _token_text(value) is not None:
-                tokens[key] = _token_text(value)
-    return tokens
-
-
-def read_chat_templates(directory: Path, config: dict) -> dict[str, str]:
-    """Chat templates by name: chat_template.jinja as "default" (it wins, as in transformers), else
-    tokenizer_config.json's ``chat_template`` (a string, or a list of ``{"name", "template"}``)."""
-    jinja = directory / CHAT_TEMPLATE_FILE
-    if jinja.is_file():
-        return {"default": jinja.read_text(encoding="utf-8")}
-    value = config.get("chat_template")
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        return {"default": value}
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                       and isinstance(t.get("template"), str) for t in value):
-        return {t["name"]: t["template"] for t in value}
-    raise PrunusError(f"{directory / TOKENIZER_CONFIG}: chat_template must be a string or a list of "
-                      "{\"name\", \"template\"} objects")
-
-
 class HFTokenizer:
     """A Hugging Face fast tokenizer (``tokenizer.json`` and its companion files) from a local directory."""
 
     def __init__(self, directory: str | Path):
         directory = Path(directory)
-        path = directory / TOKENIZER_FILE
-        if not path.is_file():
+        found = read_tokenizer_json(directory)  # inside the dir, a regular file, bounded, UTF-8, merges checked
+        if found is None:
             raise PrunusError(f"{directory}: no {TOKENIZER_FILE}; give a directory holding a Hugging Face fast tokenizer")
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise PrunusError("Hugging Face tokenizers need the 'hf' extra: pip install 'prunus[hf]'") from None
-        self.directory, self.path = directory, path
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises plain Exceptions on bad files
-            raise PrunusError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0][:200]}); "
-                              "re-save it with tokenizers or transformers") from None
+        self.directory, (self.path, text) = directory, found
+        self._tok = _tokenizers_call(self.path, "not a readable tokenizer.json", lambda: Tokenizer.from_str(text))
+        _tokenizers_call(self.path, "cannot encode text (its vocabulary lacks a token it needs, such as the unk "
+                         "token)", lambda: self._tok.decode(self._tok.encode(PROBE, add_special_tokens=False).ids))
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.n_vocab = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        config = _read_json(directory / TOKENIZER_CONFIG)
-        self.special_tokens = read_special_tokens(directory, config)
+        config = companion_json(directory, TOKENIZER_CONFIG)
+        self.special_tokens, self._special_sources = read_special_tokens(directory, config)
         self.chat_templates = read_chat_templates(directory, config)
         self.generation = GenerationSettings.read(directory)
         self.eos_id = self._find_eos()
@@ -142,7 +111,12 @@ class HFTokenizer:
             self.eos_id = self.stop_ids[0]
 
     def _find_eos(self) -> int | None:
-        for name in (self.special_tokens.get("eos_token"), *FALLBACK_EOS):
+        """The id of the eos_token the config names (one line when the vocabulary lacks it), else of a usual name."""
+        named = self.special_tokens.get("eos_token")
+        if named is not None and self._tok.token_to_id(named) is None:
+            raise PrunusError(f"{self._special_sources['eos_token']}: eos_token {named!r} is not a token of "
+                              f"{self.path}; fix eos_token or give the tokenizer the model was trained with")
+        for name in (named, *FALLBACK_EOS):
             if name and self._tok.token_to_id(name) is not None:
                 return self._tok.token_to_id(name)
         return None
@@ -168,7 +142,11 @@ class HFTokenizer:
                            special_tokens=self.special_tokens)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # a vocabulary without the unk token this text needs
+            raise PrunusError(f"{self.path}: cannot encode this text ({str(e).splitlines()[0][:200]}); "
+                              f"{FIX_TOKENIZER}") from None
 
     def encode_array(self, data: bytes) -> np.ndarray:
         ids = self.encode(data.decode("utf-8", errors="replace"))
@@ -187,10 +165,12 @@ class HFTokenizer:
         return {"kind": "hf", "file": TOKENIZER_FILE}
 
     def save(self, directory: Path) -> None:
-        """Copy tokenizer.json and every companion file present (config, template, special tokens, generation)."""
+        """Copy tokenizer.json and every companion file present (config, template, special tokens, generation),
+        each a regular file inside the tokenizer's dir (never a symlink's target elsewhere)."""
         for name in HF_TOKENIZER_FILES:
-            if (self.directory / name).is_file():
-                shutil.copyfile(self.directory / name, Path(directory) / name)
+            source = inside(self.directory, name, fix="fix or remove it", required=False)
+            if source is not None:
+                shutil.copyfile(source, Path(directory) / name)
 
 
 def check_vocab(tokenizer, vocab_size: int, where: str | Path) -> None:
@@ -205,10 +185,16 @@ def load_tokenizer(spec: dict | str | Path | None = None, base_dir: str | Path |
     a directory holding ``tokenizer.json``, or ``None`` for bytes."""
     if spec is None or spec == "byte" or (isinstance(spec, dict) and spec.get("kind") == "byte"):
         return ByteTokenizer()
+    where = f"{Path(base_dir) / 'config.json'}: tokenizer" if base_dir is not None else "tokenizer spec"
     if isinstance(spec, dict):
         if spec.get("kind") != "hf":
-            raise PrunusError(f"tokenizer spec {spec}: unknown kind; expected 'byte' or 'hf'")
+            raise PrunusError(f"{where} {short(spec)}: unknown kind; expected 'byte' or 'hf'")
+        if spec.get("file", TOKENIZER_FILE) != TOKENIZER_FILE:  # a dir's tokenizer is its own tokenizer.json, nothing else
+            raise PrunusError(f"{where} names the file {short(spec.get('file'))}, not {TOKENIZER_FILE}; re-create the dir")
         return HFTokenizer(Path(base_dir or "."))
+    if base_dir is not None:  # a spec read from an artifact never points at a path elsewhere
+        raise PrunusError(f"{where} is {short(spec)}, which must be {{\"kind\": \"byte\"}} or {{\"kind\": \"hf\"}}; "
+                          "re-create the dir")
     path = Path(spec)
     if not path.exists():
         raise PrunusError(f"tokenizer {path}: no such directory; give a directory holding {TOKENIZER_FILE}")

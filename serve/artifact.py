@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.manifest_schema import MANIFEST, verify_files
 from prunus.artifacts.validate import read_dir_json, short
@@ -96,9 +97,8 @@ def export_graph_paths(path: Path, export: dict, names: tuple[str, ...] = ("pref
     for kind in names:
         if kind not in graphs:
             raise PrunusError(f"{path}/config.json: export.graphs has no {kind!r} entry; re-create the export dir")
-        paths[kind] = path / graphs[kind]
-        if not paths[kind].is_file():
-            raise PrunusError(f"{paths[kind]}: missing from the export dir; re-create it with prunus export")
+        paths[kind] = inside(path, graphs[kind], f"{path}/config.json: export.graphs[{kind!r}]",
+                             fix="re-create the export dir with prunus export")  # never a file outside the dir
     return paths
 
 

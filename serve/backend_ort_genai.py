@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_dims
@@ -105,9 +106,8 @@ def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, thr
     from prunus.export.genai_session import GenaiSession
 
     export = config["export"]
-    graph = path / export["graphs"]["model"]
-    if not graph.is_file():
-        raise PrunusError(f"{graph}: missing from the export dir; re-create it with prunus export")
+    graph = inside(path, (export.get("graphs") or {}).get("model"), f"{path}/config.json: export.graphs['model']",
+                   fix="re-create the export dir with prunus export")  # never a file outside the dir
     if native:
         from prunus.native.decoder import check_native
 

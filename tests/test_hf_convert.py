@@ -161,11 +161,11 @@ def test_truncated_or_missing_shard_is_named_and_nothing_written(tmp_path):
     make_hf(tmp_path / "hf", max_shard_size="60KB")
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(PrunusError, match=re.escape(str(shard)) + ": not a readable safetensors file") as err:
+    with pytest.raises(PrunusError, match=re.escape(str(shard)) + ": tensor .* lie outside the file") as err:
         from_hf(tmp_path / "hf", tmp_path / "m")
     assert "\n" not in str(err.value) and not (tmp_path / "m").exists()
     shard.unlink()
-    with pytest.raises(PrunusError, match=re.escape(str(shard)) + ": missing"):
+    with pytest.raises(PrunusError, match=f"weight_map.* names '{shard.name}', which is missing from"):
         from_hf(tmp_path / "hf", tmp_path / "m")
     assert not (tmp_path / "m").exists()
 
