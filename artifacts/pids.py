@@ -1,8 +1,11 @@
-"""Whether a process id still runs: for temp names of killed writers and for peers of a shared all-reduce."""
+"""Whether a process id still runs: for temp names of killed writers and for peers of a shared all-reduce;
+and the cleaning of temporaries named after a process that died without removing them."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 
@@ -21,3 +24,35 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):  # no /proc (macOS), or the process went away meanwhile
         return True
+
+
+def pid_prefix(prefix: str) -> str:
+    """The name prefix of this process's temporaries, ``{prefix}{PID}-`` (for ``tempfile.mkdtemp``)."""
+    return f"{prefix}{os.getpid()}-"
+
+
+def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
+    """Remove the entries of ``parent`` named ``{prefix}{PID}-...`` (see :func:`pid_prefix`) whose process no
+    longer runs and that belong to this user (a process killed with SIGKILL cleans nothing up). Returns them."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = pattern.match(name)
+        if not m or pid_alive(int(m.group(1))):
+            continue
+        entry = Path(parent) / name
+        try:
+            if entry.lstat().st_uid != os.getuid():
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        except OSError:  # removed meanwhile, or not ours to remove
+            pass
+    return removed

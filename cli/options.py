@@ -1,4 +1,5 @@
-"""Options several verbs share, each defined once: the device and the serving backend."""
+"""Options several verbs share, each defined once: the device and the serving backend; and the HTTP
+server's access options, one per field of :class:`~prunus.serve.http_access.ServeAccess`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import click
 
 from prunus.serve.backends import BACKENDS
+from prunus.serve.http_access import ServeAccess
 from prunus.train_parallel.config import TrainConfig
 
 _DEVICE = next(f for f in dataclasses.fields(TrainConfig) if f.name == "device")
@@ -41,3 +43,15 @@ prefill_chunk_option = click.option(
     "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # serve.backend_torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "
          "between other requests' decode steps. 0: whole prompts.")
+
+
+def access_options(command):
+    """``prunus serve``'s --api-key / --allowed-hosts / --allowed-origins: one option per ServeAccess field
+    (a tuple field repeats and takes comma-separated lists; ``metadata["envvar"]`` names its variable)."""
+    for f in reversed(dataclasses.fields(ServeAccess)):
+        many = f.default == ()
+        envvar = f.metadata.get("envvar")
+        command = click.option("--" + f.name.replace("_", "-"), f.name, multiple=many, default=None,
+                               envvar=envvar, show_envvar=envvar is not None, metavar="LIST" if many else "KEY",
+                               help=f.metadata["help"])(command)
+    return command

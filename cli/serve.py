@@ -6,7 +6,8 @@ import signal
 
 import click
 
-from .options import backend_option, compile_option, device_option, native_option, prefill_chunk_option, prompt_graph_option, resolve_device
+from .options import access_options, backend_option, compile_option, device_option, native_option, prefill_chunk_option, \
+    prompt_graph_option, resolve_device
 
 
 def _interrupt(signum, frame):
@@ -46,21 +47,25 @@ def _device_map(value: str | None):
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
 @click.option("--max-memory", default=None, help="Budgets for --device-map auto, e.g. 0=10GiB,cpu=30GiB,disk=100GiB.")
+@access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native):
-    """Serve PATH on POST /v1/completions, GET /health and GET /metrics until Ctrl-C."""
+            max_memory, prompt_graph, native, **access):
+    """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /health and GET /metrics until Ctrl-C."""
+    from prunus.serve.http_access import ServeAccess
+
+    access = ServeAccess.from_options(**access)  # a bad key or list fails before the model loads
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
     # put back after, for a caller that runs this command in its own process)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
-               device_map, max_memory, prompt_graph, native)
+               device_map, max_memory, prompt_graph, native, access)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-           max_memory, prompt_graph=False, native=False):
+           max_memory, prompt_graph=False, native=False, access=None):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
 
@@ -68,8 +73,12 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
                      max_memory=max_memory, prompt_graph=prompt_graph, native=native) as engine:
-        server = CompletionServer(engine, host, port)
+        server = CompletionServer(engine, host, port, access=access)
         info = engine.info
+        if access is None or access.api_key is None:
+            if not _loopback(server.server_address[0]):
+                click.echo(f"prunus serve: warning: no --api-key, and {host} is reachable from other machines; anyone "
+                           "who can reach it may use it (set PRUNUS_API_KEY)", err=True)
         click.echo(f"prunus serve: {info['path']} on {info['backend']} (tp={info['tp']}, max batch {info['max_batch']}, "
                    f"context {info['max_len']}) listening on {server.url}", err=True)
         try:
@@ -78,3 +87,12 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
             click.echo("prunus serve: shutting down", err=True)
         finally:
             server.server_close()
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"

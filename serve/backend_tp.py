@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.pids import pid_prefix, remove_stale
 from prunus.models.model_dir import read_config
 
 from .shm_all_reduce import shm_dir
@@ -41,6 +42,7 @@ from .tp_shard import check_tp
 from .tp_worker import OP_DECODE, OP_PREFILL, OP_STOP
 
 READY_TIMEOUT_S = 300.0
+TEMP_PREFIX = "prunus-tp-"  # socket dir and shared-memory file, prunus-tp-PID-...: the next start removes those of a dead PID
 
 
 class TPBackend:
@@ -59,10 +61,12 @@ class TPBackend:
         self.procs: list[subprocess.Popen] = []
         self.conns = []
         self._lock = threading.Lock()
-        self._tmp = Path(tempfile.mkdtemp(prefix="prunus-tp-"))
+        for parent in {Path(tempfile.gettempdir()), shm_dir()}:  # what a killed server left (its pid is in the name)
+            remove_stale(parent, TEMP_PREFIX)
+        self._tmp = Path(tempfile.mkdtemp(prefix=pid_prefix(TEMP_PREFIX)))
         authkey = secrets.token_bytes(16)
         self._listener = Listener(str(self._tmp / "sock"), family="AF_UNIX", authkey=authkey)
-        shm = str(shm_dir() / f"prunus-tp-{os.getpid()}-{secrets.token_hex(4)}") if shm_supported(device) else None
+        shm = str(shm_dir() / f"{pid_prefix(TEMP_PREFIX)}{secrets.token_hex(4)}") if shm_supported(device) else None
         self._shm = shm
         spec = json.dumps({"path": str(Path(path).resolve()), "n_slots": n_slots, "max_len": max_len,
                            "device": device, "dtype": dtype, "shm": shm})

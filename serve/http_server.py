@@ -10,10 +10,16 @@
 
 Every HTTP thread submits to the engine's one continuous-batching scheduler. A full
 wait queue answers 429; a malformed request 400; every error is JSON in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, with its status (404 unknown route,
+``{"error": {"message", "type", "param", "code"}}``, with its status (401 / 403 refused at the door,
+415 a body that is not JSON, 404 unknown route,
 405 other methods, 408 a request that does not arrive in time, 411 / 413 bodies, 429 full).
 A client that goes away, streaming or waiting for a whole answer, cancels its requests,
 which frees their batch slots at the next step, and is one log line.
+
+Who may use it (:mod:`prunus.serve.http_access`): every request must name this server in ``Host``
+and come from no web page, or one listed in ``allowed_origins`` (403 otherwise; CORS headers only for
+those); with an API key, every route but ``/health`` needs ``Authorization: Bearer KEY`` (401); POST
+bodies must be ``application/json`` (415).
 
 Load and slow clients (:mod:`prunus.serve.http_guard`): the listen backlog and a cap on
 open connections are sized from the queue (``--max-queue``) and batch; a connection over
@@ -41,6 +47,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine
+from .http_access import ServeAccess, is_json_content_type
 from .http_guard import BadRequest, DeadlineReader, error_json, parse_json_body, refuse_connection, \
     start_event_stream
 from .metrics import Metrics
@@ -101,7 +108,7 @@ class CompletionHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         """BaseHTTPRequestHandler's, with deadlines (408), JSON errors and one log line for a client that resets."""
-        self._answered = False
+        self._answered, self._cors = False, {}
         self.command, self.requestline, self.request_version = None, "", self.default_request_version
         self._reader.start(self.server.header_timeout)
         try:
@@ -115,6 +122,8 @@ class CompletionHandler(BaseHTTPRequestHandler):
             if not self.parse_request():  # answered with send_error
                 return
             self._reader.start(None)
+            if not self._admitted():
+                return
             method = getattr(self, "do_" + self.command, None)
             if method is None:
                 self.send_error(501, f"method {self.command[:20]!r} is not supported; use GET or POST")
@@ -129,9 +138,28 @@ class CompletionHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.server.log_client(self.client_address, e)
 
+    def _admitted(self) -> bool:
+        """The door (:mod:`prunus.serve.http_access`): False once a refused request has been answered."""
+        access = self.server.access
+        self._cors = access.cors_headers(self.headers.get("Origin"))
+        refusal = access.refusal(self.command, self.path, self.headers, self.server.server_address)
+        if refusal is None:
+            return True
+        status, message, code = refusal
+        self._drain()
+        self.server.metrics.observe(status, None)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        self._error(status, message, "invalid_request_error", headers=headers, code=code)
+        return False
+
     def send_response(self, code, message=None) -> None:
         self._answered = True
         super().send_response(code, message)
+
+    def end_headers(self) -> None:
+        for name, value in getattr(self, "_cors", {}).items():  # only for an allowed Origin
+            self.send_header(name, value)
+        super().end_headers()
 
     def send_error(self, code, message=None, explain=None) -> None:
         """Errors found by the standard library (bad request line, headers, methods): JSON too."""
@@ -161,8 +189,8 @@ class CompletionHandler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(obj).encode())
 
     def _error(self, status: int, message: str, kind: str, param: str | None = None,
-               headers: dict | None = None) -> None:
-        self._send(status, error_json(message, kind, param), headers=headers)
+               headers: dict | None = None, code: str | None = None) -> None:
+        self._send(status, error_json(message, kind, param, code), headers=headers)
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -182,12 +210,28 @@ class CompletionHandler(BaseHTTPRequestHandler):
         self._error(405, f"method {self.command} is not allowed; use GET /health, GET /metrics or POST "
                          f"/v1/completions, {CHAT_PATH}", "invalid_request_error", headers={"Allow": "GET, POST"})
 
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = _not_allowed
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_TRACE = do_CONNECT = _not_allowed
+
+    def do_OPTIONS(self):
+        """A CORS preflight from an allowed origin: 204 with what a page may send; anything else 405."""
+        origin = self.headers.get("Origin")
+        if not (self._cors and self.headers.get("Access-Control-Request-Method")):
+            self._not_allowed()
+            return
+        self._drain()
+        self._send(204, b"", headers=self.server.access.preflight_headers(origin))
 
     def do_POST(self):
         if self.path not in ("/v1/completions", CHAT_PATH):
             self._drain()
             self._error(404, f"no route POST {self.path[:200]}; use /v1/completions or {CHAT_PATH}", "not_found_error")
+            return
+        if not is_json_content_type(self.headers.get("Content-Type")):
+            self._drain()
+            self.server.metrics.observe(415, None)
+            self._error(415, f"POST bodies must be JSON sent with 'Content-Type: application/json', not "
+                             f"{(self.headers.get('Content-Type') or 'none')[:80]!r}", "invalid_request_error",
+                        code="unsupported_media_type")
             return
         t0 = time.perf_counter()
         status = 500
@@ -340,14 +384,16 @@ class CompletionHandler(BaseHTTPRequestHandler):
 
 class CompletionServer(ThreadingHTTPServer):
     """The endpoint. ``max_connections`` (default: twice the queue plus the batch, at least 64) caps open
-    connections and sizes the listen backlog; the timeouts bound slow clients (see the module docstring)."""
+    connections and sizes the listen backlog; the timeouts bound slow clients (see the module docstring);
+    ``access`` says who may use it (default: no API key, requests addressed to this server only, no web page)."""
 
     daemon_threads = True
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
                  header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-                 write_timeout: float = WRITE_TIMEOUT_S):
+                 write_timeout: float = WRITE_TIMEOUT_S, access: ServeAccess | None = None):
         self.engine = engine
+        self.access = access or ServeAccess()
         self.metrics = Metrics()
         self.model_name = Path(engine.info.get("path", "prunus")).name or "prunus"
         queue_size = getattr(engine.scheduler, "max_queue", None) or 64

@@ -17,6 +17,7 @@ import torch
 
 from prunus.models import Transformer, get_preset, save_model
 from prunus.serve import Engine
+from prunus.serve.http_access import ServeAccess
 from prunus.serve.http_server import CompletionServer
 
 
@@ -31,6 +32,7 @@ def engine(tmp_path_factory):
 
 
 def start(engine, **kwargs) -> CompletionServer:
+    kwargs.setdefault("access", ServeAccess(allowed_hosts=("x",)))  # the raw requests below say "Host: x"
     server = CompletionServer(engine, port=0, **kwargs)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
@@ -87,6 +89,7 @@ def nested(depth: int) -> bytes:
     return b'{"prompt": "x", "stop": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+POST_JSON = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 MALFORMED = [  # (raw request, status, words in the message)
     (post("/v1/completions", b'{"prompt": "\\ud800 x", "max_tokens": 2}'), 400, "lone surrogate"),
     (post("/v1/completions", b'{"prompt": "x", "seed": 18446744073709551616}'), 400, "beyond 64 bits"),
@@ -98,10 +101,10 @@ MALFORMED = [  # (raw request, status, words in the message)
     (post("/v1/completions", b'{"prompt": "x", "temperature": NaN}'), 400, "not valid JSON"),
     (post("/v1/completions", b'{"prompt": "\xff\xfe"}'), 400, "not UTF-8"),
     (post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'), 400, "lone surrogate"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400, "negative"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: five\r\n\r\n", 400, "Content-Length"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n", 413, "larger than"),
+    (POST_JSON + b"Content-Length: -5\r\n\r\n", 400, "negative"),
+    (POST_JSON + b"Content-Length: five\r\n\r\n", 400, "Content-Length"),
+    (POST_JSON + b"\r\n", 411, "Content-Length"),
+    (POST_JSON + b"Content-Length: 99999999\r\n\r\n", 413, "larger than"),
     (b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 405, "not allowed"),
     (b"DELETE /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405, "not allowed"),
     (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 501, "not supported"),
