@@ -8,7 +8,8 @@ cache. The token ids, ``seqlens_k`` and ``total_sequence_length`` are written in
 arrays bound by address, and ``logits`` into a preallocated (n_slots, vocab) array. A decode step's
 binding depends only on its batch size and is kept, so a step is: write the ids and lengths, run.
 
-``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.export.genai_prompt_graph`):
+``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.export.genai_prompt_graph`;
+asked of a float graph, or of buffers no pass of which reaches its threshold, it is one PrunusError line):
 the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
 buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
 every decode step run in the graph itself. The twin holds its own copy of the weights and runs without ONNX
@@ -36,13 +37,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prunus.artifacts.errors import PrunusError
+
 from .ort_graphs import ort_session
+
+
+def prompt_twin_of(path_or_bytes, n_slots: int, max_len: int):
+    """(the prompt twin, its token threshold) of a genai graph, or one PrunusError line when a twin would never run:
+    the graph's weights are float (nothing to rewrite), or no pass of ``n_slots`` x ``max_len`` reaches the
+    threshold. Asked for and unused, it would be an option silently ignored."""
+    import onnx
+
+    from .genai_prompt_graph import prompt_graph
+
+    if isinstance(path_or_bytes, bytes):
+        name, proto = "the genai graph", onnx.load_model_from_string(path_or_bytes)
+    else:
+        name, proto = str(path_or_bytes), onnx.load(str(path_or_bytes), load_external_data=False)
+    twin = prompt_graph(proto)
+    if twin is None:
+        raise PrunusError(f"{name}: --prompt-graph (prompt_graph) is for an export of int8 / int4 weights, and this "
+                          "one's are float (its prompts already run in float); drop --prompt-graph")
+    if n_slots * max_len < twin[1]:
+        raise PrunusError(f"{name}: --prompt-graph would never run: its twin takes prompt passes of at least "
+                          f"{twin[1]} tokens and a pass here holds at most {n_slots} rows x {max_len} positions; "
+                          "raise --max-batch or --max-len, or drop --prompt-graph")
+    return twin
 
 
 class GenaiSession:
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
                  prompt_twin: bool = False, native: bool = False, packed=None):
+        twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
         self.session = ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
@@ -55,8 +82,8 @@ class GenaiSession:
         self.seqlens = np.zeros(n_slots, np.int32)
         self.total = np.zeros((), np.int32)
         self._decode_bindings: dict[int, object] = {}
-        if prompt_twin:
-            self._load_prompt_twin(path_or_bytes, threads, spinning and not native, config)
+        if twin is not None:
+            self._load_prompt_twin(path_or_bytes, twin, threads, spinning and not native, config)
         if native:
             from prunus.native.decoder import NativeDecoder, native_prompt_tokens
 
@@ -71,21 +98,10 @@ class GenaiSession:
             self.seqlens[:1], self.total[...] = 0, 1
             self.session.run_with_iobinding(self._bind(self.step_ids[:1], 0))
 
-    def _load_prompt_twin(self, path_or_bytes, threads, spinning, config) -> None:
-        """The twin's session, run twice on a pass of its threshold: its first passes grow ONNX Runtime's arena
-        for the dequantized weights (SmolLM2 int8, 512 tokens, 2 threads: 2.7 s and 1.9 s, then 1.0 s; two
-        passes of another length warm it as well). None when no pass here can reach the threshold."""
-        import onnx
-
-        from .genai_prompt_graph import prompt_graph
-
-        if isinstance(path_or_bytes, bytes):
-            proto = onnx.load_model_from_string(path_or_bytes)
-        else:
-            proto = onnx.load(str(path_or_bytes), load_external_data=False)
-        twin = prompt_graph(proto)
-        if twin is None or self.max_len * self.n_slots < twin[1]:
-            return
+    def _load_prompt_twin(self, path_or_bytes, twin, threads, spinning, config) -> None:
+        """The twin's session (``twin``: :func:`prompt_twin_of`), run twice on a pass of its threshold: its first
+        passes grow ONNX Runtime's arena for the dequantized weights (SmolLM2 int8, 512 tokens, 2 threads: 2.7 s
+        and 1.9 s, then 1.0 s; two passes of another length warm it as well)."""
         self.prompt_session = variant_session(path_or_bytes, twin[0], "prompt", threads, spinning, config, lean=True)
         self.prompt_min_tokens = twin[1]
         rows = -(-twin[1] // self.max_len)  # the fewest rows whose padded width reaches the threshold

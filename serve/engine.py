@@ -151,7 +151,7 @@ class Engine:
                 impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads,
                                                 prompt_graph=prompt_graph, native=native)
                 if prompt_graph:
-                    info["prompt_graph_min_tokens"] = impl.session.prompt_min_tokens  # None: an fp32 graph
+                    info["prompt_graph_min_tokens"] = impl.session.prompt_min_tokens
                 if native:
                     info["native_prompt_tokens"] = impl.session.native_prompt_tokens
             else:

@@ -115,10 +115,10 @@ def test_long_prompt_passes_go_to_the_twin_and_the_rest_stays_in_the_graph(mixed
     assert (sess.session.runs, sess.prompt_session.runs) == (1, 1)
     sess.decode(np.array([14, 2, 11]), np.array([1, 2, 3]))
     assert (sess.session.runs, sess.prompt_session.runs) == (2, 1)
-    cfg = model.config  # no pass of a 1-row, 96-position buffer reaches the int8 threshold (256): no twin is loaded
-    small = GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                         vocab_size=cfg.vocab_size, n_slots=1, max_len=96, threads=1, prompt_twin=True)
-    assert small.prompt_session is None and small.prompt_min_tokens is None
+    cfg = model.config  # no pass of a 1-row, 96-position buffer reaches the int8 threshold (256): refused, not unused
+    with pytest.raises(PrunusError, match=r"--prompt-graph would never run: .* at least 256 tokens .* 1 rows x 96"):
+        GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                     vocab_size=cfg.vocab_size, n_slots=1, max_len=96, threads=1, prompt_twin=True)
 
 
 @pytest.mark.parametrize("min_tokens", [1, 10**6])
@@ -159,3 +159,15 @@ def test_engine_loads_the_twin_on_request_and_refuses_it_elsewhere(mixed, traine
     with pytest.raises(PrunusError, match="prompt_graph applies to an ONNX Runtime export dir") as e:
         Engine.load(trained_run / "model", prompt_graph=True)
     assert "\n" not in str(e.value)
+
+
+def test_prompt_graph_on_a_float_export_is_refused(trained_run, tmp_path, assert_user_error):
+    """An fp32 genai export has nothing for the twin to rewrite: --prompt-graph is one line, never silently unused."""
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    export_model(trained_run / "model", tmp_path / "fp32", graph="genai", progress=False)
+    r = CliRunner().invoke(cli, ["generate", str(tmp_path / "fp32"), "--prompt", "def", "--max-new-tokens", "2",
+                                 "--prompt-graph"])
+    assert_user_error(r, f"{tmp_path / 'fp32' / GENAI_GRAPH}: --prompt-graph", "int8 / int4 weights", "drop --prompt-graph")
