@@ -2,7 +2,9 @@
 templates of the ChatML / Llama 3 / Mistral / Gemma / Zephyr families, every way a template is stored), stop
 tokens from generation_config.json in models.generate, the Engine, `prunus generate --chat` and an
 OpenAI-compatible /v1/chat/completions on a real server on 127.0.0.1 (streamed and not); tokenizer files
-kept through convert --from-hf / --to-hf; bad input as one line, exit code 2 or HTTP 400."""
+kept through convert --from-hf / --to-hf; bad input as one line, exit code 2 or HTTP 400; hostile templates
+(huge strings, endless loops, recursion, strftime_now formats) bounded: one line, exit code 2 or HTTP 400, and
+the server keeps serving."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import http.client
 import json
 import shutil
 import threading
+import time
 from datetime import datetime
 
 import pytest
@@ -391,3 +394,88 @@ def test_chat_completions_bad_input_is_400(chat_server, tmp_path, chat_model):
         finally:
             server.shutdown()
             server.server_close()
+
+
+# --- templates are code that comes with a model: bounded in size, work and time ------------------------------------
+
+HOSTILE = [  # (template, words of the one-line error)
+    ("{{ 'A' * 2000000000 }}", "str * int would make 2,000,000,000"),
+    ("{{ ['A'] * 2000000000 }}", "list * int"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than 0.3 s"),
+    ("{% for i in range(10**9) %}{% endfor %}", "range() of 1,000,000,000"),
+    ("{{ strftime_now('%Y' * 1000000) }}", "strftime_now takes a format"),
+    ("{{ strftime_now('%2000000000Y') }}", "without field widths"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ 'A'|center(2000000000) }}", "filter 'center'"),
+    ("{{ ('\\n' * 1000000)|indent(1000) }}", "filter 'indent'"),
+    ("{{ 'x'.ljust(2000000000) }}", "str.ljust()"),
+    ("{{ ('\\t' * 100000).expandtabs(100000) }}", "str.expandtabs()"),
+    ("{{ (' ' * 3000000).join(['a'] * 1000) }}", "str.join()"),
+    ("{{ '{:>2000000000}'.format(1) }}", "str.format()"),
+    ("{{ '%2000000000d' % 1 }}", "str % int"),
+    ("{% set ns = namespace(s='A') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "~ operator"),
+    ("{% set a = ['A' * 4000000] %}{% set b = [a, a, a, a] %}{{ b }}", "as text"),
+    ("{% set a = ['A' * 4000000] %}{% set b = [a, a, a, a] %}{{ b|tojson }}", "filter 'tojson'"),
+    ("{{ 'A' * 3000000 }}{{ 'A' * 3000000 }}", "rendered prompt is longer than"),
+    ("{% macro m() %}{% for i in range(100) %}{{ 'A' * 1000000 }}{% endfor %}{% endmacro %}{% set x = m() %}", "in all"),
+    ("{% set ns = namespace(x=3) %}{% for i in range(30) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "bits"),
+    ("{{ lipsum(1000000000) }}", "'lipsum' is undefined"),
+]
+
+
+def test_hostile_templates_are_bounded_one_line_errors(monkeypatch):
+    monkeypatch.setattr("prunus.models.template_sandbox.RENDER_TIMEOUT_S", 0.3)
+    for template, words in HOSTILE:
+        t0 = time.monotonic()
+        with pytest.raises(PrunusError) as e:
+            render_chat(template, CHATS[0])
+        message = str(e.value)
+        assert message.startswith("the chat template failed to render") and words in message, (template, message)
+        assert "\n" not in message and len(message) < 400 and time.monotonic() - t0 < 3, template
+    with pytest.raises(PrunusError, match="bad bad") as e:  # the template's own message, cut to one short line
+        render_chat("{{ raise_exception('bad\\n' * 100000) }}", CHATS[0])
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    # what real templates do stays well inside the bounds
+    long_chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 200} for i in range(400)]
+    assert render_chat(SMOLLM2, long_chat).count("<|im_start|>") == 402
+
+
+HOSTILE_CHAT = ("{% set asked = messages[-1]['content'] %}"
+                "{% if asked == 'huge' %}{{ 'A' * 2000000000 }}"
+                "{% elif asked == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                "{% endfor %}"
+                "{% elif asked == 'range' %}{% for i in range(10**9) %}{% endfor %}"
+                "{% elif asked == 'date' %}{{ strftime_now('%Y' * 1000000) }}"
+                "{% elif asked == 'recurse' %}{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"
+                "{% else %}" + SMOLLM2 + "{% endif %}")
+
+
+@pytest.fixture
+def hostile_model(chat_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("prunus.models.template_sandbox.RENDER_TIMEOUT_S", 0.3)
+    src = hf_tokenizer_dir(tmp_path / "tok", HOSTILE_CHAT)
+    return save_model(load_model(chat_model[0]), tmp_path / "hostile", tokenizer=HFTokenizer(src), stage="test")
+
+
+def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model):
+    with Engine.load(hostile_model, max_batch=1, threads=1) as engine:
+        server = CompletionServer(engine, port=0)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            for asked, words in [("huge", "2,000,000,000"), ("loop", "longer than 0.3 s"), ("range", "range()"),
+                                 ("date", "strftime_now"), ("recurse", "RecursionError")]:
+                t0 = time.monotonic()
+                status, r = chat(server.url, {"messages": [{"role": "user", "content": asked}], "max_tokens": 1})
+                assert status == 400 and r["error"]["type"] == "invalid_request_error", (asked, r)
+                assert words in r["error"]["message"] and time.monotonic() - t0 < 5, (asked, r)
+            status, r = chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert status == 200 and r["choices"][0]["finish_reason"] in ("length", "stop")
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_generate_chat_with_a_hostile_template_exits_2(hostile_model, assert_user_error):
+    for asked, words in [("loop", "longer than 0.3 s"), ("huge", "2,000,000,000")]:
+        r = CliRunner().invoke(cli, ["generate", str(hostile_model), "--chat", "--prompt", asked, "--max-new-tokens", "1"])
+        assert_user_error(r, "failed to render", words)
