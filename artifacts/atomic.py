@@ -88,9 +88,20 @@ _DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk
                 errno.EROFS: "read-only file system", errno.EFBIG: "file too large"}
 
 
+class WriteRefused(PrunusError):
+    """A write the disk refused (full, over quota, read-only), as one line; ``reason`` says which, so a caller
+    that knows more about what is left on disk can say so."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
 def disk_error(e: BaseException) -> str | None:
     """A short reason when ``e`` says the disk refused a write (full, quota, read-only), else None.
-    Covers OSError and writers that wrap it in their own exception (safetensors)."""
+    Covers OSError, writers that wrap it in their own exception (safetensors), and :class:`WriteRefused`."""
+    if isinstance(e, WriteRefused):
+        return e.reason
     if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
         return _DISK_ERRNOS[e.errno]
     text = str(e)
@@ -190,5 +201,5 @@ def discard_on_error(tmp: str | Path, message: str, remove: bool = True):
             shutil.rmtree(tmp, ignore_errors=True)
         reason = disk_error(e)
         if reason:
-            raise PrunusError(message.replace("{reason}", reason)) from None
+            raise WriteRefused(message.replace("{reason}", reason), reason) from None
         raise

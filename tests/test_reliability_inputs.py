@@ -257,31 +257,71 @@ def test_run_dir_files(tmp_path, stopped_run, edit, words, assert_user_error):
     assert snapshot(tmp_path) == before
 
 
+def _half_a_shard_then_full(state, checkpoint_id, **kwargs):
+    """dcp.save that writes half a shard, then finds the disk full."""
+    Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+    (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+    raise OSError(28, "No space left on device")
+
+
 def test_disk_full_while_checkpointing(tmp_path, text_file, monkeypatch, tiny_cfg):
-    """One line; no .step-N.tmp left behind."""
+    """One line that is true: nothing complete was written, so the run dir this run created is gone."""
     import torch.distributed.checkpoint as dcp
 
     from prunus.train_parallel import train
 
-    def full(state, checkpoint_id, **kwargs):  # half a shard written, then the disk is full
-        Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(dcp, "save", full)
+    monkeypatch.setattr(dcp, "save", _half_a_shard_then_full)
     with pytest.raises(PrunusError, match="no space left on the device") as e:
         train(tiny_cfg(tmp_path / "run", data=str(text_file), steps=4, ckpt_every=2))
-    assert "\n" not in str(e.value)
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == []
+    assert str(e.value) == (f"{tmp_path / 'run'}: writing the run failed (no space left on the device); nothing was "
+                            "written (the incomplete run dir is removed); free space or choose another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
 
 
-def test_disk_full_anywhere_is_one_line(tmp_path, text_file, monkeypatch, assert_user_error):
-    """A write that is not through an atomic writer (run.json here) still ends in one line."""
+def test_disk_full_after_a_checkpoint_keeps_it(tmp_path, text_file, monkeypatch, tiny_cfg):
+    """A complete checkpoint is never removed: the message names it and --resume finishes the run."""
+    import torch.distributed.checkpoint as dcp
+
+    from prunus.train_parallel import train
+
+    real, calls = dcp.save, []
+
+    def second_is_full(*a, **k):  # step 2's checkpoint is written whole, step 4's finds the disk full
+        calls.append(1)
+        return (real if len(calls) == 1 else _half_a_shard_then_full)(*a, **k)
+
+    monkeypatch.setattr(dcp, "save", second_is_full)
+    cfg = tiny_cfg(tmp_path / "run", data=str(text_file), steps=4, ckpt_every=2)
+    with pytest.raises(PrunusError) as e:
+        train(cfg)
+    kept = tmp_path / "run" / "checkpoints" / "step-2"
+    assert str(e.value).endswith(f"(no space left on the device); {kept} is kept; free space and continue with --resume")
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["step-2"]
+    monkeypatch.setattr(dcp, "save", real)
+    assert train(cfg, resume=True).model_dir == tmp_path / "run" / "model"
+
+
+@pytest.mark.parametrize("where", ["new", "empty", "overwrite"])
+def test_disk_full_anywhere_is_one_line(tmp_path, text_file, trained_run, monkeypatch, assert_user_error, where):
+    """A write that is not through an atomic writer (run.json here) still ends in one line; an empty --out someone
+    made is left empty, an overwritten run as it was, and no staging dir remains."""
+    import shutil
+
+    out = tmp_path / "run"
+    if where == "empty":
+        out.mkdir()
+    elif where == "overwrite":
+        shutil.copytree(trained_run, out)
+    before = snapshot(tmp_path)
+
     def full(*a, **k):
-        raise OSError(28, "No space left on device", str(tmp_path / "run" / "run.json"))
+        raise OSError(28, "No space left on device", str(out / "run.json"))
 
     monkeypatch.setattr("prunus.train_parallel.run_dir.atomic_write_json", full)
-    assert_user_error(run("train", *TINY, "--data", text_file, "--out", tmp_path / "run"), "no space left on the device")
+    r = run("train", *TINY, "--data", text_file, "--out", out, *(["--overwrite"] if where == "overwrite" else []))
+    left = {"new": "the incomplete run dir is removed", "empty": f"{out} is empty again", "overwrite": f"{out} is as it was"}
+    assert_user_error(r, "no space left on the device", f"nothing was written ({left[where]})")
+    assert snapshot(tmp_path) == before
 
 
 # --- flags ---------------------------------------------------------------------------------------

@@ -8,10 +8,16 @@ Overwriting keeps the old run until the new one is complete: the new run is writ
 into ``.OUT.tmp-overwrite`` beside it and renamed over ``OUT`` when this invocation
 ends (finished, or stopped at ``--stop-at`` with a checkpoint). A crash or Ctrl-C
 leaves the old run as it was.
+
+An invocation that fails (a full disk, an error, Ctrl-C) leaves nothing half-written: when the dir it
+wrote holds nothing complete (no intact checkpoint, no model dir), what it wrote is removed, the dir
+too when this invocation created it (:func:`discard_incomplete_run`). A dir that held a run before
+(``--resume``) and a complete checkpoint are never removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -136,6 +142,40 @@ def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str
         raise PrunusError(f"--out {cfg.out}: cannot be created ({e.strerror}); choose another --out") from None
     atomic_write_json(out / RUN_CONFIG, {"train": cfg.to_dict(), **extra})
     return out
+
+
+def prior_state(run_dir: str | Path, cfg: TrainConfig) -> str:
+    """What ``run_dir`` was before this invocation wrote to it: "new" (missing, or the staging dir, which an
+    overwriting run always makes anew), "empty" (an empty dir made by someone else) or "run" (a run resumed)."""
+    run_dir = Path(run_dir)
+    if run_dir == staging_dir(cfg.out) or not os.path.lexists(run_dir):
+        return "new"
+    return "run" if _occupied(run_dir) else "empty"
+
+
+def discard_incomplete_run(run_dir: str | Path, prior: str, out: str | Path) -> str:
+    """After a failed invocation (rank 0): remove what it wrote to ``run_dir`` when nothing complete is in it (the
+    dir too when ``prior`` is "new"; see :func:`prior_state`). Returns what is left, as the end of a one-line
+    error: "nothing was written ...; free space ..." or which complete checkpoint (or model dir) is kept."""
+    run_dir, out = Path(run_dir), Path(out)
+    intact = [p for _, p in list_checkpoints(run_dir) if checkpoint_problem(p) is None] if run_dir.is_dir() else []
+    staged = run_dir != out
+    if intact or (run_dir / "model").is_dir() or prior == "run":
+        kept = intact[-1] if intact else run_dir / "model" if (run_dir / "model").is_dir() else run_dir
+        if staged:
+            return (f"{out} is as it was and the new run's {kept.name} is kept in {run_dir} (a restart under torchrun "
+                    "continues from it); free space and run again")
+        return f"{kept} is kept; free space and continue with --resume"
+    entries = [run_dir] if prior == "new" else list(run_dir.iterdir()) if run_dir.is_dir() else []
+    for entry in entries:  # a dir someone made empty is emptied again and kept
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    where = (f"{out} is as it was" if staged else "the incomplete run dir is removed" if prior == "new"
+             else f"{out} is empty again")
+    return f"nothing was written ({where}); free space or choose another --out"
 
 
 def publish_run_dir(cfg: TrainConfig, run_dir: str | Path) -> Path:

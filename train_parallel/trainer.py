@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.data.instruct import is_instruct_path
 from prunus.data.packing import IGNORE_INDEX, PackedCorpus, get_packed_batch, load_packed, packed_eval_batches
+from prunus.artifacts.atomic import disk_error
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
@@ -55,7 +56,7 @@ from .pipeline_parallel import pipeline_score
 from .parallelize import Parallelized, cross_entropy, local_value, parallelize, resolve_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
-from .run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
+from .run_dir import check_run_dir, discard_incomplete_run, init_run_dir, prior_state, publish_run_dir, run_location
 from .schedule import lr_at
 from .tensor_parallel import loss_context
 
@@ -247,6 +248,7 @@ class Trainer:
         # the dir this invocation writes: OUT, or a staging dir that replaces OUT once complete (--overwrite)
         self.run_dir, resume, overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
         self.resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=self.run_dir)
+        self.prior: str | None = None  # what the run dir was before rank 0 first wrote to it (run_dir.prior_state)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
         self.seq_len = cfg.resolved_seq_len()
         self.tokenizer = run_tokenizer(cfg, self.model_cfg.vocab_size)
@@ -270,9 +272,9 @@ class Trainer:
             self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
             self.start, self.train_state = self._load_checkpoint()
             self._init_run_dir(overwrite=overwrite and not resume)
-        except BaseException:
+        except BaseException as e:
             self._loss_modules.close()
-            raise
+            self._raise_failure(e)
         self.stop = cfg.stop_at or cfg.steps
         fsdp_casts = dims.fsdp_enabled  # FSDP's mixed precision casts instead of autocast
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 and not fsdp_casts
@@ -341,6 +343,7 @@ class Trainer:
 
     def _init_run_dir(self, *, overwrite: bool) -> None:
         if self.main:
+            self.prior = prior_state(self.run_dir, self.cfg)
             init_run_dir(self.cfg, overwrite=overwrite, run_dir=self.run_dir, extra={
                 "model": self.model_cfg.to_dict(), "corpus": self.corpus.name, "train_tokens": len(self.corpus.train),
                 "val_tokens": len(self.corpus.val), "world_size": self.world, "command": shlex.join(sys.argv),
@@ -526,9 +529,23 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Run steps start..stop, then (at the last step) write the model dir; publish the run dir."""
-        with self._loss_modules:  # the objective's modules leave the model before it is saved
-            self._run_steps()
-        return self._finish()
+        try:
+            with self._loss_modules:  # the objective's modules leave the model before it is saved
+                self._run_steps()
+            return self._finish()
+        except BaseException as e:
+            self._raise_failure(e)
+
+    def _raise_failure(self, e: BaseException):
+        """Re-raise ``e`` once rank 0 has removed what this invocation wrote when nothing complete is in the run dir
+        (:func:`.run_dir.discard_incomplete_run`); a write the disk refused becomes one line saying what is left."""
+        if not self.main or self.prior is None:  # nothing written yet (or another rank's files)
+            raise e
+        left = discard_incomplete_run(self.run_dir, self.prior, self.cfg.out)
+        reason = disk_error(e)
+        if reason is None:
+            raise e
+        raise PrunusError(f"{self.cfg.out}: writing the run failed ({reason}); {left}") from None
 
     def _run_steps(self) -> None:
         metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from is not None else None) if self.main else None
