@@ -68,8 +68,9 @@ def inside(directory: str | Path, name, source: str | None = None, *, fix: str =
     directory = Path(directory)
     where = f"{source} names {_show(name)}, which" if source else f"{directory / str(name)}:"
     if not plain_name(name):
-        why = "is not a file name" if not isinstance(name, str) or not name else \
-            "is an absolute path" if name.startswith("/") else "is not a plain name inside the dir ('..', '\\\\' or NUL)"
+        why = ("is not a file name" if not isinstance(name, str) or not name else
+               "is an absolute path" if name.startswith("/") else
+               "is not a plain name inside the dir (it holds '..', a backslash or a NUL)")
         raise PrunusError(f"{where} {why}; only files inside {directory} are read, {fix}")
     path = directory / name
     try:

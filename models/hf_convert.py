@@ -31,7 +31,7 @@ from .compression_state import compression_state
 from .model_dir import load_model, load_model_tokenizer, save_model, state_dict_for_save
 from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import read_dir_json, read_json_object
-from .tokenizer import MAX_TOKENIZER_BYTES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer
+from .tokenizer import FIX_TOKENIZER, MAX_TOKENIZER_BYTES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -96,7 +96,8 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
     _, cfg = _config(hf_dir, hf, "float32")  # refuse an unsupported family or feature before reading any weights
     files = shard_files(hf_dir)  # each inside the dir (prunus.artifacts.contained)
     check_fits_weights(cfg, read_headers(files), str(hf_dir / "config.json"))  # before any module or tensor
-    tokenizer = HFTokenizer(hf_dir) if inside(hf_dir, TOKENIZER_FILE, required=False) else ByteTokenizer()
+    has_tokenizer = inside(hf_dir, TOKENIZER_FILE, fix=FIX_TOKENIZER, required=False) is not None
+    tokenizer = HFTokenizer(hf_dir) if has_tokenizer else ByteTokenizer()
     model = _build(hf_dir, hf, read_weights(hf_dir, files))
     return save_model(model, out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
                       metrics={"hf_source": str(hf_dir.resolve()), "hf_model_type": model.hf_origin["model_type"]})

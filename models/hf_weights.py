@@ -83,8 +83,7 @@ def shard_files(hf_dir: Path) -> list[Path]:
     files: dict[str, Path] = {}
     for name, file in _weight_map(hf_dir).items():
         if file not in files:
-            files[file] = inside(hf_dir, file, f"{hf_dir / INDEX}: weight_map[{short(name)}]",
-                                 fix="the checkpoint's shards are incomplete or the index is damaged, " + FIX)
+            files[file] = inside(hf_dir, file, f"{hf_dir / INDEX}: weight_map[{short(name)}]", fix=FIX)
     return list(files.values())
 
 
