@@ -212,3 +212,24 @@ def test_a_client_that_resets_is_one_log_line(server, capfd):
     assert len(lines) == 2 and all("went away" in line for line in lines), err
     got, _, _, _ = exchange(server, post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}'))
     assert got == 200
+
+
+def test_extreme_sampling_numbers_never_give_500(server):
+    """A temperature or top_p of 1e-300 is greedy (no inf / NaN probabilities); 1e300 is a 400."""
+    def complete(**fields) -> tuple[int, dict]:
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 6, "seed": 1, **fields}).encode()
+        got, _, answer, _ = exchange(server, post("/v1/completions", body))
+        return got, json.loads(answer)
+
+    greedy = complete(temperature=0)
+    assert greedy[0] == 200
+    for fields in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300},
+                   {"temperature": 5e-324}, {"top_p": 1e-300, "top_k": 1}):
+        got, answer = complete(**fields)
+        assert got == 200 and answer["choices"][0]["text"] == greedy[1]["choices"][0]["text"], (fields, answer)
+    for fields, words in (({"temperature": 1e300}, "temperature"), ({"top_p": 1e300}, "top_p"),
+                          ({"temperature": -1e-300}, "temperature")):
+        got, answer = complete(**fields)
+        assert got == 400 and words in answer["error"]["message"], (fields, answer)
+    got, answer = complete(temperature=1e5)  # hot, but a distribution: any token, no NaN
+    assert got == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")

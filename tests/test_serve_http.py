@@ -1,7 +1,7 @@
 """prunus serve as a real server process on 127.0.0.1 (a free port), with two tensor-parallel workers:
 completions equal to prunus.models greedy tokens, concurrent clients, streaming, 400 / 404 / 429 answers
 after which it keeps serving, a client leaving mid-stream or mid-answer frees its slot, /health and /metrics, and
-killing the server ends its workers."""
+killing the server ends its workers (its temp dir, named after its pid, goes at the next start)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -22,8 +23,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from prunus.artifacts.pids import remove_stale
 from prunus.cli.main import cli
 from prunus.models import Transformer, get_preset, load_model, load_model_tokenizer, save_model, stream_tokens
+from prunus.serve.backend_tp import TEMP_PREFIX
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def ", "for i in range(", "x = {"]
 LINUX = sys.platform.startswith("linux")
@@ -242,9 +245,12 @@ def test_metrics_in_prometheus_text(server):
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc to find the worker processes")
 def test_killing_the_server_ends_its_workers(server, children):
+    """...and the temp dir it could not remove (named after its pid) goes at the next start's cleaning."""
     proc, _ = server
     workers = children(proc.pid)
     assert len(workers) == 2
+    left = list(Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{proc.pid}-*"))
+    assert len(left) == 1 and (left[0] / "sock").exists()
     proc.kill()
     proc.wait(10)
     deadline = time.monotonic() + 20
@@ -253,6 +259,8 @@ def test_killing_the_server_ends_its_workers(server, children):
         alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
         time.sleep(0.1)
     assert not alive, f"workers {alive} outlived the killed server"
+    assert left[0].exists() and left[0] in remove_stale(tempfile.gettempdir(), TEMP_PREFIX)
+    assert not left[0].exists()
 
 
 def test_serve_cli_bad_input(tmp_path, model_dir, assert_user_error):
