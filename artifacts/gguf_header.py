@@ -31,7 +31,8 @@ VERSIONS = (2, 3)
 MAX_KEYS = 65_536  # metadata keys: real files hold a few dozen
 MAX_TENSORS = 65_536  # a dense model holds about 16 per layer
 MAX_ITEMS = 1 << 21  # items in one metadata array: above any vocabulary (262k tokens) or merge list
-MAX_NAME = 1 << 16  # bytes in a key or tensor name
+MAX_NAME = 1 << 16  # bytes in a metadata key
+MAX_TENSOR_NAME = 256  # bytes in a tensor name (llama.cpp's own limit is 64)
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 FIX = "re-download or re-convert it"
@@ -156,7 +157,7 @@ def _metadata(cur: _Cursor, n_keys: int) -> dict:
 
 
 def _tensor_entry(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
-    name = cur.string(f"the name of tensor {i}", MAX_NAME)
+    name = cur.string(f"the name of tensor {i}", MAX_TENSOR_NAME)
     what = f"tensor {short(name)}"
     n_dims = cur.unpack("I", f"the dimension count of {what}")
     if not 1 <= n_dims <= MAX_DIMS:

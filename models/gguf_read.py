@@ -41,6 +41,7 @@ from .tokenizer import ByteTokenizer, HFTokenizer
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_ROPE_BYTES = 256 << 20  # rotary tables any file may ask for (131072 positions of heads of 256)
 MAX_WIDTH = 1 << 31  # a model dimension or head count read from metadata; the tensors must then hold it
 _REQUIRED = object()
 
@@ -149,9 +150,21 @@ def config_from_gguf(meta: dict, tensors: dict[str, GGUFTensor], where: str, dty
         head_dim=None if head_dim == dim // n_heads else head_dim,
         **_variant_fields(meta, a, set(tensors), where))
     try:
-        return ModelConfig(**fields)
+        cfg = ModelConfig(**fields)
     except PrunusError as e:
         raise PrunusError(f"{where}: {str(e).removeprefix('model config: ')}; the metadata is inconsistent") from None
+    _check_rope_tables(cfg, a, sum(t.n_bytes for t in tensors.values()), where)
+    return cfg
+
+
+def _check_rope_tables(cfg: ModelConfig, a: str, data_bytes: int, where: str) -> None:
+    """The rotary tables (cos and sin, context x head size, float32) are built from two metadata numbers, so
+    they are bounded like the weights are: by the bytes the file holds (with a floor for small files)."""
+    need, allowed = 8 * cfg.max_seq_len * cfg.head_dim, max(data_bytes, MIN_ROPE_BYTES)
+    if need > allowed:
+        raise PrunusError(f"{where}: metadata {a}.context_length={cfg.max_seq_len} with heads of {cfg.head_dim} needs "
+                          f"{need >> 20:,} MiB of rotary tables, above the {allowed >> 20:,} MiB a file of this size "
+                          "may ask for; the metadata is inconsistent")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -31,11 +31,11 @@ def valid(tmp_path_factory):
 @pytest.fixture
 def refuse(tmp_path, assert_user_error, valid):
     """``refuse(data_or_path, *needles)``: prunus convert fails in one line naming the file and every needle,
-    exit 2, in well under a second, writing nothing."""
+    exit 2, in under a second (milliseconds, unloaded), writing nothing."""
     runner = CliRunner()
     runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "out")])
 
-    def check(source, *needles, seconds: float = 0.5):
+    def check(source, *needles, seconds: float = 1.0):
         path = source
         if isinstance(source, bytes):
             path = tmp_path / "hostile.gguf"
@@ -197,6 +197,16 @@ def test_a_one_dimensional_embedding_and_missing_or_extra_tensors(tmp_path, refu
            "'blk.0.ffn_norm.weight' has shape [2, 32] but the metadata gives [32]")
     refuse(write_tiny(tmp_path / "d.gguf", tensors={"blk.0.weird.weight": np.ones(DIM, np.float32)}),
            "'blk.0.weird.weight' are not part of")
+    far = f"blk.{'9' * 200}.ffn_norm.weight"
+    refuse(write_tiny(tmp_path / "e.gguf", tensors={far: np.ones(DIM, np.float32)}), "but the file holds tensors of 1")
+    refuse(write_tiny(tmp_path / "f.gguf", tensors={far.replace("9", "99"): np.ones(DIM, np.float32)}),
+           "the length of the name of tensor 12 is 420, but at most 256 are read")
+
+
+def test_rotary_tables_are_bounded_by_the_file(tmp_path, refuse):
+    meta = {"llama.context_length": (1 << 20, V.UINT32), "llama.attention.key_length": (1 << 10, V.UINT32)}
+    refuse(write_tiny(tmp_path / "m.gguf", meta=meta), "context_length=1048576 with heads of 1024 needs 8,192 MiB "
+           "of rotary tables, above the 256 MiB")
 
 
 # --------------------------------------------------------------------------- the tokenizer
