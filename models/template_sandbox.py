@@ -224,7 +224,7 @@ STRUCTURAL_FILTERS = {"abs", "attr", "count", "d", "default", "dictsort", "first
 # filters whose value must be a list to be sized (a generator is read into one first)
 MATERIALIZE = {"join", "sum", "tojson", "pprint", "batch", "slice"}
 
-# str / bytes methods that may make much more than they read
+# str / bytes (and int) methods that may make much more than they read
 METHOD_SIZES = {
     "center": lambda s, width, fillchar=" ": max(len(s), _int(width)),
     "ljust": lambda s, width, fillchar=" ": max(len(s), _int(width)),
@@ -233,6 +233,7 @@ METHOD_SIZES = {
     "expandtabs": lambda s, tabsize=8: len(s) + s.count("\t" if isinstance(s, str) else b"\t") * _int(tabsize),
     "replace": replace_size,
     "join": lambda s, items: text_size(items) + len(s) * shallow(items),
+    "to_bytes": lambda n, length=1, byteorder="big", *, signed=False: _int(length),  # an int's
 }
 
 
@@ -367,14 +368,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         check_time()
         name = getattr(__obj, "__name__", "")
         owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, (str, bytes)) and name in METHOD_SIZES and not isinstance(__obj, type):
+        if isinstance(owner, (str, bytes, int)) and name in METHOD_SIZES and not isinstance(__obj, type):
             if name == "join" and args and not isinstance(args[0], (list, tuple)):
                 args = (list(args[0]), *args[1:])
             try:
                 size = METHOD_SIZES[name](owner, *args, **kwargs)
             except TypeError:
                 size = 0  # a wrong call: the method itself says how
-            reserve(size, f"str.{name}()")
+            reserve(size, f"{type(owner).__name__}.{name}()")
         result = super().call(__context, __obj, *args, **kwargs)
         if not isinstance(__obj, jinja2.runtime.Macro):  # a macro's body was counted as it was joined
             reserve(shallow(result), f"{name or 'a call'}()")
