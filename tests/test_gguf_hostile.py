@@ -80,6 +80,7 @@ def test_lengths_beyond_the_file_are_refused(refuse, valid):
     key_len, _, _, count_pos = where["kv"]["tokenizer.ggml.tokens"]
     refuse(patched(data, key_len, "Q", 2**63), "the length of metadata key")
     refuse(patched(data, count_pos, "Q", 2**64 - 1), "item count of metadata 'tokenizer.ggml.tokens'")
+    refuse(patched(data, count_pos + 8, "Q", 2**40), "'tokenizer.ggml.tokens' item 0 of 1099511627776 bytes")
     refuse(patched(data, where["tensors"]["output.weight"]["name_len"], "Q", 10**12), "the name of tensor")
     refuse(data[:where["end"] - 3], "truncated or corrupt")
 
