@@ -380,3 +380,37 @@ def test_safetensors_header_cut_in_a_shard_is_named(tmp_path, hf, assert_user_er
     shard = sorted(d.glob("model-*.safetensors"))[0]
     shard.write_bytes(struct.pack("<Q", 10**9) + b"{}")
     convert(tmp_path, d, assert_user_error, f"{shard.name}: truncated or not a safetensors file")
+
+
+@pytest.mark.parametrize("location", ["../victim/w.data", "ABSOLUTE", "/proc/self/environ", "link.data", "w.data"])
+def test_onnx_external_data_outside_the_export_dir_is_one_line(tmp_path, location):
+    """ONNX Runtime refuses external-data locations outside the graph's dir (and symlinks); prunus reports it in
+    one line naming the graph."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from prunus.artifacts.errors import PrunusError
+    from prunus.serve.backend_onnxruntime import OrtRunner
+
+    victim, exp = tmp_path / "victim", tmp_path / "exp"
+    victim.mkdir(), exp.mkdir()
+    w = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.save_model(model, str(victim / "g.onnx"), save_as_external_data=True, location="w.data", size_threshold=0)
+    (exp / "link.data").symlink_to(victim / "w.data")
+    proto = onnx.load(str(victim / "g.onnx"), load_external_data=False)
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = str(victim / "w.data") if location == "ABSOLUTE" else location
+    onnx.save_model(proto, str(exp / "prefill.onnx"))
+    if location == "w.data":  # the control: a data file inside the dir loads
+        shutil.copyfile(victim / "w.data", exp / "w.data")
+        assert OrtRunner({"prefill": exp / "prefill.onnx"}, threads=1).sessions
+        return
+    with pytest.raises(PrunusError, match="prefill.onnx: ONNX Runtime cannot load it .*External data path") as e:
+        OrtRunner({"prefill": exp / "prefill.onnx"}, threads=1)
+    assert "\n" not in str(e.value)
