@@ -423,15 +423,21 @@ HOSTILE = [  # (template, words of the one-line error)
 ]
 
 
+def _deadline_for(monkeypatch, words: str) -> None:
+    """A short render deadline only where the deadline is what a case tests: elsewhere a loaded machine could
+    reach it before the limit the case is about."""
+    monkeypatch.setattr("prunus.models.template_sandbox.RENDER_TIMEOUT_S", 0.3 if "0.3 s" in words else 5.0)
+
+
 def test_hostile_templates_are_bounded_one_line_errors(monkeypatch):
-    monkeypatch.setattr("prunus.models.template_sandbox.RENDER_TIMEOUT_S", 0.3)
     for template, words in HOSTILE:
+        _deadline_for(monkeypatch, words)
         t0 = time.monotonic()
         with pytest.raises(PrunusError) as e:
             render_chat(template, CHATS[0])
         message = str(e.value)
         assert message.startswith("the chat template failed to render") and words in message, (template, message)
-        assert "\n" not in message and len(message) < 400 and time.monotonic() - t0 < 3, template
+        assert "\n" not in message and len(message) < 400 and time.monotonic() - t0 < 6, template
     with pytest.raises(PrunusError, match="bad bad") as e:  # the template's own message, cut to one short line
         render_chat("{{ raise_exception('bad\\n' * 100000) }}", CHATS[0])
     assert "\n" not in str(e.value) and len(str(e.value)) < 400
@@ -451,23 +457,23 @@ HOSTILE_CHAT = ("{% set asked = messages[-1]['content'] %}"
 
 
 @pytest.fixture
-def hostile_model(chat_model, tmp_path, monkeypatch):
-    monkeypatch.setattr("prunus.models.template_sandbox.RENDER_TIMEOUT_S", 0.3)
+def hostile_model(chat_model, tmp_path):
     src = hf_tokenizer_dir(tmp_path / "tok", HOSTILE_CHAT)
     return save_model(load_model(chat_model[0]), tmp_path / "hostile", tokenizer=HFTokenizer(src), stage="test")
 
 
-def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model):
+def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model, monkeypatch):
     with Engine.load(hostile_model, max_batch=1, threads=1) as engine:
         server = CompletionServer(engine, port=0)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         try:
             for asked, words in [("huge", "2,000,000,000"), ("loop", "longer than 0.3 s"), ("range", "range()"),
                                  ("date", "strftime_now"), ("recurse", "RecursionError")]:
+                _deadline_for(monkeypatch, words)
                 t0 = time.monotonic()
                 status, r = chat(server.url, {"messages": [{"role": "user", "content": asked}], "max_tokens": 1})
                 assert status == 400 and r["error"]["type"] == "invalid_request_error", (asked, r)
-                assert words in r["error"]["message"] and time.monotonic() - t0 < 5, (asked, r)
+                assert words in r["error"]["message"] and time.monotonic() - t0 < 8, (asked, r)
             status, r = chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert status == 200 and r["choices"][0]["finish_reason"] in ("length", "stop")
         finally:
@@ -475,7 +481,8 @@ def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model):
             server.server_close()
 
 
-def test_generate_chat_with_a_hostile_template_exits_2(hostile_model, assert_user_error):
+def test_generate_chat_with_a_hostile_template_exits_2(hostile_model, assert_user_error, monkeypatch):
     for asked, words in [("loop", "longer than 0.3 s"), ("huge", "2,000,000,000")]:
+        _deadline_for(monkeypatch, words)
         r = CliRunner().invoke(cli, ["generate", str(hostile_model), "--chat", "--prompt", asked, "--max-new-tokens", "1"])
         assert_user_error(r, "failed to render", words)
