@@ -4,6 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.prunus-installed
+# Where torch's CPU build comes from. The pin alone does not keep CUDA off a CPU machine: on plain PyPI
+# torch==2.13.0 is the CUDA build, and this index holds 2.13.0+cpu, which pip prefers. It is probed first
+# (5 s at most) and skipped with a note when unreachable, then pip's own configuration decides.
+# `make install TORCH_INDEX=` skips it; TORCH_INDEX=https://download.pytorch.org/whl/cu128 picks a CUDA build.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN := torch==2.13.0
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 DEMO ?= runs/demo
 SERVE_PORT ?= 8765
 export OMP_WAIT_POLICY ?= PASSIVE
@@ -14,9 +21,14 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	@index='$(TORCH_INDEX)'; \
+	if [ -n "$$index" ] && ! $(BIN)/python -c 'import sys, urllib.request; u = sys.argv[1]; u.startswith("http") and urllib.request.urlopen(u.rstrip("/") + "/torch/", timeout=5)' "$$index" 2>/dev/null; then \
+		echo "note: TORCH_INDEX $$index cannot be reached; torch comes from pip's own configuration (make sure it is a +cpu build on a CPU machine)"; index=; fi; \
+	echo "$(PIP) $${index:+--extra-index-url $$index }$(TORCH_PIN)"; \
+	$(PIP) $${index:+--extra-index-url "$$index"} $(TORCH_PIN)
+	$(PIP) -e ".[dev]"
 	@touch $(STAMP)
+	@echo "prunus is installed in $(VENV). To have the prunus command on your PATH, run: source $(BIN)/activate"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -69,9 +69,20 @@ def passes_from(recipe, quantize, prune, distill, distill_args: dict) -> tuple[l
     return passes, None
 
 
+def shipped_recipes() -> list[str]:
+    """The names of the recipes shipped in compress/recipes/, found without importing the compression code."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    return sorted(p.stem for d in find_spec("prunus.compress").submodule_search_locations
+                  for p in (Path(d) / "recipes").glob("*.yaml"))
+
+
 @click.command("compress")
 @click.argument("model_dir", type=click.Path())
-@click.option("--recipe", default=None, help="A recipe YAML file, or the name of a shipped one (e.g. w8a8-smoothquant).")
+@click.option("--recipe", default=None,
+              help="A recipe YAML file, or the name of a shipped one: " + ", ".join(shipped_recipes())
+                   + " (int4: the int4-* ones; compress/recipes/NAME.yaml says what each does).")
 @click.option("--quantize", default=None, metavar="SCHEME", help=f"Quantize every Linear but the output head: {', '.join(SCHEMES)}.")
 @click.option("--prune", default=None, metavar="METHOD[:AMOUNT]",
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")

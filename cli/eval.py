@@ -31,6 +31,7 @@ def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: i
     table.add_row("corpus", r["eval_corpus"])
     table.add_row("tokens scored", f"{r['val_tokens']:,} (windows of {r['seq_len']:,})")
     table.add_row("validation loss", f"{r['val_loss']:.4f} nats/token")
-    table.add_row("bits per byte", f"{r['val_bpb']:.4f} on {r['val_tokens']:,} tokens")
+    # the count is named: training's last line scores --eval-tokens (65,536 by default), a longer slice
+    table.add_row("bits per byte", f"{r['val_bpb']:.4f} on {r['val_tokens']:,} held-out tokens (--max-tokens)")
     table.add_row("unigram baseline", f"{r['unigram_bpb']:.4f} bits/byte")
     Console().print(table)

@@ -58,6 +58,13 @@ def model_tables(path: Path) -> list:
             _table("files (sha256)", files)]
 
 
+def checkpoint_steps(steps: list[int]) -> str:
+    """The steps the run dir holds checkpoints of, read as steps (not a count): "step 20", "steps 10, 20"."""
+    if not steps:
+        return "none"
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(f"{s:,}" for s in steps)
+
+
 def run_tables(path: Path) -> list:
     from prunus.artifacts.validate import read_json_object
     from prunus.train_parallel import list_checkpoints, read_metrics
@@ -69,7 +76,7 @@ def run_tables(path: Path) -> list:
     last = records[-1] if records else {}
     evals = [r for r in records if isinstance(r, dict) and "val_loss" in r]
     progress = {"steps done": last.get("step", 0), "steps planned": settings["steps"],
-                "checkpoints": ", ".join(str(s) for s, _ in list_checkpoints(path)) or "none",
+                "checkpoints": checkpoint_steps([s for s, _ in list_checkpoints(path)]),
                 "last loss": last.get("loss", "-"), "last val loss": evals[-1]["val_loss"] if evals else "-",
                 "last val bits/byte": evals[-1]["val_bpb"] if evals else "-"}
     overrides = settings.pop("model")

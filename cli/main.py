@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import sys
 
@@ -89,6 +90,12 @@ def cli():
     """
 
 
+# third-party loggers whose import-time warnings say nothing to a prunus user, kept off the CLI's stderr (errors
+# still show): torchao (which transformers and peft may import) logs every optional CUDA kernel library it cannot
+# load on this machine, and torch's pytree logs a deprecation on torchao's behalf
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def prepare_process() -> None:
     """Settings a prunus command makes for its process before it starts work (imports torch).
 
@@ -97,8 +104,11 @@ def prepare_process() -> None:
     34 vs 169 GFLOP/s measured). OpenMP reads the variable when torch starts its thread
     pool, so it is set here, when a command begins, and never on ``import prunus`` (a
     library must not change its caller's process). A value the user set is kept.
+    The loggers of :data:`QUIET_LOGGERS` are set to ERROR, here for the same reason.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _start_work(command: click.Command) -> None:

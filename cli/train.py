@@ -101,20 +101,27 @@ def command_line(ctx: click.Context, given: dict, config_file, resume: bool, ove
 
 
 def resolve_config(given: dict, options: dict, config_file: str | None, resume: bool) -> TrainConfig:
-    """The run's settings: defaults < the TOML file < flags given; on --resume the saved ones < flags given."""
-    from prunus.train_parallel.config_file import read_config_file
-    from prunus.train_parallel.run_dir import resume_config
+    """The run's settings: defaults < the TOML file < flags given; on --resume the saved ones < flags given.
 
+    A new run's settings are validated here, before torch and the checkpoint code are imported, so a mistake on
+    the command line (an unknown preset, a bad layout) is one line within a second; a resumed run's are read
+    from its run dir, which needs them."""
     model_flags = {MODEL_PARAMS[k]: v for k, v in given.items() if k in MODEL_PARAMS}
     options = {k: v for k, v in options.items() if k not in MODEL_PARAMS}
     settings = {k: v for k, v in given.items() if k not in MODEL_PARAMS}
     if resume:
+        from prunus.train_parallel.run_dir import resume_config
+
         cfg = resume_config(options["out"], **settings)
     else:
+        from prunus.train_parallel.config_file import read_config_file
+
         base = read_config_file(config_file) if config_file else {}
         cfg = TrainConfig(**{**options, **base, **settings})
     if model_flags:
         cfg = dataclasses.replace(cfg, model={**cfg.model, **model_flags})
+    if not resume:
+        cfg.validate()
     return cfg
 
 

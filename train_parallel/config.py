@@ -95,9 +95,12 @@ class TrainConfig:
     zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0.")
     activation_checkpointing: str = _doc("none", "Recompute activations in the backward pass: none, every-other "
                                                  "(blocks) or full.")
-    cpu_offload: bool = _doc(False, "FSDP CPU offload of parameters and optimizer states (GPU only).")
-    offload: bool = _doc(False, "ZeRO-Offload: optimizer states and the optimizer step on the CPU, parameters and "
-                                "gradients on the GPU (--zero 0/1); FSDP's CPUOffloadPolicy under --zero 2/3 (GPU only).")
+    cpu_offload: bool = _doc(False, "FSDP only (--zero 2/3): parameter shards, their gradients and the optimizer "
+                                    "live in host memory (torch's CPUOffloadPolicy), copied to the GPU block by block "
+                                    "for compute; no effect under --zero 0/1 (use --offload). Needs a GPU.")
+    offload: bool = _doc(False, "ZeRO-Offload, any --zero: under 0/1 the optimizer step, its states and fp32 master "
+                                "weights run on the CPU while parameters and gradients stay on the GPU; under 2/3 "
+                                "the same as --cpu-offload. Needs a GPU.")
     dp_mode: str = _doc("ddp", "Data parallelism: ddp (torch.distributed: DDP / ZeRO / FSDP), ps (a parameter server: the "
                                "first --ps-servers ranks hold the parameters, the others train) or dataparallel "
                                "(nn.DataParallel in one process over every visible GPU).", choices=DP_MODES)

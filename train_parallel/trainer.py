@@ -583,10 +583,13 @@ class Trainer:
             model.cpu(), self.run_dir / "model", tokenizer=self.tokenizer, stage="train", overwrite=True,
             parent=self.cfg.init_from,  # fine-tuning: the manifest names the model dir it started from
             metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": self.stop,
-                     "train_tokens": self.train_state["tokens"], "corpus": self.corpus.name, "world_size": self.world},
+                     "train_tokens": self.train_state["tokens"], "corpus": self.corpus.name, "world_size": self.world,
+                     **({"val_tokens": record["val_tokens"]} if "val_tokens" in record else {})},
         )
+        # the tokens scored (--eval-tokens) are named: prunus eval scores its own, shorter slice by default
+        scored = f" on {record['val_tokens']:,} held-out tokens" if "val_tokens" in record else ""
         self.progress.print(f"model dir: {Path(self.cfg.out) / 'model'}  (val loss {record['val_loss']:.4f}, "
-                            f"{record['val_bpb']:.3f} bits/byte)")
+                            f"{record['val_bpb']:.3f} bits/byte{scored})")
         return model_dir
 
     def _finish(self) -> TrainResult:
