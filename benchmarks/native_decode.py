@@ -49,7 +49,7 @@ def genai_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
 
 
 def _graph_and_dims(export: Path):
-    from prunus.serve.artifact import export_dims
+    from prunus.runtime.artifact import export_dims
 
     config = json.loads((export / "config.json").read_text())["export"]
     dims = export_dims(export, config)
@@ -99,7 +99,7 @@ def _step_times(sess, b: int, start: int, rng, steps: int = 20) -> float:
 
 
 def steps_section(exports: dict, threads: int, rounds: int, long: int) -> None:
-    from prunus.export.genai_session import GenaiSession
+    from prunus.runtime.genai_session import GenaiSession
 
     print(f"\n2. whole decode steps, {threads} threads, ms (median of 20 steps, best of {rounds} alternating rounds)")
     rng = np.random.default_rng(0)

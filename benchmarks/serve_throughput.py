@@ -275,10 +275,10 @@ def native_parity_line(export: Path, source: Path) -> tuple[str, bool]:
     """The export's parity check (as ``prunus export`` runs it in ONNX Runtime, same corpus and tolerances) run
     through the native kernels (``GenaiGraphs(native=True)``), against ``source``, the dir it was exported from."""
     from prunus.data.corpus import default_data, load_corpus
-    from prunus.export.genai_session import GenaiGraphs
+    from prunus.export.genai_parity import GenaiGraphs
     from prunus.export.parity import check_parity
     from prunus.models import load_model, load_model_tokenizer
-    from prunus.serve.artifact import export_dims
+    from prunus.runtime.artifact import export_dims
 
     config = json.loads((export / "config.json").read_text())["export"]
     model, tok = load_model(source).eval(), load_model_tokenizer(source)

@@ -7,7 +7,7 @@ import dataclasses
 
 import click
 
-from prunus.serve.backends import BACKENDS
+from prunus.runtime.registry import BACKENDS
 from prunus.serve.http_access import ServeAccess
 from prunus.train_parallel.config import TrainConfig
 
@@ -30,7 +30,7 @@ def resolve_device(name: str) -> str:
 compile_option = click.option(
     "--compile/--no-compile", "compile_", default=None,
     help="Decode through torch.compile (torch backend, tp=1), or not. Default: auto, by the model's size "
-         "(prunus.serve.compiled_decode.choose_compile); eager with a warning where torch.compile cannot run.")
+         "(prunus.runtime.compiled_decode.choose_compile); eager with a warning where torch.compile cannot run.")
 prompt_graph_option = click.option(
     "--prompt-graph", is_flag=True, default=False,
     help="Genai export of int8 / int4 weights: long prompts through a twin graph with float activations "
@@ -40,7 +40,7 @@ native_option = click.option(
     help="Genai export: decode steps in prunus's own CPU kernels (AVX2; compiled with the machine's C compiler on "
          "first use) instead of ONNX Runtime, over the same weights.")
 prefill_chunk_option = click.option(
-    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # serve.backend_torch.PREFILL_CHUNK
+    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # runtime.torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "
          "between other requests' decode steps. 0: whole prompts.")
 

@@ -9,7 +9,7 @@ from prunus.artifacts.lazy import lazy_package
 _EXPORTS = {
     "EXPORT_GRAPHS": "export_dir", "FORMATS": "formats", "PRECISIONS": "formats", "ExportResult": "export_dir",
     "export_model": "export_dir", "load_export": "export_dir", "OrtGraphs": "ort_graphs", "TOLERANCES": "parity",
-    "ParityFailed": "parity", "check_parity": "parity", "GRAPHS": "formats", "GenaiGraphs": "genai_session",
+    "ParityFailed": "parity", "check_parity": "parity", "GRAPHS": "formats", "GenaiGraphs": "genai_parity",
     "GENAI_GRAPH": "genai_graph",
 }
 __all__ = list(_EXPORTS)

@@ -38,7 +38,7 @@ from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_deco
 from .formats import FORMATS, GRAPHS, PRECISIONS
 from .genai_graph import (GENAI_GRAPH, check_genai_support, genai_dims, quantized_genai_graph,
                           unsupported_features)
-from .genai_session import GenaiGraphs
+from .genai_parity import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
 from .ort_graphs import OrtGraphs
 from .parity import ParityFailed, check_parity

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from prunus.runtime.genai_prompt_graph import LAST_TOKEN_NODE  # the name the runtime finds the head's input by
+
 MS_DOMAIN = "com.microsoft"
 
 
@@ -137,4 +139,3 @@ class GraphWriter:
         return self.node("GatherND", [y, idx2], name=LAST_TOKEN_NODE, batch_dims=1)[0]
 
 
-LAST_TOKEN_NODE = "last/GatherND"

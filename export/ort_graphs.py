@@ -7,32 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prunus.runtime.ort_session import ort_session
+
 from .graphs import graph_names
-
-
-def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: bool = True,
-                config: dict | None = None, lean: bool = False):
-    """``path``: a graph file, or a serialized graph's bytes. ``spinning=False`` lets the session's idle
-    threads sleep at once: for processes holding many sessions that run in turn, whose spinning threads
-    would otherwise take each other's cores.
-    ``config``: extra session config entries (key -> value strings). ``lean``: no CPU memory arena and no
-    memory pattern, so each pass allocates and frees its own buffers (the prompt twin's dequantized weights:
-    SmolLM2 int8 with its twin grew the process by 1,462 MB with both and 603 MB without, passes as fast)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-    if not spinning:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    for key, value in (config or {}).items():
-        opts.add_session_config_entry(key, value)
-    if lean:
-        opts.enable_cpu_mem_arena = False
-        opts.enable_mem_pattern = False
-    opts.log_severity_level = 3
-    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), opts, providers=["CPUExecutionProvider"])
 
 
 class OrtGraphs:

@@ -12,22 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from prunus.artifacts.errors import PrunusError
+from prunus.runtime.tensorrt import require_tensorrt
 
 WORKSPACE_BYTES = 4 << 30
 
 
 def check_tensorrt(what: str = "--format tensorrt", instead: str = "use --format onnx on this machine"):
     """The ``tensorrt`` module, or a PrunusError naming what is missing (``what`` needs it; do ``instead``)."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise PrunusError(f"{what} needs the tensorrt package (pip install tensorrt, from NVIDIA's index) "
-                          f"and a CUDA GPU; {instead}") from None
-    import torch
-
-    if not torch.cuda.is_available():
-        raise PrunusError(f"{what} needs a CUDA GPU and none is visible; {instead}")
-    return trt
+    return require_tensorrt(what, instead)
 
 
 def profile_shapes(graph: str, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int,

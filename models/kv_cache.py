@@ -5,9 +5,9 @@ One contract, several caches: the model's attention only ever calls ``update`` a
 calls ``advance``. The implementations, each saying in its docstring which parts it needs:
 
 * :class:`KVCache` (here): one length for every row, as ``generate`` and gpt-fast's cache;
-* ``prunus.serve.batch_cache.CacheStep``: one pass over the serving slots, rows of different lengths;
+* ``prunus.runtime.batch_cache.CacheStep``: one pass over the serving slots, rows of different lengths;
 * ``prunus.export.graphs.GraphCache``: the export graphs' past keys/values in, present out;
-* ``prunus.serve.compiled_decode.StaticStep``: a compiled decode step with fixed shapes.
+* ``prunus.runtime.compiled_decode.StaticStep``: a compiled decode step with fixed shapes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 pass with one call: rows of new tokens at their own positions (a decode step: one token per row at its length;
 a prompt: its tokens from position 0), keys and values written into the same (n_slots, kv_heads, max_len,
 head_dim) buffers that ONNX Runtime's GroupQueryAttention uses, rotated the same way, so the two can take turns
-on one cache (:class:`prunus.export.genai_session.GenaiSession` with ``native=True``).
+on one cache (:class:`prunus.runtime.genai_session.GenaiSession` with ``native=True``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""prunus.serve: the Engine API over PyTorch, ONNX Runtime and TensorRT; continuous batching; TP workers; HTTP.
+"""prunus.serve: the Engine API over every runtime of :mod:`prunus.runtime`; continuous batching; HTTP.
 
 Public names are imported from their submodules on first use (:mod:`prunus.artifacts.lazy`), so that
-the CLI can read :data:`prunus.serve.artifact.BACKENDS` without importing torch.
+the CLI can import this package without importing torch.
 """
 
 from prunus.artifacts.lazy import lazy_package

@@ -26,6 +26,7 @@ import uuid
 
 from prunus.artifacts.errors import PrunusError
 
+from .events import events
 from .http_guard import start_event_stream
 from .request import GenerationResult
 
@@ -115,17 +116,14 @@ def _stream(handler, request, base: dict, include_usage: bool) -> int:
     try:
         start_event_stream(handler)
         send(chunk({"role": "assistant", "content": ""}))
-        while True:
-            event = request.events.get()
+        for event in events(request):
             if isinstance(event, BaseException):
                 send({**base, "error": {"message": str(event), "type": "server_error"}})
-                break
-            if isinstance(event, GenerationResult):
+            elif isinstance(event, GenerationResult):
                 send(chunk({}, event.finish_reason))
                 if include_usage:
                     send({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.token_ids))})
-                break
-            if event.text:
+            elif event.text:
                 send(chunk({"content": event.text}))
         handler.wfile.write(b"data: [DONE]\n\n")
         handler.wfile.flush()

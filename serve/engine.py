@@ -7,10 +7,9 @@
         for tok in engine.stream("class A", max_new_tokens=32):
             print(tok.text, end="", flush=True)
 
-One API over every backend (torch in this process, torch in ``tp`` worker processes,
-ONNX Runtime, TensorRT): requests go through one continuous-batching scheduler that
-holds up to ``max_batch`` sequences of up to ``max_len`` tokens in a preallocated
-KV cache.
+One API over every runtime of :mod:`prunus.runtime` (torch in this process, torch in ``tp`` worker
+processes, ONNX Runtime, prunus's native kernels, TensorRT): requests go through one continuous-batching
+scheduler that holds up to ``max_batch`` sequences of up to ``max_len`` tokens in a preallocated KV cache.
 """
 
 from __future__ import annotations
@@ -20,18 +19,13 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from prunus.artifacts.errors import PrunusError
-from prunus.models import load_model, load_model_tokenizer, load_tokenizer
-from prunus.models.tokenizer import check_vocab
+from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions
+from prunus.runtime.registry import load_runtime
 
-from .artifact import resolve_backend
-from .backend_torch import PREFILL_CHUNK
+from . import events
 from .request import GenerationResult, Request, SamplingParams, StreamToken
 from .scheduler import Scheduler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Engines not closed yet. At interpreter exit they are closed before the runtimes' own teardown: a process that
 # left two ONNX Runtime Engines open (their scheduler threads idle) ended in "terminate called without an active
@@ -63,8 +57,7 @@ class Engine:
             raise PrunusError(f"the engine could not start: {type(error).__name__}: {error}") from error
         if self.scheduler.threads is not None:
             self.info["threads"] = self.scheduler.threads.describe()
-        if self.info.get("compile"):  # a compile that failed at warm-up left decoding eager
-            self.info["compile"] = getattr(backend, "compiled", None) is not None
+        self.info.update(backend.describe())  # what warm-up settled (a compile that failed left decoding eager)
         self._closed = False
         _OPEN.add(self)
 
@@ -74,92 +67,27 @@ class Engine:
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
              prompt_graph: bool = False, native: bool = False) -> "Engine":
-        """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs.
+        """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
+        runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
         each pass gets 1 or all of them, whichever was faster when timed at load,
         :mod:`prunus.serve.pass_threads`), or ONNX Runtime's intra-op threads. ``compile``: decode steps through ``torch.compile``
-        (:mod:`prunus.serve.compiled_decode`, the torch backend in one process): True, False, or "auto",
-        which compiles where torch.compile runs here and its rule (:func:`prunus.serve.compiled_decode.choose_compile`) says it pays;
+        (:mod:`prunus.runtime.compiled_decode`, the torch backend in one process): True, False, or "auto",
+        which compiles where torch.compile runs here and its rule (:func:`prunus.runtime.compiled_decode.choose_compile`) says it pays;
         where it cannot run, decoding stays eager with a one-line warning. ``prefill_chunk``: prompt tokens per
         row per prefill pass of the torch backend (None: whole prompts); a longer prompt goes through the cache
         in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
-        {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.serve.device_map`).
+        {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.runtime.device_map`).
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
-        (:mod:`prunus.export.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
+        (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
         ``native``: for a genai export, decode steps (and int8 prompts of up to 64 tokens) in prunus's own CPU kernels
-        (:mod:`prunus.native.decoder`, AVX2, compiled on first use) over the same weights and KV buffers."""
-        path = Path(path)
-        backend, config = resolve_backend(path, backend)
-        if not isinstance(tp, int) or tp < 1:
-            raise PrunusError(f"tp={tp!r} must be a positive integer")
-        if compile not in (True, False, "auto"):
-            raise PrunusError(f"compile={compile!r}: choose True, False or 'auto'")
-        if compile is True and (backend != "torch" or tp > 1):
-            raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
-        if tp > 1 and backend != "torch":
-            raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
-        for wanted, name in ((prompt_graph, "prompt_graph"), (native, "native")):
-            if wanted and backend != "onnxruntime":
-                raise PrunusError(f"{name} applies to an ONNX Runtime export dir, not the {backend} backend; "
-                                  f"drop it (--{name.replace('_', '-')})")
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise PrunusError(f"max_batch={max_batch!r} must be a positive integer")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise PrunusError(f"threads={threads!r} must be a positive integer (or None to time 1 against all)")
-        if dtype is not None and dtype not in DTYPES:
-            raise PrunusError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        limit = (config.get("export") or config["model"]).get("max_seq_len") or config["model"]["max_seq_len"]
-        max_len = limit if max_len is None else max_len
-        if not 1 < max_len <= limit:
-            raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
-        info = {"path": str(path), "backend": backend, "tp": tp, "device": device, "max_batch": max_batch, "max_len": max_len,
-                "compile": compile is True}
-        if device_map is not None:
-            if backend != "torch" or tp > 1 or compile is True:
-                raise PrunusError(f"device_map places a model dir's modules for the torch backend in one process, not "
-                                  f"{backend} with tp={tp}{' and compile' if compile is True else ''}")
-            from .backend_torch import TorchBackend
-            from .device_map import load_dispatched, place_cache
-
-            model, placed = load_dispatched(path, device_map, max_memory, dtype=DTYPES[dtype] if dtype else None)
-            impl = TorchBackend(model, max_batch, max_len, prefill_chunk=prefill_chunk)
-            place_cache(impl.cache, model)
-            tokenizer = load_model_tokenizer(path)
-            info["device_map"] = {k: str(v) for k, v in placed.items()}
-        elif max_memory is not None:
-            raise PrunusError("max_memory applies with device_map='auto'; add device_map='auto' (--device-map auto)")
-        elif backend == "torch" and tp > 1:
-            from .backend_tp import TPBackend
-
-            impl = TPBackend(path, tp, n_slots=max_batch, max_len=max_len, device=device, dtype=dtype)
-            tokenizer = load_model_tokenizer(path)
-        elif backend == "torch":
-            from .backend_torch import TorchBackend
-            from .compiled_decode import choose_compile
-
-            model = load_model(path, device=device, dtype=DTYPES[dtype] if dtype else None)
-            info["compile"] = compile = choose_compile(compile, model)
-            impl = TorchBackend(model, max_batch, max_len, compile=compile, prefill_chunk=prefill_chunk)
-            tokenizer = load_model_tokenizer(path)
-        else:
-            tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)
-            check_vocab(tokenizer, config["model"]["vocab_size"], path)
-            if backend == "onnxruntime":
-                from .backend_onnxruntime import load_onnxruntime_backend
-
-                impl = load_onnxruntime_backend(path, config, max_batch, max_len, threads=threads,
-                                                prompt_graph=prompt_graph, native=native)
-                if prompt_graph:
-                    info["prompt_graph_min_tokens"] = impl.session.prompt_min_tokens
-                if native:
-                    info["native_prompt_tokens"] = impl.session.native_prompt_tokens
-            else:
-                from .backend_tensorrt import load_tensorrt_backend
-
-                impl = load_tensorrt_backend(path, config, max_batch, max_len, device=device)
-            info["precision"] = config["export"].get("precision")
-        return cls(impl, tokenizer, max_queue=max_queue, info=info, threads=threads)
+        (:mod:`prunus.runtime.native`, AVX2, compiled on first use) over the same weights and KV buffers."""
+        options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
+                              compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
+                              max_memory=max_memory, prompt_graph=prompt_graph, native=native)
+        loaded = load_runtime(path, backend, options)
+        return cls(loaded.backend, loaded.tokenizer, max_queue=max_queue, info=loaded.info, threads=threads)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -200,12 +128,7 @@ class Engine:
 
     @staticmethod
     def wait(request: Request) -> GenerationResult:
-        while True:
-            event = request.events.get()
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, GenerationResult):
-                return event
+        return events.result(request)
 
     def generate(self, prompts, max_new_tokens: int = 128, **sampling) -> GenerationResult | list[GenerationResult]:
         """One result per prompt (a list for a list of prompts). All prompts run in one continuous batch."""
@@ -228,13 +151,7 @@ class Engine:
         """Yield each token (id and text piece) as it is made; closing the iterator cancels the request."""
         request = self.submit(prompt, max_new_tokens, **sampling)
         try:
-            while True:
-                event = request.events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, GenerationResult):
-                    return
-                yield event
+            yield from events.tokens(request)
         finally:
             request.cancelled.set()
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import io
 import json
-import queue
 import select
 import socket
 import sys
@@ -47,6 +46,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .chat_api import CHAT_PATH, handle_chat
 from .engine import Engine
+from .events import events, result
 from .http_access import ServeAccess, is_json_content_type
 from .http_guard import BadRequest, DeadlineReader, error_json, parse_json_body, refuse_connection, \
     start_event_stream
@@ -325,20 +325,11 @@ class CompletionHandler(BaseHTTPRequestHandler):
             return True
 
     def _wait(self, request) -> GenerationResult:
-        checked = time.monotonic()
-        while True:
-            try:
-                event = request.events.get(timeout=CLIENT_CHECK_S)
-            except queue.Empty:
-                event = None
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, GenerationResult):
-                return event
-            if time.monotonic() - checked >= CLIENT_CHECK_S:
-                checked = time.monotonic()
-                if self._client_gone():
-                    raise ConnectionResetError("the client went away")
+        return result(request, CLIENT_CHECK_S, self._check_client)
+
+    def _check_client(self) -> None:
+        if self._client_gone():
+            raise ConnectionResetError("the client went away")
 
     def _complete(self, prompts: list[str], kwargs: dict) -> int:
         engine, requests = self.server.engine, []
@@ -363,16 +354,13 @@ class CompletionHandler(BaseHTTPRequestHandler):
         base = self._base()
         try:
             start_event_stream(self)
-            while True:
-                event = request.events.get()
+            for event in events(request):
                 if isinstance(event, BaseException):
                     self._event({**base, "error": {"message": str(event), "type": "server_error"}})
-                    break
-                if isinstance(event, GenerationResult):
+                elif isinstance(event, GenerationResult):
                     self._event({**base, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
                                                       "logprobs": None}]})
-                    break
-                if event.text:
+                elif event.text:
                     self._event({**base, "choices": [{"index": 0, "text": event.text, "finish_reason": None,
                                                       "logprobs": None}]})
             self.wfile.write(b"data: [DONE]\n\n")

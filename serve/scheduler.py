@@ -3,15 +3,18 @@
 Each step the scheduler (1) admits waiting requests into free cache rows and runs
 their prefill together in one pass, sampling each one's first token, then (2) runs
 one decode pass over every active row. With a backend that prefills in chunks
-(``extend`` and ``prefill_chunk``, the torch backend) step (1) takes at most one chunk
+(``capabilities.extend`` and ``prefill_chunk``, the torch backend) step (1) takes at most one chunk
 of each prompt; a longer prompt's next chunk comes in the next step, after the decode
 pass, so a long prompt delays the running requests' tokens by a chunk's pass per step
 instead of stalling them for its whole prefill. A request that finishes (its length, end of
-text, a stop string) or is cancelled (a client went away) leaves the batch and frees
-its row before the next step, so a new request never waits for a whole batch to end.
+text, a stop string), is cancelled (a client went away) or fails leaves the batch and frees
+its row before the next step (``backend.release(row)``), so a new request never waits for a whole
+batch to end.
 
-Sampling is per request (``prunus.models.sample_next`` with the request's own
-settings and generator), so a request's tokens do not depend on its batch-mates.
+The scheduler knows a backend by its contract (:class:`prunus.runtime.backend.Backend`) and what it can
+do by ``backend.capabilities`` alone. Sampling is per request (:func:`prunus.runtime.sampling.sample`
+with the request's own settings and generator), so a request's tokens do not depend on its batch-mates;
+it runs where the logits are and brings back token ids.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.models import sample_next
+from prunus.runtime.sampling import RowSampling, sample
 
 from .pass_threads import PassThreads, tune_pass_threads
 from .request import Request
@@ -36,12 +39,13 @@ class Scheduler:
     def __init__(self, backend, max_queue: int | None = None, threads: int | None = None):
         """``threads``: per pass of an in-process torch backend; None times 1 against all at start."""
         self.backend = backend
+        self.caps = backend.capabilities
         self.max_queue = max_queue
         self.threads: PassThreads | None = None
         self._want_threads = threads
         self._started = threading.Event()
         self.start_error: Exception | None = None
-        self.free = list(range(backend.n_slots))
+        self.free = list(range(self.caps.max_batch))
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
         self.prefilling: dict[int, Request] = {}  # slot -> request whose prompt is partly in the cache
@@ -92,8 +96,9 @@ class Scheduler:
     def _choose_threads(self) -> None:
         """Runs on the scheduler thread: OpenMP's thread count belongs to the thread that sets it;
         then a backend's ``warm_up`` (compiled decode graphs) runs at those settings."""
+        caps = self.caps
         try:
-            if getattr(self.backend, "tunable_threads", False):
+            if caps.tunable_threads:
                 try:
                     if self._want_threads is not None:
                         self.threads = PassThreads.fixed(self._want_threads)
@@ -101,9 +106,9 @@ class Scheduler:
                         self.threads = tune_pass_threads(self.backend, torch.get_num_threads())
                 except Exception:  # a backend that cannot run fails its first request with its own error
                     self.threads = None
-            elif getattr(self.backend, "host_threads", None):
-                torch.set_num_threads(self.backend.host_threads)  # this thread's setting alone
-            if hasattr(self.backend, "warm_up"):
+            elif caps.host_threads:
+                torch.set_num_threads(caps.host_threads)  # this thread's setting alone
+            if caps.warm_up:
                 self.backend.warm_up(self._set_threads)
         except Exception as e:  # Engine.load reports it
             self.start_error = e
@@ -137,18 +142,29 @@ class Scheduler:
                 if self.active:
                     self._decode()
             except Exception as e:  # a failed pass fails the requests in it; the loop serves the next ones
-                for r in joining + list(self.active.values()) + list(self.prefilling.values()):
-                    if not r.done:
-                        r.fail(e)
-                    if r.slot is not None and r.slot not in self.free:
-                        self.free.append(r.slot)
-                self.active.clear()
-                self.prefilling.clear()
-                self.prefilled.clear()
+                self._fail(joining + list(self.active.values()) + list(self.prefilling.values()), e)
+
+    def _fail(self, reqs: list[Request], error: Exception) -> None:
+        for r in reqs:
+            if not r.done:
+                r.fail(error)
+            if r.slot is not None and r.slot not in self.free:
+                self._free(r.slot)
+        self.active.clear()
+        self.prefilling.clear()
+        self.prefilled.clear()
+
+    def _free(self, slot: int) -> None:
+        """The row's request has left: the backend releases it, the row goes back to the free list."""
+        self.free.append(slot)
+        try:
+            self.backend.release(slot)
+        except Exception:  # a backend that failed mid-pass: its next prefill of the row starts it afresh
+            pass
 
     def _chunk(self) -> int | None:
         """Prompt tokens per row per prefill pass, or None where the backend takes whole prompts only."""
-        return getattr(self.backend, "prefill_chunk", None) if hasattr(self.backend, "extend") else None
+        return self.caps.prefill_chunk if self.caps.extend else None
 
     def _prefill(self, joining: list[Request]) -> None:
         """One chunk of every prompt being prefilled (the whole prompt without chunking): the joining
@@ -159,7 +175,7 @@ class Scheduler:
             if r.cancelled.is_set():
                 del self.prefilling[slot], self.prefilled[slot]
                 r.finish_reason = "cancelled"
-                self.free.append(slot)
+                self._free(slot)
                 r.finish()
         continuing = list(self.prefilling.values())
         complete, logits = [], []
@@ -196,11 +212,8 @@ class Scheduler:
         self._retire(reqs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        if all(r.generator is None for r in reqs):  # all greedy, the common case: one argmax, no row gather
-            tokens = sample_next(logits).tolist()
-        else:
-            tokens = [int(sample_next(logits[i:i + 1], r.params.temperature, r.params.top_k, r.params.top_p,
-                                      r.generator)[0]) for i, r in enumerate(reqs)]  # temperature 0: greedy
+        tokens = sample(logits, [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
+                                 for r in reqs])
         for r, t in zip(reqs, tokens):
             r.last_token = t
             r.add_token(t)
@@ -212,5 +225,5 @@ class Scheduler:
                 if not r.done:
                     r.finish_reason = "cancelled"
                 del self.active[r.slot]
-                self.free.append(r.slot)
+                self._free(r.slot)
                 r.finish()

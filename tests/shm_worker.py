@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from prunus.serve.shm_all_reduce import ShmAllReduce
+from prunus.runtime.shm_all_reduce import ShmAllReduce
 
 SLOT = 1000  # floats: small, so the 2,500-float tensor goes through in three chunks
 

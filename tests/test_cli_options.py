@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from prunus.cli.main import cli
 from prunus.cli.train import config_options
 from prunus.artifacts.errors import PrunusError
-from prunus.serve.backends import BACKENDS
+from prunus.runtime.registry import BACKENDS
 from prunus.train_parallel.config import PP_SCHEDULES, TrainConfig
 
 

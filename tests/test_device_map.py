@@ -9,7 +9,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset, load_model, load_tokenizer, save_model
 from prunus.serve import Engine
-from prunus.serve.device_map import infer_device_map, module_sizes, parse_max_memory, parse_size, resolve_device_map
+from prunus.runtime.device_map import infer_device_map, module_sizes, parse_max_memory, parse_size, resolve_device_map
 
 PROMPTS = ["def f(", "import os\n"]
 
@@ -81,7 +81,7 @@ HF_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "outpu
 
 def _by_module(device_map: dict, names: list[str]) -> dict:
     """{module name: device} for each of ``names`` from a cleaned map (its longest prefix)."""
-    from prunus.serve.device_map import placement_of
+    from prunus.runtime.device_map import placement_of
 
     return {n: placement_of(device_map, n) for n in names}
 

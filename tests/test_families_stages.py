@@ -11,7 +11,7 @@ named), and why the expensive ones cover fewer:
   equal each prompt alone through ``prunus.models.stream_tokens``; the batch KV cache and the compiled decode's
   static steps (run eagerly) give each row the logits of its whole sequence without a cache (windows masked), and
   so does the ONNX Runtime backend's batching over the export graphs run in torch (no export: cheap);
-* serving, tp=2: every family's shards (``serve.tp_shard``: biases split or kept once, q/k norms, post norms,
+* serving, tp=2: every family's shards (``runtime.tp_shard``: biases split or kept once, q/k norms, post norms,
   MoE experts split by hidden units) run as two ranks in lockstep threads with an in-process all-reduce, against
   the whole model: logits and greedy tokens (and for llama with int8 weights beside its biases); real worker processes (``Engine.load(tp=2)``, ~10 s each) for
   gemma2 (windows, soft-caps, post and (1 + w) norms) and qwen3_moe (experts, q/k norms);
@@ -96,8 +96,8 @@ def test_batch_cache_and_static_decode_steps_equal_whole_sequences(family):
     """Each row's logits after every ragged decode step, through the serving batch cache and through the
     compiled decode's static steps (run eagerly), equal the model on that row's whole sequence without a cache:
     the cache masks keep each layer's sliding window."""
-    from prunus.serve.backend_torch import TorchBackend
-    from prunus.serve.compiled_decode import CompiledDecode
+    from prunus.runtime.torch import TorchBackend
+    from prunus.runtime.compiled_decode import CompiledDecode
 
     model = family_model(family)
     ragged, static = TorchBackend(model, 4, 64), TorchBackend(model, 4, 64)
@@ -119,7 +119,7 @@ def test_batch_cache_and_static_decode_steps_equal_whole_sequences(family):
 
 
 class TorchGraphs:
-    """A graph runner (``serve.backend_graph``'s contract) over the export graphs' torch modules: what ONNX Runtime
+    """A graph runner (``runtime.graph_backend``'s contract) over the export graphs' torch modules: what ONNX Runtime
     runs, without exporting."""
 
     def __init__(self, model):
@@ -139,10 +139,10 @@ class TorchGraphs:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graph_backend_over_the_export_graphs_equals_whole_sequences(family):
-    """The ONNX Runtime backend's batching (``serve.backend_graph``: right-padded prefill, ragged decode with each
+    """The ONNX Runtime backend's batching (``runtime.graph_backend``: right-padded prefill, ragged decode with each
     row's past gathered right-aligned) over the export graphs, run in torch: each row's logits after every step equal
     the model on that row's whole sequence, windows included."""
-    from prunus.serve.backend_graph import GraphBackend
+    from prunus.runtime.graph_backend import GraphBackend
 
     model = family_model(family)
     cfg = model.config
@@ -201,11 +201,11 @@ def _in_lockstep(backends, call):
 
 @pytest.mark.parametrize("family", [*FAMILIES, "llama+int8"])
 def test_tensor_parallel_shards_equal_the_whole_model(family):
-    """Two ranks of serve.tp_shard's shards in lockstep threads: prefill and ragged decode logits (rank 0's) equal
+    """Two ranks of runtime.tp_shard's shards in lockstep threads: prefill and ragged decode logits (rank 0's) equal
     the whole model's, and so do greedy tokens. "llama+int8": int8 weights (per-group scales) beside float biases."""
     from prunus.compress.quantize import quantize_pass
-    from prunus.serve.backend_torch import TorchBackend
-    from prunus.serve.tp_shard import shard_model
+    from prunus.runtime.torch import TorchBackend
+    from prunus.runtime.tp_shard import shard_model
 
     model = family_model(family.split("+")[0])
     if family.endswith("+int8"):

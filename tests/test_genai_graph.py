@@ -15,13 +15,14 @@ from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model, load_export
 from prunus.export.export_dir import _choose_graph, genai_dims
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
-from prunus.export.genai_session import GenaiGraphs, GenaiSession
+from prunus.export.genai_parity import GenaiGraphs
+from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.models.config import ModelConfig
 from prunus.models.llama import Transformer
 from prunus.native.build import unavailable
 from prunus.serve import Engine
-from prunus.serve.backend_ort_genai import GenaiBackend
+from prunus.runtime.ort_genai import GenaiBackend
 
 BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=128)
 VARIANTS = {

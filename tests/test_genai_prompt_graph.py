@@ -15,11 +15,11 @@ from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph
 from prunus.export.genai_layers import LAST_TOKEN_NODE
-from prunus.export.genai_prompt_graph import MIN_TOKENS, prompt_graph
-from prunus.export.genai_session import GenaiSession
+from prunus.runtime.genai_prompt_graph import MIN_TOKENS, prompt_graph
+from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
-from prunus.serve.backend_ort_genai import GenaiBackend
+from prunus.runtime.ort_genai import GenaiBackend
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 
@@ -135,7 +135,9 @@ def test_serving_through_the_twin_keeps_greedy_tokens_and_joins(mixed, min_token
     for r, t in zip([2, 1], backend.prefill([2, 1], [PROMPTS[2], PROMPTS[1]]).argmax(-1).tolist()):
         got[r] = [t]
     for _ in range(12):
-        rows = [0, 1, 2] if len(got[0]) < 12 else [1, 2]  # row 0 leaves: the block's last row moves into its slot
+        if len(got[0]) == 12:
+            backend.release(0)  # row 0 leaves: the block's last row moves into its slot
+        rows = [0, 1, 2] if len(got[0]) < 12 else [1, 2]
         logits = backend.decode(rows, [got[r][-1] for r in rows])
         for r, t in zip(rows, logits.argmax(-1).tolist()):
             got[r].append(t)

@@ -189,7 +189,7 @@ def test_hub_cache_snapshot_symlinks_into_its_blobs_convert(tmp_path, bases):
 
 
 def test_export_config_naming_a_graph_outside_is_refused(tmp_path):
-    from prunus.serve.artifact import export_graph_paths
+    from prunus.runtime.artifact import export_graph_paths
     from prunus.artifacts.errors import PrunusError
 
     d = tmp_path / "exp"
@@ -391,7 +391,7 @@ def test_onnx_external_data_outside_the_export_dir_is_one_line(tmp_path, locatio
     from onnx import TensorProto, helper, numpy_helper
 
     from prunus.artifacts.errors import PrunusError
-    from prunus.serve.backend_onnxruntime import OrtRunner
+    from prunus.runtime.ort_graphs import OrtRunner
 
     victim, exp = tmp_path / "victim", tmp_path / "exp"
     victim.mkdir(), exp.mkdir()

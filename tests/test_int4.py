@@ -290,7 +290,7 @@ def test_int4_group_64_is_under_0_30_of_fp16():
 @pytest.mark.parametrize("float_zero", [False, True])
 @pytest.mark.parametrize("style", ["column", "row"])
 def test_tensor_parallel_slices_of_an_int4_layer_add_up(style, float_zero):
-    from prunus.serve.tp_shard import shard_linear
+    from prunus.runtime.tp_shard import shard_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(128, 64, bias=False)

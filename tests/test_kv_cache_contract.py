@@ -11,9 +11,9 @@ import torch
 from prunus.export.graphs import DecodeGraph, GraphCache, PrefillGraph
 from prunus.models import KVCache, Transformer, get_preset
 from prunus.models.kv_cache import KVCacheProtocol
-from prunus.serve.backend_graph import GraphBackend
-from prunus.serve.batch_cache import BatchKVCache, CacheStep
-from prunus.serve.compiled_decode import StaticStep
+from prunus.runtime.graph_backend import GraphBackend
+from prunus.runtime.batch_cache import BatchKVCache, CacheStep
+from prunus.runtime.compiled_decode import StaticStep
 
 ROWS = [[5, 6, 7, 8, 9], [9, 4, 2], [3, 4, 5, 6, 7, 8, 1]]  # ragged prompts
 NEXT = [11, 12, 13]  # one decode token per row

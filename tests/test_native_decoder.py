@@ -19,10 +19,10 @@ from prunus.cli.main import cli
 from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
-from prunus.export.genai_session import GenaiSession
+from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
-from prunus.serve.backend_ort_genai import GenaiBackend
+from prunus.runtime.ort_genai import GenaiBackend
 
 from prunus.native.build import library, unavailable
 
@@ -239,7 +239,7 @@ def test_the_parity_check_runs_through_the_native_kernels(trained_run, tmp_path,
     """``GenaiGraphs(native=True)``: every position's logits and greedy decoding through the native kernels pass
     the export's own parity check, with fp32 at the PyTorch model's bits per byte."""
     from prunus.data.corpus import default_data, load_corpus
-    from prunus.export.genai_session import GenaiGraphs
+    from prunus.export.genai_parity import GenaiGraphs
     from prunus.export.parity import check_parity
     from prunus.models import load_model_tokenizer
 

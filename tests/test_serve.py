@@ -144,8 +144,8 @@ def test_compiled_decode_gives_the_eager_tokens(model_dir, reference):
 
 def test_static_decode_steps_pad_to_buckets_and_equal_the_ragged_cache(model_dir):
     """The compiled path's Python side, run eagerly: padded buckets, full-length masks, row gathers."""
-    from prunus.serve.backend_torch import TorchBackend
-    from prunus.serve.compiled_decode import CompiledDecode
+    from prunus.runtime.torch import TorchBackend
+    from prunus.runtime.compiled_decode import CompiledDecode
 
     model = load_model(model_dir)
     ragged, static = TorchBackend(model, 4, 64), TorchBackend(model, 4, 64)
@@ -204,7 +204,7 @@ def test_bad_input_is_one_clear_error(engine, model_dir, tmp_path):
 
 
 def test_tensorrt_backend_needs_tensorrt_and_a_gpu():
-    from prunus.serve.backend_tensorrt import check_tensorrt
+    from prunus.runtime.tensorrt import check_tensorrt
 
     try:
         import tensorrt  # noqa: F401
@@ -275,7 +275,7 @@ def test_tensor_parallel_equals_one_process_and_leaves_no_workers(mixed_model_di
 def test_shared_memory_all_reduce_sums_identically_on_every_rank(tmp_path):
     import subprocess
 
-    from prunus.serve.shm_all_reduce import ShmAllReduce
+    from prunus.runtime.shm_all_reduce import ShmAllReduce
 
     sys.path.insert(0, str(Path(__file__).parent))
     from shm_worker import SLOT, tensors
@@ -310,7 +310,7 @@ def test_sharded_quantized_linear_equals_the_whole(scheme, granularity):
     import copy
 
     from prunus.models.quantized import QuantizedLinear
-    from prunus.serve.tp_shard import shard_linear
+    from prunus.runtime.tp_shard import shard_linear
 
     torch.manual_seed(0)
     q = QuantizedLinear.from_linear(torch.nn.Linear(64, 32, bias=False), scheme, granularity,
@@ -333,7 +333,7 @@ def test_sharded_quantized_linear_equals_the_whole(scheme, granularity):
 
 def test_per_group_scales_that_a_rank_would_split_are_refused():
     from prunus.models.quantized import QuantizedLinear
-    from prunus.serve.tp_shard import shard_linear
+    from prunus.runtime.tp_shard import shard_linear
 
     q = QuantizedLinear.from_linear(torch.nn.Linear(48, 8, bias=False), "int8-weight-only", "per_group", 16)
     with pytest.raises(PrunusError, match="group size 16"):

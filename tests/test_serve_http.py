@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from prunus.artifacts.pids import remove_stale
 from prunus.cli.main import cli
 from prunus.models import Transformer, get_preset, load_model, load_model_tokenizer, save_model, stream_tokens
-from prunus.serve.backend_tp import TEMP_PREFIX
+from prunus.runtime.torch_tp import TEMP_PREFIX
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def ", "for i in range(", "x = {"]
 LINUX = sys.platform.startswith("linux")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.serve.backend_tensorrt import TrtRunner, trt_dtypes
+from prunus.runtime.tensorrt import TrtRunner, trt_dtypes
 
 FAKE_TRT = SimpleNamespace(DataType=SimpleNamespace(FLOAT="FLOAT", HALF="HALF", INT64="INT64", INT32="INT32",
                                                     BF16="BF16"))

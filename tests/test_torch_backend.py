@@ -12,7 +12,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset, save_model
 from prunus.serve import Engine
-from prunus.serve.backend_torch import PREFILL_CHUNK, TorchBackend
+from prunus.runtime.torch import PREFILL_CHUNK, TorchBackend
 
 
 def tiny(**changes) -> Transformer:
@@ -116,7 +116,7 @@ def test_scheduler_interleaves_a_long_prompts_chunks_with_decode_steps(model_dir
 
 
 def test_auto_compiles_by_the_rule_and_explicit_choices_stand(model, monkeypatch):
-    from prunus.serve import compiled_decode as cd
+    from prunus.runtime import compiled_decode as cd
 
     monkeypatch.setattr(cd, "compile_unavailable", lambda device: None)
     assert cd.choose_compile(True, model) is True and cd.choose_compile(False, model) is False
@@ -126,7 +126,7 @@ def test_auto_compiles_by_the_rule_and_explicit_choices_stand(model, monkeypatch
 
 
 def test_no_compiler_means_eager_with_a_one_line_warning(model, model_dir, monkeypatch):
-    from prunus.serve import compiled_decode as cd
+    from prunus.runtime import compiled_decode as cd
 
     monkeypatch.setattr(cd, "compile_unavailable", lambda device: "InvalidCxxCompiler: no working C++ compiler found")
     monkeypatch.setattr(cd, "AUTO_DEVICES", ("cpu",))  # auto would compile this model
@@ -143,7 +143,7 @@ def test_no_compiler_means_eager_with_a_one_line_warning(model, model_dir, monke
 
 
 def test_a_compile_that_fails_at_load_leaves_decoding_eager(model_dir, monkeypatch):
-    from prunus.serve import compiled_decode as cd
+    from prunus.runtime import compiled_decode as cd
 
     def broken(self, set_threads=None):
         raise RuntimeError("C++ compile failed\nwith a long log")
@@ -159,7 +159,7 @@ def test_a_compile_that_fails_at_load_leaves_decoding_eager(model_dir, monkeypat
 def test_static_steps_read_keys_up_to_the_longest_row(model, monkeypatch):
     """The compiled path's Python side run eagerly, with key lengths rounded to 8 (so rows cross several):
     its logits equal the ragged eager cache's at every step."""
-    from prunus.serve import compiled_decode as cd
+    from prunus.runtime import compiled_decode as cd
 
     monkeypatch.setattr(cd, "KEY_STEP", 8)
     ragged, static = TorchBackend(model, 3, 64), TorchBackend(model, 3, 64)
@@ -180,7 +180,7 @@ def test_static_steps_read_keys_up_to_the_longest_row(model, monkeypatch):
                            "(tests/test_serve.py's compiled test runs every time)")
 def test_compiled_decode_gives_the_eager_greedy_tokens(model, monkeypatch):
     """One bucket, compiled for real; key lengths of 8 so the one graph serves several lengths."""
-    from prunus.serve import compiled_decode as cd
+    from prunus.runtime import compiled_decode as cd
 
     if (why := cd.compile_unavailable(torch.device("cpu"))) is not None:
         pytest.skip(f"torch.compile cannot run here: {why}")

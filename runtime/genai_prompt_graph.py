@@ -29,7 +29,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .genai_layers import LAST_TOKEN_NODE
+# the node that gathers each row's last position before the head (written by prunus.export.genai_layers)
+LAST_TOKEN_NODE = "last/GatherND"
 
 # a prompt pass of at least this many tokens goes to the twin (see above), by the widest weight the twin rewrites
 MIN_TOKENS = {4: 64, 8: 256}

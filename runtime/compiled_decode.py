@@ -100,7 +100,7 @@ def buckets(n_slots: int) -> list[int]:
 class StaticStep:
     """The ``cache`` a compiled step's model sees: rows, positions and key indices as tensors.
 
-    ``prunus.models.kv_cache.KVCacheProtocol`` over a :class:`prunus.serve.batch_cache.BatchKVCache`'s
+    ``prunus.models.kv_cache.KVCacheProtocol`` over a :class:`prunus.runtime.batch_cache.BatchKVCache`'s
     storage. Needs ``update`` (writes at each row's position, returns the rows' cache lines up to
     ``len(keys)``, the whole line without ``keys``) and ``attn_mask`` (each row's keys up to its
     position). ``advance`` does nothing: the lengths move outside the graph
@@ -163,7 +163,7 @@ class CompiledDecode:
         tok = torch.tensor(tokens + tokens[:1] * pad, dtype=torch.long, device=device).view(-1, 1)
         logits = self._fn(tok, rows_t.to(device), pos.to(device), keys)[:n]
         self.cache.lengths[rows_t[:n]] += 1
-        return logits.float().cpu()
+        return logits.float()
 
     def warm_up(self, set_threads=None) -> None:
         """Compile every bucket now (rows from 0, cache rows used as scratch), not on a request's step."""

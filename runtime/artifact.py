@@ -19,7 +19,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.manifest_schema import MANIFEST, verify_files
 from prunus.artifacts.validate import read_dir_json, short
 
-from .backends import BACKENDS, EXPORT_BACKEND
+from .registry import BACKENDS, EXPORT_BACKEND
 
 
 def read_artifact_config(path: str | Path) -> dict:
@@ -109,3 +109,13 @@ def export_dims(path: Path, export: dict) -> dict[str, int]:
     except (KeyError, TypeError, ValueError):
         raise PrunusError(f"{path}/config.json: export needs n_layers, n_kv_heads, head_dim and vocab_size; "
                           "re-create the export dir") from None
+
+
+def export_tokenizer(path: Path, config: dict):
+    """An export dir's tokenizer, checked against the vocabulary its graphs were written for."""
+    from prunus.models import load_tokenizer
+    from prunus.models.tokenizer import check_vocab
+
+    tokenizer = load_tokenizer(config.get("tokenizer"), base_dir=path)
+    check_vocab(tokenizer, config["model"]["vocab_size"], path)
+    return tokenizer

@@ -8,7 +8,7 @@ cache. The token ids, ``seqlens_k`` and ``total_sequence_length`` are written in
 arrays bound by address, and ``logits`` into a preallocated (n_slots, vocab) array. A decode step's
 binding depends only on its batch size and is kept, so a step is: write the ids and lengths, run.
 
-``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.export.genai_prompt_graph`;
+``prompt_twin=True`` loads, for a quantized graph, its prompt twin (:mod:`prunus.runtime.genai_prompt_graph`;
 asked of a float graph, or of buffers no pass of which reaches its threshold, it is one PrunusError line):
 the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
 buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
@@ -23,11 +23,10 @@ or the twin's, are the faster ones for many rows), whose threads then sleep betw
 beside the native pool's.
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
-backend (:mod:`prunus.serve.backend_ort_genai`) keeps its active rows in slots ``[0, n)``.
+backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
 
-:class:`GenaiGraphs` is the parity checker's view (the counterpart of
-:class:`prunus.export.ort_graphs.OrtGraphs`): every position's logits through the same graph with
-its last-token gather bypassed, and greedy generation through the written graph itself.
+The parity check's view of the same graph (every position's logits, greedy generation through a session) is
+:class:`prunus.export.genai_parity.GenaiGraphs`.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 
-from .ort_graphs import ort_session
+from .ort_session import ort_session, variant_session
 
 
 def prompt_twin_of(path_or_bytes, n_slots: int, max_len: int):
@@ -85,13 +84,11 @@ class GenaiSession:
         if twin is not None:
             self._load_prompt_twin(path_or_bytes, twin, threads, spinning and not native, config)
         if native:
-            from prunus.native.decoder import NativeDecoder, native_prompt_tokens
+            from .native import native_decoder, native_prompt_tokens
 
             dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
-            if packed is None:  # the graph's weights read and repacked (``packed``: already done by the caller)
-                self.native = NativeDecoder.from_graph(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads)
-            else:
-                self.native = NativeDecoder(packed, self.k, self.v, n_slots, max_len, threads)
+            # ``packed``: the weights already read and repacked by the caller; else read from the graph
+            self.native = native_decoder(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads, packed)
             self.native_prompt_tokens = native_prompt_tokens(self.native.packed)
             # ONNX Runtime's first pass with sleeping threads is slow (SmolLM2 int4, a 5-token prompt at 2 threads:
             # 212 ms, then 15 ms): pay it at load, not in the first request's first token
@@ -179,100 +176,3 @@ class GenaiSession:
         if self.native is not None:
             self.native.close()
         self.session = self.prompt_session = self.native = None
-
-
-def variant_session(source, variant, tag: str, threads: int | None = None, spinning: bool = True,
-                    config: dict | None = None, lean: bool = False):
-    """An ONNX Runtime session of ``variant``, a changed copy of the graph at ``source`` (a path or bytes), loaded
-    from a file that is removed after: beside the graph's data file when its initializers are external, else in
-    a temporary dir. (A session made from bytes keeps them for its lifetime: the int8 SmolLM2 graph's 254 MB.)"""
-    import tempfile
-
-    import onnx
-
-    external = not isinstance(source, bytes) and any(t.data_location == onnx.TensorProto.EXTERNAL
-                                                     for t in variant.graph.initializer)
-    with tempfile.TemporaryDirectory(prefix="prunus-") as tmp:
-        target = Path(source).with_name(f".{Path(source).stem}.{tag}.onnx") if external else Path(tmp) / f"{tag}.onnx"
-        onnx.save_model(variant, str(target))
-        try:
-            return ort_session(target, threads, spinning, config, lean)
-        finally:
-            target.unlink()
-
-
-class GenaiGraphs:
-    """A genai export's graph for the parity check: ``graphs(tokens)`` -> every position's logits and
-    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs.
-    ``native``: both through prunus's native kernels (:mod:`prunus.native.decoder`) instead of ONNX Runtime."""
-
-    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None,
-                 native: bool = False):
-        import onnx
-
-        from .genai_graph import all_positions_graph
-
-        self.path, self.dims, self.threads, self.config, self.native = Path(path), dims, threads, config, native
-        if native:
-            from prunus.native.weights import read_genai_graph
-
-            self.packed = read_genai_graph(onnx.load(str(path)), dims, str(path))
-            return
-        proto = onnx.load(str(path), load_external_data=False)
-        self.all_positions = variant_session(self.path, all_positions_graph(proto), "all_positions", threads,
-                                             config=config)
-
-    def _native_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        from prunus.native.decoder import NativeDecoder
-
-        b, s = tokens.shape
-        d = self.dims
-        shape = (b, d["n_kv_heads"], s, d["head_dim"])
-        k, v = ([np.zeros(shape, np.float32) for _ in range(d["n_layers"])] for _ in range(2))
-        decoder = NativeDecoder(self.packed, k, v, b, s, self.threads)
-        try:
-            logits = np.empty((b * s, d["vocab_size"]), np.float32)
-            decoder.forward(tokens.long().numpy(), np.zeros(b, np.int32), np.full(b, s, np.int32), 0, logits,
-                            every_position=True)
-        finally:
-            decoder.close()
-        return torch.from_numpy(logits.reshape(b, s, -1))
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""
-        if self.native:
-            return self._native_logits(tokens)
-        b, s = tokens.shape
-        d = self.dims
-        feeds = {"input_ids": tokens.long().numpy(), "seqlens_k": np.full(b, s - 1, np.int32),
-                 "total_sequence_length": np.array(s, np.int32)}
-        for i in range(d["n_layers"]):
-            for t in ("key", "value"):
-                feeds[f"past.{i}.{t}"] = np.zeros((b, d["n_kv_heads"], s, d["head_dim"]), np.float32)
-        return torch.from_numpy(self.all_positions.run(["logits"], feeds)[0])
-
-    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
-               follow: torch.Tensor | None = None) -> torch.Tensor:
-        """(batch, prompt_len) prompts -> (batch, max_new_tokens) greedy tokens through the written graph, its KV
-        buffer shared between passes. ``attention_mask`` (1 = real token) trims left padding off each prompt.
-        ``follow`` (batch, max_new_tokens): feed these tokens instead of the argmaxes (teacher forcing through the
-        cache); the argmax of every step is still returned."""
-        b, s = prompt.shape
-        rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
-                for i, p in enumerate(prompt)]
-        sess = GenaiSession(self.path, **self.dims, n_slots=b, max_len=s + max_new_tokens, threads=self.threads,
-                            config=self.config, native=self.native, packed=self.packed if self.native else None)
-        lengths = np.array([len(r) for r in rows], np.int64)
-        logits = sess.prefill(0, rows)
-        out = []
-        for i in range(max_new_tokens):
-            tok = logits.argmax(-1)
-            out.append(torch.from_numpy(tok.astype(np.int64)))
-            if i + 1 == max_new_tokens:
-                break
-            if follow is not None:
-                tok = follow[:, i].numpy().astype(tok.dtype)
-            logits = sess.decode(lengths, tok)
-            lengths += 1
-        sess.close()
-        return torch.stack(out, dim=1)

@@ -1,6 +1,6 @@
 """The ONNX Runtime backend for a genai export (one graph, GroupQueryAttention over a shared KV buffer).
 
-The graph and its buffers are a :class:`prunus.export.genai_session.GenaiSession`: per layer one
+The graph and its buffers are a :class:`prunus.runtime.genai_session.GenaiSession`: per layer one
 (n_slots, kv_heads, max_len, head_dim) key and value buffer, bound as both past and present, so a
 decode step copies no cache. GroupQueryAttention takes a batch whose buffer has that same batch, so
 the rows of a pass must be consecutive slots of the buffer. The scheduler hands out arbitrary rows
@@ -9,10 +9,10 @@ active rows packed in slots ``[0, n)``:
 
 * prefill: the joining rows take the slots after the block (a row the scheduler hands out again
   first leaves its old slot), their prompts right-padded into one pass;
-* decode: a row the scheduler no longer passes has left; the block's last row moves into its slot
-  (one copy of that row's keys and values, per leave, never per step). Then every active row is
-  decoded in one pass over slots ``[0, n)``; ``input_ids`` follow slot order and the logits come back
-  in the scheduler's row order.
+* release: the row has left; the block's last row moves into its slot (one copy of that row's keys
+  and values, per leave, never per step);
+* decode: every held row in one pass over slots ``[0, n)``; ``input_ids`` follow slot order and the
+  logits come back in the scheduler's row order.
 
 A decode step therefore writes n token ids and n lengths into bound arrays and runs the graph; the
 binding of a batch size is built once and reused.
@@ -28,7 +28,10 @@ import torch
 from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 
-from .artifact import export_dims
+from .artifact import export_dims, export_tokenizer
+from .backend import BackendBase, Capabilities
+from .load_options import LoadOptions
+from .registry import Loaded
 
 
 # ONNX Runtime's pool threads spin between parallel sections (its default), as llama.cpp's do. SmolLM2-135M, 2 threads,
@@ -38,11 +41,8 @@ from .artifact import export_dims
 SPINNING = True
 
 
-class GenaiBackend:
+class GenaiBackend(BackendBase):
     name = "onnxruntime"
-    # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
-    # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
-    host_threads = 1
 
     def __init__(self, session, n_slots: int, max_len: int):
         self.session = session
@@ -53,8 +53,16 @@ class GenaiBackend:
         self.row_at: list[int] = []  # buffer slot -> scheduler row, slots [0, n)
         self.lengths = np.zeros(n_slots, np.int64)  # tokens held per buffer slot
 
-    def _leave(self, row: int) -> None:
-        """Drop ``row`` from the block; the last slot's row moves into its slot."""
+    @property
+    def capabilities(self) -> Capabilities:
+        # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
+        # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
+        return Capabilities(max_batch=self.n_slots, host_threads=1)
+
+    def release(self, row: int) -> None:
+        """Drop ``row`` from the block (a row never prefilled: nothing); the last slot's row moves into its slot."""
+        if row not in self.slot_of:
+            return
         slot = self.slot_of.pop(row)
         last = len(self.row_at) - 1
         if slot != last:
@@ -67,9 +75,8 @@ class GenaiBackend:
         self.lengths[last] = 0
 
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        for r in rows:
-            if r in self.slot_of:  # the scheduler reuses a row whose request ended
-                self._leave(r)
+        for r in rows:  # a row prefilled again starts afresh
+            self.release(r)
         start = len(self.row_at)
         if start + len(rows) > self.n_slots:
             raise PrunusError(f"{start + len(rows)} rows exceed the backend's {self.n_slots} slots")
@@ -81,13 +88,13 @@ class GenaiBackend:
         return torch.from_numpy(logits.copy())
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        keep = set(rows)
-        for r in [r for r in self.row_at if r not in keep]:
-            self._leave(r)
         missing = [r for r in rows if r not in self.slot_of]
         if missing:
             raise PrunusError(f"decode of row(s) {missing} that were never prefilled")
         n = len(self.row_at)
+        if len(rows) != n:  # the block decodes as one: a row that left must have been released
+            held = sorted(set(self.row_at) - set(rows))
+            raise PrunusError(f"decode of {len(rows)} rows while the block holds {n}: release row(s) {held} first")
         by_slot = np.empty(n, np.int64)
         order = np.fromiter((self.slot_of[r] for r in rows), np.int64, len(rows))
         by_slot[order] = tokens
@@ -99,25 +106,32 @@ class GenaiBackend:
         self.session.close()
 
 
-def load_genai_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
-                       prompt_graph: bool = False, native: bool = False) -> GenaiBackend:
-    """An export dir whose config.json says ``export.graph == "genai"`` (``native``: decode in prunus's own kernels,
-    :mod:`prunus.native.decoder`)."""
-    from prunus.export.genai_session import GenaiSession
+def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = False) -> Loaded:
+    """An export dir whose config.json says ``export.graph == "genai"`` (``options.prompt_graph``: with its prompt twin;
+    ``native``: decode in prunus's own kernels, :mod:`prunus.runtime.native`)."""
+    from .genai_session import GenaiSession
 
+    tokenizer = export_tokenizer(path, config)
     export = config["export"]
     graph = inside(path, (export.get("graphs") or {}).get("model"), f"{path}/config.json: export.graphs['model']",
                    fix="re-create the export dir with prunus export")  # never a file outside the dir
-    if native:
-        from prunus.native.decoder import check_native
-
-        check_native(str(path))
+    n_slots, max_len = options.max_batch, options.max_len
     try:
-        session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len, threads=threads,
-                               spinning=SPINNING, prompt_twin=prompt_graph, native=native)
+        session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len,
+                               threads=options.threads, spinning=SPINNING, prompt_twin=options.prompt_graph,
+                               native=native)
     except PrunusError:
         raise
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None
-    return GenaiBackend(session, n_slots, max_len)
+    info = {"precision": export.get("precision")}
+    if options.prompt_graph:
+        info["prompt_graph_min_tokens"] = session.prompt_min_tokens
+    if native:
+        info["native_prompt_tokens"] = session.native_prompt_tokens
+    return Loaded(GenaiBackend(session, n_slots, max_len), tokenizer, info)
+
+
+def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    return load_genai(path, config, options)

@@ -1,18 +1,18 @@
 """The tensor-parallel backend: the serving process's side of ``tp`` worker processes
-(:mod:`prunus.serve.tp_worker`) over torch.distributed (NCCL on GPU; on a CPU host, gloo
+(:mod:`prunus.runtime.tp_worker`) over torch.distributed (NCCL on GPU; on a CPU host, gloo
 for setup and a shared-memory all-reduce).
 
 The serving process keeps the scheduler and holds a local socket to every worker:
 each step it sends (rows, tokens) to all of them, every rank runs the same
 :class:`TorchBackend` pass over its shard (two all-reduces per block,
-:mod:`prunus.serve.tp_shard`), and rank 0 answers with the logits. The scheduler
+:mod:`prunus.runtime.tp_shard`), and rank 0 answers with the logits. The scheduler
 samples, so rank 0 holds the only logits and the tokens every rank sees next step come
 from that one place. On a CPU host the all-reduces go through shared memory
-(:mod:`prunus.serve.shm_all_reduce`; gloo's took milliseconds each), on GPUs through NCCL.
+(:mod:`prunus.runtime.shm_all_reduce`; gloo's took milliseconds each), on GPUs through NCCL.
 
 No orphans: :meth:`TPBackend.close` stops the workers (a stop step), waits for them and
 kills any that linger; the workers themselves leave when this process dies
-(:mod:`prunus.serve.tp_worker`).
+(:mod:`prunus.runtime.tp_worker`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.pids import pid_prefix, remove_stale
 from prunus.models.model_dir import read_config
 
+from .backend import BackendBase, Capabilities
+from .load_options import LoadOptions
+from .registry import Loaded
 from .shm_all_reduce import shm_dir
 from .shm_all_reduce import supported as shm_supported
 from .tp_shard import check_tp
@@ -45,7 +48,7 @@ READY_TIMEOUT_S = 300.0
 TEMP_PREFIX = "prunus-tp-"  # socket dir and shared-memory file, prunus-tp-PID-...: the next start removes those of a dead PID
 
 
-class TPBackend:
+class TPBackend(BackendBase):
     """The serving process's side: the same prefill/decode calls as :class:`TorchBackend`."""
 
     name = "torch"
@@ -79,7 +82,7 @@ class TPBackend:
         try:
             for rank in range(tp):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "prunus.serve.tp_worker", str(self._tmp / "sock"), str(rank), str(tp),
+                    [sys.executable, "-m", "prunus.runtime.tp_worker", str(self._tmp / "sock"), str(rank), str(tp),
                      str(self._tmp / "store"), spec],
                     env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno() if _has_fileno() else None,
                     start_new_session=False))
@@ -140,6 +143,13 @@ class TPBackend:
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         return self._call((OP_DECODE, rows, tokens))
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(max_batch=self.n_slots)
+
+    def release(self, row: int) -> None:
+        """Nothing to send: every rank's next prefill of the row starts it afresh."""
+
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
@@ -168,6 +178,15 @@ class TPBackend:
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._shm:
             Path(self._shm).unlink(missing_ok=True)
+
+
+def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    """A model dir sharded over ``options.tp`` worker processes."""
+    from prunus.models import load_model_tokenizer
+
+    backend = TPBackend(path, options.tp, n_slots=options.max_batch, max_len=options.max_len, device=options.device,
+                        dtype=options.dtype)
+    return Loaded(backend, load_model_tokenizer(path))
 
 
 def _has_fileno() -> bool:

@@ -1,13 +1,13 @@
 """One tensor-parallel worker process: its shard of the model, answering the serving process's steps.
 
-Started by :class:`prunus.serve.backend_tp.TPBackend`, one per rank::
+Started by :class:`prunus.runtime.torch_tp.TPBackend`, one per rank::
 
-    python -m prunus.serve.tp_worker ADDRESS RANK WORLD STORE SPEC_JSON
+    python -m prunus.runtime.tp_worker ADDRESS RANK WORLD STORE SPEC_JSON
 
 It connects back to the serving process over a local socket (``ADDRESS``, authenticated with
 the key in ``PRUNUS_TP_AUTHKEY``), joins the process group (``STORE``: a file rendezvous; NCCL
 on GPU, gloo on a CPU host with the shared-memory all-reduce of
-:mod:`prunus.serve.shm_all_reduce`), loads and shards the model (:mod:`prunus.serve.tp_shard`),
+:mod:`prunus.runtime.shm_all_reduce`), loads and shards the model (:mod:`prunus.runtime.tp_shard`),
 says ``ready``, then runs every step it receives: ``(op, rows, data)`` with ``op`` one of
 ``OP_PREFILL`` / ``OP_DECODE`` / ``OP_STOP``. Rank 0 answers with the logits (or one error line).
 
@@ -48,7 +48,7 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
 
     from prunus.models import load_model
 
-    from .backend_torch import TorchBackend
+    from .torch import TorchBackend
     from .shm_all_reduce import ShmAllReduce
     from .tp_shard import shard_model
 
@@ -87,7 +87,7 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
             break
         try:
             out = backend.prefill(rows, data) if op == OP_PREFILL else backend.decode(rows, data)
-            reply = ("ok", out.numpy())  # numpy: a torch tensor would travel as a shared-memory handle
+            reply = ("ok", out.cpu().numpy())  # numpy: a torch tensor would travel as a shared-memory handle
         except PrunusError as e:  # raised the same way on every rank, before any collective
             reply = ("error", str(e))
         if rank == 0:

@@ -17,7 +17,7 @@ row its own length, and per pass:
 So the ONNX Runtime and TensorRT backends batch exactly like the torch one. A runner
 does the graph calls: ``run(graph, feeds, outputs) -> list of torch tensors``.
 
-The slots are the torch backend's storage, a :class:`prunus.serve.batch_cache.BatchKVCache`
+The slots are the torch backend's storage, a :class:`prunus.runtime.batch_cache.BatchKVCache`
 (keys, values, each row's length); the model never sees it here, so none of the
 ``KVCacheProtocol`` is needed: the graphs hold their own (``prunus.export.graphs.GraphCache``).
 """
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from .backend import BackendBase, Capabilities
 from .batch_cache import BatchKVCache
 
 
-class GraphBackend:
+class GraphBackend(BackendBase):
     def __init__(self, runner, *, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, dtype=torch.float32, device="cpu", name: str = "onnxruntime"):
         self.runner, self.name = runner, name
@@ -38,6 +39,13 @@ class GraphBackend:
         self.cache = BatchKVCache(range(n_layers), n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
         self.k, self.v, self.lengths = self.cache.k, self.cache.v, self.cache.lengths
         self.outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(max_batch=self.n_slots)
+
+    def release(self, row: int) -> None:
+        self.lengths[row] = 0
 
     def _long(self, x) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.long).to(self.device)

@@ -1,6 +1,6 @@
-"""The ONNX Runtime backend: an export dir's prefill/decode graphs in two CPU sessions, or its genai graph
-(one session, a shared KV buffer: :mod:`prunus.serve.backend_ort_genai`) where config.json's ``export.graph``
-says "genai"."""
+"""The ONNX Runtime graphs runtime: an export dir's prefill / decode graphs (``torch.onnx.export``'s) in two CPU
+sessions, batched by :class:`prunus.runtime.graph_backend.GraphBackend`. A genai export (one graph, a shared KV
+buffer) is :mod:`prunus.runtime.ort_genai`'s."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 
-from .artifact import check_graph_kind, export_dims, export_graph_paths
-from .backend_graph import GraphBackend
+from .artifact import check_graph_kind, export_dims, export_graph_paths, export_tokenizer
+from .graph_backend import GraphBackend
+from .load_options import LoadOptions
+from .registry import Loaded
 
 PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.float32, "fp16": torch.float16}
 
@@ -20,7 +22,7 @@ PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.fl
 class OrtRunner:
     def __init__(self, graphs: dict[str, Path], threads: int | None = None):
         try:
-            from prunus.export.ort_graphs import ort_session
+            from .ort_session import ort_session
         except ImportError as e:
             raise PrunusError(f"the onnxruntime backend needs onnxruntime ({e}); pip install onnxruntime") from None
         self.sessions = {}
@@ -40,23 +42,17 @@ class OrtRunner:
         self.sessions.clear()
 
 
-def load_onnxruntime_backend(path: Path, config: dict, n_slots: int, max_len: int, threads: int | None = None,
-                             prompt_graph: bool = False, native: bool = False):
-    """A :class:`GraphBackend` over the torch-exported prefill / decode graphs, or for an export dir holding the
-    genai graph (``export.graph == "genai"``) a :class:`prunus.serve.backend_ort_genai.GenaiBackend`
-    (``prompt_graph``: with its prompt twin; ``native``: decode in prunus's own kernels; see
-    :class:`prunus.export.genai_session.GenaiSession`)."""
-    export = config["export"]
-    if export.get("graph") == "genai":
-        from .backend_ort_genai import load_genai_backend
-
-        return load_genai_backend(path, config, n_slots, max_len, threads, prompt_graph, native)
-    for wanted, flag in ((prompt_graph, "--prompt-graph"), (native, "--native")):
+def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    """An export dir of torch-exported prefill / decode graphs (a TensorRT dir's ONNX graphs too)."""
+    for wanted, flag in ((options.prompt_graph, "--prompt-graph"), (options.native, "--native")):
         if wanted:
             raise PrunusError(f"{path}: {flag} needs a genai export (this one holds the torch graphs); "
                               "re-export with --graph genai or drop it")
+    tokenizer = export_tokenizer(path, config)
+    export = config["export"]
     graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
     dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)
-    return GraphBackend(OrtRunner(graphs, threads), **dims, n_slots=n_slots, max_len=max_len, dtype=dtype,
-                        name="onnxruntime")
+    backend = GraphBackend(OrtRunner(graphs, options.threads), **dims, n_slots=options.max_batch,
+                           max_len=options.max_len, dtype=dtype, name="onnxruntime")
+    return Loaded(backend, tokenizer, {"precision": export.get("precision")})

@@ -14,17 +14,29 @@ from pathlib import Path
 
 import torch
 
-from prunus.export.tensorrt_build import check_tensorrt as export_check_tensorrt
 from prunus.artifacts.errors import PrunusError
 
-from .artifact import export_dims, export_graph_paths
-from .backend_graph import GraphBackend
+from .artifact import export_dims, export_graph_paths, export_tokenizer
+from .graph_backend import GraphBackend
+from .load_options import LoadOptions
+from .registry import Loaded
+
+
+def require_tensorrt(what: str, instead: str):
+    """The ``tensorrt`` module, or a PrunusError naming what is missing (``what`` needs it; do ``instead``)."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise PrunusError(f"{what} needs the tensorrt package (pip install tensorrt, from NVIDIA's index) "
+                          f"and a CUDA GPU; {instead}") from None
+    if not torch.cuda.is_available():
+        raise PrunusError(f"{what} needs a CUDA GPU and none is visible; {instead}")
+    return trt
 
 
 def check_tensorrt():
     """The ``tensorrt`` module, or a PrunusError naming what is missing."""
-    return export_check_tensorrt("the tensorrt backend",
-                                 "serve an ONNX export with --backend onnxruntime on this machine")
+    return require_tensorrt("the tensorrt backend", "serve an ONNX export with --backend onnxruntime on this machine")
 
 
 def trt_dtypes(trt) -> dict:
@@ -34,7 +46,7 @@ def trt_dtypes(trt) -> dict:
 
 
 class TrtRunner:
-    """The graph runner (``run(graph, feeds, outputs)``, see :mod:`prunus.serve.backend_graph`) over TensorRT.
+    """The graph runner (``run(graph, feeds, outputs)``, see :mod:`prunus.runtime.graph_backend`) over TensorRT.
 
     Its boundary is given, not imported, so its own logic runs under test with stand-ins: ``runtime``
     (``deserialize_cuda_engine``; kept, as TensorRT wants it to outlive its engines), the engines it
@@ -86,11 +98,14 @@ class TrtRunner:
         self.engines.clear()
 
 
-def load_tensorrt_backend(path: Path, config: dict, n_slots: int, max_len: int, device: str = "cuda") -> GraphBackend:
+def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    """A TensorRT export dir's ``prefill.plan`` / ``decode.plan`` on a CUDA GPU."""
+    tokenizer = export_tokenizer(path, config)
     check_tensorrt()
     export = config["export"]
     plans = export_graph_paths(path, export)
     dtype = torch.float16 if export.get("precision") == "fp16" else torch.float32
-    dev = device if device.startswith("cuda") else "cuda"
-    return GraphBackend(TrtRunner.load(plans, dev), **export_dims(path, export), n_slots=n_slots, max_len=max_len,
-                        dtype=dtype, device=dev, name="tensorrt")
+    dev = options.device if options.device.startswith("cuda") else "cuda"
+    backend = GraphBackend(TrtRunner.load(plans, dev), **export_dims(path, export), n_slots=options.max_batch,
+                           max_len=options.max_len, dtype=dtype, device=dev, name="tensorrt")
+    return Loaded(backend, tokenizer, {"precision": export.get("precision")})

@@ -1,11 +1,10 @@
-"""The PyTorch backend: a model, its ragged batch KV cache, prefill and decode passes.
+"""The PyTorch runtime: a model in this process, its ragged batch KV cache, prefill and decode passes.
 
-Every backend answers the same two calls, which is all the scheduler needs:
-
-* ``prefill(rows, prompts)`` starts each row afresh with its prompt (token id lists of
-  any lengths, right-padded into one pass) and returns the logits of each prompt's
-  last token, (batch, vocab) float32 on the CPU;
-* ``decode(rows, tokens)`` appends one token per row and returns the next logits.
+It serves the :class:`~prunus.runtime.backend.Backend` contract: ``prefill(rows, prompts)`` starts each row
+afresh with its prompt (token id lists of any lengths, right-padded into one pass) and returns the logits of each
+prompt's last token, (batch, vocab) float32 on the model's device (sampling picks tokens there,
+:mod:`prunus.runtime.sampling`: no step copies a whole vocabulary's logits to the host);
+``decode(rows, tokens)`` appends one token per row and returns the next logits.
 
 This one also answers ``extend(rows, pieces)``: append each row's piece of its prompt after
 what the row holds. A prompt longer than ``prefill_chunk`` tokens is prefilled in chunks of
@@ -20,17 +19,21 @@ Under tensor parallelism each worker runs this same backend over its shard.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 
 from prunus.artifacts.errors import PrunusError
 
+from .backend import BackendBase, Capabilities
 from .batch_cache import BatchKVCache
+from .load_options import PREFILL_CHUNK, LoadOptions
+from .registry import Loaded
 
-PREFILL_CHUNK = 256  # tokens per row per prefill pass; see prunus.serve.engine.Engine.load
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     name = "torch"
 
     def __init__(self, model, n_slots: int, max_len: int, compile: bool = False, prefill_chunk: int | None = PREFILL_CHUNK):
@@ -43,12 +46,24 @@ class TorchBackend:
         self.vocab_size = model.config.vocab_size
         self.device = getattr(model, "input_device", None) or model.tok_embeddings.weight.device  # a device map's
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
-        self.tunable_threads = self.device.type == "cpu"  # see prunus.serve.pass_threads
         self.compile = compile
         self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(max_batch=self.n_slots, extend=True, prefill_chunk=self.prefill_chunk,
+                            tunable_threads=self.device.type == "cpu",  # see prunus.serve.pass_threads
+                            warm_up=bool(self.compile), device_sampling=self.device.type != "cpu")
+
+    def release(self, row: int) -> None:
+        """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
+        self.cache.lengths[row] = 0
+
+    def describe(self) -> dict:
+        return {"compile": self.compiled is not None}
+
     def warm_up(self, set_threads=None) -> None:
-        """With ``compile``, compile the decode graphs now (prunus.serve.compiled_decode). A compile that
+        """With ``compile``, compile the decode graphs now (prunus.runtime.compiled_decode). A compile that
         fails (a compiler torch.compile could not run) leaves decoding eager, with a one-line warning."""
         if self.compile and self.compiled is None:
             from .compiled_decode import CompiledDecode, CompileUnavailable
@@ -80,7 +95,7 @@ class TorchBackend:
 
     def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
         """Append each row's piece (token ids, any lengths) after what the row holds; the logits of
-        each piece's last token, (batch, vocab) float32 on the CPU.
+        each piece's last token, (batch, vocab) float32 on the model's device.
 
         Rows holding the same number of tokens go through one pass: their new queries start at one
         position, so the model's causal layout is exact without a mask, and no padded query can
@@ -105,7 +120,7 @@ class TorchBackend:
         step = self.cache.step(rows, q_len=width, n_new=lengths)
         last = torch.tensor(lengths, device=self.device) - 1
         logits = self.model(tokens.to(self.device), cache=step, positions=step.positions, logits_at=last)
-        return logits[:, 0].float().cpu()
+        return logits[:, 0].float()
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
@@ -113,7 +128,30 @@ class TorchBackend:
             return self.compiled(rows, tokens)
         step = self.cache.step(rows, q_len=1)
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        return self.model(x, cache=step, positions=step.positions)[:, -1].float().cpu()
+        return self.model(x, cache=step, positions=step.positions)[:, -1].float()
 
     def close(self) -> None:
         pass
+
+
+def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    """A model dir in this process (``device_map``: its modules placed across devices, :mod:`prunus.runtime.device_map`)."""
+    from prunus.models import load_model, load_model_tokenizer
+
+    dtype = DTYPES[options.dtype] if options.dtype else None
+    info = {}
+    if options.device_map is not None:
+        from .device_map import load_dispatched, place_cache
+
+        model, placed = load_dispatched(path, options.device_map, options.max_memory, dtype=dtype)
+        backend = TorchBackend(model, options.max_batch, options.max_len, prefill_chunk=options.prefill_chunk)
+        place_cache(backend.cache, model)
+        info["device_map"] = {k: str(v) for k, v in placed.items()}
+    else:
+        from .compiled_decode import choose_compile
+
+        model = load_model(path, device=options.device, dtype=dtype)
+        info["compile"] = compile = choose_compile(options.compile, model)
+        backend = TorchBackend(model, options.max_batch, options.max_len, compile=compile,
+                               prefill_chunk=options.prefill_chunk)
+    return Loaded(backend, load_model_tokenizer(path), info)

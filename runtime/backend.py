@@ -1,0 +1,82 @@
+"""The one contract every runtime serves under: :class:`Backend`, and what it can do, :class:`Capabilities`.
+
+A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` tokens each. The scheduler
+(:mod:`prunus.serve.scheduler`) gives every request a row and calls, on its one thread:
+
+* ``prefill(rows, prompts)``: start each row afresh with its prompt (token id lists of any lengths);
+  returns the logits of each prompt's last token, (batch, vocab) float, on ``device``;
+* ``extend(rows, pieces)``: append each row's piece of its prompt after what the row holds (chunked
+  prefill), where ``capabilities.extend`` says so; the same logits as ``prefill``;
+* ``decode(rows, tokens)``: one token per row; the next logits;
+* ``release(row)``: the row's request has left (finished, cancelled or failed); the row may be handed out
+  again and its contents are garbage;
+* ``warm_up(set_threads)``: once before the first request, where ``capabilities.warm_up`` says so;
+* ``describe()``: facts for the engine's info once warmed up (e.g. whether decoding compiled);
+* ``close()``.
+
+Logits may stay on the backend's device: :func:`prunus.runtime.sampling.sample` picks tokens where they are
+and hands back token ids only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it can do; the scheduler reads these fields and nothing else."""
+
+    max_batch: int  # cache rows: requests decoded together
+    extend: bool = False  # ``extend(rows, pieces)``: a prompt may go through the cache in chunks
+    prefill_chunk: int | None = None  # prompt tokens per row per pass with ``extend`` (None: whole prompts)
+    tunable_threads: bool = False  # CPU threads per pass chosen by timing at start (prunus.serve.pass_threads)
+    host_threads: int | None = None  # torch threads of the scheduler's thread (its torch work is sampling only)
+    warm_up: bool = False  # ``warm_up(set_threads)`` must run before the first request
+    device_sampling: bool = False  # logits stay on an accelerator; tokens are picked there
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch!r} must be a positive integer")
+        if self.prefill_chunk is not None and not self.extend:
+            raise ValueError("prefill_chunk needs extend")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    n_slots: int
+    max_len: int
+    vocab_size: int
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]): ...
+
+    def extend(self, rows: list[int], pieces: list[list[int]]): ...
+
+    def decode(self, rows: list[int], tokens: list[int]): ...
+
+    def release(self, row: int) -> None: ...
+
+    def warm_up(self, set_threads: Callable[[int], None] | None = None) -> None: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class BackendBase:
+    """Defaults for the optional parts of :class:`Backend`: no chunked prefill, no warm-up, nothing to describe.
+    ``release`` and ``capabilities`` are each backend's own."""
+
+    def extend(self, rows: list[int], pieces: list[list[int]]):
+        raise NotImplementedError(f"the {self.name} backend prefills whole prompts (capabilities.extend is False)")
+
+    def warm_up(self, set_threads: Callable[[int], None] | None = None) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {}

@@ -1,0 +1,66 @@
+"""What ``Engine.load`` asks of a runtime, checked once before any runtime loads (torch-free: the CLI reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prunus.artifacts.errors import PrunusError
+
+PREFILL_CHUNK = 256  # tokens per row per prefill pass of the torch backend; see prunus.serve.engine.Engine.load
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    tp: int = 1
+    device: str = "cpu"
+    max_batch: int = 8
+    max_len: int | None = None  # None: the artifact's max_seq_len (set by :meth:`with_max_len`)
+    dtype: str | None = None
+    threads: int | None = None
+    compile: bool | str = "auto"
+    prefill_chunk: int | None = PREFILL_CHUNK
+    device_map: object = None
+    max_memory: object = None
+    prompt_graph: bool = False
+    native: bool = False
+
+    def check(self, backend: str) -> None:
+        """One PrunusError line for an option that is malformed or does not apply to ``backend``."""
+        tp, compile = self.tp, self.compile
+        if not isinstance(tp, int) or tp < 1:
+            raise PrunusError(f"tp={tp!r} must be a positive integer")
+        if compile not in (True, False, "auto"):
+            raise PrunusError(f"compile={compile!r}: choose True, False or 'auto'")
+        if compile is True and (backend != "torch" or tp > 1):
+            raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
+        if tp > 1 and backend != "torch":
+            raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
+        for wanted, name in ((self.prompt_graph, "prompt_graph"), (self.native, "native")):
+            if wanted and backend != "onnxruntime":
+                raise PrunusError(f"{name} applies to an ONNX Runtime export dir, not the {backend} backend; "
+                                  f"drop it (--{name.replace('_', '-')})")
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise PrunusError(f"max_batch={self.max_batch!r} must be a positive integer")
+        threads = self.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise PrunusError(f"threads={threads!r} must be a positive integer (or None to time 1 against all)")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise PrunusError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+
+    def check_placement(self, backend: str) -> None:
+        """``device_map`` / ``max_memory``: a model dir's modules placed for the torch backend in one process."""
+        if self.device_map is not None:
+            if backend != "torch" or self.tp > 1 or self.compile is True:
+                raise PrunusError(f"device_map places a model dir's modules for the torch backend in one process, not "
+                                  f"{backend} with tp={self.tp}{' and compile' if self.compile is True else ''}")
+        elif self.max_memory is not None:
+            raise PrunusError("max_memory applies with device_map='auto'; add device_map='auto' (--device-map auto)")
+
+    def max_len_for(self, config: dict) -> int:
+        """``max_len``, or the artifact's context where it is None; checked against that context."""
+        limit = (config.get("export") or config["model"]).get("max_seq_len") or config["model"]["max_seq_len"]
+        max_len = limit if self.max_len is None else self.max_len
+        if not 1 < max_len <= limit:
+            raise PrunusError(f"max_len={max_len} must be between 2 and the model's max_seq_len {limit}")
+        return max_len

@@ -1,0 +1,90 @@
+"""The runtimes: one row each, naming the ``--backend`` it serves under, what artifact it recognises, and the
+module whose ``load(path, config, options)`` builds its :class:`~prunus.runtime.backend.Backend`.
+
+Torch-free at import: the CLI reads :data:`BACKENDS` without importing torch; a runtime's module is imported
+when it loads. ``Engine.load`` (:mod:`prunus.serve.engine`) is :func:`load_runtime`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .load_options import LoadOptions
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what --backend names
+EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}  # an export dir's format -> the backend it needs
+
+
+@dataclass
+class Loaded:
+    """What a runtime's ``load`` returns: the backend, the tokenizer, and facts for the engine's info."""
+
+    backend: object
+    tokenizer: object
+    info: dict = field(default_factory=dict)
+
+
+def _export(config: dict) -> dict:
+    export = config.get("export")
+    return export if isinstance(export, dict) else {}
+
+
+def _genai(config: dict) -> bool:
+    return _export(config).get("format") == "onnx" and _export(config).get("graph") == "genai"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    backend: str  # the --backend it serves under
+    module: str  # prunus.runtime.<module>, whose load(path, config, options) -> Loaded
+    loads: str  # what it recognises, in words
+    recognises: Callable[[dict, LoadOptions], bool]
+
+    def load(self, path: Path, config: dict, options: LoadOptions) -> Loaded:
+        return importlib.import_module(f"prunus.runtime.{self.module}").load(path, config, options)
+
+
+# First match wins: a row narrower than the next comes first.
+RUNTIMES = (
+    Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
+            lambda c, o: "export" not in c and o.tp > 1),
+    Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",
+            lambda c, o: "export" not in c),
+    Runtime("native", "onnxruntime", "native", "an ONNX genai export dir, native=True (decode in prunus's kernels)",
+            lambda c, o: _genai(c) and o.native),
+    Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
+            lambda c, o: _genai(c)),
+    Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
+            lambda c, o: _export(c).get("format") in ("onnx", "tensorrt")),
+    Runtime("tensorrt", "tensorrt", "tensorrt", "a TensorRT export dir (prefill.plan / decode.plan)",
+            lambda c, o: _export(c).get("format") == "tensorrt"),
+)
+
+
+def find_runtime(backend: str, config: dict, options: LoadOptions) -> Runtime:
+    """The first row serving under ``backend`` that recognises the artifact's config.json."""
+    return next(r for r in RUNTIMES if r.backend == backend and r.recognises(config, options))
+
+
+def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) -> Loaded:
+    """The artifact at ``path`` (a model dir or an export dir) loaded by its runtime, every option checked first;
+    ``backend=None`` picks the one the artifact needs. ``info`` holds what was loaded and how."""
+    from dataclasses import replace
+
+    from .artifact import resolve_backend
+
+    path = Path(path)
+    backend, config = resolve_backend(path, backend)
+    options.check(backend)
+    options = replace(options, max_len=options.max_len_for(config))
+    options.check_placement(backend)
+    runtime = find_runtime(backend, config, options)
+    loaded = runtime.load(path, config, options)
+    loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
+                   "device": options.device, "max_batch": options.max_batch, "max_len": options.max_len,
+                   "compile": options.compile is True, **loaded.info}
+    return loaded

@@ -1,0 +1,132 @@
+"""The runtime floor's contract: the import graph between stages, and every registered runtime's backend
+declaring its capabilities and implementing ``release(row)`` (:class:`prunus.runtime.backend.Backend`)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from prunus.runtime.backend import Backend, BackendBase, Capabilities
+from prunus.runtime.load_options import LoadOptions
+from prunus.runtime.registry import BACKENDS, RUNTIMES, find_runtime
+from prunus.runtime.sampling import RowSampling, sample
+
+ROOT = Path(__file__).resolve().parents[1]
+# stage -> stages it must never import
+FORBIDDEN = {"serve": ("export", "native"), "export": ("native", "serve"), "runtime": ("serve", "export"),
+             "native": ("serve", "export", "runtime")}
+
+
+def _imported_stages(path: Path, stage: str) -> set[str]:
+    """The prunus stages a module imports, absolute (prunus.x) or relative (from ..x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                names = [f"prunus.{stage}"]
+            elif node.level >= 2:
+                names = [f"prunus.{node.module or (node.names[0].name)}"]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "prunus" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("stage", sorted(FORBIDDEN))
+def test_the_import_graph_points_down_the_pipeline(stage):
+    bad = [f"{p.relative_to(ROOT)} imports prunus.{s}" for p in sorted((ROOT / stage).glob("*.py"))
+           for s in sorted(_imported_stages(p, stage) & set(FORBIDDEN[stage]))]
+    assert not bad, bad
+
+
+def test_the_import_check_sees_imports_inside_functions(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from prunus.export.parity import check_parity\n    from ..native import build\n")
+    assert _imported_stages(f, "serve") == {"export", "native"}
+
+
+def _backend_classes() -> list[type]:
+    """The backend class each registered runtime's module defines."""
+    out = []
+    for runtime in RUNTIMES:
+        module = importlib.import_module(f"prunus.runtime.{runtime.module}")
+        classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
+                   if issubclass(c, BackendBase) and c is not BackendBase]
+        assert classes and callable(getattr(module, "load", None)), runtime.name
+        out += classes
+    return sorted(set(out), key=lambda c: c.__name__)
+
+
+def test_every_runtime_is_one_row_with_a_loader_and_a_backend_under_a_known_name():
+    assert len({r.name for r in RUNTIMES}) == len(RUNTIMES)
+    assert {r.backend for r in RUNTIMES} == set(BACKENDS)
+    names = {c.__name__ for c in _backend_classes()}
+    assert {"TorchBackend", "TPBackend", "GraphBackend", "GenaiBackend"} <= names
+
+
+@pytest.mark.parametrize("cls", _backend_classes(), ids=lambda c: c.__name__)
+def test_every_backend_declares_capabilities_and_implements_release(cls):
+    """Every part of the protocol is there; capabilities is a declared property, release the backend's own."""
+    for name in ("capabilities", "prefill", "extend", "decode", "release", "warm_up", "describe", "close"):
+        assert callable(getattr(cls, name, None)) or name == "capabilities", name
+    assert isinstance(inspect.getattr_static(cls, "capabilities"), property)
+    assert "release" not in vars(BackendBase) and callable(cls.release)
+
+
+def test_the_torch_backend_conforms_and_keeps_logits_on_its_device(tiny_model):
+    from prunus.runtime.torch import TorchBackend
+
+    backend = TorchBackend(tiny_model, 2, 32, prefill_chunk=8)
+    assert isinstance(backend, Backend)
+    caps = backend.capabilities
+    assert caps == Capabilities(max_batch=2, extend=True, prefill_chunk=8, tunable_threads=True)
+    logits = backend.prefill([1], [[3, 4, 5]])
+    assert logits.device == backend.device and logits.shape == (1, tiny_model.config.vocab_size)
+    backend.decode([1], [7])
+    assert int(backend.cache.lengths[1]) == 4
+    backend.release(1)
+    assert int(backend.cache.lengths[1]) == 0
+
+
+def test_capabilities_are_frozen_and_checked():
+    caps = Capabilities(max_batch=4)
+    with pytest.raises(AttributeError):
+        caps.max_batch = 2
+    with pytest.raises(ValueError):
+        Capabilities(max_batch=0)
+    with pytest.raises(ValueError):
+        Capabilities(max_batch=1, prefill_chunk=8)  # chunks need extend
+
+
+def test_the_registry_picks_the_runtime_the_artifact_needs():
+    model, onnx = {"model": {}}, {"model": {}, "export": {"format": "onnx", "graph": "torch"}}
+    genai = {"model": {}, "export": {"format": "onnx", "graph": "genai"}}
+    trt = {"model": {}, "export": {"format": "tensorrt"}}
+    o = LoadOptions()
+    assert find_runtime("torch", model, o).name == "torch"
+    assert find_runtime("torch", model, LoadOptions(tp=2)).name == "torch_tp"
+    assert find_runtime("onnxruntime", onnx, o).name == "ort_graphs"
+    assert find_runtime("onnxruntime", genai, o).name == "ort_genai"
+    assert find_runtime("onnxruntime", genai, LoadOptions(native=True)).name == "native"
+    assert find_runtime("tensorrt", trt, o).name == "tensorrt"
+
+
+def test_sampling_greedy_rows_take_the_argmax_and_seeded_rows_repeat():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    assert sample(logits, [RowSampling(), RowSampling()]) == [1, 0]
+    seeded = [RowSampling(), RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(5))]
+    again = [RowSampling(), RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(5))]
+    first, second = sample(logits, seeded), sample(logits, again)
+    assert first == second and first[0] == 1
