@@ -1,27 +1,29 @@
-"""Every fenced code block of README.md runs as written, against demo-sized artifacts.
+"""Every fenced code block of README.md and docs/*.md runs as written, against demo-sized artifacts.
 
-README's ```python, ```bash / ```sh and ```console blocks are extracted in order and run in one
-scratch directory (never the checkout) that a session fixture fills with what ``make demo``
-leaves behind -- ``runs/demo/model`` (a tiny model trained for a few steps) and
-``runs/demo/int8`` (its int8 weight-only compression) -- plus the input files the commands
-name (``notes.txt``, ``tokens.bin``, ``./Qwen-dir``, a GGUF file, ``my.yaml``, ``run.toml``).
-Blocks run in README order and see each other's outputs, as a reader's shell would.
+The ```python, ```bash / ```sh and ```console blocks of README.md, then of the docs pages in
+``DOC_ORDER`` (and any other docs/*.md after them), are extracted in order and run in one scratch
+directory (never the checkout) that a session fixture fills with what ``make demo`` leaves behind
+-- ``runs/demo/model`` (a tiny model trained for a few steps) and ``runs/demo/int8`` (its int8
+weight-only compression) -- plus the input files the commands name (``notes.txt``, ``tokens.bin``,
+``./Qwen-dir``, a GGUF file, ``my.yaml``, ``run.toml``). Blocks run in that order and see each
+other's outputs, as a reader's shell would (docs/serving.md serves the chat model that
+docs/interop.md converts).
 
 How a block runs:
 - ``python``: the whole block in a fresh interpreter (``python -c``), cwd the scratch dir.
 - ``bash`` / ``sh``: one command per line (``\\`` continues a line, ``#`` starts a comment).
   ``prunus VERB ...`` runs in this process through click's test runner (the same entry point
   as the ``prunus`` script, without paying torch's import once per line); ``> FILE`` writes its
-  output to FILE. ``prunus serve ...`` starts the real server in the background (the README
-  says the curl lines come "from another shell") and waits for ``/health``; ``curl`` lines run
+  output to FILE. ``prunus serve ...`` starts the real server in the background (the docs
+  say the curl lines come "from another shell") and waits for ``/health``; ``curl`` lines run
   as processes against it; the server stops at the end of the block.
 - ``console``: ``$ `` lines are commands as above; the lines after one are its expected output.
 
 The only liberties taken are sizes (``VALUES``, ``DEFAULTS``, ``PYTHON_SIZES`` below) and the port
-(``PORT`` becomes a free one); every value replaced is checked to still occur in README, so the
+(``PORT`` becomes a free one); every value replaced is checked to still occur in the docs, so the
 mapping cannot go stale silently. The Makefile's own blocks are not run (see their marker).
-A block that cannot run here (a GPU, many processes or hosts, a long run) is preceded in
-README by ``<!-- not-run: REASON -->``; the reason may not be empty.
+A block that cannot run here (a GPU, many processes or hosts, a long run) is preceded in its
+file by ``<!-- not-run: REASON -->``; the reason may not be empty.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ from prunus.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# the docs pages in reading order: a later page may use what an earlier one wrote (runs/onnx-int8, models/smollm2)
+DOC_ORDER = ("training", "compression", "export", "interop", "serving", "native", "results")
 RUNNABLE = {"python", "bash", "sh", "console"}
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->")
 FENCE = re.compile(r"^```([\w-]*)\s*$")
 
-# --- the size mapping: README's sizes -> demo sizes (only sizes; every key must occur in README) ---
+# --- the size mapping: the docs' sizes -> demo sizes (only sizes; every key must occur in the docs) ---
 # Flag values replaced, per verb ...
 VALUES = {"train": {"--preset": {"small": "tiny"}, "--steps": {"1000": "6", "5000": "4"}, "--stop-at": {"400": "3"}}}
 # ... and sizes added where the command leaves them to their defaults (train: only a command that
@@ -64,8 +68,15 @@ DEFAULTS = {("train", None): {"--preset": "tiny", "--steps": "6", "--seq-len": "
 # Python blocks: exact text -> text.
 PYTHON_SIZES = {'preset="small", steps=300': 'preset="tiny", steps=4, seq_len=32, batch_size=4, warmup_steps=1, '
                                              'eval_every=2, eval_tokens=1024, max_corpus_bytes=100_000'}
-# README's example port -> a free one (set per session).
+# the docs' example port -> a free one (set per session).
 PORT = "8000"
+
+
+def doc_files() -> list[Path]:
+    """README.md, the pages of DOC_ORDER, then any other docs page: the order their blocks run in."""
+    pages = [ROOT / "docs" / f"{name}.md" for name in DOC_ORDER]
+    others = sorted(p for p in (ROOT / "docs").glob("*.md") if p not in pages)
+    return [README, *[p for p in pages if p.exists()], *others]
 
 
 @dataclass
@@ -74,14 +85,20 @@ class Block:
     lang: str
     code: str
     not_run: str | None  # the reason given in a not-run marker, or None
+    file: str = "README.md"  # relative to the repository root
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{self.lang}"
+        return f"{self.file}:L{self.line}-{self.lang}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file} line {self.line}"
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """Every fenced block of README.md, with the not-run marker on the nearest non-blank line above it."""
+def readme_blocks(text: str | None = None, file: str = "README.md") -> list[Block]:
+    """Every fenced block of a markdown text (README.md by default), with the not-run marker on the nearest
+    non-blank line above it."""
     lines = (README.read_text() if text is None else text).splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -92,12 +109,21 @@ def readme_blocks(text: str | None = None) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         above = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         marker = NOT_RUN.search(above)
-        blocks.append(Block(i + 1, m.group(1), "\n".join(lines[i + 1:end]), marker and marker.group(1).strip()))
+        blocks.append(Block(i + 1, m.group(1), "\n".join(lines[i + 1:end]), marker and marker.group(1).strip(), file))
         i = end + 1
     return blocks
 
 
-BLOCKS = [b for b in readme_blocks() if b.lang in RUNNABLE]
+def all_blocks() -> list[Block]:
+    """The blocks of README.md and every docs page, in the order they run."""
+    return [b for path in doc_files() for b in readme_blocks(path.read_text(), str(path.relative_to(ROOT)))]
+
+
+def all_text() -> str:
+    return "\n".join(path.read_text() for path in doc_files())
+
+
+BLOCKS = [b for b in all_blocks() if b.lang in RUNNABLE]
 
 
 def shell_lines(code: str) -> list[str]:
@@ -116,7 +142,7 @@ def shell_lines(code: str) -> list[str]:
 
 
 def sized(args: list[str]) -> list[str]:
-    """A `prunus VERB ...` argument list with README's sizes replaced by the demo sizes above."""
+    """A `prunus VERB ...` argument list with the docs' sizes replaced by the demo sizes above."""
     args, verb = list(args), args[0] if args else ""
     for i, a in enumerate(args[:-1]):
         args[i + 1] = VALUES.get(verb, {}).get(a, {}).get(args[i + 1], args[i + 1])
@@ -131,7 +157,7 @@ def sized(args: list[str]) -> list[str]:
     return args
 
 
-# --- the workspace: what `make demo` leaves, and the inputs README's commands name --------------------
+# --- the workspace: what `make demo` leaves, and the inputs the docs' commands name -------------------
 
 
 def _free_port() -> int:
@@ -232,15 +258,15 @@ def run_shell_block(block: Block, cwd: Path, port: str) -> None:
         for words in shell_lines(block.code.replace(PORT, port)):
             cmd = shlex.join(words)
             if words[0] == "prunus" and words[1:2] == ["serve"]:
-                assert not servers, f"README line `{cmd}`: one server per block (both would take port {PORT})"
+                assert not servers, f"{block.where}: `{cmd}`: one server per block (both would take port {PORT})"
                 servers.append(Server(words, cwd, port))
             elif words[0] == "prunus":
                 code, output = run_prunus(words, cwd)
-                assert code == 0, f"README line `{cmd}` exited {code}:\n{output}"
+                assert code == 0, f"{block.where}: `{cmd}` exited {code}:\n{output}"
             elif words[0] == "curl":
                 run_curl(words, cwd)
             else:
-                raise AssertionError(f"README line `{cmd}`: the test knows prunus and curl only; mark the block "
+                raise AssertionError(f"{block.where}: `{cmd}`: the test knows prunus and curl only; mark the block "
                                      "not-run with a reason, or teach this test the command")
     finally:
         for s in servers:
@@ -256,7 +282,7 @@ def run_console_block(block: Block, cwd: Path) -> None:
         expected = "\n".join(lines[i + 1:(starts[n + 1] if n + 1 < len(starts) else len(lines))]).strip()
         assert words[0] == "prunus", lines[i]
         _, output = run_prunus(words, cwd)
-        assert output.strip() == expected, f"`{lines[i][2:]}` printed:\n{output}\nREADME shows:\n{expected}"
+        assert output.strip() == expected, f"`{lines[i][2:]}` printed:\n{output}\n{block.where} shows:\n{expected}"
 
 
 def run_python_block(block: Block, cwd: Path) -> None:
@@ -265,7 +291,7 @@ def run_python_block(block: Block, cwd: Path) -> None:
         code = code.replace(old, new)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, f"README python block at line {block.line} failed:\n{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, f"python block at {block.where} failed:\n{r.stdout}\n{r.stderr}"
     assert r.stdout.strip(), "the block printed nothing"
 
 
@@ -273,17 +299,17 @@ def run_python_block(block: Block, cwd: Path) -> None:
 
 
 def test_every_skipped_block_gives_a_reason():
-    blocks = readme_blocks()
-    assert [b for b in blocks if b.lang in RUNNABLE and b.not_run is None], "no README block runs"
+    blocks = all_blocks()
+    assert [b for b in blocks if b.file == "README.md" and b.lang in RUNNABLE and b.not_run is None], "no README block runs"
     for b in blocks:
         if b.not_run is not None:
-            assert b.not_run, f"README line {b.line}: a not-run marker needs a reason"
-            assert b.lang in RUNNABLE, f"README line {b.line}: a not-run marker on a block that never runs"
+            assert b.not_run, f"{b.where}: a not-run marker needs a reason"
+            assert b.lang in RUNNABLE, f"{b.where}: a not-run marker on a block that never runs"
 
 
-def test_the_size_mapping_matches_readme():
-    """Every size the test replaces still occurs in README, so the mapping cannot rot silently."""
-    text = README.read_text()
+def test_the_size_mapping_matches_the_docs():
+    """Every size the test replaces still occurs in README.md or a docs page, so the mapping cannot rot silently."""
+    text = all_text()
     for old in PYTHON_SIZES:
         assert old in text, old
     commands = [w[1:] for b in BLOCKS if b.lang in ("bash", "sh") for w in shell_lines(b.code) if w[0] == "prunus"]
@@ -292,6 +318,24 @@ def test_the_size_mapping_matches_readme():
             for value in values:
                 assert any(w[0] == verb and flag in w and w[w.index(flag) + 1] == value for w in commands), (flag, value)
     assert f"localhost:{PORT}" in text
+
+
+def test_the_docs_hang_together():
+    """README stays short; every docs page is linked from it; relative links and images point at files that exist;
+    every picture in docs/ is shown somewhere."""
+    readme = README.read_text()
+    assert len(readme.splitlines()) <= 300
+    shown = set()
+    for path in doc_files():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", path.read_text()):
+            if "://" in target:
+                continue
+            assert (path.parent / target).exists(), f"{path.relative_to(ROOT)}: link to {target}, which does not exist"
+            shown.add((path.parent / target).resolve())
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f"](docs/{page.name})" in readme, f"README.md does not link {page.relative_to(ROOT)}"
+    for picture in (ROOT / "docs").glob("*.png"):
+        assert picture.resolve() in shown, f"{picture.relative_to(ROOT)} is shown by no page"
 
 
 def test_marker_parsing():
@@ -309,7 +353,7 @@ def test_marker_parsing():
 def test_the_recipe_shown_is_the_shipped_file():
     """A ```yaml block headed by a recipe's path shows that shipped recipe's passes."""
     yaml = pytest.importorskip("yaml")
-    shown = [b for b in readme_blocks() if b.lang == "yaml" and b.code.startswith("# compress/recipes/")]
+    shown = [b for b in all_blocks() if b.lang == "yaml" and b.code.startswith("# compress/recipes/")]
     assert shown
     for b in shown:
         name = b.code.splitlines()[0][2:].strip()
