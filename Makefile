@@ -7,7 +7,7 @@ STAMP := $(VENV)/.prunus-installed
 # Where torch's CPU build comes from. The pin alone does not keep CUDA off a CPU machine: on plain PyPI
 # torch==2.13.0 is the CUDA build, and this index holds 2.13.0+cpu, which pip prefers. It is probed first
 # (5 s at most) and skipped with a note when unreachable, then pip's own configuration decides.
-# `make install TORCH_INDEX=` skips it; TORCH_INDEX=https://download.pytorch.org/whl/cu128 picks a CUDA build.
+# `make test TORCH_INDEX=` uses no extra index; another URL (a mirror, a CUDA index) picks another build.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIN := torch==2.13.0
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
