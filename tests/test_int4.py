@@ -260,7 +260,7 @@ def test_cli_int4_compress_and_bad_input(tmp_path, trained_run, text_file):
     assert isinstance(model.layers["0"].feed_forward.w2, Int4Linear) and model.layers["0"].feed_forward.w2.group_size == 64
     for text, needles in [
         ("{scheme: int4-weight-only, group_size: 128}", ["quantize layers.0.attention.wq", "does not divide in_features 64"]),
-        ("{scheme: int4-weight-only, algorithm: squeeze}", ["unknown int4 algorithm 'squeeze'"]),
+        ("{scheme: int4-weight-only, algorithm: squeeze}", ["quantize.algorithm='squeeze' is not valid; use one of rtn"]),
         ("{scheme: int4-weight-only, algorithm: gptq, n_calib: 0}", ["n_calib"]),
     ]:
         recipe.write_text(f"passes:\n  - quantize: {text}\n")
