@@ -1,10 +1,11 @@
 """The safetensors header, checked before any tensor is read: the validator of ``model.safetensors``.
 
 A file is an 8-byte little-endian header length, a JSON header (tensor name -> dtype, shape,
-data offsets; an optional ``__metadata__``) and the data. :func:`read_header` refuses a header
-length beyond the file or above :data:`MAX_HEADER_BYTES`, a header that is not a JSON object of
-that shape, and tensors whose bytes lie outside the file or disagree with their dtype and
-shape. :func:`check_shapes` compares the tensors with what ``config.json`` builds, so a
+data offsets; an optional ``__metadata__`` of strings) and the data. :func:`read_header` refuses a
+header length beyond the file or above :data:`MAX_HEADER_BYTES`, a header that is not a UTF-8 JSON
+object of that shape, tensors whose bytes lie outside the file or disagree with their dtype and
+shape, and offsets that do not tile the data exactly (a gap, an overlap, bytes after the last
+tensor): every file the safetensors library would refuse is one line here first. :func:`check_shapes` compares the tensors with what ``config.json`` builds, so a
 config that does not fit its weights is one line naming both, not an allocation or a
 ``load_state_dict`` traceback.
 """
@@ -43,19 +44,51 @@ def read_header(path: str | Path, fix: str = FIX) -> dict[str, dict]:
             raw = f.read(n)
     except OSError as e:
         raise PrunusError(f"{path}: cannot be read ({e.strerror}); {fix}") from None
-    header = parse_json(raw, str(path), fix)
+    try:
+        text = raw.decode("utf-8")  # what the format says (json.loads alone would take UTF-16 too)
+    except UnicodeDecodeError as e:
+        raise PrunusError(f"{path}: the safetensors header is not valid JSON (not UTF-8 at byte {e.start}); {fix}") from None
+    header = parse_json(text, str(path), fix)
     if not isinstance(header, dict):
         raise PrunusError(f"{path}: the safetensors header is not a JSON object; {fix}")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) and _utf8(k + v) for k, v in metadata.items()):
+        raise PrunusError(f"{path}: the safetensors __metadata__ {short(metadata)} is not a mapping of strings; {fix}")
     data_bytes = size - 8 - n
     for name, entry in header.items():
         _check_entry(path, name, entry, data_bytes, fix)
+    _check_tiling(path, header, data_bytes, fix)
     return header
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" in JSON parses to a lone surrogate, which no UTF-8 reader takes
+        return False
+    return True
+
+
+def _check_tiling(path: Path, header: dict[str, dict], data_bytes: int, fix: str) -> None:
+    """The tensors' bytes, in offset order, follow one another from the first data byte to the last (the
+    format's rule, which the safetensors library enforces when it opens the file)."""
+    end = 0
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        start, stop = entry["data_offsets"]
+        if start != end:
+            raise PrunusError(f"{path}: tensor {short(name)} starts at data byte {start:,}, not {end:,} where the "
+                              f"previous one ends (a gap or an overlap); {fix}")
+        end = stop
+    if end != data_bytes:
+        raise PrunusError(f"{path}: the tensors hold {end:,} of the file's {data_bytes:,} data bytes "
+                          f"(truncated, or bytes after them); {fix}")
 
 
 def _check_entry(path: Path, name: str, entry, data_bytes: int, fix: str) -> None:
     where = f"{path}: tensor {short(name)}"
-    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_BYTES:
+    if not _utf8(name):
+        raise PrunusError(f"{where}: the name is not UTF-8 text (a lone surrogate escape); {fix}")
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_BYTES:
         raise PrunusError(f"{where} has no known dtype; {fix}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
@@ -65,6 +98,8 @@ def _check_entry(path: Path, name: str, entry, data_bytes: int, fix: str) -> Non
             or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
         raise PrunusError(f"{where}: data offsets {short(offsets)} lie outside the file's {data_bytes} data bytes "
                           f"(truncated?); {fix}")
+    if math.prod(d for d in shape if d) >= 2**64:  # the library multiplies the sizes in 64 bits
+        raise PrunusError(f"{where}: shape {short(shape)} holds more elements than a 64-bit count; {fix}")
     if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[entry["dtype"]]:
         raise PrunusError(f"{where}: {offsets[1] - offsets[0]} bytes do not hold a {entry['dtype']} tensor of shape "
                           f"{shape}; {fix}")

@@ -167,8 +167,8 @@ def _fits(value, kinds: set[str]) -> bool:
         return "None" in kinds
     if isinstance(value, bool):
         return "bool" in kinds
-    if isinstance(value, int):
-        return "int" in kinds or "float" in kinds
+    if isinstance(value, int):  # in a float field, one a float holds exactly (2**64 is not a usable scale)
+        return "int" in kinds or ("float" in kinds and abs(value) <= 2**53)
     if isinstance(value, float):
         return "float" in kinds and math.isfinite(value)
     if isinstance(value, str):

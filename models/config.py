@@ -15,6 +15,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 MAX_SEQ_LEN = 1 << 20  # the rotary tables of a longer context alone take gigabytes
+MAX_SIZE = 1 << 24  # any size or count of the architecture: far above every real model, and the products of a
+# few such sizes stay within torch's 64-bit element counts (a config of 2**64 experts is one line, not an overflow)
+_SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts", "top_k", "n_shared_experts",
+          "moe_ffn_dim", "head_dim", "rope_original_max_len", "sliding_window")
 
 
 def _swiglu_hidden(dim: int, multiple_of: int = 64) -> int:
@@ -112,6 +116,10 @@ class ModelConfig:
                 raise PrunusError(f"model config: {name}={getattr(self, name)!r} must be a positive number")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise PrunusError(f"model config: max_seq_len={self.max_seq_len} is above {MAX_SEQ_LEN:,} tokens")
+        for name in _SIZES:
+            value = getattr(self, name)
+            if isinstance(value, int) and value > MAX_SIZE:
+                raise PrunusError(f"model config: {name}={short(value)} is above {MAX_SIZE:,}, more than any model holds")
 
     def _validate_moe(self) -> None:
         if self.moe_ffn_dim is None:

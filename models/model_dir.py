@@ -28,6 +28,7 @@ from prunus.artifacts.manifest_schema import check_manifest, sha256_file, verify
 from prunus.artifacts.safetensors_header import check_shapes, read_header
 from prunus.artifacts.validate import read_dir_json, read_json_object
 from .llama import Transformer
+from .model_dir_fit import check_config_fits_header, check_dtype_kinds
 from .quantized import count_params, quantized_layout
 from .tokenizer import check_vocab, load_tokenizer
 
@@ -142,12 +143,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         verify_model_dir(path)
     cfg, config = read_config(path)
     compression = CompressionState.from_json(config.get("compression"), source=str(path / CONFIG))
+    weights = inside(path, WEIGHTS, fix="re-create the model dir")  # inside the dir, a regular file
+    header = read_header(weights)  # prunus.artifacts.safetensors_header
+    check_config_fits_header(cfg, header, str(path / CONFIG))  # before any module is built (.model_dir_fit)
     with torch.device("meta"):
         model = Transformer(cfg)
         quantized_layout(model, compression.quantized_modules)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    weights = inside(path, WEIGHTS, fix="re-create the model dir")  # inside the dir, a regular file
-    check_shapes(weights, read_header(weights), expected)  # prunus.artifacts.safetensors_header
+    expected = model.state_dict()
+    check_shapes(weights, header, {k: tuple(v.shape) for k, v in expected.items()})
+    check_dtype_kinds(weights, header, expected)
     state = load_file(weights, device=str(device)) if placement is None else _placed(weights, placement)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     streamed = set() if placement is None else set(expected) - set(state)
