@@ -324,6 +324,19 @@ def test_disk_full_anywhere_is_one_line(tmp_path, text_file, trained_run, monkey
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("line, words", [
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 2: JSON nested more than 100 deep"),
+    ('{"text": "ab", "n": ' + "9" * 5000 + "}", "line 2: not usable JSON (an integer of more than 4,300 digits)"),
+    ('{"text": "a\\ud800b"}', "line 2: holds text that is not valid UTF-8 (a lone surrogate '\\ud800')"),
+], ids=["deep", "bigint", "surrogate"])
+def test_hostile_training_rows_through_the_cli(tmp_path, line, words, assert_user_error):
+    """Fine-tuning rows that once gave tracebacks: one line naming the file and line, exit 2, no run dir."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "a fine row"}\n' + line + "\n")
+    assert_user_error(run("train", *TINY, "--data", data, "--out", tmp_path / "run"), f"{data} {words}")
+    assert not (tmp_path / "run").exists()
+
+
 # --- flags ---------------------------------------------------------------------------------------
 
 FLAG_CASES = [
