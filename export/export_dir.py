@@ -20,6 +20,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import onnx
 import torch
@@ -119,6 +120,48 @@ def load_export(path: str | Path):
     return config, load_tokenizer(config.get("tokenizer"), base_dir=path)
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes, settled before anything is written."""
+
+    precision: str
+    modules: dict  # name -> QuantizedLinear: stored (or fp8) weights the graphs carry as they are
+    opset: int
+    style: str  # int8 weights: "qdq", "integer" or "matmulnbits"
+    int4_style: str
+    graph: str  # "genai" or "torch"
+    external: bool
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One row of :data:`EXPORT_FORMATS`: what a format checks first, forces, and adds after the graphs."""
+
+    name: str
+    check: Callable  # (stored modules, model dir) -> None, before any graph is written
+    weight_style: str | None  # the int8 / int4 style it takes whatever is asked (None: the asked or default)
+    parity_config: dict | None  # ONNX Runtime session entries of its parity check
+    finish: Callable | None  # (tmp, export entry, plan, cfg, timing_cache, console) -> None, after parity
+
+
+def _check_tensorrt_format(modules: dict, model_dir: Path) -> None:
+    from . import tensorrt_build
+
+    check_tensorrt_int4(modules, model_dir)
+    tensorrt_build.check_tensorrt()
+
+
+def _finish_tensorrt(tmp: Path, export: dict, plan: ExportPlan, cfg, timing_cache, console) -> None:
+    export["graphs"] = {**ENGINE_GRAPHS, "onnx": dict(EXPORT_GRAPHS)}
+    export["engines"] = _build_engines(tmp, plan.precision, cfg, export["n_layers"], timing_cache, console)
+
+
+EXPORT_FORMATS = {
+    "onnx": ExportFormat("onnx", lambda modules, model_dir: None, None, None, None),
+    "tensorrt": ExportFormat("tensorrt", _check_tensorrt_format, "qdq", TENSORRT_PARITY_ORT_CONFIG, _finish_tensorrt),
+}
+
+
 def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx", precision: str | None = None,
                  opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
                  external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int | None = None,
@@ -126,91 +169,110 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                  graph: str | None = None) -> ExportResult:
     """Export ``model_dir`` to ``out`` and check it against the PyTorch model.
 
-    ``precision`` None keeps the model's own (fp32, or the int8 / fp8 of a compressed dir).
-    ``graph``: "genai" (one graph built around ONNX Runtime's fused operators, :mod:`prunus.export.genai_graph`),
-    "torch" (prefill and decode graphs through ``torch.onnx.export``) or None: genai where it supports the
-    model, the format and the precision, else torch.
+    ``format``: a row of :data:`EXPORT_FORMATS`. ``precision`` None keeps the model's own (fp32, or the int8 / fp8
+    of a compressed dir). ``graph``: "genai" (one graph built around ONNX Runtime's fused operators,
+    :mod:`prunus.export.genai_graph`), "torch" (prefill and decode graphs through ``torch.onnx.export``) or None:
+    genai where it supports the model, the format and the precision, else torch.
     ``verify`` False keeps an export whose parity check failed (the report still says so).
     Raises PrunusError on bad input and :class:`ParityFailed` when the check fails."""
     model_dir, out = Path(model_dir), Path(out)
-    if format not in FORMATS:
+    if format not in EXPORT_FORMATS:
         raise PrunusError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+    fmt = EXPORT_FORMATS[format]
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     manifest = verify_model_dir(model_dir)
     _, src_config = read_config(model_dir)
     model = load_model(model_dir, verify=False).float()
-    stored_modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    precision = _check_request(format, precision, _stored_precision(stored_modules), model_dir)
-    if format == "tensorrt":
-        from .tensorrt_build import check_tensorrt
-
-        check_tensorrt_int4(stored_modules, model_dir)
-        check_tensorrt()
-    modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})
-    need = required_opset(modules) if modules else MIN_OPSET
-    opset = opset or max(DEFAULT_OPSET[format], need)
-    if not need <= opset <= MAX_OPSET:
-        raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
-    style = "qdq" if format == "tensorrt" else (int8_style or ONNX_INT8_STYLE)
-    int4_style = "qdq" if format == "tensorrt" else "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
-    graph = _choose_graph(graph, format, model.config, modules, precision)
-    if graph == "genai" and int8_style is None:
-        style = "matmulnbits"  # stored int8-weight-only integers as MatMulNBits (bits 8), ONNX Runtime's weight-only kernel
+    plan = _plan(fmt, model, model_dir, precision, opset, int8_style, graph, external_data)
     tokenizer = load_model_tokenizer(model_dir)
-    cfg = model.config
     console = Console(stderr=True, quiet=not progress)
-    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
-    external = external_data if external_data is not None else weight_bytes > EXTERNAL_DATA_BYTES
-
     with atomic_dir(out, overwrite=overwrite) as tmp:
         with console.status("") as status:
-            plain = dequantized_copy(model, modules)
-            if precision == "fp16":  # a half model: float16 weights, past/present and logits
-                plain = copy.deepcopy(model).half()
-            graphs = {}
-            if graph == "genai":
-                status.update(f"export: genai graph (GroupQueryAttention, shared KV buffer, {precision})")
-                graphs["model"] = quantized_genai_graph(model, modules, precision, tmp, external, style, int4_style,
-                                                        opset)
-            for kind, fn in (("prefill", export_prefill), ("decode", export_decode)) if graph == "torch" else ():
-                status.update(f"export: {kind} graph (torch.onnx.export, opset {opset})")
-                proto = fn(plain, opset)
-                path = tmp / EXPORT_GRAPHS[kind]
-                if modules:
-                    status.update(f"export: {kind} graph, stored {precision} weights ({style})")
-                    apply_stored_quantization(proto, modules, style, int4_style)
-                if precision in ("int8", "int4") and not modules:
-                    status.update(f"export: {kind} graph, onnxruntime MatMulNBits ({precision})")
-                    fp32_path = tmp / f".{kind}.fp32.onnx"
-                    save_graph(proto, fp32_path, external)
-                    quantize_fp32_graph(fp32_path, path, external, bits=4 if precision == "int4" else 8)
-                    for f in tmp.glob(f".{kind}.fp32.onnx*"):
-                        f.unlink()
-                    onnx.checker.check_model(str(path))
-                else:
-                    save_graph(proto, path, external)
-                graphs[kind] = path
+            graphs = GRAPH_WRITERS[plan.graph](model, plan, tmp, status)
             status.update("parity: ONNX Runtime against PyTorch on held-out text")
-            report = _parity(model, graphs, tokenizer, cfg, precision, data, eval_tokens, format)
+            report = _parity(model, graphs, tokenizer, model.config, plan.precision, data, eval_tokens, fmt.name)
         if not report["passed"] and verify:
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
         tokenizer.save(tmp)
-        export = {"format": format, "precision": precision, "opset": opset, "graph": graph,
-                  "graphs": {"model": GENAI_GRAPH} if graph == "genai" else dict(EXPORT_GRAPHS),
-                  "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
-                  "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
-                  "int8_style": style if precision == "int8" else None,
-                  "int4_style": int4_style if precision == "int4" else None, "external_data": external}
-        if format == "tensorrt":
-            export["graphs"] = {**ENGINE_GRAPHS, "onnx": dict(EXPORT_GRAPHS)}
-            export["engines"] = _build_engines(tmp, precision, cfg, len(model.layers), timing_cache, console)
+        export = _export_entry(fmt.name, plan, model)
+        if fmt.finish is not None:
+            fmt.finish(tmp, export, plan, model.config, timing_cache, console)
         config = {**src_config, "export": export}
         atomic_write_json(tmp / CONFIG, config)
         _write_manifest(tmp, model_dir, manifest, report, command)
     return ExportResult(out, config, report)  # the caller says it was written, after reading the parity report
+
+
+def _plan(fmt: ExportFormat, model, model_dir: Path, precision: str | None, opset: int | None,
+          int8_style: str | None, graph: str | None, external_data: bool | None) -> ExportPlan:
+    """Every choice of the export checked and settled (one PrunusError line for a bad one) before any write."""
+    stored_modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    precision = _check_request(fmt.name, precision, _stored_precision(stored_modules), model_dir)
+    fmt.check(stored_modules, model_dir)
+    modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})
+    need = required_opset(modules) if modules else MIN_OPSET
+    opset = opset or max(DEFAULT_OPSET[fmt.name], need)
+    if not need <= opset <= MAX_OPSET:
+        raise PrunusError(f"--opset {opset}: this export needs an opset from {need} to {MAX_OPSET}")
+    style = fmt.weight_style or int8_style or ONNX_INT8_STYLE
+    int4_style = fmt.weight_style or "matmulnbits"  # TensorRT: blocked INT4 DequantizeLinear
+    graph = _choose_graph(graph, fmt.name, model.config, modules, precision)
+    if graph == "genai" and int8_style is None:
+        style = "matmulnbits"  # stored int8-weight-only integers as MatMulNBits (bits 8), ONNX Runtime's weight-only kernel
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    external = external_data if external_data is not None else weight_bytes > EXTERNAL_DATA_BYTES
+    return ExportPlan(precision, modules, opset, style, int4_style, graph, external)
+
+
+def _write_genai(model, plan: ExportPlan, tmp: Path, status) -> dict:
+    status.update(f"export: genai graph (GroupQueryAttention, shared KV buffer, {plan.precision})")
+    return {"model": quantized_genai_graph(model, plan.modules, plan.precision, tmp, plan.external, plan.style,
+                                           plan.int4_style, plan.opset)}
+
+
+def _write_torch_graphs(model, plan: ExportPlan, tmp: Path, status) -> dict:
+    """prefill.onnx and decode.onnx through torch.onnx.export, their weights stored or quantized as planned."""
+    precision, modules = plan.precision, plan.modules
+    plain = dequantized_copy(model, modules)
+    if precision == "fp16":  # a half model: float16 weights, past/present and logits
+        plain = copy.deepcopy(model).half()
+    graphs = {}
+    for kind, fn in (("prefill", export_prefill), ("decode", export_decode)):
+        status.update(f"export: {kind} graph (torch.onnx.export, opset {plan.opset})")
+        proto = fn(plain, plan.opset)
+        path = tmp / EXPORT_GRAPHS[kind]
+        if modules:
+            status.update(f"export: {kind} graph, stored {precision} weights ({plan.style})")
+            apply_stored_quantization(proto, modules, plan.style, plan.int4_style)
+        if precision in ("int8", "int4") and not modules:
+            status.update(f"export: {kind} graph, onnxruntime MatMulNBits ({precision})")
+            fp32_path = tmp / f".{kind}.fp32.onnx"
+            save_graph(proto, fp32_path, plan.external)
+            quantize_fp32_graph(fp32_path, path, plan.external, bits=4 if precision == "int4" else 8)
+            for f in tmp.glob(f".{kind}.fp32.onnx*"):
+                f.unlink()
+            onnx.checker.check_model(str(path))
+        else:
+            save_graph(proto, path, plan.external)
+        graphs[kind] = path
+    return graphs
+
+
+GRAPH_WRITERS = {"genai": _write_genai, "torch": _write_torch_graphs}
+
+
+def _export_entry(format: str, plan: ExportPlan, model) -> dict:
+    """config.json's ``export`` key: what was written and the dimensions a runtime needs."""
+    cfg, precision = model.config, plan.precision
+    return {"format": format, "precision": precision, "opset": plan.opset, "graph": plan.graph,
+            "graphs": {"model": GENAI_GRAPH} if plan.graph == "genai" else dict(EXPORT_GRAPHS),
+            "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+            "int8_style": plan.style if precision == "int8" else None,
+            "int4_style": plan.int4_style if precision == "int4" else None, "external_data": plan.external}
 
 
 def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None,

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import numpy as np
 
 from prunus.artifacts.errors import PrunusError
 
 from .build import library
-from .weights import KINDS, PackedLinear, PackedModel, read_genai_graph
+from .weights import KINDS, PackedLinear, PackedModel
 
 P, I32 = ctypes.c_void_p, ctypes.c_int32
 
@@ -80,20 +79,6 @@ class NativeDecoder:
     def _layer(x: dict) -> LayerC:
         return LayerC(*(_linear(x[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")),
                       _address(x["attn_norm"]), _address(x["ffn_norm"]), max(0, x["window"]))
-
-    @classmethod
-    def from_graph(cls, path: str | Path, dims: dict, k_buffers: list, v_buffers: list, n_slots: int, max_len: int,
-                   threads: int | None = None) -> "NativeDecoder":
-        """The decoder of the genai graph at ``path`` (weights external or not), or of its bytes."""
-        import onnx
-
-        if isinstance(path, bytes):
-            proto, where = onnx.load_model_from_string(path), "the genai graph"
-        else:
-            proto, where = onnx.load(str(path)), str(path)
-        packed = read_genai_graph(proto, dims, where)
-        del proto
-        return cls(packed, k_buffers, v_buffers, n_slots, max_len, threads)
 
     def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray,
                 every_position: bool = False) -> np.ndarray:
