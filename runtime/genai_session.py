@@ -31,10 +31,7 @@ The parity check's view of the same graph (every position's logits, greedy gener
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import torch
 
 from prunus.artifacts.errors import PrunusError
 
