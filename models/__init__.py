@@ -12,7 +12,8 @@ _EXPORTS = {
     "Transformer": "llama", "load_model": "model_dir", "load_model_tokenizer": "model_dir",
     "read_manifest": "model_dir", "save_model": "model_dir", "update_manifest_metrics": "model_dir",
     "verify_model_dir": "model_dir", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer", "ModuleFactory": "module_factory", "build_module": "module_factory",
+    "load_module": "module_dir", "save_module": "module_dir", "get_task": "tasks", "TASKS": "tasks",
 }
 __all__ = list(_EXPORTS)
 lazy_package(__name__, _EXPORTS)

@@ -76,10 +76,7 @@ def save_model(
     path = Path(path)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     check_vocab(tokenizer, model.config.vocab_size, getattr(tokenizer, "path", path))
-    parent_info = None
-    if parent is not None:
-        parent_manifest = read_manifest(parent)
-        parent_info = {"path": str(Path(parent).resolve()), "hash": dir_hash(parent_manifest["files"])}
+    parent_info = parent_entry(parent)
     with atomic_dir(path, overwrite=overwrite) as tmp:
         stored_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         model_cfg = model.config.replace(dtype=stored_dtype).to_dict()
@@ -94,20 +91,35 @@ def save_model(
         tokenizer.save(tmp)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        n_params = count_params(model)
-        manifest = {
-            "format": FORMAT,
-            "stage": stage,
-            "parent": parent_info,
-            "command": command if command is not None else shlex.join(sys.argv),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "files": files,
-            "metrics": {"params": n_params, "bytes_on_disk": sum((tmp / f).stat().st_size for f in files), **(metrics or {})},
-            "versions": versions(),
-        }
-        atomic_write_json(tmp / MANIFEST, manifest)
+        write_manifest(tmp, stage=stage, parent_info=parent_info, command=command,
+                       metrics={"params": count_params(model), **(metrics or {})})
     return path
+
+
+def parent_entry(parent: str | Path | None) -> dict | None:
+    """The manifest's ``parent``: the parent dir's path and content hash (its manifest read first), or None."""
+    if parent is None:
+        return None
+    return {"path": str(Path(parent).resolve()), "hash": dir_hash(read_manifest(parent)["files"])}
+
+
+def write_manifest(tmp: Path, *, stage: str, parent_info: dict | None, command: str | None, metrics: dict) -> dict:
+    """``prunus.json`` of the model dir being written in ``tmp``: the hash of every file there, the bytes on disk,
+    ``metrics``, the stage, parent, command and versions. Every model dir (transformer or generic module) is
+    vouched for by this one writer."""
+    files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {
+        "format": FORMAT,
+        "stage": stage,
+        "parent": parent_info,
+        "command": command if command is not None else shlex.join(sys.argv),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "metrics": {"bytes_on_disk": sum((tmp / f).stat().st_size for f in files), **metrics},
+        "versions": versions(),
+    }
+    atomic_write_json(tmp / MANIFEST, manifest)
+    return manifest
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -123,24 +135,44 @@ def verify_model_dir(path: str | Path) -> dict:
     return verify_files(path, read_manifest(path), required=(CONFIG, WEIGHTS))  # prunus.artifacts.manifest_schema
 
 
-def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
+def read_config_json(path: str | Path) -> dict:
+    """The model dir's config.json as an object (a regular file inside the dir, bounded, UTF-8, JSON)."""
     cpath = inside(path, CONFIG, fix="re-create the model dir")  # a regular file inside the dir (a FIFO: one line)
-    config = read_json_object(cpath, fix="re-create the model dir")
+    return read_json_object(cpath, fix="re-create the model dir")
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """The transformer's ModelConfig and config.json; one line for a generic module dir (``"kind": "module"``)."""
+    config = read_config_json(path)
+    cpath = Path(path) / CONFIG
+    if "kind" in config:
+        from .module_dir import not_a_transformer
+
+        raise not_a_transformer(path, config)
     if not isinstance(config.get("model"), dict):
         raise PrunusError(f"{cpath}: has no 'model' object; re-create the model dir")
     return ModelConfig.from_dict(config["model"], source=str(cpath)), config
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               verify: bool = True, placement=None) -> Transformer:
+               verify: bool = True, placement=None, trust_factory=None) -> Transformer:
     """Rebuild the module from a model dir. ``verify`` checks file hashes against the manifest.
 
     ``placement`` (a device map, prunus.serve.device_map): ``name -> device`` for each stored tensor, read one by
     one from the memory-mapped file to that device; None leaves it on the meta device (streamed from the file
-    at each forward). ``device`` then holds the buffers."""
+    at each forward). ``device`` then holds the buffers.
+
+    A generic module dir (config.json ``"kind": "module"``, :mod:`.module_dir`) is rebuilt by importing its
+    factory, which runs code: only when ``trust_factory`` trusts it (True, the spec or a list of specs,
+    :func:`~.module_factory.is_trusted`); None (the default) means the caller reads transformer dirs only.
+    A config.json without ``kind`` is the transformer."""
     path = Path(path)
     if verify:
         verify_model_dir(path)
+    if "kind" in (config := read_config_json(path)):
+        from .module_dir import load_module
+
+        return load_module(path, config, trust_factory=trust_factory, device=device, dtype=dtype)
     cfg, config = read_config(path)
     compression = CompressionState.from_json(config.get("compression"), source=str(path / CONFIG))
     weights = inside(path, WEIGHTS, fix="re-create the model dir")  # inside the dir, a regular file
