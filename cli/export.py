@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
@@ -15,9 +16,18 @@ PARITY_COLUMNS = [Column("check", justify="left", text=True), Column("value", ju
                   Column("limit", justify="left"), Column("", justify="left")]
 
 
+MODULE_CHECKS = [("max |Δoutputs|", "max_abs_outputs", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}")]
+
+
 def print_parity(console, title: str, report: dict) -> None:
     """The parity report as a table: each check's value beside its limit."""
     tol = report["tolerances"]
+    if "max_abs_outputs" in report:  # a generic module's report (prunus.export.module_export)
+        rows = [[label, fmt.format(report[key]), str(tol.get(key, "-")), "[red]FAIL" if key in report["failed"] else
+                 "[green]ok"] for label, key, fmt in MODULE_CHECKS if key in report]
+        rows.append(["held-out inputs", str(report["samples"]), "", ""])
+        print_fitted(console, PARITY_COLUMNS, rows, title=title)
+        return
     checks = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
               ("bits/byte increase", "bpb_increase", "{:+.5f}"), ("greedy agreement (64 tokens)", "greedy_agreement", "{:.4f}"),
               ("decode agreement (teacher-forced)", "decode_agreement", "{:.4f}")]
@@ -41,21 +51,27 @@ def print_parity(console, title: str, report: dict) -> None:
 @click.option("--no-verify", is_flag=True, help="Keep the export even if the parity check fails.")
 @click.option("--data", default=None,
               help="Held-out text for the parity check. Default: the slice prunus eval scores (English prose "
-                   "shipped with Python for a pretrained tokenizer, the built-in corpus for a byte-level one).")
+                   "shipped with Python for a pretrained tokenizer, the built-in corpus for a byte-level one). "
+                   "A generic module: an ImageFolder dir or synthetic:... spec (default: random inputs of its shape).")
 @click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--graph", type=click.Choice(GRAPHS), default=None,
               help="genai: one graph on ONNX Runtime's fused operators (GroupQueryAttention, shared KV buffer); "
                    "torch: prefill and decode graphs from torch.onnx.export. Default: genai where it supports the model.")
-def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite, graph):
+@click.option("--trust-factory", is_flag=True,
+              help="A generic module's model dir: import the factory its config.json names (that runs its code). "
+                   "Or list trusted specs in PRUNUS_TRUST_FACTORIES.")
+def command(model_dir, fmt, out, precision, opset, no_verify, data, external_data, overwrite, graph, trust_factory):
     """Export MODEL_DIR to ONNX Runtime or TensorRT and check it against PyTorch."""
     from prunus.export import ParityFailed, export_model
 
+    if trust_factory and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
     console = console_for_tables()
     try:
         result = export_model(model_dir, out, format=fmt, precision=precision, opset=opset, verify=not no_verify,
                               data=data, overwrite=overwrite, external_data=external_data or None, graph=graph,
-                              command=shlex.join(["prunus", *sys.argv[1:]]))
+                              command=shlex.join(["prunus", *sys.argv[1:]]), trust_factory=trust_factory)
     except ParityFailed as e:
         print_parity(console, f"parity {model_dir} ({e.report['precision']})", e.report)
         click.echo(f"Error: {e}", err=True)

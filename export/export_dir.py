@@ -32,7 +32,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import read_json_object
 from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
-                                     sha256_file, verify_model_dir, versions)
+                                     read_config_json, sha256_file, verify_model_dir, versions)
 from prunus.models.quantized import QuantizedLinear
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
@@ -166,7 +166,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
                  opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
                  external_data: bool | None = None, int8_style: str | None = None, eval_tokens: int | None = None,
                  command: str | None = None, progress: bool = True, timing_cache: str | Path | None = None,
-                 graph: str | None = None) -> ExportResult:
+                 graph: str | None = None, trust_factory=False) -> ExportResult:
     """Export ``model_dir`` to ``out`` and check it against the PyTorch model.
 
     ``format``: a row of :data:`EXPORT_FORMATS`. ``precision`` None keeps the model's own (fp32, or the int8 / fp8
@@ -174,6 +174,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     :mod:`prunus.export.genai_graph`), "torch" (prefill and decode graphs through ``torch.onnx.export``) or None:
     genai where it supports the model, the format and the precision, else torch.
     ``verify`` False keeps an export whose parity check failed (the report still says so).
+    A generic module dir (config.json ``"kind": "module"``) is exported by :mod:`.module_export`, its factory
+    imported only when ``trust_factory`` trusts it.
     Raises PrunusError on bad input and :class:`ParityFailed` when the check fails."""
     model_dir, out = Path(model_dir), Path(out)
     if format not in EXPORT_FORMATS:
@@ -183,6 +185,11 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     manifest = verify_model_dir(model_dir)
+    if "kind" in read_config_json(model_dir):  # any nn.Module: one ONNX graph, its own parity check
+        from .module_export import export_module
+
+        return export_module(model_dir, out, format=format, precision=precision, opset=opset, verify=verify, data=data,
+                             overwrite=overwrite, command=command, trust_factory=trust_factory, manifest=manifest)
     _, src_config = read_config(model_dir)
     model = load_model(model_dir, verify=False).float()
     plan = _plan(fmt, model, model_dir, precision, opset, int8_style, graph, external_data)
@@ -322,10 +329,15 @@ def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, 
     return built
 
 
-def _write_manifest(tmp: Path, model_dir: Path, parent_manifest: dict, report: dict, command: str | None) -> None:
+PARITY_METRICS = ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase", "greedy_agreement",
+                  "decode_agreement", "passed")
+
+
+def _write_manifest(tmp: Path, model_dir: Path, parent_manifest: dict, report: dict, command: str | None,
+                    keys: tuple[str, ...] = PARITY_METRICS) -> None:
+    """The export dir's prunus.json; ``keys``: the parity report's figures its metrics repeat."""
     files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
-    metrics = {k: report[k] for k in ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
-                                      "greedy_agreement", "decode_agreement", "passed")}
+    metrics = {k: report[k] for k in keys if k in report}
     metrics["bytes_on_disk"] = sum((tmp / f).stat().st_size for f in files)
     metrics["graph_bytes"] = sum((tmp / f).stat().st_size for f in files if ".onnx" in f)
     atomic_write_json(tmp / MANIFEST, {

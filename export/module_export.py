@@ -1,0 +1,141 @@
+"""A generic module's model dir -> an ONNX export dir, checked for parity against the PyTorch module.
+
+The module (rebuilt by its factory, imported only when trusted: :func:`prunus.models.module_dir.load_module`)
+is exported through ``torch.onnx.export`` (the dynamo exporter) as one graph ``model.onnx``: input ``input``
+of the sample shape the model dir records, with a dynamic batch axis; output ``output``. The parity check runs
+the graph in ONNX Runtime on held-out inputs (``--data``'s held-out split, else seeded random inputs of the
+recorded shape, 64 of them in one batch: another batch size than the one traced) and reports:
+
+* ``max_abs_outputs``: max |output_ort - output_torch|;
+* ``top1_agreement``: the share of inputs whose argmax over the last axis agrees (outputs with more than one
+  value per input).
+
+fp32 must match tightly (:data:`MODULE_TOLERANCES`); a failed check writes nothing unless ``verify`` is off.
+The export dir holds ``model.onnx``, ``parity.json``, ``config.json`` (the model dir's, plus ``export``) and
+``prunus.json``. Only ONNX at fp32 in this version.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.paths import check_output
+from prunus.models.module_dir import load_module, read_module_config
+from prunus.models.module_factory import reason
+
+from .parity import ParityFailed
+
+MODULE_TOLERANCES = {"fp32": {"max_abs_outputs": 1e-3, "top1_agreement": 1.0}}
+MODULE_PARITY_KEYS = ("max_abs_outputs", "top1_agreement", "passed")
+PROBE_SAMPLES = 64
+GRAPH = "model.onnx"
+
+
+def _random_inputs(spec: dict, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    shape, dtype = (n, *spec["shape"]), getattr(torch, spec["dtype"])
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    return torch.randint(0, spec.get("high", 2), shape, generator=gen).to(dtype)
+
+
+def probe_inputs(config: dict, data: str | None, model_dir: Path) -> torch.Tensor:
+    """The held-out inputs of the parity check (see the module docstring)."""
+    if data is not None:
+        from torch.utils.data import default_collate
+
+        from prunus.data.module_datasets import module_datasets
+
+        val = module_datasets(data)[1]
+        return default_collate([val[i] for i in range(min(len(val), PROBE_SAMPLES))])[0]
+    if config.get("input") is None:
+        raise PrunusError(f"{model_dir}: config.json records no input shape; pass --data with held-out samples")
+    return _random_inputs(config["input"], PROBE_SAMPLES)
+
+
+def _export_graph(module: torch.nn.Module, example: torch.Tensor, opset: int):
+    from torch.export import Dim
+
+    from .onnx_export import _export
+
+    try:
+        return _export(module, (example,), ["input"], ["output"], ({0: Dim("batch")},), opset)
+    except Exception as e:  # noqa: BLE001 - the user's module may not trace: one line naming the reason
+        raise PrunusError(f"export: torch.onnx.export could not export the module ({reason(e)}); make its forward "
+                          "traceable (torch.export)") from None
+
+
+def module_parity(module: torch.nn.Module, graph: Path, inputs: torch.Tensor, precision: str = "fp32") -> dict:
+    """The parity report of the ONNX graph at ``graph`` against ``module`` on ``inputs``."""
+    from prunus.runtime.ort_session import ort_session
+
+    session = ort_session(graph, os.cpu_count())
+    with torch.inference_mode():
+        ref = module(inputs).float()
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]).float()
+    if got.shape != ref.shape:
+        raise PrunusError(f"export: ONNX Runtime returns shape {tuple(got.shape)} where the module returns "
+                          f"{tuple(ref.shape)}; the graph does not keep the batch axis dynamic")
+    report = {"precision": precision, "max_abs_outputs": float((ref - got).abs().max()), "samples": len(inputs),
+              "output_shape": list(ref.shape[1:])}
+    if ref.ndim >= 2 and ref.shape[-1] > 1:
+        report["top1_agreement"] = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    tol = {k: v for k, v in MODULE_TOLERANCES[precision].items() if k in report}
+    failed = [k for k, lim in tol.items()
+              if math.isnan(report[k]) or (report[k] < lim if k == "top1_agreement" else report[k] > lim)]
+    return {**report, "tolerances": tol, "failed": failed, "passed": not failed}
+
+
+def _check_request(format: str, precision: str | None, opset: int | None) -> int:
+    from .onnx_export import DEFAULT_OPSET, MIN_OPSET
+
+    if format != "onnx":
+        raise PrunusError(f"--format {format}: a generic module exports to onnx in this version; use --format onnx")
+    if precision not in (None, "fp32"):
+        raise PrunusError(f"--precision {precision}: a generic module exports at fp32 in this version; drop --precision")
+    opset = opset or DEFAULT_OPSET["onnx"]
+    if not MIN_OPSET <= opset <= 23:
+        raise PrunusError(f"--opset {opset}: choose an opset from {MIN_OPSET} to 23")
+    return opset
+
+
+def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx", precision: str | None = None,
+                  opset: int | None = None, verify: bool = True, data: str | None = None, overwrite: bool = False,
+                  command: str | None = None, trust_factory=False, manifest: dict | None = None):
+    """Export the generic module dir ``model_dir`` to ``out`` (see the module docstring); an ExportResult.
+    Raises PrunusError on bad input and ParityFailed when the check fails (unless ``verify`` is False)."""
+    from .export_dir import PARITY, ExportResult, _write_manifest
+    from prunus.models.model_dir import CONFIG, verify_model_dir
+
+    model_dir, out = Path(model_dir), Path(out)
+    opset = _check_request(format, precision, opset)
+    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
+    if out.exists() and not overwrite:
+        raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
+    manifest = manifest or verify_model_dir(model_dir)
+    config = read_module_config(model_dir)
+    module = load_module(model_dir, config, trust_factory=trust_factory).float().eval()
+    inputs = probe_inputs(config, data, model_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        proto = _export_graph(module, inputs[:2] if len(inputs) > 2 else torch.cat([inputs, inputs])[:2], opset)
+        from .onnx_export import save_graph
+
+        save_graph(proto, tmp / GRAPH, external_data=False)
+        report = module_parity(module, tmp / GRAPH, inputs)
+        if not report["passed"] and verify:
+            raise ParityFailed(report)
+        atomic_write_json(tmp / PARITY, report)
+        export = {"format": "onnx", "precision": "fp32", "opset": opset, "graph": "module", "graphs": {"model": GRAPH},
+                  "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
+        config = {**config, "export": export}
+        atomic_write_json(tmp / CONFIG, config)
+        _write_manifest(tmp, model_dir, manifest, report, command, keys=MODULE_PARITY_KEYS)
+    return ExportResult(out, config, report)
