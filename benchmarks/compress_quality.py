@@ -235,7 +235,7 @@ def section_int4_ort_peers(bench: Bench) -> None:
     from prunus.data.evaluate import evaluate
     from prunus.export.onnx_export import dequantized_copy, export_prefill, save_graph
     from prunus.export.quantize_onnx import apply_stored_quantization
-    from prunus.models.quantized import QuantizedLinear
+    from prunus.models.quant_registry import quantized_modules
 
     ctx, rows = bench.ctx, []
     peer_calib = ctx.calibration(8)[:PEER_GPTQ_BATCHES]  # the first of the batches prunus's GPTQ reads
@@ -247,7 +247,7 @@ def section_int4_ort_peers(bench: Bench) -> None:
 
     def ours(name: str, path: Path, **kw) -> None:
         model = quantize_pass(bench.fresh(), ctx, scheme="int4-weight-only", group_size=INT4_GROUP, symmetric=False, **kw)
-        modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        modules = quantized_modules(model)
         proto = export_prefill(dequantized_copy(model, modules))
         apply_stored_quantization(proto, modules)
         save_graph(proto, path, external_data=False)

@@ -48,7 +48,7 @@ from prunus.export.onnx_export import dequantized_copy, export_decode, export_pr
 from prunus.export.parity import _nll_score  # noqa: E402
 from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph  # noqa: E402
 from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model  # noqa: E402
-from prunus.models.quantized import QuantizedLinear  # noqa: E402
+from prunus.models.quant_registry import quantized_modules  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _spread import NOTE, alternating_samples, ms, overlap  # noqa: E402
@@ -86,7 +86,7 @@ def stored_int8_dirs(model_dir: Path, work: Path, name: str) -> dict[str, Path]:
     for scheme in STORED:
         qmodel = load_model(model_dir)
         quantize_pass(qmodel, None, scheme=scheme, exclude=() if scheme == "w8a8-dynamic" else ("output",))
-        modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
+        modules = quantized_modules(qmodel)
         plain = dequantized_copy(qmodel)
         protos = {"prefill.onnx": export_prefill(plain), "decode.onnx": export_decode(plain)}
         for style in ("integer", "qdq"):
@@ -114,7 +114,7 @@ def int4_dirs(model_dir: Path, fp32_dir: Path, work: Path, name: str) -> dict[st
     qmodel = load_model(model_dir)
     quantize_pass(qmodel, None, scheme="int4-weight-only", algorithm="rtn", group_size=INT4_GROUP, symmetric=False,
                   exclude=(), int8=["output"])
-    modules = {n: m for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)}
+    modules = quantized_modules(qmodel)
     plain = dequantized_copy(qmodel)
     ours = work / f"{name}-int4-rtn"
     ours.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, quantize_int4, rtn_params
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import handler
 from prunus.models.quantized_int4 import Int4Linear
 
 from .int4_clip import CLIPS, grid_params
@@ -121,7 +121,7 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
             if ctx is not None and alphas:
                 ctx.note(f"awq: alpha per fold, mean {sum(alphas.values()) / len(alphas):.2f} over {len(alphas)} folds")
         for name in int8_names:  # before GPTQ, so that its block-by-block inputs see them
-            q8 = QuantizedLinear.from_linear(model.get_submodule(name), "int8-weight-only", "per_channel")
+            q8 = handler("int8-weight-only").quantize(model.get_submodule(name), "per_channel")
             model.set_submodule(name, q8)
             info["modules"][name] = q8.spec()
 
@@ -129,8 +129,8 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
             linear = model.get_submodule(name)
             q, s, z = quantize_weight(linear.weight, groups[name], symmetric, algorithm, hessian,
                                       act_order=act_order, damp=damp, float_zero=float_zero, clip=clip)
-            model.set_submodule(name, Int4Linear.from_quantized(linear, q, s, z, groups[name], symmetric, algorithm,
-                                                                float_zero=float_zero))
+            model.set_submodule(name, handler(INT4_SCHEME).from_codes(linear, q, s, z, groups[name], symmetric, algorithm,
+                                                                      float_zero=float_zero))
             info["modules"][name] = model.get_submodule(name).spec()
 
         hessians = {}

@@ -79,7 +79,7 @@ VALUE_CHECKS = {
     ("quantize", "percentile"): (lambda v: accepts(check_calibration, "minmax", v), "a number in (0, 100]"),
     ("quantize", "exclude"): (_names, "a module name or a list of them"),
     ("quantize", "int8"): (_names, "a module name or a list of them"),
-    ("quantize", "algorithm"): (lambda v: v is None or v in INT4_ALGORITHMS, f"one of {', '.join(INT4_ALGORITHMS)}"),
+    ("quantize", "algorithm"): (lambda v: v in INT4_ALGORITHMS, f"one of {', '.join(INT4_ALGORITHMS)}"),
     ("quantize", "clip"): (lambda v: v in INT4_CLIPS, f"one of {', '.join(INT4_CLIPS)}"),
     ("quantize", "damp"): (_between(0, 1, open_lo=True, open_hi=True), "a number in (0, 1) (0.01 is usual)"),
     ("smoothquant", "alpha"): (_between(0, 1), "a number in [0, 1]"),
@@ -118,24 +118,46 @@ def get_pass(name: str, where: str = "recipe"):
         raise PrunusError(f"{where}: pass {name!r} is not available in this install ({module} is missing)") from None
 
 
-def check_pass(name: str, args: dict, where: str = "recipe") -> None:
-    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value: each argument
-    must fit the type the pass function declares for it (``int``, ``float | None``, ``str | list``, ...) and
-    the range :data:`VALUE_CHECKS` gives, so every recipe is checked whole before any pass runs."""
-    if not isinstance(args, dict):
-        raise PrunusError(f"{where}: the arguments of {name!r} must be a mapping (name: value), not {type(args).__name__}")
-    params = inspect.signature(get_pass(name, where)).parameters
-    known = [p for p in list(params)[2:]]  # after (model, ctx)
-    for key in args:
-        if key not in known:
-            raise PrunusError(f"{where}: pass {name!r} has no argument {short(key)}; its arguments: {', '.join(known)}")
-    missing = [k for k in known if params[k].default is inspect.Parameter.empty and k not in args]
+def pass_parameters(name: str, args: dict, where: str = "recipe") -> tuple[dict[str, inspect.Parameter], str]:
+    """(name -> parameter of each argument pass ``name`` takes with ``args``, what picked them, for messages).
+
+    A pass that dispatches on an argument declares how (``fn.dispatch(args)``: the function that takes the
+    rest, or None while that argument is unknown): ``quantize`` takes ``scheme`` and the arguments of that
+    scheme's pass. Its own arguments are checked first, so a bad scheme is named before the rest."""
+    fn = get_pass(name, where)
+    params = {k: p for k, p in list(inspect.signature(fn).parameters.items())[2:]  # after (model, ctx)
+              if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    dispatch = getattr(fn, "dispatch", None)
+    if dispatch is None:
+        return params, ""
+    _check_values(name, params, {k: v for k, v in args.items() if k in params}, where)
+    own = list(params)
+    params.update({k: p for k, p in list(inspect.signature(dispatch(args)).parameters.items())[2:] if k not in params})
+    return params, " for " + ", ".join(f"{k} {args[k]}" for k in own if k in args)
+
+
+def _check_values(name: str, params: dict, args: dict, where: str) -> None:
+    missing = [k for k in params if params[k].default is inspect.Parameter.empty and k not in args]
     if missing:
         raise PrunusError(f"{where}: pass {name!r} needs {', '.join(missing)}")
     for key, value in args.items():
         check = VALUE_CHECKS.get((name, key))
         if check is not None and not check[0](value):
             raise PrunusError(f"{where}: {name}.{key}={short(value)} is not valid; use {check[1]}")
+
+
+def check_pass(name: str, args: dict, where: str = "recipe") -> None:
+    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value: each argument
+    must fit the type the pass function declares for it (``int``, ``float | None``, ``str | list``, ...) and
+    the range :data:`VALUE_CHECKS` gives, so every recipe is checked whole before any pass runs."""
+    if not isinstance(args, dict):
+        raise PrunusError(f"{where}: the arguments of {name!r} must be a mapping (name: value), not {type(args).__name__}")
+    params, picked = pass_parameters(name, args, where)
+    for key in args:
+        if key not in params:
+            raise PrunusError(f"{where}: pass {name!r} has no argument {short(key)}{picked}; "
+                              f"its arguments: {', '.join(params)}")
+    _check_values(name, params, args, where)
     # every argument, checked or not above, against the type the pass declares for it
     typed = dataclasses.make_dataclass(f"{name}_arguments", [(k, params[k].annotation) for k in args])
     check_dataclass(typed(**args), f"{where}: {name}")

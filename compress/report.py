@@ -23,7 +23,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from prunus.models import KVCache, generate
 from prunus.models.model_dir import state_dict_for_save
-from prunus.models.quantized import QuantizedLinear, count_params
+from prunus.models.quant_registry import count_params, quantized_modules
 
 N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
 PREFILL_LEN, LATENCY_RUNS, LATENCY_MIN_RUNS, LATENCY_SECONDS = 128, 7, 3, 2.0
@@ -37,7 +37,7 @@ def bytes_on_disk(model) -> int:
 def nonzero_params(model) -> int:
     n = sum(int(torch.count_nonzero(p)) for p in model.parameters())
     # dequantized: an int4 module packs two values per byte, and its zero is the zero point, not the value 0
-    return n + sum(int(torch.count_nonzero(m.dequantize())) for m in model.modules() if isinstance(m, QuantizedLinear))
+    return n + sum(int(torch.count_nonzero(m.dequantize())) for m in quantized_modules(model).values())
 
 
 def prompts_from(ctx, model) -> torch.Tensor:

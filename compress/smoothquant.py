@@ -19,7 +19,7 @@ from torch import nn
 from prunus.artifacts.errors import PrunusError
 
 from prunus.models.llama import OffsetRMSNorm
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import is_quantized
 
 from .calibrate import channel_absmax
 
@@ -48,7 +48,7 @@ def smoothquant_pass(model, ctx, *, alpha: float = 0.5, n_calib: int = 8):
     for key, block in model.layers.items():
         for norm_name, linear_names in FOLDS:
             linears = [_find(block, n) for n in linear_names]
-            if any(isinstance(m, QuantizedLinear) for m in linears):
+            if any(is_quantized(m) for m in linears):
                 raise PrunusError("smoothquant: the model is already quantized; put smoothquant before quantize in the recipe")
             if any(type(m) is not nn.Linear for m in linears):
                 continue  # e.g. a mixture-of-experts block: its experts are not plain Linear modules

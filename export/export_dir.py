@@ -33,7 +33,7 @@ from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import read_json_object
 from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
                                      read_config_json, sha256_file, verify_model_dir, versions)
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import QuantizedModule, handler, quantized_modules
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
 from .formats import FORMATS, GRAPHS, PRECISIONS
@@ -69,7 +69,7 @@ class ExportResult:
     parity: dict
 
 
-def _stored_precision(modules: dict[str, QuantizedLinear]) -> str | None:
+def _stored_precision(modules: dict[str, QuantizedModule]) -> str | None:
     kinds = {"fp8" if m.scheme.startswith("fp8") else "int4" if m.scheme.startswith("int4") else "int8"
              for m in modules.values()}
     if kinds == {"int4", "int8"}:  # a mixed-precision recipe (int8 blocks, int4 elsewhere): MatMulNBits and int8
@@ -99,10 +99,10 @@ def _check_request(fmt: str, precision: str | None, stored: str | None, model_di
     return precision
 
 
-def _fp8_modules(model) -> dict[str, QuantizedLinear]:
+def _fp8_modules(model) -> dict[str, QuantizedModule]:
     """fp8 weights for every Linear (per channel, e4m3), for an fp32 model exported at --precision fp8; a
     mixture-of-experts router stays in float, as prunus compress keeps it (rounding flips which experts run)."""
-    return {name: QuantizedLinear.from_linear(m, "fp8-weight-only", "per_channel")
+    return {name: handler("fp8-weight-only").quantize(m, "per_channel")
             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not name.endswith("router")}
 
 
@@ -125,7 +125,7 @@ class ExportPlan:
     """What an export writes, settled before anything is written."""
 
     precision: str
-    modules: dict  # name -> QuantizedLinear: stored (or fp8) weights the graphs carry as they are
+    modules: dict  # name -> stored quantized module (QuantizedModule): stored (or fp8) weights the graphs carry as they are
     opset: int
     style: str  # int8 weights: "qdq", "integer" or "matmulnbits"
     int4_style: str
@@ -216,7 +216,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
 def _plan(fmt: ExportFormat, model, model_dir: Path, precision: str | None, opset: int | None,
           int8_style: str | None, graph: str | None, external_data: bool | None) -> ExportPlan:
     """Every choice of the export checked and settled (one PrunusError line for a bad one) before any write."""
-    stored_modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    stored_modules = quantized_modules(model)
     precision = _check_request(fmt.name, precision, _stored_precision(stored_modules), model_dir)
     fmt.check(stored_modules, model_dir)
     modules = stored_modules or (_fp8_modules(model) if precision == "fp8" else {})

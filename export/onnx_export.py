@@ -6,9 +6,9 @@ version 17 is not supported"), and tracing would freeze the mask's shapes. The d
 exporter takes ``torch.export`` dynamic shapes: batch, seq / new and past (>= 1) are
 symbolic, so one graph serves every batch size and length.
 
-A model holding ``QuantizedLinear`` modules is exported with their dequantized weights
-in plain ``nn.Linear`` modules; :mod:`prunus.export.quantize_onnx` then puts the stored
-int8 / float8 values and scales back into the graph.
+A model holding stored quantized modules (``QuantizedLinear``, ``Int4Linear``) is exported with
+their dequantized weights in plain ``nn.Linear`` modules; :mod:`prunus.export.quantize_onnx` then
+puts the stored int8 / float8 / int4 values and scales back into the graph.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import QuantizedModule, quantized_modules
 
 from .graphs import DecodeGraph, PrefillGraph, exportable, graph_names
 from .quiet_logs import quiet_loggers
@@ -35,11 +35,11 @@ DEFAULT_OPSET = {"onnx": 23, "tensorrt": 18}
 MIN_OPSET = 18
 
 
-def dequantized_copy(model: nn.Module, modules: dict[str, QuantizedLinear] | None = None) -> nn.Module:
-    """``model`` with each QuantizedLinear (those in it, or ``modules`` by name) as an nn.Linear of its
+def dequantized_copy(model: nn.Module, modules: dict[str, QuantizedModule] | None = None) -> nn.Module:
+    """``model`` with each stored quantized module (those in it, or ``modules`` by name) as an nn.Linear of its
     dequantized weight; ``model`` itself when there is none."""
     if modules is None:
-        modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        modules = quantized_modules(model)
     if not modules:
         return model
     plain = copy.deepcopy(model)

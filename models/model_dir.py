@@ -29,7 +29,7 @@ from prunus.artifacts.safetensors_header import check_shapes, read_header
 from prunus.artifacts.validate import read_dir_json, read_json_object
 from .llama import Transformer
 from .model_dir_fit import check_config_fits_header, check_dtype_kinds
-from .quantized import count_params, quantized_layout
+from .quant_registry import count_params, quantized_layout
 from .tokenizer import check_vocab, load_tokenizer
 
 CONFIG = "config.json"

@@ -1,6 +1,5 @@
-"""QuantizedLinear: int8 / float8 weights stored as plain tensors plus float32 scales.
-
-One module covers every scheme prunus writes:
+"""QuantizedLinear: int8 / float8 weights stored as plain tensors plus float32 scales, and the handlers of
+the five schemes it stores (one class each; :mod:`prunus.models.quant_registry` lists them with int4's):
 
 * ``int8-weight-only``: int8 weights, per-tensor, per-channel or per-group scales;
   the forward pass converts them to the activation dtype and multiplies (the scale is
@@ -42,28 +41,129 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _EPS = 1e-12
 
 
-def storage_dtype(scheme: str) -> torch.dtype:
-    return torch.float8_e4m3fn if scheme.startswith("fp8") else torch.int8
+class EightBitQuantHandler:
+    """The schemes stored as one int8 or float8 value per weight plus float32 scales, in a :class:`QuantizedLinear`.
+
+    One subclass per scheme says what differs (storage dtype, whether activations are quantized, whether
+    their scale is calibrated, which granularities apply); see :mod:`prunus.models.quant_registry` for what
+    a handler offers. Handlers hold no state: one instance per scheme, in :data:`EIGHT_BIT`."""
+
+    scheme: str
+    storage: torch.dtype = torch.int8  # the stored weight's dtype
+    weight_only: bool = True  # False: activations are quantized too, one scale per token or ``static``
+    static: bool = False  # one calibrated activation scale per module (``input_scale``)
+    granularities: tuple[str, ...] = ("per_tensor", "per_channel")
+
+    @property
+    def module_class(self) -> type[nn.Module]:
+        return QuantizedLinear
+
+    @property
+    def qmax(self) -> float:
+        return FP8_MAX if self.storage == torch.float8_e4m3fn else INT8_MAX
+
+    def check(self, granularity: str, group_size: int | None, in_features: int | None = None,
+              where: str = "quantize") -> None:
+        """Raise a PrunusError naming what is wrong with this granularity and group size for this scheme."""
+        if granularity not in GRANULARITIES:
+            raise PrunusError(f"{where}: unknown granularity {granularity!r}; choose one of: {', '.join(GRANULARITIES)}")
+        if granularity not in self.granularities:
+            owners = [h.scheme for h in EIGHT_BIT.values() if granularity in h.granularities]
+            raise PrunusError(f"{where}: {granularity} scales are for {', '.join(owners)}; use "
+                              f"{' or '.join(reversed(self.granularities))} with {self.scheme}")
+        if granularity == "per_group":
+            if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+                raise PrunusError(f"{where}: per_group needs group_size, a positive integer (e.g. 32)")
+            if in_features is not None and in_features % group_size:
+                raise PrunusError(f"{where}: group_size {group_size} does not divide in_features {in_features}; choose a divisor")
+        elif group_size is not None:
+            raise PrunusError(f"{where}: group_size is only used with granularity per_group; drop it or set per_group")
+
+    def round(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Values already divided by their scale -> the stored dtype (int8 rounds; float8 rounds as it casts)."""
+        if self.storage == torch.float8_e4m3fn:
+            return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+    def quantize_weight(self, w: torch.Tensor, granularity: str = "per_channel",
+                        group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float weight (out, in) -> (stored values, float32 scale) with symmetric absmax scales."""
+        out_f, in_f = w.shape
+        w = w.detach().float()
+        if granularity == "per_tensor":
+            amax = w.abs().amax().reshape(1, 1)
+        elif granularity == "per_channel":
+            amax = w.abs().amax(dim=1, keepdim=True)
+        else:
+            amax = w.abs().reshape(out_f, in_f // group_size, group_size).amax(dim=2)
+        scale = amax.clamp(min=_EPS) / self.qmax
+        return self.round(w / _expand(scale, in_f)), scale.float()
+
+    def quantize_activation(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., in) float -> (quantized values kept in float32, float32 scale (..., 1) or scalar).
+
+        Without ``scale`` each token gets its own absmax scale (dynamic schemes)."""
+        x = x.float()
+        if scale is None:
+            scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / self.qmax
+        return self.round(x / scale).float(), scale
+
+    def quantize(self, linear: nn.Linear, granularity: str = "per_channel", group_size: int | None = None,
+                 input_scale: float | torch.Tensor | None = None) -> "QuantizedLinear":
+        """``linear`` as a QuantizedLinear of this scheme (``input_scale``: the calibrated one, static schemes)."""
+        return QuantizedLinear.from_linear(linear, self.scheme, granularity, group_size, input_scale=input_scale)
+
+    def build(self, linear: nn.Module, spec: dict, where: str) -> "QuantizedLinear":
+        """The empty module that ``linear``'s stored tensors load into, as config.json's ``spec`` describes it."""
+        return QuantizedLinear(linear.in_features, linear.out_features, self.scheme, spec.get("granularity", "per_channel"),
+                               spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None,
+                               where=where)
+
+    def spec(self, module: "QuantizedLinear") -> dict:
+        """What config.json records for ``module``."""
+        return {"scheme": self.scheme, "granularity": module.granularity, "group_size": module.group_size}
+
+
+class WeightOnlyInt8QuantHandler(EightBitQuantHandler):
+    scheme = "int8-weight-only"
+    granularities = ("per_tensor", "per_channel", "per_group")
+
+
+class W8A8DynamicQuantHandler(EightBitQuantHandler):
+    scheme, weight_only = "w8a8-dynamic", False
+
+
+class W8A8StaticQuantHandler(EightBitQuantHandler):
+    scheme, weight_only, static = "w8a8-static", False, True
+
+
+class WeightOnlyFp8QuantHandler(EightBitQuantHandler):
+    scheme, storage = "fp8-weight-only", torch.float8_e4m3fn
+
+
+class Fp8W8A8QuantHandler(EightBitQuantHandler):
+    scheme, storage, weight_only = "fp8-w8a8", torch.float8_e4m3fn, False
+
+
+EIGHT_BIT: dict[str, EightBitQuantHandler] = {h.scheme: h() for h in (
+    WeightOnlyInt8QuantHandler, W8A8DynamicQuantHandler, W8A8StaticQuantHandler, WeightOnlyFp8QuantHandler,
+    Fp8W8A8QuantHandler)}
+
+
+def eight_bit_handler(scheme: str, where: str = "quantize") -> EightBitQuantHandler:
+    """The handler of an int8 / float8 ``scheme``, or a PrunusError naming it."""
+    if scheme in EIGHT_BIT:
+        return EIGHT_BIT[scheme]
+    if scheme in SCHEMES:
+        raise PrunusError(f"{where}: {scheme} is not stored as a QuantizedLinear; quantize with the quantize pass's "
+                          f"scheme {scheme} (prunus.models.quant_registry builds its module)")
+    raise PrunusError(f"{where}: unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
 
 
 def check_scheme(scheme: str, granularity: str, group_size: int | None, in_features: int | None = None,
                  where: str = "quantize") -> None:
     """Raise a PrunusError naming what is wrong with this combination."""
-    if scheme not in SCHEMES:
-        raise PrunusError(f"{where}: unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
-    if scheme == "int4-weight-only":  # stored packed by Int4Linear (prunus.models.quantized_int4)
-        raise PrunusError(f"{where}: int4-weight-only layers are Int4Linear modules; quantize with the int4 pass")
-    if granularity not in GRANULARITIES:
-        raise PrunusError(f"{where}: unknown granularity {granularity!r}; choose one of: {', '.join(GRANULARITIES)}")
-    if granularity == "per_group":
-        if scheme != "int8-weight-only":
-            raise PrunusError(f"{where}: per_group scales are for int8-weight-only; use per_channel or per_tensor with {scheme}")
-        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-            raise PrunusError(f"{where}: per_group needs group_size, a positive integer (e.g. 32)")
-        if in_features is not None and in_features % group_size:
-            raise PrunusError(f"{where}: group_size {group_size} does not divide in_features {in_features}; choose a divisor")
-    elif group_size is not None:
-        raise PrunusError(f"{where}: group_size is only used with granularity per_group; drop it or set per_group")
+    eight_bit_handler(scheme, where).check(granularity, group_size, in_features, where)
 
 
 def scale_shape(out_features: int, in_features: int, granularity: str, group_size: int | None) -> tuple[int, int]:
@@ -79,43 +179,6 @@ def _expand(scale: torch.Tensor, in_features: int) -> torch.Tensor:
     if scale.shape[1] in (1, in_features):
         return scale
     return scale.repeat_interleave(in_features // scale.shape[1], dim=1)
-
-
-def quantize_weight(w: torch.Tensor, scheme: str, granularity: str = "per_channel",
-                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float weight (out, in) -> (int8 or float8 values, float32 scale) with symmetric absmax scales."""
-    out_f, in_f = w.shape
-    w = w.detach().float()
-    if granularity == "per_tensor":
-        amax = w.abs().amax().reshape(1, 1)
-    elif granularity == "per_channel":
-        amax = w.abs().amax(dim=1, keepdim=True)
-    else:
-        amax = w.abs().reshape(out_f, in_f // group_size, group_size).amax(dim=2)
-    qmax = FP8_MAX if scheme.startswith("fp8") else INT8_MAX
-    scale = amax.clamp(min=_EPS) / qmax
-    scaled = w / _expand(scale, in_f)
-    if scheme.startswith("fp8"):
-        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    else:
-        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.float()
-
-
-def quantize_activation(x: torch.Tensor, scheme: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., in) float -> (quantized values kept in float32, float32 scale (..., 1) or scalar).
-
-    Without ``scale`` each token gets its own absmax scale (dynamic schemes)."""
-    x = x.float()
-    qmax = FP8_MAX if scheme.startswith("fp8") else INT8_MAX
-    if scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / qmax
-    scaled = x / scale
-    if scheme.startswith("fp8"):
-        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        q = scaled.round().clamp(-INT8_MAX, INT8_MAX)
-    return q, scale
 
 
 def _int_mm_fits(x2d: torch.Tensor, w: torch.Tensor) -> bool:
@@ -146,18 +209,20 @@ def convert_keeping_dtypes(module: nn.Module, fn) -> nn.Module:
 
 
 class QuantizedLinear(nn.Module):
-    """A Linear whose weight is stored quantized (its bias, if any, stays float32); see the module docstring."""
+    """A Linear whose weight is stored as int8 / float8 values (its bias, if any, stays float32); see the module
+    docstring. ``handler`` is its scheme's :class:`EightBitQuantHandler`."""
 
     def __init__(self, in_features: int, out_features: int, scheme: str, granularity: str = "per_channel",
-                 group_size: int | None = None, device=None, bias: bool = False):
+                 group_size: int | None = None, device=None, bias: bool = False, where: str = "quantize"):
         super().__init__()
-        check_scheme(scheme, granularity, group_size, in_features)
+        self.handler = eight_bit_handler(scheme, where)
+        self.handler.check(granularity, group_size, in_features, where)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.granularity, self.group_size = scheme, granularity, group_size
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=storage_dtype(scheme), device=device))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.handler.storage, device=device))
         shape = scale_shape(out_features, in_features, granularity, group_size)
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
-        if scheme == "w8a8-static":
+        if self.handler.static:
             self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         else:
             self.input_scale = None
@@ -171,12 +236,12 @@ class QuantizedLinear(nn.Module):
                     input_scale: float | torch.Tensor | None = None) -> "QuantizedLinear":
         q = cls(linear.in_features, linear.out_features, scheme, granularity, group_size, device=linear.weight.device,
                 bias=linear.bias is not None)
-        q.weight, q.weight_scale = quantize_weight(linear.weight, scheme, granularity, group_size)
+        q.weight, q.weight_scale = q.handler.quantize_weight(linear.weight, granularity, group_size)
         if linear.bias is not None:
             q.bias = linear.bias.detach().float().clone()
-        if scheme == "w8a8-static":
+        if q.handler.static:
             if input_scale is None:
-                raise PrunusError("quantize: w8a8-static needs a calibrated input_scale")
+                raise PrunusError(f"quantize: {scheme} needs a calibrated input_scale")
             q.input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=q.weight.device).reshape(())
         return q
 
@@ -189,14 +254,14 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme in ("int8-weight-only", "fp8-weight-only"):
+        if self.handler.weight_only:
             if self.granularity == "per_group":
                 return F.linear(x, self.dequantize().to(x.dtype))
             return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.t().to(x.dtype)
         shape = x.shape
         x2d = x.reshape(-1, self.in_features)
-        xq, xs = quantize_activation(x2d, self.scheme, self.input_scale)
-        if self.scheme.startswith("fp8"):
+        xq, xs = self.handler.quantize_activation(x2d, self.input_scale)
+        if self.handler.storage == torch.float8_e4m3fn:
             if _scaled_mm_fits(x2d, self.weight):
                 y = torch._scaled_mm(xq.to(torch.float8_e4m3fn), self.weight.t(), scale_a=xs.float(),
                                      scale_b=self.weight_scale.t().expand(1, self.out_features).contiguous(),
@@ -213,34 +278,14 @@ class QuantizedLinear(nn.Module):
         return convert_keeping_dtypes(self, fn)
 
     def spec(self) -> dict:
-        return {"scheme": self.scheme, "granularity": self.granularity, "group_size": self.group_size}
+        """What config.json records for this module (its handler decides)."""
+        return self.handler.spec(self)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, granularity={self.granularity}{group}"
 
 
-def quantized_layout(model: nn.Module, modules: dict[str, dict]) -> None:
-    """Swap the listed Linear modules of ``model`` for empty QuantizedLinear ones (before loading a state dict)."""
-    for name, spec in modules.items():
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise PrunusError(f"config.json: quantized module {name!r} is not in the model; re-create the model dir") from None
-        if spec.get("scheme") == "int4-weight-only":  # packed int4: prunus.models.quantized_int4
-            from .quantized_int4 import Int4Linear
-
-            q = Int4Linear(linear.in_features, linear.out_features, spec.get("group_size"), spec.get("symmetric", True),
-                           spec.get("algorithm", "rtn"), device=linear.weight.device, bias=linear.bias is not None,
-                           where=f"config.json: module {name}", float_zero=spec.get("float_zero") is True)
-        else:
-            q = QuantizedLinear(linear.in_features, linear.out_features, spec["scheme"], spec.get("granularity", "per_channel"),
-                                spec.get("group_size"), device=linear.weight.device, bias=linear.bias is not None)
-        model.set_submodule(name, q)
-
-
-def count_params(model: nn.Module) -> int:
-    """Parameters plus quantized weights (which are buffers), so quantizing does not change the count."""
-    extra = sum(m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
-                for m in model.modules() if isinstance(m, QuantizedLinear))
-    return sum(p.numel() for p in model.parameters()) + extra
+__all__ = ["EIGHT_BIT", "EightBitQuantHandler", "Fp8W8A8QuantHandler", "QuantizedLinear", "W8A8DynamicQuantHandler",
+           "W8A8StaticQuantHandler", "WeightOnlyFp8QuantHandler", "WeightOnlyInt8QuantHandler", "check_scheme",
+           "eight_bit_handler", "convert_keeping_dtypes"]

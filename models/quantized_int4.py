@@ -16,8 +16,10 @@ Forward pass:
   matmul on SmolLM2 shapes on our CPUs, so it is not used; ONNX Runtime's ``MatMulNBits``
   is the CPU speed path (prunus export).
 
-Subclasses QuantizedLinear so every stage that handles stored quantized layers (export,
-dequantized copies, GGUF writing, reports) finds it.
+It offers what every stored quantized module does (:class:`prunus.models.quant_registry.QuantizedModule`:
+``scheme``, ``weight``, ``weight_scale``, ``bias``, ``dequantize()``, ``spec()``), so every stage that handles
+stored quantized layers (export, dequantized copies, GGUF writing, reports) finds it through the registry;
+:class:`WeightOnlyInt4QuantHandler` is its scheme's handler there.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .int4 import INT4_SCHEME, check_group_size, dequantize_int4, pack_int4, unpack_int4
-from .quantized import QuantizedLinear
+from .int4 import INT4_SCHEME, check_group_size, dequantize_int4, pack_int4, rtn_int4, unpack_int4
+from .quantized import convert_keeping_dtypes
 
 
 def tinygemm_available(x: torch.Tensor, module: "Int4Linear") -> bool:
@@ -41,12 +43,12 @@ def _inner_k_tiles(k: int) -> int | None:
     return next((t for t in (8, 4, 2) if k % (t * 16) == 0), None)
 
 
-class Int4Linear(QuantizedLinear):
+class Int4Linear(nn.Module):
     """Packed int4 weights; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, symmetric: bool = True,
                  algorithm: str = "rtn", device=None, bias: bool = False, where: str = "int4", float_zero: bool = False):
-        nn.Module.__init__(self)
+        super().__init__()
         group_size = check_group_size(group_size, in_features, where)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.granularity, self.group_size = INT4_SCHEME, "per_group", group_size
@@ -83,6 +85,13 @@ class Int4Linear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4(self.unpacked(), self.weight_scale, self.weight_zero, self.group_size)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _apply(self, fn, recurse=True):
+        return convert_keeping_dtypes(self, fn)
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if tinygemm_available(x, self):
             shape = x.shape
@@ -106,9 +115,8 @@ class Int4Linear(QuantizedLinear):
         return self._tinygemm[1], self._tinygemm[2]
 
     def spec(self) -> dict:
-        spec = {"scheme": self.scheme, "granularity": "per_group", "group_size": self.group_size,
-                "symmetric": self.symmetric, "algorithm": self.algorithm}
-        return {**spec, "float_zero": True} if self.float_zero else spec
+        """What config.json records for this module (its handler decides)."""
+        return WeightOnlyInt4QuantHandler().spec(self)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
@@ -116,4 +124,38 @@ class Int4Linear(QuantizedLinear):
                 + (", float_zero=True" if self.float_zero else ""))
 
 
-__all__ = ["Int4Linear", "tinygemm_available"]
+class WeightOnlyInt4QuantHandler:
+    """The ``int4-weight-only`` scheme: packed int4 in an :class:`Int4Linear` (see
+    :mod:`prunus.models.quant_registry` for what a handler offers). The calibrated algorithms (GPTQ, AWQ, HQQ)
+    live in the compress pass; they hand their codes to :meth:`from_codes`."""
+
+    scheme = INT4_SCHEME
+    weight_only = True
+    module_class = Int4Linear
+
+    def quantize(self, linear: nn.Linear, group_size: int | None = None, symmetric: bool = True,
+                 float_zero: bool = False, where: str = "quantize") -> Int4Linear:
+        """``linear`` rounded to nearest on each group's range."""
+        group_size = check_group_size(group_size, linear.in_features, where)
+        codes = rtn_int4(linear.weight, group_size, symmetric, float_zero)
+        return self.from_codes(linear, *codes, group_size, symmetric, "rtn", float_zero=float_zero)
+
+    def from_codes(self, linear: nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   group_size: int, symmetric: bool, algorithm: str, float_zero: bool = False) -> Int4Linear:
+        """``linear`` holding unpacked values ``q`` (out, in) in [0, 15] with their scales and zero points."""
+        return Int4Linear.from_quantized(linear, q, scale, zero, group_size, symmetric, algorithm, float_zero=float_zero)
+
+    def build(self, linear: nn.Module, spec: dict, where: str) -> Int4Linear:
+        """The empty module that ``linear``'s stored tensors load into, as config.json's ``spec`` describes it."""
+        return Int4Linear(linear.in_features, linear.out_features, spec.get("group_size"), spec.get("symmetric", True),
+                          spec.get("algorithm", "rtn"), device=linear.weight.device, bias=linear.bias is not None,
+                          where=where, float_zero=spec.get("float_zero") is True)
+
+    def spec(self, module: Int4Linear) -> dict:
+        """What config.json records for ``module``."""
+        spec = {"scheme": self.scheme, "granularity": "per_group", "group_size": module.group_size,
+                "symmetric": module.symmetric, "algorithm": module.algorithm}
+        return {**spec, "float_zero": True} if module.float_zero else spec
+
+
+__all__ = ["Int4Linear", "WeightOnlyInt4QuantHandler", "tinygemm_available"]

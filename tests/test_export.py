@@ -20,7 +20,7 @@ from prunus.export.ort_graphs import ort_session
 from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph
 from prunus.models import generate, load_model, save_model
 from prunus.models.model_dir import sha256_file
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import quantized_modules
 
 PARITY_FIELDS = {"precision", "max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
                  "greedy_agreement", "decode_agreement", "greedy_tokens", "tolerances", "failed", "passed"}
@@ -202,7 +202,7 @@ def int8_model_dir(trained_run, tmp_path_factory):
 def test_quantized_graphs_hold_the_stored_weights(trained_run, scheme, granularity, group_size, style):
     model = load_model(trained_run / "model")
     quantize_pass(model, None, scheme=scheme, granularity=granularity, group_size=group_size, exclude=())
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    modules = quantized_modules(model)
     proto = export_prefill(dequantized_copy(model), opset=21)
     assert apply_stored_quantization(proto, modules, style=style) == len(modules) == 15
     onnx.checker.check_model(proto)

@@ -17,6 +17,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.int4 import (check_group_size, default_group_size, dequantize_int4, expand_groups, pack_int4,
                                 pack_zero_points, quantize_int4, rtn_int4, unpack_int4)
+from prunus.models.quant_registry import is_quantized
 from prunus.models.quantized import QuantizedLinear
 from prunus.models.quantized_int4 import Int4Linear, tinygemm_available
 
@@ -95,7 +96,7 @@ def test_rtn_grid_and_module_forward(symmetric):
     m = Int4Linear.from_quantized(lin, q, s, z, 64, symmetric, "rtn")
     x = torch.randn(3, 5, 128)
     torch.testing.assert_close(m(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
-    assert isinstance(m, QuantizedLinear) and m.weight.dtype == torch.uint8 and m.weight.shape == (24, 64)
+    assert is_quantized(m) and m.weight.dtype == torch.uint8 and m.weight.shape == (24, 64)
     assert torch.equal(m.to(torch.bfloat16).weight_scale.float(), m.weight_scale.float())
 
 

@@ -17,7 +17,7 @@ from prunus.export.quantize_onnx import apply_stored_quantization
 from prunus.artifacts.errors import PrunusError
 from prunus.models import load_model, save_model
 from prunus.models.int4 import pack_zero_points
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import quantized_modules
 
 
 def _session(proto, optimize: bool = True):
@@ -40,7 +40,7 @@ def test_int4_graph_holds_the_stored_bytes(trained_run, symmetric):
     model = load_model(trained_run / "model")
     quantize_pass(model, None, scheme="int4-weight-only", algorithm="hqq", group_size=32, symmetric=symmetric,
                   exclude=())
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    modules = quantized_modules(model)
     proto = export_prefill(dequantized_copy(model), opset=21)
     assert apply_stored_quantization(proto, modules, style="qdq") == len(modules) == 15
     onnx.checker.check_model(proto)
@@ -108,7 +108,7 @@ def test_quantized_output_head_exports_as_matmulnbits_holding_its_stored_integer
     int8 = ["output"] if head == "int8" else []
     quantize_pass(model, None, scheme="int4-weight-only", group_size=32, symmetric=False, exclude=(), int8=int8)
     assert not model.config.tie_embeddings and model.tok_embeddings.weight.is_floating_point()
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    modules = quantized_modules(model)
     proto = export_prefill(dequantized_copy(model), opset=21)
     assert apply_stored_quantization(proto, modules) == len(modules) == 15
     nodes = {n.name: n for n in proto.graph.node if n.op_type == "MatMulNBits"}

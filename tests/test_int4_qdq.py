@@ -20,7 +20,7 @@ from prunus.export.int4_qdq import int4_qdq_nodes, int4_tensor
 from prunus.export.onnx_export import dequantized_copy, export_prefill
 from prunus.export.quantize_onnx import apply_stored_quantization
 from prunus.models import load_model, save_model
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import quantized_modules
 
 FLOAT_MATMUL = {"session.qdq_matmulnbits_accuracy_level": "0"}  # DequantizeLinear -> MatMul computed in float
 
@@ -57,7 +57,7 @@ def test_int4_tensor_packs_as_onnx_reads_it(signed):
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_qdq_graph_holds_the_stored_integers_and_matches_pytorch(trained_run, symmetric):
     model = _int4_model(trained_run, symmetric)
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    modules = quantized_modules(model)
     int4 = {n: m for n, m in modules.items() if m.scheme == "int4-weight-only"}
     proto = export_prefill(dequantized_copy(model), opset=21)
     # 7 int4 modules, 7 int8 (the last block); the output head stays float

@@ -6,7 +6,6 @@ values; and the input is left byte-for-byte as it was."""
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -119,15 +118,17 @@ def test_recipes_and_configs(tmp_path, tiny_model, name, content, words, assert_
 def test_every_pass_argument_is_typed_and_checked():
     """Each argument of every pass is refused in one line naming it when its value has the wrong type, so
     a recipe is checked whole before any pass runs (an argument added later without a type fails here)."""
-    from prunus.compress.recipe import PASSES, check_pass, get_pass
+    from prunus.compress.recipe import PASSES, check_pass, pass_parameters
+    from prunus.models.schemes import SCHEMES
 
-    needed = {"quantize": {"scheme": "int4-weight-only"}, "prune": {"method": "magnitude"},
-              "prune_structured": {"target": "heads", "amount": 0.25}}
-    for name in PASSES:
-        check_pass(name, needed.get(name, {}), where="r.yaml: pass 1")
-        for key in list(inspect.signature(get_pass(name)).parameters)[2:]:
+    needed = [("quantize", {"scheme": scheme}) for scheme in SCHEMES]
+    needed += [("prune", {"method": "magnitude"}), ("prune_structured", {"target": "heads", "amount": 0.25})]
+    needed += [(name, {}) for name in PASSES if name not in {n for n, _ in needed}]
+    for name, args in needed:
+        check_pass(name, args, where="r.yaml: pass 1")
+        for key in pass_parameters(name, args)[0]:
             with pytest.raises(PrunusError) as e:
-                check_pass(name, {**needed.get(name, {}), key: object()}, where="r.yaml: pass 1")
+                check_pass(name, {**args, key: object()}, where="r.yaml: pass 1")
             assert str(e.value).startswith("r.yaml: pass 1: ") and key in str(e.value) and "\n" not in str(e.value)
 
 

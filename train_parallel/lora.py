@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from prunus.artifacts.errors import PrunusError
 from prunus.models.compression_state import compression_state
 from prunus.models.hf_families import LAYER
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import HANDLERS, handler_of, is_quantized
 
-WEIGHT_ONLY = ("int8-weight-only", "fp8-weight-only", "int4-weight-only")  # bases LoRA can train over
+WEIGHT_ONLY = tuple(s for s, h in HANDLERS.items() if h.weight_only)  # bases LoRA can train over
 
 
 def parse_targets(targets: str) -> list[str]:
@@ -49,7 +49,7 @@ def target_modules(model: nn.Module, targets: list[str]) -> dict[str, nn.Module]
     """The modules of ``model``'s blocks named by ``targets`` (the last part of their name), by full name."""
     found = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in targets and isinstance(module, (nn.Linear, QuantizedLinear)):
+        if name.rsplit(".", 1)[-1] in targets and (isinstance(module, nn.Linear) or is_quantized(module)):
             found[name] = module
     return found
 
@@ -65,13 +65,13 @@ def check_lora(model: nn.Module, cfg) -> dict[str, nn.Module]:
     missing = [t for t in targets if t not in names]
     if missing:
         known = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, (nn.Linear, QuantizedLinear)) and n.startswith("layers.")})
+                        if (isinstance(m, nn.Linear) or is_quantized(m)) and n.startswith("layers.")})
         hf = {theirs.split(".")[1]: ours.split(".")[1] for theirs, ours in LAYER.items() if theirs.endswith("proj.weight")}
         hint = "".join(f" ({t} is Hugging Face's name of {hf[t]})" for t in missing if t in hf)
         raise PrunusError(f"--lora-targets {','.join(missing)} names no module of this model{hint}; "
                           f"choose among {','.join(known)}")
     for name, module in found.items():
-        if isinstance(module, QuantizedLinear) and module.scheme not in WEIGHT_ONLY:
+        if is_quantized(module) and not handler_of(module).weight_only:
             raise PrunusError(f"--lora-rank: module {name} is quantized {module.scheme}, whose rounded activations pass "
                               f"no gradient; fine-tune a weight-only quantized ({', '.join(WEIGHT_ONLY)}) or float model")
         if cfg.lora_rank > min(module.in_features, module.out_features):
@@ -169,7 +169,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         delta = module.lora.delta_weight()
         module._lora_hook.remove()
         del module._lora_hook, module.lora
-        if isinstance(module, QuantizedLinear):
+        if is_quantized(module):
             linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                device=module.weight.device)
             with torch.no_grad():

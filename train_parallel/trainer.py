@@ -38,7 +38,7 @@ from prunus.artifacts.atomic import disk_error
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
-from prunus.models.quantized import QuantizedLinear
+from prunus.models.quant_registry import is_quantized
 
 from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .checkpoint_reader import CheckpointUnreadable
@@ -156,7 +156,7 @@ def check_trainable(model: torch.nn.Module, cfg: TrainConfig, world: int) -> int
     """One line when ``model`` cannot train as ``cfg`` asks: LoRA settings that do not fit it (lora.check_lora),
     a quantized base with no adapters or on several ranks, nothing left to train. Returns the number of adapter
     parameters LoRA trains (0 without LoRA)."""
-    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    quantized = [n for n, m in model.named_modules() if is_quantized(m)]
     if cfg.lora_rank:
         adapted = check_lora(model, cfg)
         if quantized and world > 1:
