@@ -34,7 +34,7 @@ from prunus.data import get_batch, load_corpus  # noqa: E402
 from prunus.artifacts.atomic import atomic_write_json  # noqa: E402
 from prunus.models import Transformer, load_tokenizer  # noqa: E402
 from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
-from prunus.train_parallel.launch import init_distributed  # noqa: E402
+from prunus.train_parallel.launch.launch import init_distributed  # noqa: E402
 from prunus.train_parallel.parallelize import cross_entropy, parallelize, resolve_layout  # noqa: E402
 from prunus.train_parallel.trainer import build_optimizer, clip_grad_norm  # noqa: E402
 

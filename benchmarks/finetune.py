@@ -142,7 +142,7 @@ def prepare(args, work: Path) -> list:
 
     from prunus.compress import compress
     from prunus.data.packing import get_packed_batch
-    from prunus.train_parallel.init_from import run_tokenizer
+    from prunus.train_parallel.checkpoint.init_from import run_tokenizer
     from prunus.train_parallel.trainer import load_train_data
 
     build(work / "data")

@@ -11,7 +11,7 @@ of 2 ranks (gloo):
 
 Activation memory: the bytes autograd keeps for backward during one forward and the loss (every
 distinct storage a saved tensor lives in, parameters and buffers left out, plus the logits), counted
-with ``prunus.train_parallel.saved_activations`` (``saved_tensors_hooks``). That is exact and device-independent; it is not
+with ``prunus.train_parallel.launch.saved_activations`` (``saved_tensors_hooks``). That is exact and device-independent; it is not
 the allocator's peak (transient buffers such as a ring step's received block are not in it). The
 dry run's estimate (``prunus train --dry-run``) is printed beside it. Goal: cp=2 / cp=1 <= 0.6 per rank.
 
@@ -50,7 +50,7 @@ VARIANTS = ("cp1", "ring", "ulysses")
 def _saved_bytes(model, x, y, positions) -> tuple[int, float]:
     """(bytes autograd keeps for backward in one forward + loss, the loss); backward then frees them."""
     from prunus.train_parallel.parallelize import cross_entropy
-    from prunus.train_parallel.saved_activations import SavedActivations
+    from prunus.train_parallel.launch.saved_activations import SavedActivations
 
     with SavedActivations(model) as saved:
         logits = model(x, positions=positions)
@@ -67,7 +67,7 @@ def worker(spec: dict, out_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from prunus.models import Transformer, get_preset
-    from prunus.train_parallel.context_parallel import apply_cp, shard_batch
+    from prunus.train_parallel.context_parallel.context_parallel import apply_cp, shard_batch
     from prunus.train_parallel.parallelize import cross_entropy
 
     dist.init_process_group("gloo")
@@ -132,7 +132,7 @@ def worker(spec: dict, out_path: str) -> None:
 def planned_activations(args, cp: int, impl: str) -> int:
     """The dry run's activation estimate per rank for this benchmark's shape (``prunus train --dry-run``)."""
     from prunus.train_parallel import TrainConfig
-    from prunus.train_parallel.dry_run import memory_plan
+    from prunus.train_parallel.launch.dry_run import memory_plan
 
     cfg = TrainConfig(preset=args.preset, model={"max_seq_len": args.seq_len}, seq_len=args.seq_len,
                       batch_size=args.batch_size, cp=cp, cp_impl=impl, zero=0)

@@ -78,7 +78,7 @@ def _ep_worker(rank: int, args, port: int, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from prunus.train_parallel.expert_parallel import apply_ep
+    from prunus.train_parallel.experts.expert_parallel import apply_ep
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -139,19 +139,19 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
     if dry_run:
         from rich.console import Console
 
-        from prunus.train_parallel.dry_run import memory_plan
-        from prunus.train_parallel.dry_run_table import render_plan
+        from prunus.train_parallel.launch.dry_run import memory_plan
+        from prunus.train_parallel.launch.dry_run_table import render_plan
 
         Console().print(render_plan(memory_plan(cfg, world_size or cfg.nproc, rank=plan_rank)))
         return
     if print_slurm:
-        from prunus.train_parallel.slurm import sbatch_script
+        from prunus.train_parallel.launch.slurm import sbatch_script
 
         click.echo(sbatch_script(cfg, nodes, gpus_per_node, command_line(ctx, given, config_file, resume, overwrite)), nl=False)
         return
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
-        from prunus.train_parallel.launch import launch_local
+        from prunus.train_parallel.launch.launch import launch_local
         from prunus.train_parallel.trainer import preflight
 
         preflight(cfg, resume=resume, overwrite=overwrite)  # bad input: one line here, before any process starts

@@ -44,7 +44,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_model
 from prunus.models.compression_state import compression_state, set_compression_state
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.launch import env_ranks, init_distributed
+from prunus.train_parallel.launch.launch import env_ranks, init_distributed
 
 from .distill_loss import DistillObjective
 from .distill_spawn import spawn

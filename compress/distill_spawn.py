@@ -21,7 +21,7 @@ import torch.distributed as dist
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_model, save_model
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.launch import LAUNCHED
+from prunus.train_parallel.launch.launch import LAUNCHED
 
 from .distill_loss import DistillObjective
 

@@ -27,7 +27,7 @@ is dropped, so evaluation and generation with a KV cache agree.
 After each forward the layer keeps ``aux_loss`` (a scalar tensor in the graph,
 training only) and ``dropped`` (routed choices dropped); :func:`moe_aux_loss`
 and :func:`moe_dropped` sum them over a model. No parallelism code: expert
-parallelism (``prunus.train_parallel.expert_parallel``) replaces how
+parallelism (``prunus.train_parallel.experts.expert_parallel``) replaces how
 ``GroupedExperts`` runs its token groups, not this module.
 """
 

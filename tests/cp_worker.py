@@ -31,10 +31,10 @@ from family_variants import family_model
 from prunus.models import Transformer, get_preset
 from prunus.models.llama import CausalAttention
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.context_parallel import apply_cp, shard_batch, unshard
-from prunus.train_parallel.ring_attention import RingAttention
-from prunus.train_parallel.saved_activations import SavedActivations
-from prunus.train_parallel.ulysses import UlyssesAttention
+from prunus.train_parallel.context_parallel.context_parallel import apply_cp, shard_batch, unshard
+from prunus.train_parallel.context_parallel.ring_attention import RingAttention
+from prunus.train_parallel.launch.saved_activations import SavedActivations
+from prunus.train_parallel.context_parallel.ulysses import UlyssesAttention
 
 
 def cp_mesh(cp: int):

@@ -47,7 +47,7 @@ def run_tp_model(family: str, loss_parallel: bool = True) -> dict:
 
     from family_variants import family_model
     from prunus.train_parallel.parallelize import cross_entropy, local_value
-    from prunus.train_parallel.tensor_parallel import apply_tp, loss_context
+    from prunus.train_parallel.tensor_parallel.tensor_parallel import apply_tp, loss_context
 
     model = family_model(family, seed=1).train()
     gen = torch.Generator().manual_seed(2)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from prunus.artifacts.atomic import atomic_write_json
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.ps_worker import train_parameter_server
+from prunus.train_parallel.data_parallel.ps_worker import train_parameter_server
 
 
 def main(spec_path: str, out_path: str) -> None:

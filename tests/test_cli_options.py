@@ -64,7 +64,7 @@ def test_a_new_setting_is_one_field():
 
 
 def test_choices_come_from_the_library_constants():
-    from prunus.train_parallel import pipeline_parallel
+    from prunus.train_parallel.pipeline import pipeline_parallel
 
     assert pipeline_parallel.SCHEDULES is PP_SCHEDULES
     assert all(name in params("train")["pp_schedule"].help for name in PP_SCHEDULES)

@@ -23,8 +23,8 @@ from family_variants import family_fields
 from prunus.cli.main import cli
 from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel import TrainConfig, resume_config, train
-from prunus.train_parallel.context_parallel import load_balanced_positions, validate_cp
-from prunus.train_parallel.dry_run import memory_plan
+from prunus.train_parallel.context_parallel.context_parallel import load_balanced_positions, validate_cp
+from prunus.train_parallel.launch.dry_run import memory_plan
 
 TOL = 1e-5
 SEQ = 512
@@ -216,7 +216,7 @@ def test_blocks_merged_by_log_sum_exp_match_sdpa(device):
     """Ring attention's arithmetic in one process: the second half of the queries attends to the first half of the
     keys (a full block) and to the second (a causal block); outputs merged by log-sum-exp, each block's gradients
     computed from the merged output and log-sum-exp, and summed, equal causal SDPA's."""
-    from prunus.train_parallel.ring_attention import block_attention, block_attention_backward, merge_block
+    from prunus.train_parallel.context_parallel.ring_attention import block_attention, block_attention_backward, merge_block
 
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(2, 4, 128, 16, device=device) for _ in range(4))

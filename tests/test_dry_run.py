@@ -13,10 +13,10 @@ from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.activation_checkpointing import apply_ac
-from prunus.train_parallel.dry_run import memory_plan
-from prunus.train_parallel.dry_run_table import render_plan
+from prunus.train_parallel.launch.dry_run import memory_plan
+from prunus.train_parallel.launch.dry_run_table import render_plan
 from prunus.train_parallel.parallelize import cross_entropy
-from prunus.train_parallel.saved_activations import SavedActivations
+from prunus.train_parallel.launch.saved_activations import SavedActivations
 from prunus.train_parallel.trainer import build_optimizer
 
 LLAMA_8B = dict(preset="llama-8b", tp=8, pp=4, dp_shard=32, zero=3, batch_size=128, microbatches=4)

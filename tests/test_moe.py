@@ -23,7 +23,7 @@ from prunus.models import ByteTokenizer, ModelConfig, PrunusError, Transformer, 
 from prunus.models.llama import FeedForward
 from prunus.models.moe import MoE, moe_aux_loss, moe_dropped
 from prunus.train_parallel import TrainConfig, resume_config, train
-from prunus.train_parallel.dry_run import memory_plan
+from prunus.train_parallel.launch.dry_run import memory_plan
 from prunus.train_parallel.parallel_dims import ParallelDims
 
 TOL = 1e-5

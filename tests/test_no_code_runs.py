@@ -205,6 +205,6 @@ def test_no_prunus_source_holds_a_full_unpickler():
         for pattern, what in _FULL_UNPICKLERS:
             for m in pattern.finditer(text):
                 line = text.count("\n", 0, m.start()) + 1
-                if not (rel.as_posix() == "train_parallel/checkpoint_reader.py" and what == "DCP's FileSystemReader"):
+                if not (rel.as_posix() == "train_parallel/checkpoint/checkpoint_reader.py" and what == "DCP's FileSystemReader"):
                     found.append(f"{rel}:{line}: {what}")
     assert not found, found

@@ -13,8 +13,8 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel import TrainConfig
-from prunus.train_parallel.dry_run import memory_plan
-from prunus.train_parallel.offload import OffloadedAdamW
+from prunus.train_parallel.launch.dry_run import memory_plan
+from prunus.train_parallel.data_parallel.offload import OffloadedAdamW
 from prunus.train_parallel.parallelize import resolve_layout
 
 CUDA = torch.cuda.is_available()
@@ -113,7 +113,7 @@ def test_fsdp2_cpu_offload_policy_matches_on_cuda(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from prunus.models import Transformer, get_preset
-    from prunus.train_parallel.data_parallel import apply_fsdp
+    from prunus.train_parallel.data_parallel.data_parallel import apply_fsdp
     from prunus.train_parallel.parallelize import cross_entropy
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

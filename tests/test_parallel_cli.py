@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from prunus.cli.main import cli
 from prunus.train_parallel import read_metrics
-from prunus.train_parallel.launch import first_slurm_host
+from prunus.train_parallel.launch.launch import first_slurm_host
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--warmup-steps", "1", "--eval-tokens", "1024",
         "--max-corpus-bytes", "100000", "--no-progress"]
@@ -90,8 +90,8 @@ def test_launchers_check_the_layout_first():
     """The library's launchers refuse a bad layout before writing or starting anything."""
     from prunus.artifacts.errors import PrunusError
     from prunus.train_parallel import TrainConfig
-    from prunus.train_parallel.launch import launch_local
-    from prunus.train_parallel.slurm import sbatch_script
+    from prunus.train_parallel.launch.launch import launch_local
+    from prunus.train_parallel.launch.slurm import sbatch_script
 
     with pytest.raises(PrunusError, match="does not divide"):
         sbatch_script(TrainConfig(tp=8, pp=4), 4, 8, ["--tp", "8", "--pp", "4"])

@@ -14,7 +14,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.parallelize import resolve_layout
-from prunus.train_parallel.parameter_server import shard_plan
+from prunus.train_parallel.data_parallel.parameter_server import shard_plan
 
 WORKER = Path(__file__).with_name("ps_worker.py")
 BASE = dict(preset="tiny", model={"n_layers": 2}, seq_len=32, batch_size=8, steps=3, warmup_steps=1, eval_every=3,

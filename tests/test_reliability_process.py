@@ -91,7 +91,7 @@ def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, text_file):
 RANK = """
 import os, sys, time
 os.environ.update(PRUNUS_LAUNCHER_PID=str(os.getppid()))
-from prunus.train_parallel.launch import die_with_launcher
+from prunus.train_parallel.launch.launch import die_with_launcher
 die_with_launcher()
 print("ready", flush=True)
 time.sleep(120)

@@ -20,10 +20,10 @@ from prunus.artifacts.errors import PrunusError
 from prunus.cli.main import cli
 from prunus.models.config import get_preset
 from prunus.train_parallel import TrainConfig, resume_config, train
-from prunus.train_parallel.dry_run import memory_plan
+from prunus.train_parallel.launch.dry_run import memory_plan
 from prunus.train_parallel.parallelize import resolve_layout
-from prunus.train_parallel.tp_nd.activation_plan import grid_activations
-from prunus.train_parallel.tp_nd.comm_plan import tp_comm_plan
+from prunus.train_parallel.tensor_parallel.tp_nd.activation_plan import grid_activations
+from prunus.train_parallel.tensor_parallel.tp_nd.comm_plan import tp_comm_plan
 
 TOL = 1e-5
 WORKER = Path(__file__).with_name("tp_nd_worker.py")

@@ -46,10 +46,10 @@ def run_grid(mode: str, dims: list, shape: list, model: dict, batch: int, seq: i
     from prunus.models import Transformer
     from prunus.models.config import get_preset
     from prunus.train_parallel.parallelize import cross_entropy
-    from prunus.train_parallel.tp_nd.apply import apply_tp_nd
-    from prunus.train_parallel.saved_activations import SavedActivations
-    from prunus.train_parallel.tp_nd.collectives import count_bytes
-    from prunus.train_parallel.tp_nd.layers import GridLinear
+    from prunus.train_parallel.tensor_parallel.tp_nd.apply import apply_tp_nd
+    from prunus.train_parallel.launch.saved_activations import SavedActivations
+    from prunus.train_parallel.tensor_parallel.tp_nd.collectives import count_bytes
+    from prunus.train_parallel.tensor_parallel.tp_nd.layers import GridLinear
 
     cfg = get_preset("tiny").replace(**model)
     torch.manual_seed(1)

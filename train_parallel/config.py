@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.artifacts.errors import PrunusError
-from prunus.train_parallel.tp_nd.shape import TP_MODES, grid_shape
+from prunus.train_parallel.tensor_parallel.tp_nd.shape import TP_MODES, grid_shape
 from prunus.artifacts.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
@@ -122,7 +122,7 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         if self.init_from is not None:  # the model dir defines the architecture; flags may only agree with it
-            from prunus.train_parallel.init_from import check_architecture, init_model_config
+            from prunus.train_parallel.checkpoint.init_from import check_architecture, init_model_config
 
             base = init_model_config(self.init_from)
             check_architecture(base, self.init_from, self.preset, self.model)

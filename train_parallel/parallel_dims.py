@@ -21,7 +21,7 @@ from functools import cached_property
 
 from prunus.models.config import ModelConfig
 from prunus.artifacts.errors import PrunusError
-from prunus.train_parallel.tp_nd.shape import GRID_DIMS, grid_shape
+from prunus.train_parallel.tensor_parallel.tp_nd.shape import GRID_DIMS, grid_shape
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

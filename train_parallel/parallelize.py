@@ -24,14 +24,14 @@ from torch.distributed.tensor import DTensor
 from prunus.artifacts.errors import PrunusError
 
 from .activation_checkpointing import apply_ac
-from .context_parallel import apply_cp, validate_cp
-from .data_parallel import apply_ddp, apply_fsdp
-from .expert_parallel import apply_ep
+from .context_parallel.context_parallel import apply_cp, validate_cp
+from .data_parallel.data_parallel import apply_ddp, apply_fsdp
+from .experts.expert_parallel import apply_ep
 from .lora import apply_lora
 from .parallel_dims import ParallelDims
-from .pipeline_parallel import build_pipeline, validate_schedule
-from .tensor_parallel import apply_tp
-from .tp_nd.apply import apply_tp_nd, grid_mesh, validate_tp_nd
+from .pipeline.pipeline_parallel import build_pipeline, validate_schedule
+from .tensor_parallel.tensor_parallel import apply_tp
+from .tensor_parallel.tp_nd.apply import apply_tp_nd, grid_mesh, validate_tp_nd
 
 
 @dataclass
@@ -82,7 +82,7 @@ def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tupl
 
     cfg.validate()
     if device_type is None:  # a run (the dry run plans offload on any machine)
-        from .offload import check_offload
+        from .data_parallel.offload import check_offload
 
         check_offload(cfg)
     if cfg.dp_mode != "ddp":  # a parameter server or nn.DataParallel: checked by their own modules
@@ -98,11 +98,11 @@ def _resolve_other_dp(cfg, world_size: int, device_type: str | None) -> tuple:
     import dataclasses
 
     if cfg.dp_mode == "ps":
-        from .parameter_server import validate_ps
+        from .data_parallel.parameter_server import validate_ps
 
         dims = ParallelDims(world_size=validate_ps(cfg, world_size), zero=0, device_type=device_type)
     else:
-        from .data_parallel_single import validate_dataparallel
+        from .data_parallel.data_parallel_single import validate_dataparallel
 
         dims = validate_dataparallel(cfg, world_size, device_type)
     cfg = dataclasses.replace(cfg, zero=0)

@@ -29,7 +29,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output, check_replaceable
 from prunus.artifacts.validate import read_json_object, short
 
-from .checkpoint import checkpoint_problem, list_checkpoints
+from .checkpoint.checkpoint import checkpoint_problem, list_checkpoints
 from .config import RESUMABLE, TrainConfig
 
 RUN_CONFIG = "run.json"

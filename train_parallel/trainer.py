@@ -40,25 +40,25 @@ from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
 from prunus.models.quant_registry import is_quantized
 
-from .checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
-from .checkpoint_reader import CheckpointUnreadable
+from .checkpoint.checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
+from .checkpoint.checkpoint_reader import CheckpointUnreadable
 from .config import TrainConfig
-from .context_parallel import cp_sum, shard_batch
-from .data_parallel import apply_ddp
-from .init_from import init_hf_origin, init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
+from .context_parallel.context_parallel import cp_sum, shard_batch
+from .data_parallel.data_parallel import apply_ddp
+from .checkpoint.init_from import init_hf_origin, init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
 from .lora import apply_lora, check_lora, merge_lora
-from .peft_format import save_adapter
-from .launch import env_ranks, init_distributed, reports_collective_timeouts
+from .checkpoint.peft_format import save_adapter
+from .launch.launch import env_ranks, init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
-from .pipeline_parallel import pipeline_score
+from .pipeline.pipeline_parallel import pipeline_score
 from .parallelize import Parallelized, cross_entropy, local_value, parallelize, resolve_layout
 from .plot import plot_loss_curves
 from .progress import TrainProgress
 from .run_dir import check_run_dir, discard_incomplete_run, init_run_dir, prior_state, publish_run_dir, run_location
 from .schedule import lr_at
-from .tensor_parallel import loss_context
+from .tensor_parallel.tensor_parallel import loss_context
 
 
 @dataclass
@@ -77,7 +77,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -
     groups = [g for g in groups if g["params"]]  # LoRA trains matrices alone; DCP cannot save an empty group
     optimizer_class = torch.optim.AdamW
     if cfg.offload and cfg.zero in (0, 1):  # ZeRO-Offload (offload.py); FSDP: its CPUOffloadPolicy
-        from .offload import OffloadedAdamW
+        from .data_parallel.offload import OffloadedAdamW
 
         optimizer_class = OffloadedAdamW
     if zero1_mesh is not None:
@@ -265,7 +265,7 @@ class Trainer:
             self.par: Parallelized = self._parallelize()
             self.forward_module = self.par.parts[0]  # what forward calls (nn.DataParallel's replicas, or the part)
             if cfg.dp_mode == "dataparallel":
-                from .data_parallel_single import apply_dataparallel
+                from .data_parallel.data_parallel_single import apply_dataparallel
 
                 self.forward_module = apply_dataparallel(self.par.parts[0])
             self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
@@ -615,7 +615,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
           objective=None) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()``; see :class:`Trainer`."""
     if cfg.dp_mode == "ps":  # servers and workers run their own loop (ps_worker.py)
-        from .ps_worker import refuse_resume, train_parameter_server
+        from .data_parallel.ps_worker import refuse_resume, train_parameter_server
 
         refuse_resume(cfg, resume)
         if model is not None or objective is not None:

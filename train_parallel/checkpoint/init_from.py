@@ -194,7 +194,7 @@ def reset_adapters(parts: list[torch.nn.Module], cfg) -> None:
         return
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from .lora import _initial_A
+    from ..lora import _initial_A
 
     for part in parts:
         for name, module in part.named_modules():

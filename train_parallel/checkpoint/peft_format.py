@@ -20,7 +20,7 @@ from prunus.artifacts.atomic import atomic_dir, atomic_write_json
 from prunus.artifacts.errors import PrunusError
 from prunus.models.hf_convert import pick_family
 
-from .lora import adapter_weights
+from ..lora import adapter_weights
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -245,7 +245,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
         return CausalAttention(variant.window, variant.softcap, variant.scale)(q, k, v)
     if q.shape[2] % 2 or k.shape[2] != q.shape[2]:
         raise PrunusError(f"ring attention: the local sequence ({q.shape[2]} queries, {k.shape[2]} keys) must be two "
-                          "equal chunks; shard the batch with prunus.train_parallel.context_parallel.shard_batch")
+                          "equal chunks; shard the batch with prunus.train_parallel.context_parallel.context_parallel.shard_batch")
     return _RingAttention.apply(q, k, v, group, variant)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 
-from .parallel_dims import ParallelDims
+from ..parallel_dims import ParallelDims
 
 
 def cuda_devices() -> int:

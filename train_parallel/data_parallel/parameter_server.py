@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from prunus.artifacts.errors import PrunusError
 
-from .schedule import lr_at
+from ..schedule import lr_at
 
 PULL, PUSH, DONE = 1.0, 2.0, 3.0
 HEADER, PAYLOAD, REPLY, GATHER = 11, 12, 13, 14

@@ -22,13 +22,13 @@ from prunus.artifacts.errors import PrunusError
 from prunus.data import evaluate, get_batch, load_corpus
 from prunus.models import Transformer, load_tokenizer, save_model
 
-from .launch import init_distributed
-from .metrics import MetricsLog, read_metrics
+from ..launch.launch import init_distributed
+from ..metrics import MetricsLog, read_metrics
 from .parameter_server import (DONE, HEADER, PAYLOAD, PULL, PUSH, REPLY, ParameterServer, gather_to_rank0, header,
                                shard_plan, validate_ps)
-from .parallelize import cross_entropy
-from .plot import plot_loss_curves
-from .run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
+from ..parallelize import cross_entropy
+from ..plot import plot_loss_curves
+from ..run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
 
 
 class PSWorker:
@@ -105,7 +105,7 @@ def train_parameter_server(cfg, *, overwrite: bool = False, slow_workers: dict[i
     ``slow_workers``: {worker index: seconds to sleep each step} (to show the staleness bound). Returns a
     TrainResult; on rank 0 its metrics hold ``ps``: the mode, the largest lead of a worker over the slowest
     at a pull, and the largest staleness of a push in parameter versions."""
-    from .trainer import TrainResult
+    from ..trainer import TrainResult
 
     rank, world, device = init_distributed(cfg.timeout_s)
     n_workers = validate_ps(cfg, world)

@@ -124,12 +124,12 @@ from torch.distributed.tensor import DTensor
 
 from prunus.artifacts.errors import PrunusError
 
-from .config import TrainConfig
-from .parallel_dims import ParallelDims
-from .parallelize import Parallelized, parallelize, resolve_layout
-from .tp_nd.activation_plan import grid_activations
-from .tp_nd.comm_plan import tp_comm_plan
-from .tp_nd.shape import grid_side
+from ..config import TrainConfig
+from ..parallel_dims import ParallelDims
+from ..parallelize import Parallelized, parallelize, resolve_layout
+from ..tensor_parallel.tp_nd.activation_plan import grid_activations
+from ..tensor_parallel.tp_nd.comm_plan import tp_comm_plan
+from ..tensor_parallel.tp_nd.shape import grid_side
 
 FORWARD_FIRST = ("GPipe", "LoopedBFS")  # schedules that run every micro-batch forward before any backward
 
@@ -204,7 +204,7 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
 
     from prunus.models import Transformer
 
-    from .trainer import build_optimizer
+    from ..trainer import build_optimizer
 
     with fake_process_group(rank, world_size):
         dims.mesh  # noqa: B018 (cached: every later use of the mesh gets this one)

@@ -1,4 +1,4 @@
-"""The dry run's memory plan (:func:`prunus.train_parallel.dry_run.memory_plan`) as a table for the terminal."""
+"""The dry run's memory plan (:func:`prunus.train_parallel.launch.dry_run.memory_plan`) as a table for the terminal."""
 
 from __future__ import annotations
 

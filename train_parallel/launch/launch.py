@@ -112,7 +112,7 @@ def launch_local(cfg, argv: list[str]) -> int:
     (:func:`~.parallelize.resolve_layout`): a layout a run would refuse starts no process."""
     import logging
 
-    from .parallelize import resolve_layout
+    from ..parallelize import resolve_layout
 
     nproc = cfg.nproc
     resolve_layout(cfg, nproc)

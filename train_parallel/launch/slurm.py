@@ -13,7 +13,7 @@ import shlex
 
 from prunus.artifacts.errors import PrunusError
 
-from .parallelize import resolve_layout
+from ..parallelize import resolve_layout
 
 SBATCH = """#!/bin/bash
 #SBATCH --job-name=prunus-train

@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from prunus.artifacts.errors import PrunusError
 
-from .config import PP_SCHEDULES
+from ..config import PP_SCHEDULES
 
 SCHEDULES = PP_SCHEDULES
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")

@@ -1,0 +1,2 @@
+"""Pipeline parallelism: the cost-balanced stage split and torch.distributed.pipelining's schedules
+(``pipeline_parallel.py``)."""
