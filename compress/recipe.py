@@ -35,15 +35,23 @@ MAX_RECIPE_BYTES = 1 << 20
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
-# name -> "module:function"; imported when a recipe uses it
-PASSES = {
-    "quantize": "prunus.compress.quantize:quantize_pass",
-    "smoothquant": "prunus.compress.smoothquant:smoothquant_pass",
-    "prune": "prunus.compress.prune:prune_pass",
-    "prune_structured": "prunus.compress.prune_structured:prune_structured_pass",
-    "distill": "prunus.compress.distill:distill_pass",
-}
 
+@dataclasses.dataclass(frozen=True)
+class PassEntry:
+    """One pass of the registry: where its function is (imported when a recipe uses it) and what the runner
+    gives it besides the recipe's arguments."""
+
+    target: str  # "module:function"
+    shows_progress: bool = False  # it draws its own progress (distillation trains) and takes ``progress``
+
+
+PASSES = {
+    "quantize": PassEntry("prunus.compress.quantize:quantize_pass"),
+    "smoothquant": PassEntry("prunus.compress.smoothquant:smoothquant_pass"),
+    "prune": PassEntry("prunus.compress.prune:prune_pass"),
+    "prune_structured": PassEntry("prunus.compress.prune_structured:prune_structured_pass"),
+    "distill": PassEntry("prunus.compress.distill:distill_pass", shows_progress=True),
+}
 
 
 def _fraction(v):
@@ -109,7 +117,7 @@ def get_pass(name: str, where: str = "recipe"):
     """The function registered as ``name``."""
     if name not in PASSES:
         raise PrunusError(f"{where}: unknown pass {short(name)}; known passes: {', '.join(PASSES)}")
-    module, func = PASSES[name].split(":")
+    module, func = PASSES[name].target.split(":")
     try:
         return getattr(importlib.import_module(module), func)
     except ModuleNotFoundError as e:

@@ -10,7 +10,6 @@ that ran) and the report; the manifest's hashes cover them all.
 from __future__ import annotations
 
 import copy
-import inspect
 import shlex
 import sys
 import time
@@ -31,7 +30,7 @@ from prunus.artifacts.validate import check_int_range
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
 from .context import build_context
-from .recipe import check_pass, get_pass, recipe_yaml
+from .recipe import PASSES, check_pass, get_pass, recipe_yaml
 from .report import greedy, prompts_from, report_files, report_header, report_row
 
 
@@ -107,7 +106,7 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
         for name, args in passes:
             label = pass_label(name, args)
             fn = get_pass(name)
-            extra = {"progress": False} if not progress and "progress" in inspect.signature(fn).parameters else {}
+            extra = {"progress": False} if not progress and PASSES[name].shows_progress else {}
             bar.stop()  # a pass may show its own progress (distillation trains)
             if progress:
                 console.print(f"[bold]pass {label}[/bold]")

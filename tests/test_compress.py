@@ -179,6 +179,16 @@ def test_shipped_recipes_parse(path):
     assert all(name in PASSES for name, _ in passes)
 
 
+def test_a_pass_that_draws_progress_says_so_in_the_registry():
+    import inspect
+
+    from prunus.compress.recipe import get_pass
+
+    for name, entry in PASSES.items():  # the runner hands progress=False to exactly these when it shows none
+        assert entry.shows_progress == ("progress" in inspect.signature(get_pass(name)).parameters), name
+    assert PASSES["distill"].shows_progress
+
+
 def test_shortcuts_map_onto_passes():
     assert shortcut_passes(quantize="fp8-w8a8") == [("quantize", {"scheme": "fp8-w8a8"})]
     assert shortcut_passes(prune="wanda:0.3") == [("prune", {"method": "wanda", "sparsity": 0.3})]
