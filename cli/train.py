@@ -128,8 +128,16 @@ def resolve_config(given: dict, options: dict, config_file: str | None, resume: 
 def train_command(ctx: click.Context, config_file: str | None, print_config: bool, dry_run: bool, world_size: int | None,
                   plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, resume: bool, overwrite: bool,
                   **options):
-    """Train a model; the final model dir is OUT/model."""
+    """Train a model (the transformer, or with --model any torch.nn.Module); the final model dir is OUT/model."""
+    from .train_module import train_module_command, transformer_options
+
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if options.get("module_spec") is not None:  # any nn.Module, built by the factory --model names
+        refused = {"--config": config_file, "--print-config": print_config, "--dry-run": dry_run,
+                   "--print-slurm": print_slurm}
+        return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused)
+    options = transformer_options(given, options)
+    given = {k: v for k, v in given.items() if k in options}
     cfg = resolve_config(given, options, config_file, resume)
     if print_config:
         from prunus.train_parallel.config_file import to_toml
@@ -164,5 +172,11 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
         click.echo("\n".join([f"run dir:   {result.run_dir}", *model_line, f"loss plot: {result.run_dir / 'loss.png'}"]))
 
 
-command = click.Command("train", callback=click.pass_context(train_command), params=[*config_options(), *EXTRA_OPTIONS],
-                        help=train_command.__doc__)
+def _module_options() -> list[click.Option]:
+    from .train_module import module_options
+
+    return module_options()
+
+
+command = click.Command("train", callback=click.pass_context(train_command),
+                        params=[*config_options(), *EXTRA_OPTIONS, *_module_options()], help=train_command.__doc__)

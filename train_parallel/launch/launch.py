@@ -110,12 +110,17 @@ def launch_local(cfg, argv: list[str]) -> int:
 
     ``cfg`` (the TrainConfig ``argv`` describes) is checked first, layout against the model included
     (:func:`~.parallelize.resolve_layout`): a layout a run would refuse starts no process."""
-    import logging
-
     from ..parallelize import resolve_layout
 
-    nproc = cfg.nproc
-    resolve_layout(cfg, nproc)
+    resolve_layout(cfg, cfg.nproc)
+    return launch_ranks(cfg.nproc, argv)
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``prunus <argv>`` in ``nproc`` processes on this host under torchrun's agent (see :func:`launch_local`;
+    the caller has checked the settings ``argv`` gives, as a generic module's run does its own)."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

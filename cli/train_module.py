@@ -1,0 +1,99 @@
+"""``prunus train --model package.module:callable``: train any ``nn.Module``.
+
+The options the generic run shares with the transformer's (``--out``, ``--steps``, ``--batch-size``, ``--lr``,
+``--nproc``, ``--zero``, ...) are ``prunus train``'s own; the generic run's own settings are one option per
+field of :class:`~prunus.train_parallel.module_config.ModuleTrainConfig` that TrainConfig lacks, plus
+``--model`` and ``--model-args`` (read by a literal parser, never evaluated). The spec and arguments are
+checked before torch is imported; the current directory is importable, as under ``python -m``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import click
+
+from prunus.artifacts.errors import PrunusError
+from prunus.train_parallel.config import TrainConfig
+from prunus.train_parallel.module_config import ModuleTrainConfig
+
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+_MODULE_FIELDS = {f.name for f in dataclasses.fields(ModuleTrainConfig)}
+
+
+def module_options() -> list[click.Option]:
+    """--model, --model-args and one option per ModuleTrainConfig field that TrainConfig has no option for."""
+    from .train import config_options
+
+    own = [o for o in config_options(ModuleTrainConfig) if o.name not in _TRAIN_FIELDS]
+    return [
+        click.Option(["--model", "module_spec"], default=None, metavar="PACKAGE.MODULE:CALLABLE",
+                     help="Train any torch.nn.Module this factory builds (with --data and --task), instead of the "
+                          "transformer; --batch-size then counts samples."),
+        click.Option(["--model-args", "model_args_text"], default=None, metavar="K=V,...",
+                     help="With --model: the factory's keyword arguments, e.g. num_classes=10,width=32 (JSON values; "
+                          "a bare word is a string)."),
+        *own,
+    ]
+
+
+MODULE_ONLY = ("module_spec", "model_args_text", *(f for f in _MODULE_FIELDS - _TRAIN_FIELDS if f not in ("model", "model_args")))
+
+
+def transformer_options(given: dict, options: dict) -> dict:
+    """The options of a transformer run: the generic module's own refused when given (one line), then dropped."""
+    for name in MODULE_ONLY:
+        if name in given and not (name == "task" and given[name] == "causal-lm"):
+            flag = {"module_spec": "--model", "model_args_text": "--model-args"}.get(name, "--" + name.replace("_", "-"))
+            raise PrunusError(f"{flag} applies to a generic module; add --model package.module:callable (without it, "
+                              "prunus train trains the transformer)")
+    return {k: v for k, v in options.items() if k not in MODULE_ONLY}
+
+
+def module_config(given: dict, options: dict) -> ModuleTrainConfig:
+    """The run's settings: ModuleTrainConfig's defaults < the flags given; transformer-only flags refused."""
+    from prunus.models.module_factory import parse_model_args, parse_spec
+
+    extra = [k for k in given if k not in _MODULE_FIELDS and k not in MODULE_ONLY]
+    if extra:
+        flag = "--" + extra[0].replace("_", "-")
+        raise PrunusError(f"{flag} applies to the transformer, not to a generic module (--model); drop it (a module "
+                          "trains with data parallelism: --nproc, --zero, --sync-batchnorm)")
+    spec = options["module_spec"]
+    parse_spec(spec, "--model")
+    settings = {k: v for k, v in given.items() if k in _MODULE_FIELDS}
+    cfg = ModuleTrainConfig(**{**settings, "model": spec, "model_args": parse_model_args(options["model_args_text"])})
+    if cfg.data is None:
+        raise PrunusError("--model needs --data: an ImageFolder directory, or e.g. "
+                          "synthetic:classification?n=256&shape=3x32x32&classes=10")
+    cfg.validate()
+    return cfg
+
+
+def train_module_command(ctx: click.Context, given: dict, options: dict, *, resume: bool, overwrite: bool,
+                         refused: dict) -> None:
+    """Train the generic module ``--model`` names; ``refused``: the transformer-only actions asked for."""
+    for flag, asked in refused.items():
+        if asked:
+            raise PrunusError(f"{flag} plans a transformer run; drop it with --model")
+    cfg = module_config(given, options)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed packages first)
+    launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if cfg.nproc > 1 and not launched:
+        from prunus.train_parallel.launch.launch import launch_ranks
+
+        from .train import command_line
+
+        ctx.exit(launch_ranks(cfg.nproc, ["train", *command_line(ctx, given, None, resume, overwrite)]))
+    from prunus.data.module_datasets import module_datasets
+    from prunus.train_parallel.module_trainer import train_module
+
+    train, val = module_datasets(cfg.data, cfg.val_fraction)
+    result = train_module(cfg.model, train, cfg.task, cfg, val_dataset=val, resume=resume, overwrite=overwrite)
+    if result.model_dir is None and int(os.environ.get("RANK", "0")) == 0:
+        click.echo(f"run dir:   {result.run_dir} (stopped at step {result.step}; continue with --resume)")
+    elif result.model_dir is not None:  # the progress lines already named the model dir
+        click.echo("\n".join([f"run dir:   {result.run_dir}", *([] if cfg.progress else [f"model dir: {result.model_dir}"])]))

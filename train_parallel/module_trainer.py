@@ -1,0 +1,263 @@
+"""Training any ``nn.Module``: :func:`train_module` (the Python API) and ``prunus train --model``.
+
+The module (or a factory spec that builds it, :mod:`prunus.models.module_factory`) trains on a map-style
+``Dataset`` of (input, target) samples for a task (:mod:`prunus.models.tasks`: the loss and the held-out
+figures) with the engine's data parallelism: one process, DDP (``zero`` 0 / 1) or FSDP2 (``zero`` 2 / 3) over
+every rank torchrun or ``--nproc`` started, BatchNorm optionally synchronised. Every layout sees the same
+global batch per step (:class:`prunus.data.global_batches.GlobalBatches`), so it trains to the same losses
+as one process. The run dir is the transformer's: ``run.json``, ``metrics.jsonl``, ``checkpoints/step-N``
+(reloadable under any layout) and, at the end, ``model/``: a generic model dir that records the factory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from prunus.artifacts.errors import PrunusError
+from prunus.data.global_batches import GlobalBatches, check_pair, eval_batches
+from prunus.models.module_dir import input_spec, save_module
+from prunus.models.module_factory import ModuleFactory, build_module, check_args
+from prunus.models.tasks import Task, get_task
+
+from .checkpoint.checkpoint import Checkpointer, load_checkpoint
+from .data_parallel.any_module import parallelize_any, unwrapped
+from .launch.launch import init_distributed, reports_collective_timeouts
+from .metrics import MetricsLog
+from .module_config import ModuleTrainConfig
+from .module_run_dir import check_module_run, discard_on_failure, open_module_run
+from .parallel_dims import ParallelDims
+from .run_dir import publish_run_dir
+from .schedule import lr_at
+from .trainer import clip_grad_norm
+
+
+@dataclass
+class ModuleTrainResult:
+    run_dir: Path
+    model_dir: Path | None  # None when the run stopped early (stop_at), or on ranks other than 0
+    step: int
+    metrics: dict  # the last record (with the last evaluation's figures)
+    losses: list[float]  # the training loss of each step run in this invocation
+
+
+def _optimizer(model: torch.nn.Module, cfg: ModuleTrainConfig, zero1_mesh) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0})
+              if g["params"]]
+    if not groups:
+        raise PrunusError("the module has nothing trainable (no parameter requires a gradient)")
+    if zero1_mesh is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_mesh.get_group(),
+                                       lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def _to(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _call(model, x):
+    """The module on one batch's input: a tensor, or a tuple / dict of them (positional / keyword arguments)."""
+    if isinstance(x, (list, tuple)):
+        return model(*x)
+    if isinstance(x, dict):
+        return model(**x)
+    return model(x)
+
+
+def _resolve_model(module_or_spec, cfg: ModuleTrainConfig, factory: ModuleFactory | None):
+    """(the module, its factory, cfg naming it): a spec is built here (seeded), a module taken as it is."""
+    if isinstance(module_or_spec, str):
+        cfg = replace(cfg, model=module_or_spec, model_args=check_args(cfg.model_args, "model_args"))
+        torch.manual_seed(cfg.seed)
+        module = build_module(cfg.model, cfg.model_args)
+        return module, module.prunus_factory, cfg
+    if not isinstance(module_or_spec, torch.nn.Module):
+        raise PrunusError(f"train_module: {type(module_or_spec).__name__} is neither a torch.nn.Module nor a factory "
+                          "spec package.module:callable")
+    factory = factory or getattr(module_or_spec, "prunus_factory", None)
+    if not isinstance(factory, ModuleFactory):
+        raise PrunusError("train_module: the module carries no factory spec, so its model dir could not rebuild it; "
+                          "pass the spec 'package.module:callable' instead, or factory=ModuleFactory(spec, args)")
+    return module_or_spec, factory, replace(cfg, model=factory.spec, model_args=factory.args)
+
+
+def _input_spec(dataset) -> dict | None:
+    """config.json's ``input``: one sample's shape and dtype (integer inputs: the largest value seen + 1)."""
+    x = dataset[0][0]
+    if not isinstance(x, torch.Tensor):
+        return None
+    if x.dtype.is_floating_point or x.dtype == torch.bool:
+        return input_spec(x)
+    seen = [dataset[i][0] for i in range(min(len(dataset), 64))]
+    return input_spec(x, high=max(int(t.max()) for t in seen) + 1)
+
+
+class ModuleTrainer:
+    """One run (or its resumption) of a generic module on this rank; build it, then call :meth:`train`."""
+
+    def __init__(self, module_or_spec, dataset, task: str, cfg: ModuleTrainConfig, *, val_dataset=None,
+                 factory: ModuleFactory | None = None, resume: bool = False, overwrite: bool = False):
+        cfg = replace(cfg, task=task)
+        cfg.validate()
+        check_pair(dataset, "dataset")
+        if val_dataset is not None:
+            check_pair(val_dataset, "val_dataset")
+        self.task: Task = get_task(task)
+        self.rank, self.world, launched = init_distributed(cfg.timeout_s)
+        self.main = self.rank == 0
+        self.dims = ParallelDims(world_size=self.world, zero=cfg.zero)
+        cfg = replace(cfg, zero=self.dims.zero)
+        self.batches = GlobalBatches(dataset, cfg.batch_size, seed=cfg.seed, rank=self.dims.submesh_rank("dp"),
+                                     world=self.dims.dp)
+        module, self.factory, cfg = _resolve_model(module_or_spec, cfg, factory)
+        self.cfg, self.dataset, self.val_dataset = cfg, dataset, val_dataset
+        self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
+        self.run = check_module_run(cfg, resume=resume, overwrite=overwrite)
+        self._barrier()  # every rank has checked the run dir before rank 0 writes to it
+        self.model = parallelize_any(module.to(self.device), self.dims, sync_batchnorm=cfg.sync_batchnorm)
+        self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
+        self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
+        self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
+        if self.run.resume_from is not None:
+            self.state = load_checkpoint(self.run.resume_from, [self.model], [self.optimizer])
+            self.state["samples"] = self.state["tokens"]
+            self.start = self.state["step"]
+        self.stop = cfg.stop_at or cfg.steps
+        self.losses: list[float] = []
+        self.record: dict = {}
+        if self.main:
+            open_module_run(self.run, cfg)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _mean(self, value: torch.Tensor) -> float:
+        if self.dims.dp > 1:
+            dist.all_reduce(value, group=self.dims.submesh_group("dp"))
+            value = value / self.dims.dp
+        return float(value)
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (0-based ``step``); returns its record for metrics.jsonl."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = _to(self.batches.batch(step), self.device)
+        self.model.train()
+        loss = self.task.loss(_call(self.model, x), y)
+        loss.backward()
+        grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = self._mean(loss.detach().float())
+        dt = time.perf_counter() - t0
+        self.state["samples"] += cfg.batch_size
+        self.state["tokens"] = self.state["samples"]  # the checkpoint's count of what was trained on
+        self.state["elapsed_s"] += dt
+        self.losses.append(loss_value)
+        done = step + 1
+        record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  "samples_per_s": cfg.batch_size / dt, "elapsed_s": self.state["elapsed_s"],
+                  "samples": self.state["samples"]}
+        if self.val_dataset is not None and (done % cfg.eval_every == 0 or done == self.stop):
+            record.update(self.evaluate())
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """The task's held-out figures of the module as it is now (every rank scores the same samples)."""
+        model = unwrapped(self.model)
+        model.eval()
+        loss_sum, count, correct = 0.0, 0, 0
+        for x, y in eval_batches(self.val_dataset, self.cfg.batch_size, self.cfg.eval_samples):
+            x, y = _to((x, y), self.device)
+            s, n, c = self.task.sums(_call(model, x), y)
+            loss_sum, count, correct = loss_sum + s, count + n, correct + (c or 0)
+        model.train()
+        return self.task.summary(loss_sum, count, correct)
+
+    def _log(self, record: dict, metrics: MetricsLog | None) -> None:
+        if metrics is not None:
+            metrics.write(record)
+        step = record["step"]
+        if self.main and self.cfg.progress and (step % self.cfg.log_every == 0 or step == self.stop or "val_loss" in record):
+            val = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k in ("val_loss", "val_accuracy"))
+            print(f"step {step}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}{val}", flush=True)
+
+    def _run_steps(self) -> None:
+        metrics = MetricsLog(self.run.path, resume_step=self.start if self.run.resume_from else None) if self.main else None
+        try:
+            for step in range(self.start, self.stop):
+                self.record = self.train_step(step)
+                self._log(self.record, metrics)
+                done = step + 1
+                cfg = self.cfg
+                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps):
+                    self.checkpointer.save(done, [self.model], [self.optimizer], self.state)
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def save_model(self) -> Path | None:
+        """The model dir at RUN_DIR/model, from the full state dict gathered on rank 0 (a collective), loaded
+        into a module the factory builds afresh (so the dir is known to rebuild)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.main:
+            return None
+        fresh = self.factory.build(source="model dir factory")
+        fresh.load_state_dict(state, strict=True)
+        metrics = {k: v for k, v in self.record.items() if k.startswith("val_")}
+        metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
+                       task=self.task.name)
+        path = save_module(fresh, self.run.path / "model", stage="train", factory=self.factory, task=self.task.name,
+                           input=_input_spec(self.dataset), metrics=metrics, overwrite=True)
+        if self.cfg.progress:
+            print(f"model dir: {Path(self.cfg.out) / 'model'}", flush=True)
+        return path
+
+    def train(self) -> ModuleTrainResult:
+        try:
+            self._run_steps()
+            model_dir = self.save_model() if self.stop == self.cfg.steps else None
+            self._barrier()
+        except BaseException as e:
+            if self.main:
+                discard_on_failure(self.run, self.cfg, e)
+            raise
+        out = publish_run_dir(self.cfg, self.run.path) if self.main else Path(self.cfg.out)
+        return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses)
+
+
+@reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
+def _train(cfg: ModuleTrainConfig, module_or_spec, dataset, task, **kwargs) -> ModuleTrainResult:
+    return ModuleTrainer(module_or_spec, dataset, task, cfg, **kwargs).train()
+
+
+def train_module(module_or_spec, dataset, task: str = "classification", cfg: ModuleTrainConfig | None = None, *,
+                 val_dataset=None, factory: ModuleFactory | None = None, resume: bool = False,
+                 overwrite: bool = False) -> ModuleTrainResult:
+    """Train ``module_or_spec`` (an ``nn.Module`` built by a factory, or a spec ``"package.module:callable"``
+    built with ``cfg.model_args``) on ``dataset`` for ``task``; score ``val_dataset`` when given. One process,
+    or every rank torchrun started (DDP / FSDP2 by ``cfg.zero``); see the module docstring."""
+    cfg = cfg or ModuleTrainConfig()
+    return _train(cfg, module_or_spec, dataset, task, val_dataset=val_dataset, factory=factory, resume=resume,
+                  overwrite=overwrite)
