@@ -29,6 +29,12 @@ FIX = "re-create the model dir"
 def read_header(path: str | Path, fix: str = FIX) -> dict[str, dict]:
     """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, every entry checked (``fix``: what
     the one-line error tells the user to do)."""
+    return read_layout(path, fix)[0]
+
+
+def read_layout(path: str | Path, fix: str = FIX) -> tuple[dict[str, dict], dict[str, str], int]:
+    """(the checked header as :func:`read_header` gives it, the ``__metadata__`` strings, the file offset of the
+    first data byte: a tensor's bytes are ``data_offsets`` from there)."""
     path = Path(path)
     try:
         st = path.stat()
@@ -58,7 +64,7 @@ def read_header(path: str | Path, fix: str = FIX) -> dict[str, dict]:
     for name, entry in header.items():
         _check_entry(path, name, entry, data_bytes, fix)
     _check_tiling(path, header, data_bytes, fix)
-    return header
+    return header, metadata, 8 + n
 
 
 def _utf8(text: str) -> bool:

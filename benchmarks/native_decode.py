@@ -57,19 +57,17 @@ def _graph_and_dims(export: Path):
 
 
 def kernels_section(exports: dict, rounds: int) -> None:
-    import onnx
-
     from prunus.native.build import library
     from prunus.native.decoder import _linear
-    from prunus.native.weights import read_genai_graph
+    from prunus.native.weights import native_weights_file, read_native_weights
 
     print("\n1. kernels: every q / o / gate / down layer in turn (weights from memory), one thread, best of "
           f"{rounds}")
     lib, rng = library(), np.random.default_rng(0)
     pool = lib.prunus_pool_new(1)
     for precision, export in exports.items():
-        graph, dims = _graph_and_dims(export)
-        packed = read_genai_graph(onnx.load(str(graph)), dims, str(graph))
+        _, dims = _graph_and_dims(export)
+        packed = read_native_weights(native_weights_file(export), dims)
         layers = [layer[n] for layer in packed.layers for n in ("q", "o", "gate", "down") if layer[n] is not None]
         structs = [_linear(lin) for lin in layers]
         cells = []

@@ -213,7 +213,9 @@ def cached_onnx(src: Path, root: Path, name: str, precision: str | None, graph: 
     usable = _newer_than(src)
     d = root / f"onnx-{graph}-{name}"
     for candidate in ([reuse] if reuse is not None else []) + [d]:
-        if usable(candidate) and export_graph(candidate) == graph:
+        # a genai export of an older prunus lacks the native decoder's weights: made again
+        if usable(candidate) and export_graph(candidate) == graph and (
+                graph != "genai" or (candidate / "native_weights.safetensors").is_file()):
             return candidate
     t0 = time.perf_counter()
     print(f"   exporting {src} at {precision or 'its stored precision'}, {graph} graph (once, cached in {d}) ...",

@@ -79,6 +79,13 @@ def _io(cfg, n_layers: int, logits_shape: list) -> tuple[list, list]:
     return inputs, outputs
 
 
+def rope_halves(cfg):
+    """The rotary tables GroupQueryAttention takes (and the native decoder): cos, sin (max_seq_len, head_dim / 2)."""
+    cos, sin = rope_tables(cfg)
+    half = cfg.head_dim // 2
+    return cos[:, :half], sin[:, :half]
+
+
 def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> onnx.ModelProto:
     """The genai graph of a plain (float) prunus ``Transformer``; layer indices renumbered 0..n-1.
 
@@ -91,10 +98,9 @@ def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> o
     cfg = model.config
     check_genai_support(cfg)
     w = GraphWriter(cfg, packed, packed)
-    cos, sin = rope_tables(cfg)
-    half = cfg.head_dim // 2
+    cos, sin = rope_halves(cfg)
     cache = {"seqlens_k": "seqlens_k", "total": "total_sequence_length",
-             "cos": w.init("rope.cos", cos[:, :half]), "sin": w.init("rope.sin", sin[:, :half])}
+             "cos": w.init("rope.cos", cos), "sin": w.init("rope.sin", sin)}
     emb = w.init("tok_embeddings.weight", model.tok_embeddings.weight)
     (h,) = w.node("Gather", [emb, "input_ids"], name="tok_embeddings/Gather")
     layers = list(model.layers.values())
@@ -160,7 +166,10 @@ def quantized_genai_graph(model, modules: dict, precision: str, tmp: Path, exter
       (:func:`~prunus.export.quantize_onnx.apply_stored_quantization`: MatMulNBits for int4, ``style`` for int8);
     * ``int8`` / ``int4`` of a float model: ONNX Runtime's MatMulNBitsQuantizer on the fp32 graph
       (:func:`~prunus.export.quantize_onnx.quantize_fp32_graph`), the output head included (a tied head is
-      untied for it; the embedding stays a float Gather)."""
+      untied for it; the embedding stays a float Gather).
+
+    The native decoder's copy of the same numbers goes beside it (:mod:`prunus.export.native_weights`)."""
+    from .native_weights import write_native_weights
     from .onnx_export import dequantized_copy
     from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph
 
@@ -177,6 +186,7 @@ def quantized_genai_graph(model, modules: dict, precision: str, tmp: Path, exter
             f.unlink()
     else:
         save_genai_graph(build_genai_graph(model, opset=opset), path, external)
+    write_native_weights(model, tmp, modules, precision, style, int4_style)
     return path
 
 

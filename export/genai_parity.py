@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from prunus.runtime.genai_session import GenaiSession
-from prunus.runtime.native import every_position_logits, pack_graph
+from prunus.runtime.native import every_position_logits, pack_export
 from prunus.runtime.ort_session import variant_session
 
 
@@ -29,7 +29,7 @@ class GenaiGraphs:
 
         self.path, self.dims, self.threads, self.config, self.native = Path(path), dims, threads, config, native
         if native:
-            self.packed = pack_graph(path, dims)
+            self.packed = pack_export(path, dims)
             return
         proto = onnx.load(str(path), load_external_data=False)
         self.all_positions = variant_session(self.path, all_positions_graph(proto), "all_positions", threads,

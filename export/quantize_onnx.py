@@ -42,6 +42,7 @@ from .quiet_logs import matmul_nbits_quantizer, quiet_loggers
 MS_DOMAIN = "com.microsoft"
 INT8_STYLES = ("integer", "qdq", "matmulnbits")  # matmulnbits: int8-weight-only modules as MatMulNBits bits 8, else qdq
 INT4_STYLES = ("matmulnbits", "qdq")
+ORT_BLOCK = 32  # the block of ONNX Runtime's MatMulNBits quantization of a float graph (--precision int8 / int4)
 
 
 def _tensor(name: str, t: torch.Tensor) -> TensorProto:
@@ -221,6 +222,28 @@ def required_opset(modules: dict) -> int:
     return 18
 
 
+def nbits8_applies(modules: dict, style: str, int4_style: str) -> bool:
+    """Whether int8-weight-only modules become ``MatMulNBits`` bits 8: asked (``style`` "matmulnbits"), or the int8
+    layers of an int4 model (its output head, int8 blocks) under int4 ``MatMulNBits``: ONNX Runtime's weight-only
+    kernels; elsewhere int8 keeps ``style``."""
+    return style == "matmulnbits" or (
+        int4_style == "matmulnbits" and any(m.scheme == "int4-weight-only" for m in modules.values()))
+
+
+def stored_form(module, style: str, int4_style: str, nbits8: bool) -> str:
+    """How :func:`apply_stored_quantization` writes one stored module: "nbits4" (int4 ``MatMulNBits``), "qdq4"
+    (blocked INT4 ``DequantizeLinear``), "nbits8" (``MatMulNBits`` bits 8), "integer" (``DynamicQuantizeMatMul``)
+    or "qdq" (``DequantizeLinear``, with the activation's quantization where the scheme has one)."""
+    if module.scheme == "int4-weight-only":
+        return "qdq4" if int4_style == "qdq" else "nbits4"
+    if nbits8 and nbits8_block(module) is not None:
+        return "nbits8"
+    if style == "integer" and not module.scheme.startswith("fp8") and module.granularity != "per_group" \
+            and module.scheme != "w8a8-static":
+        return "integer"
+    return "qdq"
+
+
 def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str = "integer",
                               int4_style: str = "matmulnbits") -> int:
     """Replace the float weights of ``modules`` (name -> QuantizedLinear) by their stored values and scales.
@@ -235,10 +258,7 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         raise PrunusError(f"int4 style {int4_style!r}: choose one of {', '.join(INT4_STYLES)}")
     untie_weights(model)
     g = model.graph
-    # the int8 layers of an int4 model (its output head, int8 blocks) go to MatMulNBits too: ONNX Runtime's
-    # weight-only kernels; elsewhere int8 keeps ``style``
-    nbits8 = style == "matmulnbits" or (
-        int4_style == "matmulnbits" and any(m.scheme == "int4-weight-only" for m in modules.values()))
+    nbits8 = nbits8_applies(modules, style, int4_style)
     by_key: dict[str, list[str]] = {}
     for name, m in modules.items():
         by_key.setdefault(_weight_key(m.dequantize().t().numpy()), []).append(name)
@@ -254,19 +274,14 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         name = names.pop(0) if len(names) > 1 else names[0]
         found.add(name)
         m, prefix = modules[name], name
-        if m.scheme == "int4-weight-only":
-            write = int4_qdq_nodes if int4_style == "qdq" else _matmul_nbits
-            nodes, inits4 = write(node.input[0], list(node.output), prefix, m)
+        form = stored_form(m, style, int4_style, nbits8)
+        if form in ("nbits4", "qdq4", "nbits8"):
+            write = {"nbits4": _matmul_nbits, "qdq4": int4_qdq_nodes, "nbits8": _matmul_nbits8}[form]
+            nodes, more = write(node.input[0], list(node.output), prefix, m)
             new_nodes += nodes
-            new_inits += inits4
+            new_inits += more
             continue
-        if nbits8 and nbits8_block(m) is not None:
-            nodes, inits8 = _matmul_nbits8(node.input[0], list(node.output), prefix, m)
-            new_nodes += nodes
-            new_inits += inits8
-            continue
-        if style == "integer" and not m.scheme.startswith("fp8") and m.granularity != "per_group" \
-                and m.scheme != "w8a8-static":
+        if form == "integer":
             wq = m.weight.t().contiguous()
             s = m.weight_scale.float().reshape(-1)
             ins = [_tensor(f"{prefix}.weight_q", wq), _tensor(f"{prefix}.weight_scale", s),
@@ -308,10 +323,23 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False, bits:
     model = onnx.load(str(src))
     untie_weights(model)
     with quiet_loggers():  # the quantizer logs every node it rewrites
-        quantizer = matmul_nbits_quantizer()(model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
-                                             op_types_to_quantize=("MatMul",))
+        quantizer = matmul_nbits_quantizer()(model, bits=bits, block_size=ORT_BLOCK, is_symmetric=True,
+                                             accuracy_level=4, op_types_to_quantize=("MatMul",))
         quantizer.process()
     _save(quantizer.model.model, dst, external_data)
+
+
+def ort_block_codes(weight: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The codes and scales :func:`quantize_fp32_graph` writes for one (in, out) float32 MatMul weight, from the
+    function ONNX Runtime's quantizer itself calls on it (so the same bytes): (out, blocks, block * bits / 8) uint8
+    codes (zero point 128 or 8) and (out, blocks) float32 scales."""
+    matmul_nbits_quantizer()  # imports the quantizer's module without its logging setup
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    config = DefaultWeightOnlyQuantConfig(block_size=ORT_BLOCK, is_symmetric=True, accuracy_level=4, bits=bits)
+    packed, scales, _ = DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(weight, np.float32))
+    return packed, scales
 
 
 def _save(model: onnx.ModelProto, path: Path, external_data: bool) -> None:

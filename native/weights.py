@@ -1,33 +1,35 @@
-"""A genai export's graph (:mod:`prunus.export.genai_graph`) read into the native decoder's packed weights.
+"""A genai export's ``native_weights.safetensors`` (:mod:`prunus.artifacts.native_layout`) read into the native
+decoder's packed weights.
 
-Every weight comes from the graph's own initializers, so the native decoder runs the export's numbers: fp32
-``MatMul`` weights, ``MatMulNBits`` int8 / int4 (blocks a multiple of 32, integer zero points or the default),
-biases as ``Add`` nodes after them, the tied head as the embedding read transposed. Linear layers are repacked
-four output rows at a time (the layouts are in ``decode.c``); a block larger than 32 repeats its scale over its
-32-wide pieces. A graph holding any other operator (a QDQ export, a float-zero-point term, ``DynamicQuantizeMatMul``)
-is refused in one line naming it: those exports run in ONNX Runtime alone.
+The file holds the export's own numbers, as ``prunus export`` wrote them beside the graph from the model dir's
+stored codes (:mod:`prunus.export.native_weights`): float weights, int8 / int4 codes with their scales (blocks a
+multiple of 32) and integer zero points, biases, norms, the embedding (the tied head read from it) and the rotary
+tables. Nothing here reads the graph. Everything is checked before a byte of data is read: the safetensors header
+against the file (:func:`prunus.artifacts.safetensors_header.read_layout`), every tensor's dtype and shape against
+the export's config and the file's metadata, no tensor left unread. Linear layers are repacked four output rows at
+a time (the layouts are in ``decode.c``); a block larger than 32 repeats its scale over its 32-wide pieces. An
+export whose graph the kernels do not mirror records why in the file, and is refused in one line naming it.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
+from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.native_layout import ATTENTION, FEED_FORWARD, KINDS as STORED, NATIVE_FORMAT, NATIVE_WEIGHTS
+from prunus.artifacts.safetensors_header import read_layout
+from prunus.artifacts.validate import short
 
 KINDS = {"f32": 0, "q4": 4, "q8": 8}
-RUNS = {"Gather", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMul", "MatMulNBits", "Add",
-        "GroupQueryAttention", "Split", "Sigmoid", "Mul", "Shape", "Sub", "Cast", "Min", "Unsqueeze", "GatherND",
-        "Transpose"}
-ATTENTION = ("wqkv", "wq", "wk", "wv", "wo")
-FEED_FORWARD = ("w13", "w1", "w3", "w2")
-
-
-def _attrs(node) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+FIX = "re-export the model dir with this prunus version (prunus export)"
+MAX_HEADS = 1 << 16
+NUMPY = {"F32": np.dtype("<f4"), "U8": np.dtype("u1")}
 
 
 @dataclass
@@ -100,181 +102,222 @@ def pack_blocks(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits:
     return PackedLinear("q8" if bits == 8 else "q4", n, k, packed, per_tile(scale), sz, bias)
 
 
-class GraphReader:
-    """The initializers and nodes of one genai graph, looked up by name."""
 
-    def __init__(self, proto: onnx.ModelProto, where: str):
-        self.where = where
-        self.inits = {t.name: t for t in proto.graph.initializer}
-        self.nodes = {n.name: n for n in proto.graph.node}
-        self.consumers: dict[str, list] = {}
-        for n in proto.graph.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
-        self.by_output = {o: n for n in proto.graph.node for o in n.output}
-        others = sorted({n.op_type for n in proto.graph.node} - RUNS)
-        if others:
-            self.refuse(f"holds {', '.join(others)} nodes")
+def native_weights_file(export_dir: str | Path) -> Path:
+    """The export dir's ``native_weights.safetensors`` (a regular file inside the dir), or one PrunusError line."""
+    path = inside(export_dir, NATIVE_WEIGHTS, fix=FIX, required=False)
+    if path is None:
+        raise PrunusError(f"{export_dir}: has no {NATIVE_WEIGHTS}, the weights --native decodes with (an export of "
+                          "an older prunus); re-export with this prunus version (prunus export)")
+    return path
+
+
+@dataclass
+class _Spec:
+    """One linear layer as the header describes it, checked: ``kind`` "f32" / "q8" / "q4" (None: absent)."""
+
+    prefix: str
+    kind: str | None
+    n: int = 0
+    k: int = 0
+    block: int = 0
+    zero: bool = False
+    bias: bool = False
+
+
+class WeightsFile:
+    """A native weights file's checked header and metadata; :meth:`read` one tensor after the checks."""
+
+    def __init__(self, path: Path, dims: dict):
+        self.path, self.dims = Path(path), dims
+        self.header, meta, self.data_start = read_layout(path, FIX)
+        self.used: set[str] = set()
+        if meta.get("format") != NATIVE_FORMAT:
+            self.bad(f"has format {short(meta.get('format'))}, not {NATIVE_FORMAT}")
+        if "unsupported" in meta:
+            self.refuse(meta["unsupported"])
+        n_layers = dims["n_layers"]
+        if not isinstance(n_layers, int) or not 1 <= n_layers <= len(self.header):  # a tensor or more per layer
+            self.bad(f"holds {len(self.header)} tensors, too few for config.json's {n_layers} layers")
+        self.n_heads = self._int(meta, "n_heads", 1, MAX_HEADS)
+        self.eps, self.scale = self._positive(meta, "eps"), self._positive(meta, "scale")
+        windows = meta.get("windows", "").split(",")
+        if len(windows) != n_layers:
+            self.bad(f"has {len(windows)} sliding windows in its metadata for {n_layers} layers")
+        self.windows = [self._int({"window": w}, "window", -1, 2**31 - 1) for w in windows]
+        if meta.get("tied_head") not in ("true", "false"):
+            self.bad(f"has tied_head {short(meta.get('tied_head'))} in its metadata, not true or false")
+        self.tied = meta["tied_head"] == "true"
+
+    def bad(self, what: str):
+        raise PrunusError(f"{self.path}: {what}; {FIX}")
 
     def refuse(self, what: str):
-        raise PrunusError(f"{self.where}: the native decoder cannot run this graph: it {what}; serve it without --native")
+        raise PrunusError(f"{self.path}: the native decoder cannot run this export: it {what}; serve it without "
+                          "--native")
 
-    def array(self, name: str) -> np.ndarray:
-        if name not in self.inits:
-            self.refuse(f"has no initializer {name!r}")
-        return numpy_helper.to_array(self.inits[name])
+    def _int(self, meta: dict, key: str, lo: int, hi: int) -> int:
+        text = meta.get(key)
+        if not isinstance(text, str) or not re.fullmatch(r"-?[0-9]{1,12}", text) or not lo <= int(text) <= hi:
+            self.bad(f"has {key} {short(text)} in its metadata, not an integer from {lo} to {hi}")
+        return int(text)
 
-    def matmul(self, module: str):
-        """The MatMul / MatMulNBits node of a module, or None."""
-        for suffix in ("/MatMul", "/MatMul_Q8", "/MatMul_Q4", ".matmul"):
-            node = self.nodes.get(module + suffix)
-            if node is not None and node.op_type in ("MatMul", "MatMulNBits"):
-                return node
-        return None
+    def _positive(self, meta: dict, key: str) -> float:
+        try:
+            value = float(meta.get(key, "")[:40])
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            self.bad(f"has {key} {short(meta.get(key))} in its metadata, not a positive number")
+        return value
 
-    def bias(self, node) -> np.ndarray | None:
-        users = self.consumers.get(node.output[0], [])
-        adds = [u for u in users if u.op_type == "Add" and any(i in self.inits for i in u.input)]
-        if not adds:
-            return None
-        name = next(i for i in adds[0].input if i in self.inits)
-        return self.array(name).astype(np.float32)
+    def entry(self, name: str, dtype: str, shape: tuple | None = None, ndim: int | None = None) -> list[int]:
+        """The shape of tensor ``name``, checked to be ``dtype`` and ``shape`` (or of ``ndim`` sizes)."""
+        e = self.header.get(name)
+        if e is None:
+            self.bad(f"has no tensor {name}")
+        got = list(e["shape"])
+        if e["dtype"] != dtype or (shape is not None and tuple(got) != tuple(shape)) or (
+                ndim is not None and len(got) != ndim):
+            want = shape if shape is not None else f"{ndim} dimensions"
+            self.bad(f"has {name} of {e['dtype']} {got}, not {dtype} {want}")
+        self.used.add(name)
+        return got
 
-    def linear(self, node) -> PackedLinear:
-        bias = self.bias(node)
-        if node.op_type == "MatMul":
-            b = node.input[1]
-            source = self.by_output.get(b)
-            if b in self.inits:
-                w = self.array(b).T
-            elif source is not None and source.op_type == "Transpose" and source.input[0] in self.inits:
-                w = self.array(source.input[0])  # the tied head: the embedding, (vocab, dim)
-            else:
-                self.refuse(f"has a MatMul ({node.name}) whose weight is not an initializer")
-            if w.ndim != 2 or w.shape[1] % 8:
-                self.refuse(f"has a MatMul ({node.name}) over {w.shape[-1]} inputs; the kernels take multiples of 8")
-            return pack_f32(w.astype(np.float32), bias)
-        return self._nbits(node, bias)
+    def read(self, name: str, handle) -> np.ndarray:
+        """Tensor ``name``'s data from the open file ``handle``: the byte count the header was checked for."""
+        e = self.header[name]
+        count = math.prod(e["shape"])
+        handle.seek(self.data_start + e["data_offsets"][0])
+        a = np.fromfile(handle, NUMPY[e["dtype"]], count)
+        if a.size != count:
+            self.bad(f"ends inside {name} (the file changed while read)")
+        return a.reshape(e["shape"]).astype(NUMPY[e["dtype"]].newbyteorder("="), copy=False)
 
-    def _nbits(self, node, bias) -> PackedLinear:
-        a = _attrs(node)
-        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
-        ins = list(node.input) + [""] * 6
-        if bits not in (4, 8) or block % 32 or k % 32:
-            self.refuse(f"has a {bits}-bit MatMulNBits of blocks of {block} over {k} inputs ({node.name}); "
-                        "the kernels take 4 or 8 bits in blocks of a multiple of 32")
-        zero_points = self.inits.get(ins[3]) if ins[3] else None
-        if ins[4] or (ins[3] and (zero_points is None or zero_points.data_type != onnx.TensorProto.UINT8)):
-            self.refuse(f"has a MatMulNBits with a g_idx or float zero points ({node.name})")
-        raw = self.array(ins[1])
-        n_blocks = raw.shape[1]
-        if bits == 8:
-            q = raw.reshape(n, n_blocks * block)
+    def linear(self, prefix: str) -> _Spec:
+        """The header's linear layer ``prefix``, its tensors' dtypes and shapes consistent (not yet the config's)."""
+        kinds = [k for k in STORED if f"{prefix}.{k}" in self.header]
+        if not kinds:
+            return _Spec(prefix, None)
+        if len(kinds) > 1:
+            self.bad(f"has both {prefix}.{kinds[0]} and {prefix}.{kinds[1]}")
+        n, k = self.entry(f"{prefix}.{kinds[0]}", "F32" if kinds[0] == "weight" else "U8", ndim=2)
+        if not (1 <= n < 2**31 and 1 <= k < 2**30):
+            self.bad(f"has {prefix}.{kinds[0]} of shape {[n, k]}")
+        spec = _Spec(prefix, {"weight": "f32", "q8": "q8", "q4": "q4"}[kinds[0]], n, k * 2 if kinds[0] == "q4" else k)
+        if spec.kind == "f32" and spec.k % 8:
+            self.refuse(f"has {prefix} over {spec.k} inputs; the float kernel takes multiples of 8")
+        if spec.kind != "f32":
+            nb = self.entry(f"{prefix}.scale", "F32", ndim=2)[1]
+            self.entry(f"{prefix}.scale", "F32", (n, nb))
+            if nb < 1 or spec.k % nb or (spec.k // nb) % 32:
+                self.refuse(f"has {prefix} in {nb} blocks over {spec.k} inputs; the kernels take blocks of a "
+                            "multiple of 32")
+            spec.block = spec.k // nb
+            spec.zero = f"{prefix}.zero" in self.header
+            if spec.zero:
+                self.entry(f"{prefix}.zero", "U8", (n, nb))
+        spec.bias = f"{prefix}.bias" in self.header
+        if spec.bias:
+            self.entry(f"{prefix}.bias", "F32", (n,))
+        return spec
+
+    def unread(self) -> list[str]:
+        return sorted(set(self.header) - self.used)
+
+
+def _layer_specs(f: WeightsFile, i: int, dim: int, hidden: int) -> dict:
+    """Layer ``i``'s linear layers by role (q k v o gate up down; k, v, up None where packed), each checked
+    against the width the C side indexes it by (one wrong width would read or write out of bounds)."""
+    d, heads = f.dims, f.n_heads
+    hd, kv = d["head_dim"], d["n_kv_heads"]
+    specs = {n: f.linear(f"layers.{i}.attention.{n}") for n in ATTENTION}
+    specs.update({n: f.linear(f"layers.{i}.feed_forward.{n}") for n in FEED_FORWARD})
+    roles = {"o": ("wo", (dim, heads * hd)), "down": ("w2", (dim, hidden))}
+    for packed, parts, role, rows in (("wqkv", ("wq", "wk", "wv"), "q", (heads + 2 * kv) * hd),
+                                      ("w13", ("w1", "w3"), "gate", 2 * hidden)):
+        if specs[packed].kind is None:
+            widths = (heads * hd, kv * hd, kv * hd) if role == "q" else (hidden, hidden)
+            roles.update({r: (p, (w, dim)) for r, p, w in zip(("q", "k", "v") if role == "q" else ("gate", "up"),
+                                                                  parts, widths)})
+        elif any(specs[p].kind is not None for p in parts):
+            f.bad(f"has layer {i}'s {packed} and its parts {', '.join(parts)} both")
         else:
-            q = np.stack([raw & 15, raw >> 4], -1).reshape(n, n_blocks * block)
-        per = block // 32
+            roles[role] = (packed, (rows, dim))
+    out = {}
+    for role, (name, (n, k)) in roles.items():
+        spec = specs[name]
+        if spec.kind is None:
+            f.bad(f"lacks layer {i}'s projection {spec.prefix}")
+        if (spec.n, spec.k) != (n, k):
+            f.refuse(f"has a layer {i} {role} projection of {spec.k} -> {spec.n}, not {k} -> {n}")
+        out[role] = spec
+    for norm in ("attention_norm", "ffn_norm"):
+        f.entry(f"layers.{i}.{norm}.weight", "F32", (dim,))
+    return out
 
-        def expand(x):
-            return np.repeat(x.reshape(n, n_blocks).astype(np.float32), per, axis=1)[:, :k // 32]
 
-        scale = expand(self.array(ins[2]))
-        zero = None
-        if ins[3]:
-            zp = self.array(ins[3]).reshape(n, -1)
-            zero = expand(zp if bits == 8 else np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, :n_blocks])
-        b5 = self.array(ins[5]).astype(np.float32) if ins[5] else None
-        return pack_blocks(q[:, :k], scale, zero, bits, bias if b5 is None else b5)
+def _load_linear(f: WeightsFile, spec: _Spec | None, handle) -> PackedLinear | None:
+    if spec is None:
+        return None  # the packed q/k/v or gate/up projection holds these rows
+    p = spec.prefix
+    bias = f.read(f"{p}.bias", handle) if spec.bias else None
+    if spec.kind == "f32":
+        return pack_f32(f.read(f"{p}.weight", handle), bias)
+    raw = f.read(f"{p}.{spec.kind}", handle)
+    q = raw if spec.kind == "q8" else np.stack([raw & 15, raw >> 4], -1).reshape(spec.n, spec.k)
+    per = spec.block // 32
+    scale = np.repeat(f.read(f"{p}.scale", handle), per, axis=1)
+    zero = np.repeat(f.read(f"{p}.zero", handle).astype(np.float32), per, axis=1) if spec.zero else None
+    if zero is not None and spec.kind == "q4" and zero.max() > 15:
+        f.bad(f"has int4 zero points above 15 in {p}.zero")
+    return pack_blocks(q, scale, zero, 8 if spec.kind == "q8" else 4, bias)
 
 
-def read_genai_graph(proto: onnx.ModelProto, dims: dict, where: str) -> PackedModel:
-    """The packed weights of a genai graph whose initializers are loaded (``onnx.load`` with external data)."""
-    g = GraphReader(proto, where)
-    gqa = g.nodes.get("layers.0.attention/GroupQueryAttention")
-    norm0 = g.nodes.get("layers.0.attention_norm")
-    if gqa is None or norm0 is None:
-        g.refuse("is not a prunus genai graph (no layers.0 attention)")
-    attrs = _attrs(gqa)
-    if (attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0) != 0 or attrs.get("softcap", 0.0)
-            or attrs.get("smooth_softmax", 0)):
-        g.refuse("has an attention without the rotary embedding prunus writes")
-    hd = dims["head_dim"]
-    model = PackedModel(dict(dims, n_heads=attrs["num_heads"]),
-                        eps=float(_attrs(norm0)["epsilon"]),
-                        scale=float(attrs.get("scale", 0.0)) or hd ** -0.5,
-                        emb=g.array("tok_embeddings.weight").astype(np.float32),
-                        cos=g.array(gqa.input[7]).astype(np.float32), sin=g.array(gqa.input[8]).astype(np.float32),
-                        norm=g.array("norm.weight").astype(np.float32))
-    used = set()
-    for i in range(dims["n_layers"]):
-        model.layers.append(_layer(g, i, used))
-    head = g.by_output.get("logits")
-    if head is None or head.op_type not in ("MatMul", "MatMulNBits"):
-        g.refuse("has no head MatMul writing 'logits'")
-    used.add(head.name)
-    model.head = g.linear(head)
-    extra = [n.name for n in proto.graph.node if n.op_type in ("MatMul", "MatMulNBits") and n.name not in used]
-    if extra:
-        g.refuse(f"has MatMul nodes outside the decoder's layers ({extra[0]})")
-    model.dims["hidden"] = model.layers[0]["down"].k
-    _check_shapes(g, model)
+def _check_dims(f: WeightsFile) -> tuple[int, int]:
+    """(dim, rotary positions): the embedding, final norm and rotary tables against the config."""
+    d = f.dims
+    hd, kv = d["head_dim"], d["n_kv_heads"]
+    vocab, dim = f.entry("tok_embeddings.weight", "F32", ndim=2)
+    if vocab != d["vocab_size"] or not 1 <= dim < 2**30:
+        f.refuse(f"has an embedding of {vocab} x {dim}, not config.json's vocabulary of {d['vocab_size']}")
+    if hd % 2 or f.n_heads % kv:
+        f.refuse(f"has {f.n_heads} query heads over {kv} key / value heads of width {hd}")
+    positions, half = f.entry("rope.cos", "F32", ndim=2)
+    f.entry("rope.sin", "F32", (positions, half))
+    if half != hd // 2 or positions < 1:
+        f.refuse(f"has rotary tables of {positions} x {half}, not of head_dim / 2 = {hd // 2} columns")
+    f.entry("norm.weight", "F32", (dim,))
+    return dim, positions
+
+
+def read_native_weights(path: str | Path, dims: dict) -> PackedModel:
+    """The packed weights of a native weights file (``dims``: n_layers, n_kv_heads, head_dim, vocab_size, from the
+    export's config.json). Every tensor is checked before any is read."""
+    f = WeightsFile(path, dims)
+    dim, _ = _check_dims(f)
+    hidden = f.linear(f"layers.0.feed_forward.w2").k
+    layers = [_layer_specs(f, i, dim, hidden) for i in range(dims["n_layers"])]
+    head = None
+    if not f.tied:
+        head = f.linear("output")
+        if head.kind is None:
+            f.bad("has no output head and its metadata says the head is not tied")
+        if (head.n, head.k) != (dims["vocab_size"], dim):
+            f.refuse(f"has a head of {head.k} -> {head.n}, not {dim} -> {dims['vocab_size']}")
+    elif dim % 8:
+        f.refuse(f"has a tied head over {dim} inputs; the float kernel takes multiples of 8")
+    unread = f.unread()
+    if unread:
+        f.bad(f"holds tensor {short(unread[0])}, which no layer reads")
+    with open(f.path, "rb") as h:
+        emb = f.read("tok_embeddings.weight", h)
+        model = PackedModel(dict(dims, n_heads=f.n_heads, hidden=hidden), eps=f.eps, scale=f.scale, emb=emb,
+                            cos=f.read("rope.cos", h), sin=f.read("rope.sin", h), norm=f.read("norm.weight", h))
+        for i, specs in enumerate(layers):
+            layer = {role: _load_linear(f, specs.get(role), h) for role in ("q", "k", "v", "o", "gate", "up", "down")}
+            layer.update(attn_norm=f.read(f"layers.{i}.attention_norm.weight", h),
+                         ffn_norm=f.read(f"layers.{i}.ffn_norm.weight", h), window=f.windows[i])
+            model.layers.append(layer)
+        model.head = pack_f32(emb) if head is None else _load_linear(f, head, h)
     return model
-
-
-def _check_shapes(g: GraphReader, model: PackedModel) -> None:
-    """Every projection's shape as the C side indexes it (one wrong width would read or write out of bounds)."""
-    d = model.dims
-    dim, hd, heads, kv, hidden = model.emb.shape[1], d["head_dim"], d["n_heads"], d["n_kv_heads"], d["hidden"]
-    if model.cos.shape[1] != hd // 2 or model.sin.shape != model.cos.shape or model.emb.shape[0] != d["vocab_size"]:
-        g.refuse("has rotary tables or an embedding of other shapes than its config's")
-    if hd % 2 or heads % kv:
-        g.refuse(f"has {heads} query heads over {kv} key / value heads of width {hd}")
-    for i, x in enumerate(model.layers):
-        want = {"o": (dim, heads * hd), "down": (dim, hidden)}
-        if x["k"] is None:
-            want["q"] = ((heads + 2 * kv) * hd, dim)
-        else:
-            want.update(q=(heads * hd, dim), k=(kv * hd, dim), v=(kv * hd, dim))
-        if x["up"] is None:
-            want["gate"] = (2 * hidden, dim)
-        else:
-            want.update(gate=(hidden, dim), up=(hidden, dim))
-        for name, (n, k) in want.items():
-            lin = x[name]
-            if (lin.n, lin.k) != (n, k) or (lin.bias is not None and lin.bias.shape != (n,)):
-                g.refuse(f"has a layer {i} {name} projection of {lin.k} -> {lin.n}, not {k} -> {n} (or a bias of "
-                         "another width)")
-        if x["attn_norm"].shape != (dim,) or x["ffn_norm"].shape != (dim,):
-            g.refuse(f"has layer {i} norms of another width than {dim}")
-    head = model.head
-    if (head.n, head.k) != (d["vocab_size"], dim) or model.norm.shape != (dim,) or (
-            head.bias is not None and head.bias.shape != (head.n,)):
-        g.refuse("has a head or final norm of other shapes than its config's")
-
-
-def _layer(g: GraphReader, i: int, used: set) -> dict:
-    p = f"layers.{i}"
-    mods = {}
-    for name in ATTENTION:
-        node = g.matmul(f"{p}.attention.{name}")
-        if node is not None:
-            used.add(node.name)
-            mods[name] = g.linear(node)
-    for name in FEED_FORWARD:
-        node = g.matmul(f"{p}.feed_forward.{name}")
-        if node is not None:
-            used.add(node.name)
-            mods[name] = g.linear(node)
-    qkv = ("wqkv",) if "wqkv" in mods else ("wq", "wk", "wv")
-    gate_up = ("w13",) if "w13" in mods else ("w1", "w3")
-    if any(m not in mods for m in (*qkv, "wo", *gate_up, "w2")):
-        g.refuse(f"lacks a projection of layer {i}")
-    gqa = g.nodes.get(f"{p}.attention/GroupQueryAttention")
-    if gqa is None:
-        g.refuse(f"has no attention in layer {i}")
-    attrs = _attrs(gqa)
-    return {"q": mods[qkv[0]], "k": mods.get("wk") if len(qkv) == 3 else None,
-            "v": mods.get("wv") if len(qkv) == 3 else None, "o": mods["wo"],
-            "gate": mods[gate_up[0]], "up": mods.get("w3") if len(gate_up) == 2 else None, "down": mods["w2"],
-            "attn_norm": g.array(f"{p}.attention_norm.weight").astype(np.float32),
-            "ffn_norm": g.array(f"{p}.ffn_norm.weight").astype(np.float32),
-            "window": int(attrs.get("local_window_size", -1))}

@@ -66,6 +66,11 @@ class GenaiSession:
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
                  prompt_twin: bool = False, native: bool = False, packed=None):
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
+        dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
+        if native and packed is None:  # the export's native weights, checked and packed before ONNX Runtime loads
+            from .native import pack_export
+
+            packed = pack_export(path_or_bytes, dims)
         self.session = ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
@@ -83,8 +88,6 @@ class GenaiSession:
         if native:
             from .native import native_decoder, native_prompt_tokens
 
-            dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
-            # ``packed``: the weights already read and repacked by the caller; else read from the graph
             self.native = native_decoder(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads, packed)
             self.native_prompt_tokens = native_prompt_tokens(self.native.packed)
             # ONNX Runtime's first pass with sleeping threads is slow (SmolLM2 int4, a 5-token prompt at 2 threads:

@@ -3,7 +3,8 @@
 as ONNX Runtime's graph, so the two take turns on one cache (:class:`prunus.runtime.genai_session.GenaiSession`
 with ``native=True``); the backend is the genai one (:mod:`prunus.runtime.ort_genai`).
 
-The weights are the export's own numbers: read from its graph and repacked (:mod:`prunus.native.weights`).
+The weights are the export's own numbers, read from the ``native_weights.safetensors`` it wrote beside its graph
+from the model dir's stored codes (:mod:`prunus.native.weights`); the graph itself is never parsed for them.
 """
 
 from __future__ import annotations
@@ -13,30 +14,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prunus.artifacts.errors import PrunusError
 from prunus.native.decoder import NativeDecoder, check_native, native_prompt_tokens  # noqa: F401  (the runtime's API)
-from prunus.native.weights import PackedModel, read_genai_graph
+from prunus.native.weights import PackedModel, native_weights_file, read_native_weights
 
 from .load_options import LoadOptions
 from .ort_genai import GenaiBackend  # noqa: F401  (the backend this runtime loads)
 from .registry import Loaded
 
 
-def pack_graph(source: str | Path | bytes, dims: dict) -> PackedModel:
-    """The genai graph at ``source`` (a path, its initializers external or not, or its bytes) packed for the kernels."""
-    import onnx
-
-    if isinstance(source, bytes):
-        proto, where = onnx.load_model_from_string(source), "the genai graph"
-    else:
-        proto, where = onnx.load(str(source)), str(source)
-    return read_genai_graph(proto, dims, where)
+def pack_export(graph: str | Path | bytes, dims: dict) -> PackedModel:
+    """The native weights beside the genai graph at ``graph`` (in its export dir), packed for the kernels."""
+    if isinstance(graph, bytes):
+        raise PrunusError("native decoding reads an export dir's native_weights.safetensors; give the graph's path, "
+                          "not its bytes")
+    return read_native_weights(native_weights_file(Path(graph).parent), dims)
 
 
 def native_decoder(source, dims: dict, k_buffers: list, v_buffers: list, n_slots: int, max_len: int,
                    threads: int | None = None, packed: PackedModel | None = None) -> NativeDecoder:
     """A decoder over ``k_buffers`` / ``v_buffers`` (one per layer, (n_slots, kv_heads, max_len, head_dim) float32);
-    ``packed``: weights already packed by the caller, else read from the graph at ``source``."""
-    return NativeDecoder(packed if packed is not None else pack_graph(source, dims), k_buffers, v_buffers, n_slots,
+    ``packed``: weights already packed by the caller, else read from the export dir of the graph at ``source``."""
+    return NativeDecoder(packed if packed is not None else pack_export(source, dims), k_buffers, v_buffers, n_slots,
                          max_len, threads)
 
 

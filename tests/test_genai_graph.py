@@ -16,6 +16,7 @@ from prunus.export import export_model, load_export
 from prunus.export.export_dir import _choose_graph, genai_dims
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
 from prunus.export.genai_parity import GenaiGraphs
+from prunus.export.native_weights import write_native_weights
 from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.models.config import ModelConfig
@@ -48,6 +49,8 @@ def _model(**changes) -> Transformer:
 def _session(model, tmp_path, n_slots: int, max_len: int = 48, native: bool = False) -> GenaiSession:
     path = tmp_path / GENAI_GRAPH
     save_genai_graph(build_genai_graph(model), path, external_data=False)
+    if native:  # the native decoder's weights, as export writes them beside the graph
+        write_native_weights(model, tmp_path)
     cfg = model.config
     return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                         vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=1, native=native)

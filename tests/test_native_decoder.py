@@ -6,19 +6,24 @@ Skipped with the reason where the kernels cannot be built (no AVX2, no C compile
 from __future__ import annotations
 
 import ctypes
+import json
+import shutil
 
 import numpy as np
-import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 from prunus.cli.main import cli
 from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
+from prunus.export.native_weights import write_native_weights
 from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
@@ -31,7 +36,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavail
 
 from prunus.native.decoder import _linear  # noqa: E402
 from prunus.export.export_dir import genai_dims  # noqa: E402
-from prunus.native.weights import pack_blocks, pack_f32, read_genai_graph  # noqa: E402
+from prunus.native.weights import pack_blocks, pack_f32, read_native_weights  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40], [3, 1, 4, 1, 5, 9]]
 
@@ -85,8 +90,10 @@ def test_float_kernel_equals_numpy(m):
 
 
 def _graph(model, tmp_path):
+    """The genai graph of ``model`` and, beside it, the native weights export writes with it."""
     path = tmp_path / GENAI_GRAPH
     save_genai_graph(build_genai_graph(model), path, external_data=False)
+    write_native_weights(model, tmp_path)
     return path
 
 
@@ -216,16 +223,26 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
     export_model(root / "model", tmp_path / "torch", graph="torch", progress=False)
     with pytest.raises(PrunusError, match="--native needs a genai export"):
         Engine.load(tmp_path / "torch", native=True)
-    proto = onnx.load(str(root / "export" / GENAI_GRAPH))
-    proto.graph.node.append(onnx.helper.make_node("Relu", ["logits"], ["relu_out"], name="extra"))
-    onnx.save(proto, str(tmp_path / "odd.onnx"))
-    with pytest.raises(PrunusError, match="cannot run this graph: it holds Relu nodes"):
-        _session(load_model(root / "model"), tmp_path / "odd.onnx", 1, 16, native=True)
-    proto = onnx.load(str(root / "export" / GENAI_GRAPH))  # heads that do not match the projections' widths
-    gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
-    next(a for a in gqa.attribute if a.name == "num_heads").i = 2
+    old = tmp_path / "old"  # an export of an older prunus: its graph only
+    shutil.copytree(root / "export", old)
+    (old / NATIVE_WEIGHTS).unlink()
+    manifest = json.loads((old / "prunus.json").read_text())
+    del manifest["files"][NATIVE_WEIGHTS]
+    (old / "prunus.json").write_text(json.dumps(manifest))
+    with pytest.raises(PrunusError, match="has no native_weights.safetensors.*re-export with this prunus version"):
+        Engine.load(old, native=True)
+    model = load_model(root / "model")  # int8 as DynamicQuantizeMatMul: ONNX Runtime's alone
+    quantize_pass(model, None, scheme="int8-weight-only", granularity="per_channel")
+    stored = {n: m for n, m in model.named_modules() if hasattr(m, "weight_scale")}
+    write_native_weights(model, tmp_path, stored, "int8", style="integer")
+    with pytest.raises(PrunusError, match="cannot run this export: it holds layers.0.attention.wq "
+                                          r"\(int8-weight-only\) as DynamicQuantizeMatMul; serve it without --native"):
+        read_native_weights(tmp_path / NATIVE_WEIGHTS, genai_dims(model))
+    with safe_open(root / "export" / NATIVE_WEIGHTS, "np") as f:  # heads that do not match the projections' widths
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(tmp_path / "wide.safetensors"), metadata={**meta, "n_heads": "2"})
     with pytest.raises(PrunusError, match="has a layer 0 [a-z]+ projection of 64 -> 64, not 32 -> 64"):
-        read_genai_graph(proto, genai_dims(load_model(root / "model")), "wide.onnx")
+        read_native_weights(tmp_path / "wide.safetensors", genai_dims(model))
     runner = CliRunner()
     assert_user_error(runner.invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--native"]),
                       "native applies to an ONNX Runtime export dir")
