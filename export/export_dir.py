@@ -3,7 +3,8 @@
 The export dir holds ``config.json`` (the model dir's config plus an ``"export"`` key whose
 ``graph`` says which graphs follow), the tokenizer files, the graphs (+ ``.data`` files for large
 models): ``model.onnx`` for ``graph`` "genai" (one graph for prefill and decode on ONNX Runtime's
-fused operators, :mod:`prunus.export.genai_graph`), else ``prefill.onnx`` / ``decode.onnx`` from
+fused operators, :mod:`prunus.export.genai_graph`, with ``native_weights.safetensors``, the same numbers for
+the native decoder, :mod:`prunus.export.native_weights`), else ``prefill.onnx`` / ``decode.onnx`` from
 ``torch.onnx.export`` (``prefill.plan`` / ``decode.plan`` too for TensorRT); ``parity.json`` and
 ``prunus.json`` (manifest: stage "export", parent path and hash, command, file hashes,
 metrics). It is written into a temporary dir and renamed: a failed parity check or any
