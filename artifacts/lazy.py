@@ -15,6 +15,10 @@ imported, the import system binds it on its package under its own name, and a pu
 name equal to its module's name (``prunus.models.generate`` the function, defined in
 ``prunus/models/generate.py``) would then read as the module. The class's
 ``__setattr__`` keeps the public name bound to what the package exports.
+
+It lives in ``artifacts/``, the one package below ``models/``, because the packages that use it
+(``models``, ``train_parallel``, ``export``, ``runtime``, ``serve``) start at ``models/``: it must be
+importable without torch and without any of them.
 """
 
 from __future__ import annotations

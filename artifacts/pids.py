@@ -1,5 +1,9 @@
 """Whether a process id still runs: for temp names of killed writers and for peers of a shared all-reduce;
-and the cleaning of temporaries named after a process that died without removing them."""
+and the cleaning of temporaries named after a process that died without removing them.
+
+It lives in ``artifacts/`` because atomic writes (:mod:`.atomic`) clean the temporaries of dead writers with
+:func:`pid_alive`, and ``artifacts/`` imports nothing above it; the runtime's tensor-parallel workers (temp
+dir, shared-memory all-reduce) use the same helpers from here rather than a copy."""
 
 from __future__ import annotations
 
