@@ -89,10 +89,7 @@ class HFTokenizer:
         found = read_tokenizer_json(directory)  # inside the dir, a regular file, bounded, UTF-8, merges checked
         if found is None:
             raise PrunusError(f"{directory}: no {TOKENIZER_FILE}; give a directory holding a Hugging Face fast tokenizer")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise PrunusError("Hugging Face tokenizers need the 'hf' extra: pip install 'prunus[hf]'") from None
+        from tokenizers import Tokenizer  # a dependency of prunus; imported here, where a tokenizer.json is read
         self.directory, (self.path, text) = directory, found
         self._tok = _tokenizers_call(self.path, "not a readable tokenizer.json", lambda: Tokenizer.from_str(text))
         _tokenizers_call(self.path, "cannot encode text (its vocabulary lacks a token it needs, such as the unk "
