@@ -81,17 +81,18 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
     cfg = module_config(given, options)
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed packages first)
+    from prunus.data.module_datasets import module_datasets
+    from prunus.train_parallel.module_trainer import preflight_module, train_module
+
+    train, val = module_datasets(cfg.data, cfg.val_fraction)
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_ranks
 
         from .train import command_line
 
+        preflight_module(cfg, train, resume=resume, overwrite=overwrite)  # bad input: one line, before any rank starts
         ctx.exit(launch_ranks(cfg.nproc, ["train", *command_line(ctx, given, None, resume, overwrite)]))
-    from prunus.data.module_datasets import module_datasets
-    from prunus.train_parallel.module_trainer import train_module
-
-    train, val = module_datasets(cfg.data, cfg.val_fraction)
     result = train_module(cfg.model, train, cfg.task, cfg, val_dataset=val, resume=resume, overwrite=overwrite)
     if result.model_dir is None and int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"run dir:   {result.run_dir} (stopped at step {result.step}; continue with --resume)")

@@ -247,6 +247,17 @@ class ModuleTrainer:
         return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses)
 
 
+def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, overwrite: bool) -> None:
+    """Every check the ranks of ``cfg.nproc`` would make first, here, before any starts: the run dir, the task,
+    the data's batch split, and the factory building its module."""
+    cfg.validate()
+    get_task(cfg.task)
+    check_pair(train_dataset, "--data")
+    GlobalBatches(train_dataset, cfg.batch_size, seed=cfg.seed, world=cfg.nproc)
+    check_module_run(cfg, resume=resume, overwrite=overwrite)
+    build_module(cfg.model, cfg.model_args)
+
+
 @reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
 def _train(cfg: ModuleTrainConfig, module_or_spec, dataset, task, **kwargs) -> ModuleTrainResult:
     return ModuleTrainer(module_or_spec, dataset, task, cfg, **kwargs).train()
