@@ -17,7 +17,7 @@ from .config import MAX_TIMEOUT_S, _doc
 
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
-                    "progress", "nproc", "zero", "sync_batchnorm", "timeout_s", "device", "trust_factory")
+                    "progress", "nproc", "zero", "sync_batchnorm", "timeout_s", "device")
 
 
 @dataclass
@@ -55,8 +55,6 @@ class ModuleTrainConfig:
     zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP2. Default: 3 with several ranks.")
     sync_batchnorm: bool = _doc(False, "Data parallel: BatchNorm statistics over the global batch of every rank "
                                        "(as one process computes them), not each rank's share.")
-    trust_factory: bool = _doc(False, "Import the factory (and loss) a model dir names even when it is not the "
-                                      "--model given here.")
     timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
 
     def validate(self) -> None:
