@@ -18,7 +18,8 @@ import torch  # noqa: E402
 from prunus.models import Transformer, get_preset
 from prunus.train_parallel import TrainConfig, train
 
-# helper modules beside the tests (hf_families: the Hugging Face family table) import by name
+# helper modules beside the tests (hf_family_cases: the Hugging Face family table) import by name; none
+# shares a name with a prunus module
 sys.path.insert(0, str(Path(__file__).parent))
 
 # A tiny run: seconds on 2 CPU cores, on a slice of the built-in corpus.

@@ -10,7 +10,7 @@ biases too, so a swapped or dropped tensor shows in the logits).
 
 Usage::
 
-    from hf_families import FAMILIES, make_hf_model
+    from hf_family_cases import FAMILIES, make_hf_model
     @pytest.mark.parametrize("family", FAMILIES)
     def test_x(family, tmp_path): model = make_hf_model(family); model.save_pretrained(tmp_path)
 """

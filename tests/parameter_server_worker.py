@@ -1,6 +1,6 @@
 """Run parameter-server and DDP jobs in one torchrun process group (tests/test_parameter_server.py).
 
-    torchrun --standalone --nproc-per-node N tests/ps_worker.py SPEC.json OUT.json
+    torchrun --standalone --nproc-per-node N tests/parameter_server_worker.py SPEC.json OUT.json
 
 SPEC: a list of {"name", "config": TrainConfig fields, "slow_workers": {worker index: seconds}}; a job whose
 config has ``nproc`` below the group's size runs on the first ``nproc`` ranks (a DDP reference beside the

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hf_families import FAMILIES, SLIDING, VOCAB, WINDOW, make_hf_model
+from hf_family_cases import FAMILIES, SLIDING, VOCAB, WINDOW, make_hf_model
 from prunus.models import generate, load_model
 from prunus.models.hf_convert import from_hf, to_hf
 from prunus.models.hf_weights import INDEX, read_weights

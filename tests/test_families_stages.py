@@ -412,10 +412,10 @@ VARIANT_FIELDS = ("rope_type", "attn_qkv_bias", "attn_out_bias", "qk_norm", "hea
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_table_sets_what_the_converter_sets(family):
     """tests/family_variants.py turns on, per family, the variant fields prunus convert --from-hf sets for that
-    family's tiny transformers config (tests/hf_families.py; for llama with attention_bias on, as the table has it),
+    family's tiny transformers config (tests/hf_family_cases.py; for llama with attention_bias on, as the table has it),
     so the stage tests above run what a converted checkpoint runs."""
     pytest.importorskip("transformers")
-    from hf_families import FAMILIES as HF_FAMILIES
+    from hf_family_cases import FAMILIES as HF_FAMILIES
 
     from family_variants import family_config
     from prunus.models.hf_families import config_from_hf

@@ -16,7 +16,7 @@ from prunus.train_parallel import TrainConfig
 from prunus.train_parallel.parallelize import resolve_layout
 from prunus.train_parallel.data_parallel.parameter_server import shard_plan
 
-WORKER = Path(__file__).with_name("ps_worker.py")
+WORKER = Path(__file__).with_name("parameter_server_worker.py")
 BASE = dict(preset="tiny", model={"n_layers": 2}, seq_len=32, batch_size=8, steps=3, warmup_steps=1, eval_every=3,
             eval_tokens=1024, ckpt_every=0, max_corpus_bytes=100_000, progress=False, timeout_s=120)
 
