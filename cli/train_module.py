@@ -39,7 +39,8 @@ def module_options() -> list[click.Option]:
     ]
 
 
-MODULE_ONLY = ("module_spec", "model_args_text", *(f for f in _MODULE_FIELDS - _TRAIN_FIELDS if f not in ("model", "model_args")))
+# the click parameters only a generic module's run takes
+MODULE_ONLY = ("module_spec", "model_args_text", *sorted(_MODULE_FIELDS - _TRAIN_FIELDS - {"model", "model_args"}))
 
 
 def transformer_options(given: dict, options: dict) -> dict:

@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node N tests/any_model_worker.py SPEC.json OUT.json
 
 SPEC is a list of {"name", "model": factory spec, "data": a synthetic: dataset spec, "task", "config":
-ModuleTrainConfig fields, "resume": continue the run in config's out}; rank 0 writes {name: {"losses": [...], "val_loss": ..., "val_accuracy": ...} or
-{"error": ...}} to OUT after every job (a later hang keeps what came before).
+ModuleTrainConfig fields, "resume": continue the run in config's out}; rank 0 writes {name: {"losses": [...],
+"val_loss": ..., "val_accuracy": ...} or {"error": ...}} to OUT after every job (a later hang keeps what came
+before).
 """
 
 import json
