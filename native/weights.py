@@ -130,6 +130,11 @@ class WeightsFile:
 
     def __init__(self, path: Path, dims: dict):
         self.path, self.dims = Path(path), dims
+        for key in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
+            value = dims.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
+                raise PrunusError(f"{path}: the export's config.json gives {key} {short(value)}, not a size from 1 "
+                                  "to 2**31 - 1; re-create the export dir")
         self.header, meta, self.data_start = read_layout(path, FIX)
         self.used: set[str] = set()
         if meta.get("format") != NATIVE_FORMAT:

@@ -142,7 +142,8 @@ def test_a_valid_file_reads_and_stale_or_hostile_ones_are_one_line(tmp_path):
     variant("has 1 sliding windows in its metadata for 2 layers", windows="-1")
     variant("has eps 'nan' in its metadata, not a positive number", eps="nan")
     variant("holds tensor 'extra', which no layer reads", tensors={**tensors, "extra": np.zeros(3, np.float32)})
-    variant(r"has norm.weight of F32 \[65\], not F32 \(64,\)", tensors={**tensors, "norm.weight": np.ones(65, np.float32)})
+    variant(r"has norm.weight of F32 \[65\], not F32 \(64,\)",
+            tensors={**tensors, "norm.weight": np.ones(65, np.float32)})
     wide = {**tensors, "layers.1.feed_forward.w2.weight": np.zeros((64, 96), np.float32)}
     variant(f"has a layer 1 down projection of 96 -> 64, not {model.config.ffn_dim} -> 64", tensors=wide)
     odd = {k: v for k, v in tensors.items() if not k.startswith("layers.0.feed_forward.w13")}
@@ -151,6 +152,7 @@ def test_a_valid_file_reads_and_stale_or_hostile_ones_are_one_line(tmp_path):
     odd["layers.0.feed_forward.w13.scale"] = np.ones((rows, 4), np.float32)  # ... in blocks of 16
     variant("has layers.0.feed_forward.w13 in 4 blocks over 64 inputs; the kernels take blocks of a multiple of 32",
             tensors=odd)
+    _one_line("config.json gives n_kv_heads 0, not a size", read_native_weights, path, {**dims, "n_kv_heads": 0})
     _one_line(r"has rotary tables of \d+ x 8, not of head_dim / 2 = 4 columns", read_native_weights, path,
               {**dims, "head_dim": 8})
 
