@@ -24,7 +24,7 @@ from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 from prunus.compress.quantize import quantize_pass
-from prunus.export.genai_graph import GENAI_GRAPH, genai_dims, quantized_genai_graph
+from prunus.export.genai_graph import genai_dims, quantized_genai_graph
 from prunus.native.weights import native_weights_file, read_native_weights
 
 ROOT = Path(__file__).resolve().parents[1]
