@@ -15,15 +15,14 @@ upper Cholesky factor of H^-1 (optimal brain surgeon updates). Here:
   format is unchanged. Without act_order each group's scale and zero point are computed
   when GPTQ reaches the group, from the already-updated weights (as the paper does);
 * ``clip``: "mse" fits each group's range by the search of :mod:`.int4_clip`, weighing each
-  column's error by H's diagonal (its input's energy), instead of spanning the whole range.
-  SmolLM2-135M, group 64, head in float: +8.61% -> +6.96% bits per byte; weighing the columns
-  equally, +8.35%.
+  column's error by H's diagonal (its input's energy), instead of spanning the whole range
+  (weighing the columns equally helps less; docs/results.md, int4 on SmolLM2).
 
 The Hessians come from calibration activations of the float model, in one pass with hooks
-(:func:`hessians`). On SmolLM2-135M (int4, group 64, asymmetric) this scored +6.8% bits per
-byte where collecting them block by block through the already-quantized blocks scored +8.4%
-to +9.0%, and leaving out each row's first position (where the model's massive activations
-are) +16%: those tokens' activations must be reproduced, not ignored.
+(:func:`hessians`). On SmolLM2-135M this scored better than collecting them block by block
+through the already-quantized blocks, and far better than leaving out each row's first position
+(where the model's massive activations are): those tokens' activations must be reproduced, not
+ignored.
 """
 
 from __future__ import annotations

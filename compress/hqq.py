@@ -16,17 +16,16 @@ Two modes:
   run it (p 0.7, beta 10, kappa 1.01, up to 20 iterations, stopping once the mean absolute error stops
   falling): the step is round-to-nearest's min-max step, the zero point starts rounded and alone is
   fitted, and stays a float (exported as an integer zero point plus a per-group term,
-  :mod:`prunus.export.int4_float_zero`). On SmolLM2-135M at group 64 (head float, 4,096 held-out prose
-  tokens): +8.96% bits per byte, the same as torchao's HQQ on the same weights; RTN +12.31%. Starting
-  from the unrounded zero point gave +10.35%, fitting the scale too +11.56%, and keeping per group the
-  squared-error-better of HQQ's and round-to-nearest's grids +9.87%: HQQ's lp objective spares the
-  outliers that squared error weighs most, so that fallback is for the integer mode only. At group 32
-  the model's own Q4_1 grids (it was dequantized from one) come back exactly: +0.00%.
+  :mod:`prunus.export.int4_float_zero`). On SmolLM2-135M it scores as torchao's HQQ does on the same
+  weights, well below round to nearest (docs/results.md, int4 on SmolLM2); starting from the unrounded
+  zero point, fitting the scale too, or keeping per group the squared-error-better of HQQ's and
+  round-to-nearest's grids each scored worse: HQQ's lp objective spares the outliers that squared error
+  weighs most, so that fallback is for the integer mode only. At group 32 the model's own Q4_1 grids (it
+  was dequantized from one) come back exactly.
 * integer zero points (the default; ``MatMulNBits`` and tinygemm take them at full speed): scale and
   zero point are both fitted, z is rounded at the end and q recomputed; then, per group, the parameters
   with the smaller squared error (HQQ's or round-to-nearest's) are kept, so the weight error never
-  exceeds RTN's. +11.92% on SmolLM2 at group 64 (RTN +12.31%). Symmetric: z stays 8 and only the
-  scale moves.
+  exceeds RTN's (docs/results.md has both on SmolLM2). Symmetric: z stays 8 and only the scale moves.
 """
 
 from __future__ import annotations

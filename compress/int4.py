@@ -7,15 +7,13 @@
 * ``awq``: per-channel scales searched on calibration activations and folded into the
   model, then round to nearest (:mod:`.awq`);
 * ``hqq``: calibration-free half-quadratic fit of scales and zero points (:mod:`.hqq`);
-* ``awq-gptq``: AWQ's scales folded first, then GPTQ on the scaled weights (on SmolLM2-135M at
-  group 64, head in float, fp32 0.8427: +3.6% bits per byte with act_order, +2.8% adding
-  ``clip: mse``; AWQ alone +5.3%, GPTQ alone +8.6%).
+* ``awq-gptq``: AWQ's scales folded first, then GPTQ on the scaled weights (on SmolLM2-135M the best
+  of these, ahead of AWQ alone and GPTQ alone: docs/results.md, int4 on SmolLM2).
 
 ``clip: mse`` fits each group's range by a search (:mod:`.int4_clip`) instead of spanning it whole;
-GPTQ and AWQ weigh the search by their calibration Hessian's diagonal. On SmolLM2-135M (group 64,
-head in float) it helps GPTQ (+8.6% -> +7.0%) and AWQ then GPTQ (+3.6% -> +2.8%) but not round to
-nearest (+12.3% -> +14.2%) or AWQ alone (+5.3% -> +5.7%); likely because GPTQ passes a clipped value's
-error on to the columns after it, where round to nearest leaves it in the output.
+GPTQ and AWQ weigh the search by their calibration Hessian's diagonal. On SmolLM2-135M it helps GPTQ
+and AWQ then GPTQ but not round to nearest or AWQ alone (docs/results.md); likely because GPTQ passes a
+clipped value's error on to the columns after it, where round to nearest leaves it in the output.
 
 ``float_zero`` (asymmetric only) keeps each group's zero point as a float, as torchao's and ONNX
 Runtime's HQQ and llama.cpp's Q4_1 do (:mod:`prunus.models.int4`); round to nearest then spans each

@@ -1,9 +1,9 @@
 """Float int4 zero points in an exported graph: integer zero points plus a per-group term.
 
 ONNX Runtime's ``MatMulNBits`` and ``DequantizeLinear`` take integer zero points only
-(``MatMulNBits`` accepts float ones, but leaves its fast kernel: about 40x slower at accuracy
-level 4 on a 576 x 4,608 layer). A module with float zero points z is exported with
-z_int = round(z) in the integer kernel and the rest added after it
+(``MatMulNBits`` accepts float ones, but leaves its fast kernel: docs/results.md, Compression, says
+how much slower). A module with float zero points z is exported with z_int = round(z) in the integer
+kernel and the rest added after it
 (:func:`prunus.models.int4.split_float_zero`)::
 
     y = x @ ((q - z) * s).T = x @ ((q - z_int) * s).T + group_sums(x) @ term.T

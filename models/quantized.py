@@ -12,7 +12,7 @@ the five schemes it stores (one class each; :mod:`prunus.models.quant_registry` 
 
 Integer products run on ``torch._int_mm`` on CUDA (where cuBLAS takes the shapes);
 on CPU they are computed exactly on the int8 values in float32 (``_int_mm`` is exact
-there too but ~35x slower than the float32 matmul at these sizes). The float32 sums are
+there too but far slower than the float32 matmul at these sizes). The float32 sums are
 exact while in_features * 127^2 < 2^24 (in_features <= 1040); beyond that each sum is
 rounded to float32 (relative 6e-8), far below the quantization error itself. float8
 products run on ``torch._scaled_mm`` on GPUs with compute capability >= 8.9; elsewhere

@@ -12,8 +12,8 @@ Forward pass:
   copy of the weight repacked once by ``torch._convert_weight_to_int4pack`` with bfloat16
   scales and tinygemm's zeros ((q - 8) * s + (8 - z) * s). Its output is bfloat16.
 * elsewhere, CPU included: the weight is dequantized and multiplied in the activation dtype.
-  torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) ran 4-38x slower than an fp32
-  matmul on SmolLM2 shapes on our CPUs, so it is not used; ONNX Runtime's ``MatMulNBits``
+  torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) ran several times slower than an
+  fp32 matmul on SmolLM2 shapes on our CPUs, so it is not used; ONNX Runtime's ``MatMulNBits``
   is the CPU speed path (prunus export).
 
 It offers what every stored quantized module does (:class:`prunus.models.quant_registry.QuantizedModule`:

@@ -8,16 +8,14 @@ place). Attention reads each row's cache line up to a key length rounded up to
 that key length is the graph's one dynamic size, so a step reads the keys the rows
 hold, not the whole ``max_len`` line (a 8,192-token line of SmolLM2-135M is 377 MB of
 keys and values per row), and one graph serves every length (a layer's sliding window
-narrows the mask in the model, as in the eager path). On a demo-shaped model (dim 256, 4
-layers) with max_len 4096, a one-row step at 100 tokens took 3.98 ms against 9.64 ms when
-the graph read the whole line (eager: 5.34 ms; one thread, a busy 2-core machine). The prefill stays eager: prompts
-come in any length, and one prefill per request is not where the time goes.
+narrows the mask in the model, as in the eager path): a short row's step is then faster than
+one reading the whole line, and than eager. The prefill stays eager: prompts come in any
+length, and one prefill per request is not where the time goes.
 
-On the demo model (3.3M parameters, one thread, a 2-core AVX2 machine) a one-row
-decode step took 1.6-2.1 ms compiled (with frozen weights and the C++ wrapper) against
-3.8 ms eager; a step of 8 rows, bound by its matmuls, 4.9-5.0 against 5.3 ms.
-Compiling costs 10-25 s per bucket at load there, and minutes per bucket for
-SmolLM2-135M: see :func:`choose_compile` for when ``compile="auto"`` turns it on.
+Compiled steps gain most for one row, whose step is per-operator overhead, and little for many
+rows, bound by their matmuls; compiling costs seconds per bucket at load for the demo model and
+minutes for SmolLM2-135M (the Engine's figures are in docs/results.md, Serving): see
+:func:`choose_compile` for when ``compile="auto"`` turns it on.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 A genai graph's ``MatMulNBits`` nodes run at accuracy level 4: each pass quantizes its activations to
 int8 and multiplies in integers. That is the fast kernel for a decode step (a row or a few), and the
-slow one for a long prompt on a CPU without VNNI. One thread, SmolLM2-135M's shapes, 512 rows (time of
-a 576 x 1536 layer): fp32 ``MatMul`` 11.2 ms; int8 weights at level 4 20.1 ms, at level 0 16.7 ms,
-dequantized by a blocked ``DequantizeLinear`` then ``MatMul`` 12.3 ms; int4 weights at level 4 14.1 ms,
-at level 0 (dequantized tile by tile into an fp32 GEMM) 9.9 ms. At one row the order flips (int8 level 4
-69 us, ``DequantizeLinear`` then ``MatMul`` 1.9 ms; int4 level 4 59 us, level 0 233 us).
+slow one for a long prompt on a CPU without VNNI, where at hundreds of rows an int8 layer at level 4 is
+slower than the fp32 ``MatMul``, and the same layer dequantized block by block then multiplied in float,
+or an int4 one at level 0 (dequantized tile by tile into an fp32 GEMM), is faster; at one row the order
+flips.
 
 So a session holding a quantized genai graph also holds this twin for long prompt passes:
 
@@ -17,10 +16,9 @@ So a session holding a quantized genai graph also holds this twin for long promp
 
 The weights and integers are the stored ones; only the activations' path changes (float instead of
 int8), so the twin's logits are the PyTorch model's up to float rounding, which is closer than the
-decode graph's. Whole prompt passes on SmolLM2-135M, 2 threads, median of 5 alternating rounds (twin's
-time / the graph's): int8 2.54x at 16 tokens, 1.09x at 128, 0.86x at 256, 0.79x at 512; int4 (stored
-round-to-nearest, group 32) 1.63x at 16, 0.95x at 64, 0.93x at 256, 0.85x at 512. Hence
-:func:`min_prompt_tokens`: a pass of fewer tokens (rows x padded width) stays in the graph itself.
+decode graph's. A short pass is slower in the twin and a long one faster, the crossing lower for int4
+than for int8: hence :data:`MIN_TOKENS`, below which a pass (rows x padded width) stays in the graph
+itself. What the twin does to the first token of a 512-token prompt is in docs/results.md (Serving).
 """
 
 from __future__ import annotations

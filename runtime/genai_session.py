@@ -12,9 +12,8 @@ binding depends only on its batch size and is kept, so a step is: write the ids 
 asked of a float graph, or of buffers no pass of which reaches its threshold, it is one PrunusError line):
 the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
 buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
-every decode step run in the graph itself. The twin holds its own copy of the weights and runs without ONNX
-Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`): on SmolLM2-135M a session grew the
-process by 340 MB for the int8 graph alone and by 618 MB with its twin (int4, round to nearest: 286 / 494 MB).
+every decode step run in the graph itself. The twin holds its own copy of the weights (about as much memory
+again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`).
 
 ``native=True`` runs decode steps, and prompt passes of at most ``native_prompt_tokens`` tokens, in prunus's own
 kernels (:mod:`prunus.native.decoder`) over the same weights and the same KV buffers: keys are rotated and laid out

@@ -2,8 +2,8 @@
 
 Why not gloo: a decode step of tensor-parallel serving makes two all-reduces per block
 of a few kilobytes each, so latency is all that counts, and on these machines a gloo
-all-reduce of one 256-float activation took 3.5-5.3 ms over loopback (a pipe round
-trip between two processes: 73 µs). Here each rank copies its tensor into its own slot
+all-reduce of one small activation over loopback took milliseconds, many times a pipe round
+trip between two processes. Here each rank copies its tensor into its own slot
 of a shared file, raises its flag, waits for every rank's flag, and sums the slots in
 rank order, so every rank holds bit-identical sums. Two sets of slots alternate, so a
 rank that is one all-reduce ahead never overwrites a slot another rank still reads;

@@ -1,7 +1,7 @@
 """Text of a growing list of token ids, decoding a few ids per token instead of all of them.
 
 Decoding every generated id again for each new token costs O(n) per token, O(n^2) per
-request (167 us a token at 256 tokens with SmolLM2's tokenizer). Instead, as vLLM does,
+request. Instead, as vLLM does,
 keep two offsets: text up to ``read`` is settled; each new token decodes the window
 ``ids[prefix:]`` and the window without the new ids, ``ids[prefix:read]``, and the
 difference is the new text. The window starts a token or more before ``read`` so that

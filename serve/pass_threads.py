@@ -3,8 +3,8 @@
 A decode step of a small model is a few hundred tiny operators. Each one that runs in
 parallel wakes the other OpenMP threads, and with ``OMP_WAIT_POLICY=PASSIVE`` (sleeping,
 not spinning, threads) that wake-up costs more than a small matmul takes: on a 2-core
-machine the demo model decoded a batch of 8 in 13.9 ms per step on 2 threads and 6.7 ms
-on 1. A large model wants every core. Rather than guess, the scheduler times a few
+machine the demo model decoded a batch of 8 faster on 1 thread than on 2. A large model
+wants every core. Rather than guess, the scheduler times a few
 passes at 1 thread and at the process's thread count, for a decode of one row, a
 decode of the full batch and a prefill, and gives each later pass the faster setting
 of the tuned pass nearest its size in tokens.
