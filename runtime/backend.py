@@ -14,6 +14,11 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
 * ``describe()``: facts for the engine's info once warmed up (e.g. whether decoding compiled);
 * ``close()``.
 
+A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
+(a numpy array, ``batch`` rows of the sample shape ``inputs[0]`` describes) returns the outputs as a numpy
+array, one row per input row; ``inputs`` / ``outputs`` describe its tensors (:mod:`prunus.runtime.tensor_spec`);
+up to ``capabilities.max_batch`` rows go in one pass (:mod:`prunus.serve.dynamic_batcher` merges callers' rows).
+
 Logits may stay on the backend's device: :func:`prunus.runtime.sampling.sample` picks tokens where they are
 and hands back token ids only.
 """
@@ -35,6 +40,7 @@ class Capabilities:
     host_threads: int | None = None  # torch threads of the scheduler's thread (its torch work is sampling only)
     warm_up: bool = False  # ``warm_up(set_threads)`` must run before the first request
     device_sampling: bool = False  # logits stay on an accelerator; tokens are picked there
+    predict: bool = False  # a non-generative model: ``predict(batch)`` maps a batch of inputs to outputs, no cache
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:

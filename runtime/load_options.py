@@ -24,6 +24,7 @@ class LoadOptions:
     max_memory: object = None
     prompt_graph: bool = False
     native: bool = False
+    trust_factory: object = None  # a generic module dir's factory may be imported (prunus.models.module_factory)
 
     def check(self, backend: str) -> None:
         """One PrunusError line for an option that is malformed or does not apply to ``backend``."""
@@ -59,6 +60,8 @@ class LoadOptions:
 
     def max_len_for(self, config: dict) -> int:
         """``max_len``, or the artifact's context where it is None; checked against that context."""
+        if config.get("kind") == "module":  # a non-generative model has no context
+            return self.max_len
         limit = (config.get("export") or config["model"]).get("max_seq_len") or config["model"]["max_seq_len"]
         max_len = limit if self.max_len is None else self.max_len
         if not 1 < max_len <= limit:

@@ -32,6 +32,10 @@ def _export(config: dict) -> dict:
     return export if isinstance(export, dict) else {}
 
 
+def _module(config: dict) -> bool:
+    return config.get("kind") == "module"
+
+
 def _genai(config: dict) -> bool:
     return _export(config).get("format") == "onnx" and _export(config).get("graph") == "genai"
 
@@ -50,6 +54,10 @@ class Runtime:
 
 # First match wins: a row narrower than the next comes first.
 RUNTIMES = (
+    Runtime("torch_module", "torch", "torch_module", "a generic model dir (any nn.Module): predict, dynamic batching",
+            lambda c, o: _module(c) and "export" not in c),
+    Runtime("ort_module", "onnxruntime", "ort_module", "a generic module's ONNX export dir: predict, dynamic batching",
+            lambda c, o: _module(c) and _export(c).get("graph") == "module"),
     Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
             lambda c, o: "export" not in c and o.tp > 1),
     Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",

@@ -25,6 +25,7 @@ from prunus.runtime.registry import load_runtime
 
 from . import events
 from .request import GenerationResult, Request, SamplingParams, StreamToken
+from .dynamic_batcher import DynamicBatcher
 from .scheduler import Scheduler
 
 # Engines not closed yet. At interpreter exit they are closed before the runtimes' own teardown: a process that
@@ -42,14 +43,38 @@ def _close_open_engines() -> None:
             pass
 
 
+def _as_torch(future):
+    """A Future of the torch tensor of ``future``'s numpy result."""
+    from concurrent.futures import Future
+
+    import torch
+
+    out = Future()
+
+    def done(f):
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(torch.from_numpy(f.result()))
+
+    future.add_done_callback(done)
+    return out
+
+
 class Engine:
     def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, max_delay_ms: float = 2.0):
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_len = backend.max_len
         self.info = info or {}
-        self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads)
+        if backend.capabilities.predict:  # a non-generative model: dynamic batching (prunus.serve.dynamic_batcher)
+            self.scheduler = DynamicBatcher(backend, max_delay_ms, max_queue)
+            self.info["max_delay_ms"] = max_delay_ms
+        else:
+            self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads)
         if self.scheduler.start_error is not None:
             error = self.scheduler.start_error
             self.scheduler.close()
@@ -66,7 +91,8 @@ class Engine:
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
-             prompt_graph: bool = False, native: bool = False) -> "Engine":
+             prompt_graph: bool = False, native: bool = False, trust_factory=None,
+             max_delay_ms: float = 2.0) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
         runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
 
@@ -82,12 +108,36 @@ class Engine:
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
         (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
         ``native``: for a genai export, decode steps (and int8 prompts of up to 64 tokens) in prunus's own CPU kernels
-        (:mod:`prunus.runtime.native`, AVX2, compiled on first use) over the same weights and KV buffers."""
+        (:mod:`prunus.runtime.native`, AVX2, compiled on first use) over the same weights and KV buffers.
+        A generic model dir (any ``nn.Module``; its factory imported only when ``trust_factory`` trusts it) or its
+        ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
+        concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others."""
         options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
                               compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
-                              max_memory=max_memory, prompt_graph=prompt_graph, native=native)
+                              max_memory=max_memory, prompt_graph=prompt_graph, native=native,
+                              trust_factory=trust_factory)
         loaded = load_runtime(path, backend, options)
-        return cls(loaded.backend, loaded.tokenizer, max_queue=max_queue, info=loaded.info, threads=threads)
+        return cls(loaded.backend, loaded.tokenizer, max_queue=max_queue, info=loaded.info, threads=threads,
+                   max_delay_ms=max_delay_ms)
+
+    # --- non-generative models ------------------------------------------------------------
+
+    def predict(self, batch, timeout: float | None = None):
+        """The outputs of ``batch`` (rows of the model's input: numpy, or torch for torch outputs), computed in
+        a pass shared with concurrent callers; one line for an input the model does not take."""
+        return self.submit_predict(batch).result(timeout)
+
+    def submit_predict(self, batch):
+        """A Future of ``batch``'s outputs (see :meth:`predict`); QueueFull at once when the queue is full."""
+        from prunus.runtime.tensor_spec import as_rows
+
+        if self._closed:
+            raise PrunusError("the engine is closed; load it again")
+        if not self.backend.capabilities.predict:
+            raise PrunusError("this engine serves a generative model; use generate or stream, not predict")
+        array, as_torch = as_rows(batch, self.backend.inputs[0])
+        future = self.scheduler.submit(array)
+        return future if not as_torch else _as_torch(future)
 
     # --- requests --------------------------------------------------------------------------
 

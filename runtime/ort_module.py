@@ -1,0 +1,32 @@
+"""A generic module's ONNX export dir (:mod:`prunus.export.module_export`: one graph with a dynamic batch axis)
+served by ONNX Runtime: ``predict(batch)`` is one ``session.run``. No factory is imported."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .artifact import export_graph_paths
+from .ort_session import ort_session
+from .predict_backend import PredictBackend
+from .registry import Loaded
+
+
+class OrtModuleBackend(PredictBackend):
+    name = "onnxruntime"
+
+    def __init__(self, path, config: dict, options):
+        graph = export_graph_paths(path, config["export"], names=("model",))["model"]
+        self.session = ort_session(graph, options.threads)
+        self._input = self.session.get_inputs()[0].name
+        super().__init__(path, config, options.max_batch)
+
+    def _forward(self, batch: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self._input: batch})[0]
+
+    def close(self) -> None:
+        self.session = None
+
+
+def load(path, config: dict, options) -> Loaded:
+    backend = OrtModuleBackend(path, config, options)
+    return Loaded(backend, None, {"task": config.get("task"), "graph": config["export"]["graphs"]["model"]})
