@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from prunus.artifacts.errors import PrunusError
@@ -42,6 +45,24 @@ def print_report(console, report: dict) -> None:
                          f"windows of {report.get('seq_len')} tokens"
                          + ("; latency: median of the runs, ≈ within noise of row 0" if "prefill_ms" in rows[0] else ""),
                  caption_justify="left")
+    for i, r in enumerate(rows):
+        for line in r.get("notes", []):
+            console.print(f"row {i} ({r['pass']}): {line}")
+
+
+def print_module_report(console, report: dict) -> None:
+    """A generic module's report: the task's quality, params, MB and latency per row."""
+    from prunus.compress.module_report import quality
+
+    rows = report["rows"]
+    columns = [Column("#", priority=1), Column("pass", justify="left", text=True), Column("val loss", priority=3),
+               Column(quality(rows[0])[0]), Column("params", priority=4), Column("MB")]
+    if "latency_ms" in rows[0]:
+        columns.append(Column("latency ms", priority=2))
+    cells = [[str(i), r["pass"], f"{r['val_loss']:.4f}", f"{quality(r)[1]:.2f}", f"{r['params']:,}",
+              f"{r['bytes'] / 1e6:.3f}", *([f"{r['latency_ms']:.2f}"] if "latency_ms" in r else [])]
+             for i, r in enumerate(rows)]
+    print_fitted(console, columns, cells, title=f"prunus compress -> {report['out']}", title_justify="left")
     for i, r in enumerate(rows):
         for line in r.get("notes", []):
             console.print(f"row {i} ({r['pass']}): {line}")
@@ -106,11 +127,16 @@ def shipped_recipes() -> list[str]:
 @click.option("--no-latency", is_flag=True, help="Skip the CPU latency columns.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of calibration sampling and distillation.")
+@click.option("--trust-factory", is_flag=True,
+              help="A generic module's model dir: import the factory its config.json names (that runs its code). "
+                   "Or list trusted specs in PRUNUS_TRUST_FACTORIES.")
 def command(model_dir, recipe, quantize, prune, distill, distill_steps, distill_batch_size, distill_lr, out, data,
-            max_quality_drop, eval_tokens, seq_len, max_corpus_bytes, no_latency, overwrite, seed):
+            max_quality_drop, eval_tokens, seq_len, max_corpus_bytes, no_latency, overwrite, seed, trust_factory):
     """Compress MODEL_DIR into OUT with a recipe or shortcuts; prints the report."""
     from prunus.compress import QualityDropError, compress
 
+    if trust_factory and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
     distill_args = {k: v for k, v in (("steps", distill_steps), ("batch_size", distill_batch_size), ("lr", distill_lr))
                     if v is not None}
     passes, text = passes_from(recipe, quantize, prune, distill, distill_args)
@@ -118,10 +144,14 @@ def command(model_dir, recipe, quantize, prune, distill, distill_steps, distill_
     try:
         report = compress(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
                           seed=seed, seq_len=seq_len, max_corpus_bytes=max_corpus_bytes, latency=not no_latency,
-                          recipe_text=text, **given)
+                          recipe_text=text, trust_factory=trust_factory or None, **given)
     except QualityDropError as e:
         click.echo(f"Error: {e}", err=True)
         raise SystemExit(1) from None
+    if report.get("kind") == "module":
+        print_module_report(console_for_tables(), report)
+        click.echo(f"{report['seconds']['total']:.1f} s; wrote {out} (report.md, report.png)")
+        return
     print_report(console_for_tables(), report)
     sec = report["seconds"]
     rows_s = [r.get("seconds", {}) for r in report["rows"]]

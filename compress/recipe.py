@@ -51,6 +51,8 @@ PASSES = {
     "prune": PassEntry("prunus.compress.prune:prune_pass"),
     "prune_structured": PassEntry("prunus.compress.prune_structured:prune_structured_pass"),
     "distill": PassEntry("prunus.compress.distill:distill_pass", shows_progress=True),
+    # generic modules (prunus.compress.module_compress)
+    "prune_channels": PassEntry("prunus.compress.module_prune:prune_channels_pass"),
 }
 
 
@@ -109,6 +111,15 @@ VALUE_CHECKS = {
     ("distill", "seed"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
     ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, width:F, a preset name or a mapping of model fields"),
 }
+VALUE_CHECKS.update({
+    ("prune_channels", "amount"): (_fraction, "a fraction in [0, 1)"),
+    ("prune_channels", "by"): (lambda v: v in ("channels", "params", "flops"), "channels, params or flops"),
+    ("prune_channels", "importance"): (lambda v: v in ("magnitude", "group_norm"), "magnitude or group_norm"),
+    ("prune_channels", "finetune_steps"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                                           "an integer of at least 0"),
+    ("prune_channels", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
+    ("prune_channels", "batch_size"): (_positive_int, "a positive integer"),
+})
 for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
     VALUE_CHECKS[(_p, "n_calib")] = (_positive_int, "a positive integer")
 

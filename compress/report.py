@@ -215,6 +215,10 @@ def render_png(report: dict) -> bytes:
 
 
 def report_files(report: dict) -> dict[str, bytes]:
+    if report.get("kind") == "module":  # a generic module: accuracy / loss instead of bits per byte
+        from .module_report import module_report_files
+
+        return module_report_files(report)
     return {"report.json": (json.dumps(report, indent=2) + "\n").encode(),
             "report.md": render_markdown(report).encode(),
             "report.png": render_png(report)}

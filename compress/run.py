@@ -61,6 +61,9 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
         raise PrunusError("compress: no pass given; pass --recipe, --quantize, --prune or --distill")
     for i, (name, args) in enumerate(passes, 1):
         check_pass(name, args, where=f"pass {i}")
+        if name == "prune_channels":
+            raise PrunusError(f"pass {i}: prune_channels applies to generic module dirs (kind module); for "
+                              f"{model_dir} (a transformer) use prune_structured")
     if max_quality_drop is not None and (isinstance(max_quality_drop, bool) or not max_quality_drop >= 0):
         raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
     if out.exists() and not overwrite:
@@ -73,16 +76,29 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
             check_int_range(value, name, 1, 2**63 - 1)
 
 
+def _is_module_dir(model_dir: Path) -> bool:
+    from prunus.models.model_dir import read_config_json
+
+    if not (model_dir / "config.json").is_file():
+        return False
+    return read_config_json(model_dir).get("kind") == "module"
+
+
 def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
              max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
              seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
              latency: bool = True, progress: bool = True, recipe_text: str | None = None,
-             command: str | None = None) -> dict:
+             command: str | None = None, trust_factory=None) -> dict:
     """Run ``passes`` [(name, args)] on ``model_dir``, write the result to ``out``; return the report.
 
     ``seq_len``: the evaluation window (default: the model's context, at most 1,024 tokens);
     ``eval_tokens``: held-out tokens scored per row (the same slice as ``prunus eval``)."""
     model_dir, out = Path(model_dir), Path(out)
+    if _is_module_dir(model_dir):  # a generic nn.Module: prunus.compress.module_compress
+        from .module_compress import compress_module
+
+        return compress_module(model_dir, passes, out, data=data, trust_factory=trust_factory, overwrite=overwrite,
+                               seed=seed, latency=latency, recipe_text=recipe_text, command=command)
     check_arguments(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
                     seed=seed, seq_len=seq_len, eval_tokens=eval_tokens, max_corpus_bytes=max_corpus_bytes)
     start = time.perf_counter()

@@ -32,7 +32,7 @@ KIND = "module"
 FIX = "re-create the model dir"
 INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 MAX_INPUT_DIMS, MAX_INPUT_SIZE = 8, 2**24
-_KEYS = ("format", "kind", "factory", "args", "task", "input")
+_KEYS = ("format", "kind", "factory", "args", "task", "input", "pruned_shapes")
 
 
 def input_spec(sample: torch.Tensor, high: int | None = None) -> dict:
@@ -74,6 +74,10 @@ def check_module_config(config: dict, path: str | Path) -> dict:
     if config.get("task") is not None:
         check_task_name(config["task"], f"{where}: task")
     _check_input(config.get("input"), where)
+    if config.get("pruned_shapes") is not None:
+        from .module_reshape import check_pruned_shapes
+
+        check_pruned_shapes(config["pruned_shapes"], where, FIX)
     return config
 
 
@@ -106,10 +110,13 @@ def _stored_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_module(module: torch.nn.Module, path: str | Path, *, stage: str, factory: ModuleFactory | None = None,
                 task: str | None = None, input: dict | None = None, parent: str | Path | None = None,
-                metrics: dict | None = None, overwrite: bool = False, command: str | None = None) -> Path:
+                metrics: dict | None = None, overwrite: bool = False, command: str | None = None,
+                pruned_shapes: dict | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write ``module`` (plain, not wrapped by DDP / FSDP) as a generic model dir at ``path``, atomically.
 
-    ``factory``: how to rebuild it; default the one :func:`~.module_factory.build_module` attached."""
+    ``factory``: how to rebuild it; default the one :func:`~.module_factory.build_module` attached.
+    ``pruned_shapes``: the entries whose shapes differ from the factory's (:mod:`.module_reshape`);
+    ``extra_files``: more files of the dir (name -> bytes), covered by the manifest."""
     from .model_dir import FORMAT, WEIGHTS, parent_entry, write_manifest
 
     factory = factory or getattr(module, "prunus_factory", None)
@@ -117,13 +124,15 @@ def save_module(module: torch.nn.Module, path: str | Path, *, stage: str, factor
         raise PrunusError(f"{path}: the module carries no factory spec, so a model dir could not rebuild it; build it "
                           "with prunus.models.module_factory.build_module or pass factory=ModuleFactory(spec, args)")
     config = check_module_config({"format": FORMAT, "kind": KIND, **factory.to_json(), "task": task,
-                                  "input": input}, path)
+                                  "input": input, **({"pruned_shapes": pruned_shapes} if pruned_shapes else {})}, path)
     parent_info = parent_entry(parent)
     state = _stored_state(module)
     n_params = sum(p.numel() for p in module.parameters())
     with atomic_dir(path, overwrite=overwrite) as tmp:
         atomic_write_json(tmp / "config.json", config)
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         write_manifest(tmp, stage=stage, parent_info=parent_info, command=command,
                        metrics={"params": n_params, **(metrics or {})})
     return Path(path)
@@ -156,6 +165,10 @@ def load_module(path: str | Path, config: dict | None = None, *, trust_factory=N
     weights = inside(path, WEIGHTS, fix=FIX)  # inside the dir, a regular file
     header = read_header(weights)  # bounded and validated before the factory runs
     module = build_module(config["factory"], config.get("args", {}), source=f"{path}: factory")
+    if config.get("pruned_shapes"):
+        from .module_reshape import apply_shapes
+
+        apply_shapes(module, config["pruned_shapes"], str(path / "config.json"), FIX)
     _check_weights(weights, header, module.state_dict())
     module.load_state_dict(load_file(weights), strict=True)
     module.to(device)

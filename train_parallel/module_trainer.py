@@ -22,6 +22,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.data.global_batches import GlobalBatches, check_pair, eval_batches
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
+from prunus.models.module_reshape import apply_shapes, shape_changes
 from prunus.models.tasks import Task, get_task
 
 from .checkpoint.checkpoint import Checkpointer, load_checkpoint
@@ -224,12 +225,14 @@ class ModuleTrainer:
         if not self.main:
             return None
         fresh = self.factory.build(source="model dir factory")
+        pruned = shape_changes(state, fresh.state_dict())  # a channel-pruned module: its cut shapes recorded
+        apply_shapes(fresh, pruned, "model dir factory", "train the module the factory builds")
         fresh.load_state_dict(state, strict=True)
         metrics = {k: v for k, v in self.record.items() if k.startswith("val_")}
         metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
                        task=self.task.name)
         path = save_module(fresh, self.run.path / "model", stage="train", factory=self.factory, task=self.task.name,
-                           input=_input_spec(self.dataset), metrics=metrics, overwrite=True)
+                           input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned)
         if self.cfg.progress:
             print(f"model dir: {Path(self.cfg.out) / 'model'}", flush=True)
         return path

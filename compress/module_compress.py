@@ -1,0 +1,185 @@
+"""``prunus compress`` of a generic module's model dir: passes written against ``nn.Module``.
+
+The module (rebuilt by its trusted factory) is scored on the task's held-out data (row 0), then each pass of
+:data:`MODULE_PASSES` runs on a copy and is scored: loss, top-1 accuracy (classification), parameters, bytes
+of the weights and CPU latency of one batch. The output is a generic model dir (cut shapes recorded, see
+:mod:`prunus.models.module_reshape`) with ``recipe.yaml`` and the report (``report.json`` / ``.md`` / ``.png``).
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.paths import check_output
+
+MODULE_PASSES = {"prune_channels": "prunus.compress.module_prune:prune_channels_pass"}
+LATENCY_RUNS, LATENCY_BATCH, CALIB_SAMPLES = 7, 8, 64
+
+
+@dataclass
+class ModuleContext:
+    """What a generic pass gets: the source dir, its config, the task and the (train, held-out) datasets."""
+
+    source: Path
+    config: dict
+    task: object
+    train: object
+    val: object
+    seed: int = 0
+    notes: list = field(default_factory=list)
+
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+
+    def take_notes(self) -> list[str]:
+        out, self.notes = self.notes, []
+        return out
+
+    def batch(self, n: int, split: str = "val") -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.data import default_collate
+
+        data = self.val if split == "val" else self.train
+        return default_collate([data[i] for i in range(min(len(data), n))])
+
+    def example(self) -> torch.Tensor:
+        return self.batch(2)[0]
+
+    def finetune(self, model: nn.Module, *, steps: int, lr: float, batch_size: int) -> nn.Module:
+        """``steps`` of the generic trainer on the task's training split; the trained module."""
+        from prunus.train_parallel.module_config import ModuleTrainConfig
+        from prunus.train_parallel.module_trainer import train_module
+
+        with tempfile.TemporaryDirectory(prefix="prunus-finetune-") as tmp:
+            cfg = ModuleTrainConfig(out=str(Path(tmp) / "run"), task=self.task.name, batch_size=batch_size,
+                                    steps=steps, lr=lr, min_lr=lr / 10, warmup_steps=0, eval_every=steps,
+                                    ckpt_every=0, seed=self.seed, device="cpu", progress=False)
+            train_module(model, self.train, self.task.name, cfg, val_dataset=self.val)
+        self.note(f"fine-tuned {steps} steps (lr {lr:g}, batch {batch_size})")
+        return model.eval()
+
+
+def evaluate(model: nn.Module, ctx: ModuleContext, batch_size: int = 64) -> dict:
+    """The held-out figures of ``model`` (the task's: val_loss, val_accuracy for classification)."""
+    loss = count = 0
+    correct = None
+    model.eval()
+    with torch.inference_mode():
+        for start in range(0, len(ctx.val), batch_size):
+            from torch.utils.data import default_collate
+
+            x, y = default_collate([ctx.val[i] for i in range(start, min(len(ctx.val), start + batch_size))])
+            s, n, c = ctx.task.sums(model(x), y)
+            loss, count = loss + s, count + n
+            correct = None if c is None else (correct or 0) + c
+    return ctx.task.summary(loss, count, correct)
+
+
+def latency_ms(model: nn.Module, x: torch.Tensor) -> float:
+    """Median CPU milliseconds of one forward of the batch ``x``."""
+    times = []
+    with torch.inference_mode():
+        model(x)
+        for _ in range(LATENCY_RUNS):
+            t0 = time.perf_counter()
+            model(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def module_row(label: str, model: nn.Module, ctx: ModuleContext, *, base: dict | None = None,
+               latency: bool = True, notes: list | None = None) -> dict:
+    """One row of the report (see the module docstring)."""
+    row = {"pass": label, **evaluate(model, ctx), "params": sum(p.numel() for p in model.parameters()),
+           "bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+    if latency:
+        row["latency_ms"] = latency_ms(model, ctx.batch(LATENCY_BATCH)[0])
+    if base is not None and "val_accuracy" in base:
+        row["accuracy_change"] = row["val_accuracy"] - base["val_accuracy"]
+    if notes:
+        row["notes"] = notes
+    return row
+
+
+def _load(model_dir: Path, data: str | None, trust_factory, seed: int) -> tuple[nn.Module, ModuleContext]:
+    from prunus.data.module_datasets import module_datasets
+    from prunus.models.module_dir import load_module, read_module_config
+    from prunus.models.tasks import get_task
+
+    config = read_module_config(model_dir)
+    if data is None:
+        raise PrunusError(f"{model_dir}: a generic module is compressed on its task's data; pass --data (an "
+                          "ImageFolder directory or synthetic:...)")
+    if config.get("task") is None:
+        raise PrunusError(f"{model_dir}/config.json: records no task; re-create the model dir with prunus train")
+    task = get_task(config["task"], trust=trust_factory, where=str(model_dir / "config.json"))
+    train, val = module_datasets(data)
+    model = load_module(model_dir, config, trust_factory=trust_factory)
+    return model, ModuleContext(model_dir, config, task, train, val, seed)
+
+
+def check_module_passes(passes) -> None:
+    for i, (name, _) in enumerate(passes, 1):
+        if name not in MODULE_PASSES:
+            raise PrunusError(f"pass {i}: {name!r} does not apply to a generic module; its passes: "
+                              f"{', '.join(MODULE_PASSES)}")
+
+
+def _run_passes(model, ctx, passes, rows, latency):
+    from .recipe import get_pass
+
+    for name, args in passes:
+        from .run import pass_label
+
+        label = pass_label(name, args)
+        ctx.take_notes()
+        model = get_pass(name)(model, ctx, **args)
+        rows.append(module_row(label, model, ctx, base=rows[0], latency=latency, notes=ctx.take_notes()))
+    return model
+
+
+def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None,
+                    trust_factory=False, overwrite: bool = False, seed: int = 0, latency: bool = True,
+                    recipe_text: str | None = None, command: str | None = None) -> dict:
+    """Run ``passes`` on the generic module dir ``model_dir``, write ``out``; return the report."""
+    from prunus.models.module_dir import save_module
+    from prunus.models.module_factory import build_module
+    from prunus.models.module_reshape import shape_changes
+
+    from .recipe import recipe_yaml
+    from .report import report_files
+
+    model_dir, out = Path(model_dir), Path(out)
+    check_module_passes(passes)
+    if out.exists() and not overwrite:
+        raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
+    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
+    start = time.perf_counter()
+    teacher, ctx = _load(model_dir, data, trust_factory, seed)
+    rows = [module_row("input", teacher, ctx, latency=latency)]
+    torch.manual_seed(seed)
+    model = _run_passes(copy.deepcopy(teacher), ctx, passes, rows, latency)
+    report = {"source": str(model_dir), "task": ctx.task.name, "data": data, "seed": seed, "kind": "module",
+              "threads": torch.get_num_threads(), "out": str(out),
+              "passes": [{"name": n, "args": a} for n, a in passes], "rows": rows}
+    with torch.device("meta"):
+        reference = build_module(ctx.config["factory"], ctx.config.get("args", {})).state_dict()
+    final = rows[-1]
+    save_module(model, out, stage="compress", factory=getattr(teacher, "prunus_factory", None), task=ctx.task.name,
+                input=ctx.config.get("input"), parent=model_dir, overwrite=overwrite,
+                command=command if command is not None else shlex.join(sys.argv),
+                metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},
+                pruned_shapes=shape_changes(model, reference),
+                extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+    report["seconds"] = {"total": round(time.perf_counter() - start, 2)}
+    return report

@@ -1,0 +1,112 @@
+"""Structured channel pruning of any ``nn.Module``, through torch-pruning's dependency graph.
+
+torch-pruning traces the module on an example input and groups every tensor that must lose the same channels
+together: a conv's output channels with the BatchNorm after it, the next conv's input channels, and every
+branch a residual addition joins. Groups are ranked by weight magnitude (``magnitude``: the L2 norm of each
+channel of the layer cut) or by the group's norm (``group_norm``: every tensor losing the channel), and the lowest channels cut, until the target:
+
+* ``by: channels``: ``amount`` of every prunable layer's channels removed;
+* ``by: params`` / ``by: flops``: pruning goes on in small steps until the parameter count / the FLOPs of
+  one forward fall to ``1 - amount`` of the input's (or pruning cannot go on).
+
+The layer(s) producing the module's output keep their outputs (a classifier keeps its classes). An optional
+fine-tune (``finetune_steps``) then trains the pruned module with the generic trainer on the task's data.
+The result is saved with its cut shapes recorded (:mod:`prunus.models.module_reshape`), never pickled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prunus.artifacts.errors import PrunusError
+
+PRUNE_BY = ("channels", "params", "flops")
+IMPORTANCES = ("magnitude", "group_norm")
+EXTRA = "prune"
+MAX_STEPS = 50  # the steps of a params / flops target
+
+
+def torch_pruning():
+    """The torch-pruning module, or one line naming the extra that installs it."""
+    try:
+        import torch_pruning as tp
+    except ModuleNotFoundError:
+        raise PrunusError(f"channel pruning needs torch-pruning: pip install 'prunus[{EXTRA}]'") from None
+    return tp
+
+
+def output_layers(model: nn.Module, example: torch.Tensor) -> list[nn.Module]:
+    """The leaf layers whose output is the module's output (they keep their output channels); the last
+    Linear / conv when none is found."""
+    seen: dict[int, nn.Module] = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o: seen.__setitem__(id(o), mod))
+             for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            out = model(example)
+    finally:
+        for h in hooks:
+            h.remove()
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    found = [seen[id(o)] for o in outs if id(o) in seen]
+    if found:
+        return found
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
+    return layers[-1:]
+
+
+def _importance(tp, name: str):
+    """``magnitude``: the L2 norm of each channel of the layer being cut; ``group_norm``: the L2 norm over the
+    whole group (every tensor that loses the channel), averaged."""
+    if name == "magnitude":
+        return tp.importance.MagnitudeImportance(p=2, group_reduction="first")
+    return tp.importance.GroupMagnitudeImportance(p=2, group_reduction="mean")
+
+
+def _count(tp, model, example, by: str) -> float:
+    flops, params = tp.utils.count_ops_and_params(model, example)
+    return float(flops if by == "flops" else params)
+
+
+def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5, by: str = "channels",
+                   importance: str = "magnitude") -> dict:
+    """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after)."""
+    tp = torch_pruning()
+    model.eval()
+    keep = output_layers(model, example)
+    before = {k: _count(tp, model, example, k) for k in ("params", "flops")}
+    steps = 1 if by == "channels" else MAX_STEPS
+    ratio = amount if by == "channels" else 0.95
+    try:
+        pruner = tp.pruner.MetaPruner(model, example, importance=_importance(tp, importance), pruning_ratio=ratio,
+                                      iterative_steps=steps, ignored_layers=keep, global_pruning=False)
+        for _ in range(steps):
+            pruner.step()
+            if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
+                break
+    except PrunusError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a module torch-pruning cannot trace: one line with the reason
+        from prunus.models.module_factory import reason
+
+        raise PrunusError(f"prune_channels: torch-pruning could not prune the module ({reason(e)}); use a module "
+                          "whose forward torch can trace, or another pass") from None
+    after = {k: _count(tp, model, example, k) for k in ("params", "flops")}
+    return {"params_before": int(before["params"]), "params_after": int(after["params"]),
+            "flops_before": int(before["flops"]), "flops_after": int(after["flops"])}
+
+
+def prune_channels_pass(model: nn.Module, ctx, amount: float = 0.5, by: str = "channels",
+                        importance: str = "magnitude", finetune_steps: int = 0, lr: float = 1e-3,
+                        batch_size: int = 32) -> nn.Module:
+    """The ``prune_channels`` pass of a generic module's compress run (``ctx``: a ModuleContext)."""
+    if by not in PRUNE_BY or importance not in IMPORTANCES:
+        raise PrunusError(f"prune_channels: by {by!r} / importance {importance!r}; choose by from "
+                          f"{', '.join(PRUNE_BY)} and importance from {', '.join(IMPORTANCES)}")
+    done = prune_channels(model, ctx.example(), amount, by, importance)
+    ctx.note(f"params {done['params_before']:,} -> {done['params_after']:,}, "
+             f"FLOPs {done['flops_before']:,} -> {done['flops_after']:,}")
+    if finetune_steps:
+        model = ctx.finetune(model, steps=finetune_steps, lr=lr, batch_size=batch_size)
+    return model

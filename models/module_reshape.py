@@ -1,0 +1,99 @@
+"""A module whose parameters were cut (structured pruning) rebuilt from its factory without pickles.
+
+Structured pruning leaves a module with fewer channels than its factory builds. The model dir records the
+shapes that differ (config.json ``pruned_shapes``: ``{state dict name: shape}``, from :func:`shape_changes`);
+:func:`apply_shapes` resizes the factory's fresh module to them (each named parameter / buffer replaced by an
+empty tensor of the recorded shape, the layer's size attributes - ``out_channels``, ``num_features``,
+``in_features``, ... - set to match) so the stored weights then load strictly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
+
+MAX_DIMS = 8
+# layer attribute -> (state dict entry, dimension) it mirrors
+_SIZE_ATTRS = {
+    torch.nn.modules.conv._ConvNd: (("out_channels", "weight", 0), ("in_channels", "weight", 1)),
+    torch.nn.Linear: (("out_features", "weight", 0), ("in_features", "weight", 1)),
+    torch.nn.modules.batchnorm._NormBase: (("num_features", "running_mean", 0), ("num_features", "weight", 0)),
+    torch.nn.GroupNorm: (("num_channels", "weight", 0),),
+    torch.nn.LayerNorm: (),
+    torch.nn.Embedding: (("num_embeddings", "weight", 0), ("embedding_dim", "weight", 1)),
+}
+
+
+def shape_changes(state: torch.nn.Module | dict, reference: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """``{name: shape}`` of every entry of ``state`` (a module or its state dict) whose shape differs from
+    ``reference``'s (the factory's)."""
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    return {k: list(v.shape) for k, v in state.items()
+            if k in reference and tuple(v.shape) != tuple(reference[k].shape)}
+
+
+def check_pruned_shapes(shapes, where: str, fix: str) -> dict:
+    """config.json's ``pruned_shapes``: names to lists of sizes (checked, nothing allocated)."""
+    if not isinstance(shapes, dict):
+        raise PrunusError(f"{where}: pruned_shapes is {short(shapes)}, not an object of name: shape; {fix}")
+    for name, shape in shapes.items():
+        ok = isinstance(shape, list) and len(shape) <= MAX_DIMS and all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 2**31 for d in shape)
+        if not ok:
+            raise PrunusError(f"{where}: pruned_shapes[{short(name)}] {short(shape)} is not a list of at most "
+                              f"{MAX_DIMS} sizes; {fix}")
+    return shapes
+
+
+def _owner(module: torch.nn.Module, name: str, where: str, fix: str):
+    path, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError:
+        owner = None
+    if owner is None or not (leaf in owner._parameters or leaf in owner._buffers):
+        raise PrunusError(f"{where}: pruned_shapes names {short(name)}, which the factory's module does not have; {fix}")
+    return owner, leaf
+
+
+def apply_shapes(module: torch.nn.Module, shapes: dict, where: str, fix: str) -> torch.nn.Module:
+    """Resize the entries of ``module`` that ``shapes`` names (see the module docstring); returns it."""
+    for name, shape in shapes.items():
+        owner, leaf = _owner(module, name, where, fix)
+        old = owner._parameters.get(leaf, owner._buffers.get(leaf))
+        if old is not None and old.ndim != len(shape):
+            raise PrunusError(f"{where}: pruned_shapes[{short(name)}] has {len(shape)} dimensions where the "
+                              f"factory's has {old.ndim}; {fix}")
+        new = torch.empty(shape, dtype=old.dtype if old is not None else torch.float32)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = torch.nn.Parameter(new, requires_grad=old.requires_grad if old is not None else True)
+        else:
+            owner._buffers[leaf] = new
+    for mod in module.modules():
+        _sync_sizes(mod)
+    return module
+
+
+def _sync_sizes(mod: torch.nn.Module) -> None:
+    """A layer's size attributes set from its (resized) tensors."""
+    for kind, attrs in _SIZE_ATTRS.items():
+        if not isinstance(mod, kind):
+            continue
+        for attr, entry, dim in attrs:
+            if isinstance(mod, torch.nn.modules.conv._ConvNd) and mod.groups > 1 and mod.weight.shape[1] == 1 \
+                    and not mod.transposed:  # depthwise: one group per channel, as many as remain
+                mod.groups = mod.in_channels = mod.out_channels = int(mod.weight.shape[0])
+                break
+            t = getattr(mod, entry, None)
+            if isinstance(t, torch.Tensor) and t.ndim > dim:
+                size = t.shape[dim]
+                if attr == "in_channels" and isinstance(mod, torch.nn.modules.conv._ConvNd):
+                    size = t.shape[dim] * mod.groups if not mod.transposed else t.shape[0]
+                if attr == "out_channels" and isinstance(mod, torch.nn.modules.conv._ConvNd) and mod.transposed:
+                    size = t.shape[1] * mod.groups
+                setattr(mod, attr, int(size))
+        if isinstance(mod, torch.nn.LayerNorm) and mod.weight is not None:
+            mod.normalized_shape = tuple(mod.weight.shape)

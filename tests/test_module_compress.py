@@ -1,0 +1,124 @@
+"""Compression of generic modules: structured channel pruning (torch-pruning) of a small ResNet-style CNN
+with BatchNorm and a residual addition, the pruned model dir rebuilt from its factory and recorded shapes (no
+pickles), the classification report, the CLI with a shipped recipe, and the user-facing errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from torch import nn
+
+from prunus.artifacts.errors import PrunusError
+from prunus.cli.main import cli
+from prunus.compress import compress
+from prunus.models.module_dir import load_module, save_module
+from prunus.models.module_factory import build_module
+
+pytest.importorskip("torch_pruning")
+
+DATA = "synthetic:classification?n=64&shape=3x8x8&classes=4&val=32"
+SPEC = "test_module_compress:resnet"
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def resnet(channels=3, width=16, classes=4):
+    return nn.Sequential(nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                         Block(width), Block(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
+
+
+@pytest.fixture
+def cnn_dir(tmp_path):
+    torch.manual_seed(0)
+    model = build_module(SPEC, {})
+    for m in model.modules():  # distinct running statistics, so a wrong channel mapping shows
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    return save_module(model, tmp_path / "cnn", stage="train", task="classification",
+                       input={"shape": [3, 8, 8], "dtype": "float32"})
+
+
+def test_prune_channels_halves_the_cnn_and_round_trips(cnn_dir, tmp_path):
+    passes = [("prune_channels", {"amount": 0.5, "finetune_steps": 2, "batch_size": 16})]
+    report = compress(cnn_dir, passes, tmp_path / "out", data=DATA, trust_factory=True, latency=False)
+    before, after = report["rows"]
+    assert after["params"] < 0.5 * before["params"]
+    assert 0 <= after["val_accuracy"] <= 1 and "val_accuracy" in before and "accuracy_change" in after
+    assert any("fine-tuned 2 steps" in n for n in after["notes"])
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert config["pruned_shapes"]["0.weight"] == [8, 3, 3, 3]
+    assert config["pruned_shapes"]["7.weight"] == [4, 8]  # the classifier keeps its 4 classes
+    loaded = load_module(tmp_path / "out", trust_factory=True)
+    with safe_open(tmp_path / "out/model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in stored.items())
+    assert loaded[0].out_channels == 8 and loaded[1].num_features == 8 and loaded[7].in_features == 8
+    x = torch.randn(5, 3, 8, 8)
+    assert loaded(x).shape == (5, 4)
+    md = (tmp_path / "out/report.md").read_text()
+    assert "top-1 accuracy" in md and "bits" not in md
+    assert (tmp_path / "out/report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prune_by_flops_reaches_the_target(cnn_dir, tmp_path):
+    report = compress(cnn_dir, [("prune_channels", {"amount": 0.4, "by": "flops", "importance": "group_norm"})],
+                      tmp_path / "out", data=DATA, trust_factory=True, latency=False)
+    assert report["rows"][1]["params"] < report["rows"][0]["params"]
+    note = report["rows"][1]["notes"][0]
+    flops_before, flops_after = (int(s.replace(",", "")) for s in note.split("FLOPs ")[1].split(" -> "))
+    assert flops_after <= 0.6 * flops_before
+
+
+def test_cli_compress_with_shipped_recipe(cnn_dir, tmp_path):
+    out = tmp_path / "cli-out"
+    res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", "prune-channels-50", "--out", str(out),
+                                   "--data", DATA, "--trust-factory", "--no-latency"])
+    assert res.exit_code == 0, res.output
+    assert "top-1 accuracy" in res.output and (out / "recipe.yaml").is_file()
+    assert load_module(out, trust_factory=True)(torch.randn(2, 3, 8, 8)).shape == (2, 4)
+
+
+def test_untrusted_and_missing_data_are_one_line(cnn_dir, tmp_path):
+    res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", "prune-channels-50", "--out",
+                                   str(tmp_path / "o"), "--data", DATA])
+    assert res.exit_code == 2 and "trust" in res.output and not (tmp_path / "o").exists()
+    with pytest.raises(PrunusError, match="pass --data"):
+        compress(cnn_dir, [("prune_channels", {})], tmp_path / "o", data=None, trust_factory=True)
+    with pytest.raises(PrunusError, match="does not apply to a generic module"):
+        compress(cnn_dir, [("prune", {"method": "magnitude"})], tmp_path / "o", data=DATA, trust_factory=True)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_pruned_shapes_is_one_line(cnn_dir):
+    config = json.loads((cnn_dir / "config.json").read_text())
+    config["pruned_shapes"] = {"9.weight": [2, 2]}
+    (cnn_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PrunusError, match=r"pruned_shapes names '9.weight'"):
+        load_module(cnn_dir, trust_factory=True)
+    config["pruned_shapes"] = {"0.weight": "big"}
+    (cnn_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PrunusError, match=r"pruned_shapes\['0.weight'\]"):
+        load_module(cnn_dir, trust_factory=True)
+
+
+def test_missing_torch_pruning_names_the_extra(monkeypatch):
+    import sys
+
+    from prunus.compress.module_prune import torch_pruning
+
+    monkeypatch.setitem(sys.modules, "torch_pruning", None)
+    with pytest.raises(PrunusError, match=r"prunus\[prune\]"):
+        torch_pruning()
