@@ -12,7 +12,8 @@ recorded shape, 64 of them in one batch: another batch size than the one traced)
 
 fp32 must match tightly (:data:`MODULE_TOLERANCES`); a failed check writes nothing unless ``verify`` is off.
 The export dir holds ``model.onnx``, ``parity.json``, ``config.json`` (the model dir's, plus ``export``) and
-``prunus.json``. Only ONNX at fp32 in this version.
+``prunus.json``. ONNX at fp32, or at int8 (``--precision int8``: static post-training quantization of the
+graph, :mod:`.module_int8`; parity then holds top-1 agreement with the fp32 module).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from prunus.models.module_factory import reason
 
 from .parity import ParityFailed
 
-MODULE_TOLERANCES = {"fp32": {"max_abs_outputs": 1e-3, "top1_agreement": 1.0}}
+MODULE_TOLERANCES = {"fp32": {"max_abs_outputs": 1e-3, "top1_agreement": 1.0},
+                     "int8": {"top1_agreement": 0.9}}  # static int8 (.module_int8): only the argmax is held
 MODULE_PARITY_KEYS = ("max_abs_outputs", "top1_agreement", "passed")
 PROBE_SAMPLES = 64
 GRAPH = "model.onnx"
@@ -94,13 +96,29 @@ def module_parity(module: torch.nn.Module, graph: Path, inputs: torch.Tensor, pr
     return {**report, "tolerances": tol, "failed": failed, "passed": not failed}
 
 
+def _int8_graph(proto, tmp: Path, module, config: dict, data, model_dir: Path, inputs: torch.Tensor) -> dict:
+    """The fp32 graph quantized to int8 as ``tmp/model.onnx`` (:mod:`.module_int8`); its parity report."""
+    from .module_int8 import calibration_inputs, int8_weight_share, quantize_module_graph
+    from .onnx_export import save_graph
+
+    fp32 = tmp / "model-fp32.onnx"
+    save_graph(proto, fp32, external_data=False)
+    quantize_module_graph(fp32, tmp / GRAPH, calibration_inputs(config, data, model_dir))
+    fp32_bytes = fp32.stat().st_size
+    fp32.unlink()
+    report = module_parity(module, tmp / GRAPH, inputs, precision="int8")
+    return {**report, "graph_bytes_fp32": fp32_bytes, "graph_bytes": (tmp / GRAPH).stat().st_size,
+            "int8_weight_share": round(int8_weight_share(tmp / GRAPH), 4)}
+
+
 def _check_request(format: str, precision: str | None, opset: int | None) -> int:
     from .onnx_export import DEFAULT_OPSET, MIN_OPSET
 
     if format != "onnx":
         raise PrunusError(f"--format {format}: a generic module exports to onnx in this version; use --format onnx")
-    if precision not in (None, "fp32"):
-        raise PrunusError(f"--precision {precision}: a generic module exports at fp32 in this version; drop --precision")
+    if precision not in (None, "fp32", "int8"):
+        raise PrunusError(f"--precision {precision}: a generic module exports at fp32 or int8 (static, calibrated); "
+                          "use --precision fp32 or int8")
     opset = opset or DEFAULT_OPSET["onnx"]
     if not MIN_OPSET <= opset <= 23:
         raise PrunusError(f"--opset {opset}: choose an opset from {MIN_OPSET} to 23")
@@ -117,6 +135,7 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
 
     model_dir, out = Path(model_dir), Path(out)
     opset = _check_request(format, precision, opset)
+    precision = precision or "fp32"
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
@@ -128,12 +147,15 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
         proto = _export_graph(module, inputs[:2] if len(inputs) > 2 else torch.cat([inputs, inputs])[:2], opset)
         from .onnx_export import save_graph
 
-        save_graph(proto, tmp / GRAPH, external_data=False)
-        report = module_parity(module, tmp / GRAPH, inputs)
+        if precision == "int8":
+            report = _int8_graph(proto, tmp, module, config, data, model_dir, inputs)
+        else:
+            save_graph(proto, tmp / GRAPH, external_data=False)
+            report = module_parity(module, tmp / GRAPH, inputs)
         if not report["passed"] and verify:
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
-        export = {"format": "onnx", "precision": "fp32", "opset": opset, "graph": "module", "graphs": {"model": GRAPH},
+        export = {"format": "onnx", "precision": precision, "opset": opset, "graph": "module", "graphs": {"model": GRAPH},
                   "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
         config = {**config, "export": export}
         atomic_write_json(tmp / CONFIG, config)

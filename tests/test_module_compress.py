@@ -122,3 +122,20 @@ def test_missing_torch_pruning_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_pruning", None)
     with pytest.raises(PrunusError, match=r"prunus\[prune\]"):
         torch_pruning()
+
+
+def test_export_int8_static_qdq(cnn_dir, tmp_path):
+    import onnx
+
+    out = tmp_path / "int8"
+    res = CliRunner().invoke(cli, ["export", str(cnn_dir), "--format", "onnx", "--precision", "int8", "--out",
+                                   str(out), "--data", DATA, "--trust-factory"])
+    assert res.exit_code == 0, res.output
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["precision"] == "int8" and parity["passed"] and parity["top1_agreement"] >= 0.9
+    assert parity["int8_weight_share"] > 0.5 and parity["graph_bytes"] < parity["graph_bytes_fp32"]
+    graph = onnx.load(str(out / "model.onnx"))
+    ops = {n.op_type for n in graph.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "BatchNormalization" not in ops
+    assert json.loads((out / "config.json").read_text())["export"]["precision"] == "int8"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.onnx", "parity.json", "prunus.json"]
