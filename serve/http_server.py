@@ -380,6 +380,7 @@ class CompletionServer(ThreadingHTTPServer):
     ``access`` says who may use it (default: no API key, requests addressed to this server only, no web page)."""
 
     daemon_threads = True
+    handler_class = CompletionHandler  # the routes (prunus.serve.oip_server serves the Open Inference Protocol)
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
                  header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
@@ -396,7 +397,7 @@ class CompletionServer(ThreadingHTTPServer):
         if not 0 <= port <= 65535:
             raise PrunusError(f"--port {port} is not a TCP port; choose one from 0 (any free port) to 65535")
         try:
-            super().__init__((host, port), CompletionHandler)
+            super().__init__((host, port), self.handler_class)
         except (OSError, OverflowError) as e:
             reason = getattr(e, "strerror", None) or str(e)
             raise PrunusError(f"cannot listen on {host}:{port} ({reason}); choose another --host/--port") from None

@@ -63,7 +63,7 @@ def test_dynamic_batches_merge_and_equal_one_by_one(dirs, which):
     requests = [_rows(1 + i % 3, i) for i in range(24)]
     with Engine.load(path, trust_factory=FACTORY, max_batch=16, max_delay_ms=50, threads=1) as engine:
         assert engine.backend.capabilities.predict
-        alone = [engine.predict(r) for r in requests]  # one at a time: one pass each
+        alone = [engine.backend.predict(r) for r in requests]  # one at a time: one pass each, no batcher
         passes = engine.scheduler.passes
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(engine.predict, requests))
@@ -93,3 +93,91 @@ def test_torch_and_onnxruntime_agree_and_refuse_bad_input(dirs):
 def test_an_untrusted_factory_is_one_line(dirs):
     with pytest.raises(PrunusError, match="pass --trust-factory"):
         Engine.load(dirs[0])
+
+
+# --- the Open Inference Protocol endpoint -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def oip(dirs):
+    """(server, engine) of the export dir, max queue 8, listening on a free port in a thread."""
+    from prunus.serve.oip_server import OIPServer
+
+    engine = Engine.load(dirs[1], max_batch=16, max_delay_ms=5, max_queue=8, threads=1)
+    server = OIPServer(engine, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server, engine
+    server.shutdown()
+    server.server_close()
+    engine.close()
+
+
+def _call(server, method: str, path: str, body=None) -> tuple[int, dict | str]:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, (json.loads(raw) if resp.getheader("Content-Type", "").startswith("application/json") else raw)
+
+
+def _infer_body(x: np.ndarray, **changes) -> dict:
+    tensor = {"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist(), **changes}
+    return {"id": "r1", "inputs": [tensor]}
+
+
+def test_oip_metadata_and_infer_round_trip(oip):
+    server, engine = oip
+    name = server.model_name
+    assert _call(server, "GET", "/v2/health/live") == (200, {"live": True})
+    assert _call(server, "GET", "/v2/health/ready") == (200, {"ready": True})
+    assert _call(server, "GET", f"/v2/models/{name}/ready") == (200, {"name": name, "ready": True})
+    status, meta = _call(server, "GET", f"/v2/models/{name}")
+    assert status == 200 and meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 6]}]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 3]}]
+    x = _rows(3, 5)
+    status, answer = _call(server, "POST", f"/v2/models/{name}/infer", _infer_body(x))
+    assert status == 200 and answer["model_name"] == name and answer["id"] == "r1"
+    out = answer["outputs"][0]
+    assert out["name"] == "output" and out["datatype"] == "FP32" and out["shape"] == [3, 3]
+    assert np.abs(np.array(out["data"], np.float32).reshape(3, 3) - engine.predict(x)).max() <= TOL
+    status, text = _call(server, "GET", "/metrics")
+    assert status == 200 and "prunus_batch_occupancy" in text and "prunus_batch_passes_total" in text
+
+
+@pytest.mark.parametrize("change, status, needle", [
+    ({"shape": [2, 5]}, 400, "input tensor 'input': shape [2, 5] where the model takes [-1, 6]"),
+    ({"datatype": "INT64"}, 400, "input tensor 'input': datatype 'INT64' where the model takes FP32"),
+    ({"data": [0.5] * 11}, 400, "input tensor 'input': 'data' holds 11 elements where shape [2, 6] needs 12"),
+    ({"name": "pixels"}, 400, "input tensor 'pixels': the model has no such input"),
+    ({"data": ["a"] * 12}, 400, "is not a FP32 value"),
+    (None, 404, "unknown model 'nope'"),
+])
+def test_oip_bad_tensors_are_one_line_and_the_server_keeps_serving(oip, change, status, needle):
+    server, _ = oip
+    x = _rows(2, 7)
+    path = f"/v2/models/{'nope' if change is None else server.model_name}/infer"
+    got, answer = _call(server, "POST", path, _infer_body(x, **(change or {})))
+    assert got == status and needle in answer["error"] and "\n" not in answer["error"]
+    assert _call(server, "POST", f"/v2/models/{server.model_name}/infer", _infer_body(x))[0] == 200
+
+
+def test_oip_64_concurrent_clients_none_lost(oip):
+    server, engine = oip
+    name, xs = server.model_name, [_rows(1 + i % 2, 100 + i) for i in range(64)]
+
+    def client(x):
+        for _ in range(100):  # a full queue answers 429: the client retries, as it is told to
+            status, answer = _call(server, "POST", f"/v2/models/{name}/infer", _infer_body(x))
+            if status != 429:
+                return status, answer
+        return status, answer
+
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(client, xs))
+    assert [s for s, _ in answers] == [200] * 64
+    for x, (_, answer) in zip(xs, answers):
+        got = np.array(answer["outputs"][0]["data"], np.float32).reshape(len(x), 3)
+        assert np.abs(got - engine.predict(x)).max() <= TOL
+    assert engine.scheduler.max_requests_in_pass > 1

@@ -1,0 +1,101 @@
+"""The typed tensors of an Open Inference Protocol infer request, checked against the model's input specs.
+
+``{"id"?, "parameters"?, "inputs": [{"name", "shape", "datatype", "data", "parameters"?}], "outputs"?: [...]}``:
+each input must name one of the model's inputs, once; its ``datatype`` must be the model's, its ``shape`` the
+model's with one or more rows, and ``data`` (flat in row-major order, or nested) must hold exactly as many
+elements of that type as the shape says. Anything else is a :class:`~prunus.serve.http_guard.BadRequest` (400)
+whose one line names the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from prunus.runtime.tensor_spec import TensorSpec
+
+from .http_guard import BadRequest
+
+REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
+TENSOR_FIELDS = {"name", "shape", "datatype", "data", "parameters"}
+
+
+def _flat(data, where: str) -> list:
+    """The elements of a flat or nested list, row-major, without recursion."""
+    if not isinstance(data, list):
+        raise BadRequest(400, f"{where}: 'data' must be a list of numbers (row-major), not {type(data).__name__}")
+    out, stack = [], [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                stack.append(iter(value))
+                break
+            out.append(value)
+        else:
+            stack.pop()
+    return out
+
+
+def _values(flat: list, spec: TensorSpec, where: str) -> np.ndarray:
+    boolean = spec.datatype == "BOOL"
+    integer = spec.datatype.startswith(("INT", "UINT"))
+    for v in flat:
+        ok = isinstance(v, bool) if boolean else (isinstance(v, int) and not isinstance(v, bool)) if integer else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok:
+            raise BadRequest(400, f"{where}: element {str(v)[:40]!r} is not a {spec.datatype} value")
+    if integer and flat:
+        info = np.iinfo(spec.dtype)
+        if not info.min <= min(flat) <= max(flat) <= info.max:
+            raise BadRequest(400, f"{where}: an element lies outside {spec.datatype}'s range [{info.min}, {info.max}]")
+    with np.errstate(over="ignore"):  # a float beyond FP16 / FP32 is infinity, as a cast would make it
+        return np.array(flat, dtype=spec.dtype)
+
+
+def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise BadRequest(400, "each entry of 'inputs' must be an object with a 'name'")
+    name = entry["name"]
+    where = f"input tensor {name[:80]!r}"
+    if name not in specs:
+        raise BadRequest(400, f"{where}: the model has no such input; it takes {', '.join(specs)}")
+    unknown = sorted(set(entry) - TENSOR_FIELDS)
+    if unknown:
+        raise BadRequest(400, f"{where}: unknown field(s) {', '.join(unknown)[:120]}")
+    spec = specs[name]
+    if entry.get("datatype") != spec.datatype:
+        raise BadRequest(400, f"{where}: datatype {str(entry.get('datatype'))[:20]!r} where the model takes "
+                              f"{spec.datatype}")
+    shape, want = entry.get("shape"), spec.metadata()["shape"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+            and len(shape) == len(want) and shape and shape[0] >= 1 and tuple(shape[1:]) == spec.sample_shape):
+        raise BadRequest(400, f"{where}: shape {str(shape)[:80]} where the model takes {want} (-1: one or more rows)")
+    flat = _flat(entry.get("data"), where)
+    count = math.prod(shape)
+    if len(flat) != count:
+        raise BadRequest(400, f"{where}: 'data' holds {len(flat)} elements where shape {shape} needs {count}")
+    return name, _values(flat, spec, where).reshape(shape)
+
+
+def parse_infer(req, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray], object]:
+    """({input name: array}, the request's id) of a parsed infer body, every tensor checked."""
+    if not isinstance(req, dict):
+        raise BadRequest(400, "the request body must be a JSON object")
+    unknown = sorted(set(req) - REQUEST_FIELDS)
+    if unknown:
+        raise BadRequest(400, f"unknown field(s): {', '.join(unknown)[:120]}")
+    inputs = req.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest(400, "'inputs' must be a non-empty list of tensors")
+    by_name = {s.name: s for s in specs}
+    tensors = dict(_tensor(entry, by_name) for entry in inputs)
+    if len(tensors) != len(inputs):
+        raise BadRequest(400, "an input tensor is given twice; give each once")
+    missing = [n for n in by_name if n not in tensors]
+    if missing:
+        raise BadRequest(400, f"input tensor {missing[0]!r} is missing; the model takes {', '.join(by_name)}")
+    request_id = req.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest(400, "'id' must be a string")
+    return tensors, request_id
