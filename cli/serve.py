@@ -1,4 +1,5 @@
-"""prunus serve: an OpenAI-compatible HTTP endpoint over a model dir or an export dir."""
+"""prunus serve: an OpenAI-compatible HTTP endpoint over a model dir or an export dir; the Open Inference
+Protocol (KServe v2) over a generic module's model dir or its ONNX export dir."""
 
 from __future__ import annotations
 
@@ -47,11 +48,23 @@ def _device_map(value: str | None):
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
 @click.option("--max-memory", default=None, help="Budgets for --device-map auto, e.g. 0=10GiB,cpu=30GiB,disk=100GiB.")
+@click.option("--trust-factory", is_flag=True,
+              help="A generic module's model dir: import the factory its config.json names (that runs its code). "
+                   "Or list trusted specs in PRUNUS_TRUST_FACTORIES.")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0, max=10_000), default=2.0, show_default=True,
+              help="A generic module: how long a request waits for others to share its forward pass (dynamic batching).")
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, **access):
-    """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /health and GET /metrics until Ctrl-C."""
+            max_memory, prompt_graph, native, trust_factory, max_delay_ms, **access):
+    """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /health and GET /metrics until Ctrl-C;
+    a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
+    import os
+    import sys
+
     from prunus.serve.http_access import ServeAccess
+
+    if trust_factory and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
 
     access = ServeAccess.from_options(**access)  # a bad key or list fails before the model loads
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
@@ -59,28 +72,33 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
-               device_map, max_memory, prompt_graph, native, access)
+               device_map, max_memory, prompt_graph, native, access,
+               predict={"trust_factory": trust_factory or None, "max_delay_ms": max_delay_ms})
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-           max_memory, prompt_graph=False, native=False, access=None):
+           max_memory, prompt_graph=False, native=False, access=None, predict=None):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
+    from prunus.serve.oip_server import OIPServer
 
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
-                     max_memory=max_memory, prompt_graph=prompt_graph, native=native) as engine:
-        server = CompletionServer(engine, host, port, access=access)
+                     max_memory=max_memory, prompt_graph=prompt_graph, native=native, **(predict or {})) as engine:
+        predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
+        server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access)
         info = engine.info
         if access is None or access.api_key is None:
             if not _loopback(server.server_address[0]):
                 click.echo(f"prunus serve: warning: no --api-key, and {host} is reachable from other machines; anyone "
                            "who can reach it may use it (set PRUNUS_API_KEY)", err=True)
-        click.echo(f"prunus serve: {info['path']} on {info['backend']} (tp={info['tp']}, max batch {info['max_batch']}, "
-                   f"context {info['max_len']}) listening on {server.url}", err=True)
+        what = (f"max batch {info['max_batch']}, max delay {info['max_delay_ms']:g} ms, POST /v2/models/"
+                f"{server.model_name}/infer" if predicts else
+                f"tp={info['tp']}, max batch {info['max_batch']}, context {info['max_len']}")
+        click.echo(f"prunus serve: {info['path']} on {info['backend']} ({what}) listening on {server.url}", err=True)
         try:
             server.serve_forever(poll_interval=0.2)
         except KeyboardInterrupt:

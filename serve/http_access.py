@@ -10,7 +10,8 @@ server asks :meth:`ServeAccess.refusal` about every request before it reads a bo
 * ``Origin`` (sent by browsers with every cross-origin request) must be one listed with
   ``--allowed-origins``; then, and only then, answers carry CORS headers for it and an ``OPTIONS``
   preflight is answered.
-* With an API key (``--api-key`` or ``PRUNUS_API_KEY``), every route but ``GET /health`` needs
+* With an API key (``--api-key`` or ``PRUNUS_API_KEY``), every route but the health probes (``GET /health``,
+  ``/v2/health/live``, ``/v2/health/ready``) needs
   ``Authorization: Bearer KEY``, compared in constant time; otherwise 401 in OpenAI's shape
   (``code: invalid_api_key``).
 
@@ -30,6 +31,7 @@ from prunus.artifacts.errors import PrunusError
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 PREFLIGHT_MAX_AGE_S = 600
+PUBLIC_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes: no API key needed
 _HOST_NAME = re.compile(r"^(\*|\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:\d{1,5})?$")
 _ORIGIN = re.compile(r"^(\*|null|[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:\d{1,5})?)$")
 
@@ -40,7 +42,7 @@ class ServeAccess:
 
     api_key: str | None = field(default=None, repr=False, metadata={
         "envvar": "PRUNUS_API_KEY",
-        "help": "Require 'Authorization: Bearer KEY' on every route but GET /health (401 otherwise). Prefer the "
+        "help": "Require 'Authorization: Bearer KEY' on every route but the health probes (401 otherwise). Prefer the "
                 "environment variable PRUNUS_API_KEY: a command line is visible to other users."})
     allowed_hosts: tuple[str, ...] = field(default=(), metadata={
         "help": "Host names (name or name:port, comma-separated or repeated; * for any) that requests may address "
@@ -111,7 +113,7 @@ class ServeAccess:
         if not self.origin_allowed(origin):
             return (403, f"requests from the web origin {origin[:100]!r} are refused; start prunus serve with "
                          "--allowed-origins ORIGIN to answer that page", "origin_not_allowed")
-        public = method == "OPTIONS" or (method in ("GET", "HEAD") and path == "/health")
+        public = method == "OPTIONS" or (method in ("GET", "HEAD") and path in PUBLIC_PATHS)
         if not public and not self.key_accepted(headers.get("Authorization")):
             return (401, "missing or wrong API key; send the header 'Authorization: Bearer KEY' with the key "
                          "prunus serve was given (--api-key or PRUNUS_API_KEY)", "invalid_api_key")

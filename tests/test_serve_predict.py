@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socketserver
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -181,3 +182,54 @@ def test_oip_64_concurrent_clients_none_lost(oip):
         got = np.array(answer["outputs"][0]["data"], np.float32).reshape(len(x), 3)
         assert np.abs(got - engine.predict(x)).max() <= TOL
     assert engine.scheduler.max_requests_in_pass > 1
+
+
+def test_oip_keeps_the_door_probes_open(dirs):
+    from prunus.serve.http_access import ServeAccess
+    from prunus.serve.oip_server import OIPServer
+
+    with Engine.load(dirs[1], max_batch=4, threads=1) as engine:
+        server = OIPServer(engine, "127.0.0.1", 0, access=ServeAccess(api_key="k3y"))
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            assert _call(server, "GET", "/v2/health/ready") == (200, {"ready": True})  # a probe needs no key
+            status, answer = _call(server, "POST", f"/v2/models/{server.model_name}/infer", _infer_body(_rows(1, 0)))
+            assert status == 401 and "API key" in answer["error"]
+            conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+            conn.request("GET", f"/v2/models/{server.model_name}", headers={"Host": "evil.example", "Authorization": "Bearer k3y"})
+            assert conn.getresponse().status == 403
+            conn.close()
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_cli_serve_routes_a_generic_dir_and_asks_for_trust(dirs, assert_user_error):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["serve", str(dirs[0]), "--port", "0"])
+    assert_user_error(result, "pass --trust-factory")
+
+
+def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(dirs, monkeypatch):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+    from prunus.serve.oip_server import OIPServer
+
+    seen, serve = [], socketserver.BaseServer.serve_forever
+
+    def serve_once(server, poll_interval):  # one metadata call on the real loop, then Ctrl-C
+        thread = threading.Thread(target=serve, args=(server, 0.05), daemon=True)
+        thread.start()
+        seen.append(_call(server, "GET", f"/v2/models/{server.model_name}")[1]["inputs"])
+        server.shutdown()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(OIPServer, "serve_forever", serve_once)
+    result = CliRunner().invoke(cli, ["serve", str(dirs[0]), "--trust-factory", "--port", "0", "--max-delay-ms", "1"])
+    assert result.exit_code == 0, result.output
+    assert seen == [[{"name": "input", "datatype": "FP32", "shape": [-1, 6]}]]
+    assert "max delay 1 ms, POST /v2/models/m/infer" in result.stderr
