@@ -11,7 +11,7 @@ import numpy as np
 
 from prunus.artifacts.errors import PrunusError
 
-from .backend import Capabilities
+from .backend import BackendBase, Capabilities
 from .tensor_spec import TensorSpec, datatype_of
 
 INPUT, OUTPUT = "input", "output"
@@ -25,7 +25,9 @@ def input_spec(path, config: dict) -> TensorSpec:
     return TensorSpec(INPUT, datatype_of(spec["dtype"]), tuple(spec["shape"]))
 
 
-class PredictBackend:
+class PredictBackend(BackendBase):
+    """The generative parts of :class:`~prunus.runtime.backend.Backend` refuse: there is no cache to fill."""
+
     name = "predict"
     n_slots = 0
     max_len = 0
@@ -52,10 +54,13 @@ class PredictBackend:
                               "keep the batch axis")
         return out
 
-    def release(self, row: int) -> None:
-        pass
+    def _generative(self, *args):
+        raise NotImplementedError(f"the {self.name} backend of a non-generative model predicts "
+                                  "(capabilities.predict); it has no prefill, extend or decode")
 
-    def warm_up(self, set_threads=None) -> None:
+    prefill = extend = decode = _generative
+
+    def release(self, row: int) -> None:
         pass
 
     def describe(self) -> dict:

@@ -233,3 +233,14 @@ def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(dirs, monkeypa
     assert result.exit_code == 0, result.output
     assert seen == [[{"name": "input", "datatype": "FP32", "shape": [-1, 6]}]]
     assert "max delay 1 ms, POST /v2/models/m/infer" in result.stderr
+
+
+def test_the_registry_routes_generic_dirs_to_predict_runtimes():
+    from prunus.runtime.load_options import LoadOptions
+    from prunus.runtime.registry import find_runtime
+
+    module = {"kind": "module", "factory": FACTORY}
+    exported = {**module, "export": {"format": "onnx", "graph": "module"}}
+    assert find_runtime("torch", module, LoadOptions()).name == "torch_module"
+    assert find_runtime("onnxruntime", exported, LoadOptions()).name == "ort_module"
+    assert find_runtime("torch", {"model": {}}, LoadOptions()).name == "torch"
