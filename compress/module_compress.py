@@ -23,7 +23,8 @@ from torch import nn
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
 
-MODULE_PASSES = {"prune_channels": "prunus.compress.module_prune:prune_channels_pass"}
+MODULE_PASSES = {"prune_channels": "prunus.compress.module_prune:prune_channels_pass",
+                 "distill_module": "prunus.compress.module_distill:distill_module_pass"}
 LATENCY_RUNS, LATENCY_BATCH, CALIB_SAMPLES = 7, 8, 64
 
 
@@ -37,6 +38,7 @@ class ModuleContext:
     train: object
     val: object
     seed: int = 0
+    trust: object = None  # the caller's trust_factory (a student factory of a recipe needs it too)
     notes: list = field(default_factory=list)
 
     def note(self, line: str) -> None:
@@ -125,7 +127,7 @@ def _load(model_dir: Path, data: str | None, trust_factory, seed: int) -> tuple[
     task = get_task(config["task"], trust=trust_factory, where=str(model_dir / "config.json"))
     train, val = module_datasets(data)
     model = load_module(model_dir, config, trust_factory=trust_factory)
-    return model, ModuleContext(model_dir, config, task, train, val, seed)
+    return model, ModuleContext(model_dir, config, task, train, val, seed, trust_factory)
 
 
 def check_module_passes(passes) -> None:
@@ -172,10 +174,11 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
     report = {"source": str(model_dir), "task": ctx.task.name, "data": data, "seed": seed, "kind": "module",
               "threads": torch.get_num_threads(), "out": str(out),
               "passes": [{"name": n, "args": a} for n, a in passes], "rows": rows}
+    factory = getattr(model, "prunus_factory", None)  # a distilled student's own, else the input's
     with torch.device("meta"):
-        reference = build_module(ctx.config["factory"], ctx.config.get("args", {})).state_dict()
+        reference = build_module(factory.spec, factory.args).state_dict()
     final = rows[-1]
-    save_module(model, out, stage="compress", factory=getattr(teacher, "prunus_factory", None), task=ctx.task.name,
+    save_module(model, out, stage="compress", factory=factory, task=ctx.task.name,
                 input=ctx.config.get("input"), parent=model_dir, overwrite=overwrite,
                 command=command if command is not None else shlex.join(sys.argv),
                 metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},

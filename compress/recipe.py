@@ -53,6 +53,7 @@ PASSES = {
     "distill": PassEntry("prunus.compress.distill:distill_pass", shows_progress=True),
     # generic modules (prunus.compress.module_compress)
     "prune_channels": PassEntry("prunus.compress.module_prune:prune_channels_pass"),
+    "distill_module": PassEntry("prunus.compress.module_distill:distill_module_pass"),
 }
 
 
@@ -119,6 +120,12 @@ VALUE_CHECKS.update({
                                            "an integer of at least 0"),
     ("prune_channels", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
     ("prune_channels", "batch_size"): (_positive_int, "a positive integer"),
+    ("distill_module", "student"): (lambda v: isinstance(v, str) and ":" in v, "a factory spec package.module:callable"),
+    ("distill_module", "steps"): (_positive_int, "a positive integer"),
+    ("distill_module", "batch_size"): (_positive_int, "a positive integer"),
+    ("distill_module", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
+    ("distill_module", "temperature"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
+    ("distill_module", "alpha"): (_between(0, 1), "a number in [0, 1]"),
 })
 for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
     VALUE_CHECKS[(_p, "n_calib")] = (_positive_int, "a positive integer")

@@ -61,9 +61,9 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
         raise PrunusError("compress: no pass given; pass --recipe, --quantize, --prune or --distill")
     for i, (name, args) in enumerate(passes, 1):
         check_pass(name, args, where=f"pass {i}")
-        if name == "prune_channels":
-            raise PrunusError(f"pass {i}: prune_channels applies to generic module dirs (kind module); for "
-                              f"{model_dir} (a transformer) use prune_structured")
+        if name in ("prune_channels", "distill_module"):
+            raise PrunusError(f"pass {i}: {name} applies to generic module dirs (kind module); for {model_dir} "
+                              f"(a transformer) use {'prune_structured' if name == 'prune_channels' else 'distill'}")
     if max_quality_drop is not None and (isinstance(max_quality_drop, bool) or not max_quality_drop >= 0):
         raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
     if out.exists() and not overwrite:

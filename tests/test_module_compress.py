@@ -39,6 +39,10 @@ def resnet(channels=3, width=16, classes=4):
                          Block(width), Block(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
 
 
+def student(width=4):
+    return resnet(width=width)
+
+
 @pytest.fixture
 def cnn_dir(tmp_path):
     torch.manual_seed(0)
@@ -82,9 +86,13 @@ def test_prune_by_flops_reaches_the_target(cnn_dir, tmp_path):
     assert flops_after <= 0.6 * flops_before
 
 
-def test_cli_compress_with_shipped_recipe(cnn_dir, tmp_path):
-    out = tmp_path / "cli-out"
-    res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", "prune-channels-50", "--out", str(out),
+def test_cli_compress_with_a_recipe(cnn_dir, tmp_path):
+    from prunus.compress.recipe import RECIPES_DIR
+
+    out, recipe = tmp_path / "cli-out", tmp_path / "r.yaml"  # the shipped recipe, with a shorter fine-tune
+    recipe.write_text((RECIPES_DIR / "prune-channels-50.yaml").read_text().replace("finetune_steps: 50",
+                                                                                   "finetune_steps: 2"))
+    res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", str(recipe), "--out", str(out),
                                    "--data", DATA, "--trust-factory", "--no-latency"])
     assert res.exit_code == 0, res.output
     assert "top-1 accuracy" in res.output and (out / "recipe.yaml").is_file()
@@ -139,3 +147,29 @@ def test_export_int8_static_qdq(cnn_dir, tmp_path):
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "BatchNormalization" not in ops
     assert json.loads((out / "config.json").read_text())["export"]["precision"] == "int8"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.onnx", "parity.json", "prunus.json"]
+
+
+def test_distill_module_into_a_smaller_student(cnn_dir, tmp_path):
+    passes = [("distill_module", {"student": SPEC, "student_args": {"width": 4}, "steps": 8, "batch_size": 16,
+                                  "temperature": 2.0, "alpha": 0.5})]
+    report = compress(cnn_dir, passes, tmp_path / "out", data=DATA, trust_factory=True, latency=False)
+    teacher_row, student_row = report["rows"]
+    assert student_row["params"] < teacher_row["params"] / 3 and 0 <= student_row["val_accuracy"] <= 1
+    assert "distilled 8 steps" in student_row["notes"][0]
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert config["args"] == {"width": 4} and "pruned_shapes" not in config and config["task"] == "classification"
+    assert load_module(tmp_path / "out", trust_factory=True)(torch.randn(3, 3, 8, 8)).shape == (3, 4)
+    other = [("distill_module", {**passes[0][1], "student": "test_module_compress:student"})]
+    with pytest.raises(PrunusError, match="recipe: distill_module.student names the factory test_module_compress:student; .* --trust-factory"):
+        compress(cnn_dir, other, tmp_path / "o2", data=DATA, trust_factory=[SPEC])  # the teacher's only
+    assert not (tmp_path / "o2").exists()
+
+
+def test_kd_loss_is_cross_entropy_at_alpha_zero_and_zero_when_matching():
+    from prunus.compress.module_distill import kd_loss
+
+    logits, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 0])
+    packed = torch.cat([logits, y[:, None].float(), torch.full((5, 1), 3.0), torch.zeros(5, 1)], 1)
+    assert torch.allclose(kd_loss(logits, packed), torch.nn.functional.cross_entropy(logits, y))
+    packed[:, -1] = 1.0
+    assert float(kd_loss(logits, packed)) == pytest.approx(0.0, abs=1e-6)
