@@ -31,8 +31,10 @@ from typing import Callable
 
 import torch
 
-from _llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
-from _worker_process import WorkerProcess
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks._llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
+from benchmarks.harness import WorkerProcess
 
 BATCHES = (1, 2, 4, 8)
 PRUNUS_WORKER = Path(__file__).resolve().with_name("_prunus_worker.py")

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _worker_process import WorkerProcess
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import WorkerProcess
 
 MISSING = "llama-cpp-python not installed (it builds from source in 20-30 min on 2 cores: pip install llama-cpp-python)"
 WORKER = Path(__file__).resolve().with_name("_llamacpp_worker.py")

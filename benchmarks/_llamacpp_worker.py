@@ -24,7 +24,9 @@ import time
 
 import llama_cpp as L
 import numpy as np
-from _worker_process import serve
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import serve
 
 
 LOG: list[str] = []  # llama.cpp's recent log lines (its load log would fill the benchmark's output)

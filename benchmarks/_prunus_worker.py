@@ -18,7 +18,9 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _worker_process import serve  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import serve  # noqa: E402
 
 from prunus.serve import Engine  # noqa: E402
 

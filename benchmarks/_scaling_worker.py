@@ -27,7 +27,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _baseline import hand_written_loop  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks._baseline import hand_written_loop  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from prunus.data import get_batch, load_corpus  # noqa: E402

@@ -35,8 +35,10 @@ from prunus.compress.quantize import quantize_pass  # noqa: E402
 from prunus.compress.report import greedy, latency_ms, prompts_from, report_row  # noqa: E402
 from prunus.compress.smoothquant import smoothquant_pass  # noqa: E402
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS  # noqa: E402
-from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402  (this folder is on sys.path)
-from _spread import spread  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
+from benchmarks.harness import spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo" / "model"
@@ -231,7 +233,7 @@ def section_int4_ort_peers(bench: Bench) -> None:
     ``MatMulNBitsQuantizer`` (RTN, GPTQ, HQQ) applied to prunus's fp32 graph (``_ort_int4_peers.py``)."""
     import tempfile
 
-    from _ort_int4_peers import PrefillLogits, matmulnbits_summary, ort_int4
+    from benchmarks._ort_int4_peers import PrefillLogits, matmulnbits_summary, ort_int4
     from prunus.data.evaluate import evaluate
     from prunus.export.onnx_export import dequantized_copy, export_prefill, save_graph
     from prunus.export.quantize_onnx import apply_stored_quantization
@@ -287,7 +289,7 @@ def section_int4_ort_peers(bench: Bench) -> None:
 
 SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8, section_int4, section_int4_ort_peers]
 
-from compress_quality_distill import section_distill as _section_distill  # noqa: E402
+from benchmarks.compress_quality_distill import section_distill as _section_distill  # noqa: E402
 
 
 def section_distill(bench: Bench, asked: bool = False) -> None:

@@ -16,6 +16,9 @@ A section of ``compress_quality.py`` (``--only distill``), or on its own:
 
 from __future__ import annotations
 
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+
 import os
 import time
 from pathlib import Path
@@ -110,7 +113,7 @@ def bench_console():
 def main() -> None:
     import argparse
 
-    from compress_quality import ROOT, Bench, ensure_demo_model
+    from benchmarks.compress_quality import ROOT, Bench, ensure_demo_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "model")

@@ -50,9 +50,10 @@ from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32
 from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model  # noqa: E402
 from prunus.models.quant_registry import quantized_modules  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _spread import NOTE, alternating_samples, ms, overlap  # noqa: E402
-from real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import NOTE, alternating_samples, ms, overlap  # noqa: E402
+from benchmarks.real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
 
 THREADS = 2  # --threads
 OURS, PEER = "int8 (export --precision int8)", "peer: quantize_dynamic(fp32 export)"
@@ -109,7 +110,7 @@ def int4_dirs(model_dir: Path, fp32_dir: Path, work: Path, name: str) -> dict[st
     MatMulNBitsQuantizer on the fp32 graphs (RTN and HQQ, the head at int4; ``_ort_int4_peers.py``). ONNX
     Runtime's GPTQ writes the same node as its RTN (uint4 zero points, accuracy level 4), so its decode step
     is RTN's; it needs prefill-shaped calibration inputs, so it is scored in compress_quality.py only."""
-    from _ort_int4_peers import ort_int4
+    from benchmarks._ort_int4_peers import ort_int4
 
     qmodel = load_model(model_dir)
     quantize_pass(qmodel, None, scheme="int4-weight-only", algorithm="rtn", group_size=INT4_GROUP, symmetric=False,

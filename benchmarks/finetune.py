@@ -45,8 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _tables import fmt, goal, ratio, show  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
 
 CONFIGS = ("full", "lora", "qlora", "peer")
 PRUNUS_TARGETS = "wq,wk,wv,wo,w1,w2,w3"
@@ -138,7 +139,7 @@ def child(args) -> None:
 def prepare(args, work: Path) -> list:
     """The instruction set, the int8 base (prunus.compress) and the batches every configuration trains on."""
     import torch
-    from stdlib_docstrings import build
+    from benchmarks.stdlib_docstrings import build
 
     from prunus.compress import compress
     from prunus.data.packing import get_packed_batch

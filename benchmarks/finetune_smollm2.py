@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from stdlib_docstrings import build  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.stdlib_docstrings import build  # noqa: E402
 
 from prunus.models import load_model  # noqa: E402
 from prunus.models.generate import generate  # noqa: E402

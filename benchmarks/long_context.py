@@ -39,7 +39,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from _tables import fmt, goal, ratio, show  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
 
 MiB = 1 << 20
 VARIANTS = ("cp1", "ring", "ulysses")
@@ -220,8 +222,7 @@ def plot(result: dict, path: Path, seq_len: int) -> None:
 
 def moe_dispatch_section(args) -> dict:
     """MoE dispatch overhead against a dense MLP of equal active parameters (benchmarks/moe_dispatch.py)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import moe_dispatch
+    from benchmarks import moe_dispatch
 
     return moe_dispatch.main([])
 

@@ -19,6 +19,9 @@ Timings never fail the run; time on an idle machine (``OMP_WAIT_POLICY=PASSIVE``
 
 from __future__ import annotations
 
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+
 import argparse
 import ctypes
 import json
@@ -30,7 +33,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
@@ -39,7 +41,7 @@ PRECISIONS = ("fp32", "int8", "int4")
 
 def genai_exports(model_dir: Path, cache: Path) -> dict[str, Path]:
     """The fp32, int8 and int4 genai exports of ``model_dir``, made once (``serve_throughput.py``'s cache)."""
-    from serve_throughput import _export_root, cached_int4, cached_onnx
+    from benchmarks.serve_throughput import _export_root, cached_int4, cached_onnx
 
     root, _ = _export_root(model_dir, cache)
     int4_dir = cached_int4(model_dir, cache)
@@ -203,7 +205,7 @@ def ceiling_section() -> None:
 
 
 def main() -> None:
-    from real_model import DEFAULT_CACHE, resolve_model
+    from benchmarks.real_model import DEFAULT_CACHE, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")

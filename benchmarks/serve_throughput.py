@@ -61,9 +61,10 @@ import torch  # noqa: E402
 
 from prunus.serve import Engine  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
-from _llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
+from benchmarks._llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
@@ -346,7 +347,7 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
     llama.cpp at its precision. ``prompt_graph``: the int8 and int4 genai exports once more, served with their
     prompt twin (``Engine.load(prompt_graph=True)``). ``native``: every genai export once more, decoded in prunus's
     own kernels (``Engine.load(native=True)``; with ``prompt_graph`` the quantized ones keep their twin too)."""
-    from _llamacpp_peer import Contender
+    from benchmarks._llamacpp_peer import Contender
 
     root, _ = _export_root(model_dir, cache)
     int4_dir = cached_int4(model_dir, cache)
@@ -369,8 +370,8 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
 
 def llamacpp_section(spec: str, args, figures: list) -> None:
     """Section 6: prunus beside llama.cpp on one model (see ``_llamacpp_bench.py``)."""
-    from _llamacpp_bench import compare
-    from _llamacpp_peer import LlamaCppPeer, cached_ggufs, peer_python
+    from benchmarks._llamacpp_bench import compare
+    from benchmarks._llamacpp_peer import LlamaCppPeer, cached_ggufs, peer_python
 
     from prunus.models import load_model_tokenizer
 

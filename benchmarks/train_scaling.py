@@ -40,7 +40,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from _tables import fmt, goal, ratio, show  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
 
 from prunus.train_parallel import TrainConfig  # noqa: E402
 

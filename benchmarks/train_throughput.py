@@ -19,7 +19,9 @@ import tempfile
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from _baseline import hand_written_loop  # noqa: E402
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks._baseline import hand_written_loop  # noqa: E402
 
 from prunus.data import load_corpus  # noqa: E402
 from prunus.models import ByteTokenizer  # noqa: E402
