@@ -132,6 +132,7 @@ def test_missing_torch_pruning_names_the_extra(monkeypatch):
         torch_pruning()
 
 
+@pytest.mark.slow  # an ONNX export (torch.onnx.export)
 def test_export_int8_static_qdq(cnn_dir, tmp_path):
     import onnx
 
