@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import sys
 from pathlib import Path
 
 TRAIN_MODULES = ("json", "textwrap", "string", "shutil", "random", "statistics", "fractions", "heapq", "bisect",
@@ -84,5 +83,13 @@ def build(out: str | Path) -> dict:
     return {name: len(rows) for name, rows in split.items()}
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default="runs/stdlib_docstrings", help="the folder the three files go to")
+    print(build(ap.parse_args(argv).out))
+
+
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "runs/stdlib_docstrings"))
+    main()
