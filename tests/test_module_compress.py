@@ -72,6 +72,12 @@ def test_prune_channels_halves_the_cnn_and_round_trips(cnn_dir, tmp_path):
     assert loaded[0].out_channels == 8 and loaded[1].num_features == 8 and loaded[7].in_features == 8
     x = torch.randn(5, 3, 8, 8)
     assert loaded(x).shape == (5, 4)
+    from prunus.compress.module_compress import ModuleContext, evaluate
+    from prunus.data.synthetic import synthetic_datasets
+    from prunus.models.tasks import get_task
+
+    ctx = ModuleContext(tmp_path / "out", config, get_task("classification"), *synthetic_datasets(DATA))
+    assert evaluate(loaded, ctx) == {k: after[k] for k in ("val_loss", "val_samples", "val_accuracy")}
     md = (tmp_path / "out/report.md").read_text()
     assert "top-1 accuracy" in md and "bits" not in md
     assert (tmp_path / "out/report.png").read_bytes()[:4] == b"\x89PNG"
