@@ -91,9 +91,11 @@ def test_torch_and_onnxruntime_agree_and_refuse_bad_input(dirs):
             assert "\n" not in str(e.value) and "'input'" in str(e.value)
 
 
-def test_an_untrusted_factory_is_one_line(dirs):
+def test_an_untrusted_factory_or_tp_is_one_line(dirs):
     with pytest.raises(PrunusError, match="pass --trust-factory"):
         Engine.load(dirs[0])
+    with pytest.raises(PrunusError, match="one process on one device; drop tp"):
+        Engine.load(dirs[0], trust_factory=True, tp=2)
 
 
 # --- the Open Inference Protocol endpoint -------------------------------------------------------------------------
