@@ -131,3 +131,21 @@ class DynamicBatcher:
                 "# HELP prunus_batch_max_requests_per_pass The most requests merged into one pass.",
                 "# TYPE prunus_batch_max_requests_per_pass gauge",
                 f"prunus_batch_max_requests_per_pass {self.max_requests_in_pass}"]
+
+
+def as_torch_future(future: Future) -> Future:
+    """A Future of the torch tensor of ``future``'s numpy result."""
+    import torch
+
+    out = Future()
+
+    def done(f):
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(torch.from_numpy(f.result()))
+
+    future.add_done_callback(done)
+    return out

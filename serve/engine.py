@@ -24,8 +24,8 @@ from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions
 from prunus.runtime.registry import load_runtime
 
 from . import events
+from .dynamic_batcher import DynamicBatcher, as_torch_future
 from .request import GenerationResult, Request, SamplingParams, StreamToken
-from .dynamic_batcher import DynamicBatcher
 from .scheduler import Scheduler
 
 # Engines not closed yet. At interpreter exit they are closed before the runtimes' own teardown: a process that
@@ -41,26 +41,6 @@ def _close_open_engines() -> None:
             engine.close()
         except Exception:
             pass
-
-
-def _as_torch(future):
-    """A Future of the torch tensor of ``future``'s numpy result."""
-    from concurrent.futures import Future
-
-    import torch
-
-    out = Future()
-
-    def done(f):
-        if f.cancelled():
-            out.cancel()
-        elif f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result(torch.from_numpy(f.result()))
-
-    future.add_done_callback(done)
-    return out
 
 
 class Engine:
@@ -137,7 +117,7 @@ class Engine:
             raise PrunusError("this engine serves a generative model; use generate or stream, not predict")
         array, as_torch = as_rows(batch, self.backend.inputs[0])
         future = self.scheduler.submit(array)
-        return future if not as_torch else _as_torch(future)
+        return as_torch_future(future) if as_torch else future
 
     # --- requests --------------------------------------------------------------------------
 
@@ -147,6 +127,8 @@ class Engine:
         """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`."""
         if self._closed:
             raise PrunusError("the engine is closed; load it again")
+        if self.backend.capabilities.predict:
+            raise PrunusError("this engine serves a non-generative model; use predict, not generate or stream")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos).check()
         ids = self.encode(prompt)

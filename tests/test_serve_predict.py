@@ -72,6 +72,8 @@ def test_dynamic_batches_merge_and_equal_one_by_one(dirs, which):
         assert engine.scheduler.passes - passes < len(requests)
         out = engine.predict(torch.from_numpy(requests[0]))
         assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.from_numpy(alone[0]), atol=TOL)
+        with pytest.raises(PrunusError, match="non-generative model; use predict"):
+            engine.generate("hello")
         big = engine.predict(_rows(40, 99))  # more rows than max_batch: passes of max_batch rows
         assert big.shape == (40, 3)
     for a, t, r in zip(alone, together, requests):
