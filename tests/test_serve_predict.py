@@ -42,25 +42,30 @@ def tiny(d_in=6, out=3):
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    """(generic model dir, its ONNX export dir)."""
-    from prunus.export.module_export import export_module
-
+def model_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("predict")
     torch.manual_seed(0)
     save_module(build_module(FACTORY, {}), tmp / "m", stage="test", task="regression",
                 input={"shape": [6], "dtype": "float32"})
-    export_module(tmp / "m", tmp / "exp", trust_factory=True)
-    return tmp / "m", tmp / "exp"
+    return tmp / "m"
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dir):
+    """(generic model dir, its ONNX export dir): an ONNX export, so the tests using it are marked slow."""
+    from prunus.export.module_export import export_module
+
+    export_module(model_dir, model_dir.with_name("exp"), trust_factory=True)
+    return model_dir, model_dir.with_name("exp")
 
 
 def _rows(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 6)).astype(np.float32)
 
 
-@pytest.mark.parametrize("which", ["model", "export"])
-def test_dynamic_batches_merge_and_equal_one_by_one(dirs, which):
-    path = dirs[0] if which == "model" else dirs[1]
+@pytest.mark.parametrize("which", ["model", pytest.param("export", marks=pytest.mark.slow)])
+def test_dynamic_batches_merge_and_equal_one_by_one(request, which):
+    path = request.getfixturevalue("model_dir") if which == "model" else request.getfixturevalue("dirs")[1]
     requests = [_rows(1 + i % 3, i) for i in range(24)]
     with Engine.load(path, trust_factory=FACTORY, max_batch=16, max_delay_ms=50, threads=1) as engine:
         assert engine.backend.capabilities.predict
@@ -80,6 +85,7 @@ def test_dynamic_batches_merge_and_equal_one_by_one(dirs, which):
         assert a.shape == t.shape == (len(r), 3) and np.abs(a - t).max() <= TOL
 
 
+@pytest.mark.slow
 def test_torch_and_onnxruntime_agree_and_refuse_bad_input(dirs):
     x = _rows(5, 1)
     with Engine.load(dirs[0], trust_factory=True) as a, Engine.load(dirs[1]) as b:
@@ -93,21 +99,21 @@ def test_torch_and_onnxruntime_agree_and_refuse_bad_input(dirs):
             assert "\n" not in str(e.value) and "'input'" in str(e.value)
 
 
-def test_an_untrusted_factory_or_tp_is_one_line(dirs):
+def test_an_untrusted_factory_or_tp_is_one_line(model_dir):
     with pytest.raises(PrunusError, match="pass --trust-factory"):
-        Engine.load(dirs[0])
+        Engine.load(model_dir)
     with pytest.raises(PrunusError, match="one process on one device; drop tp"):
-        Engine.load(dirs[0], trust_factory=True, tp=2)
+        Engine.load(model_dir, trust_factory=True, tp=2)
 
 
 # --- the Open Inference Protocol endpoint -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def oip(dirs):
-    """(server, engine) of the export dir, max queue 8, listening on a free port in a thread."""
+def oip(model_dir):
+    """(server, engine) of the model dir, max queue 8, listening on a free port in a thread."""
     from prunus.serve.oip_server import OIPServer
 
-    engine = Engine.load(dirs[1], max_batch=16, max_delay_ms=5, max_queue=8, threads=1)
+    engine = Engine.load(model_dir, trust_factory=FACTORY, max_batch=16, max_delay_ms=5, max_queue=8, threads=1)
     server = OIPServer(engine, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -188,7 +194,8 @@ def test_oip_64_concurrent_clients_none_lost(oip):
     assert engine.scheduler.max_requests_in_pass > 1
 
 
-def test_oip_keeps_the_door_probes_open(dirs):
+@pytest.mark.slow
+def test_oip_keeps_the_door_probes_open(dirs):  # and serves an export dir
     from prunus.serve.http_access import ServeAccess
     from prunus.serve.oip_server import OIPServer
 
@@ -208,16 +215,16 @@ def test_oip_keeps_the_door_probes_open(dirs):
             server.server_close()
 
 
-def test_cli_serve_routes_a_generic_dir_and_asks_for_trust(dirs, assert_user_error):
+def test_cli_serve_routes_a_generic_dir_and_asks_for_trust(model_dir, assert_user_error):
     from click.testing import CliRunner
 
     from prunus.cli.main import cli
 
-    result = CliRunner().invoke(cli, ["serve", str(dirs[0]), "--port", "0"])
+    result = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0"])
     assert_user_error(result, "pass --trust-factory")
 
 
-def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(dirs, monkeypatch):
+def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(model_dir, monkeypatch):
     from click.testing import CliRunner
 
     from prunus.cli.main import cli
@@ -233,7 +240,7 @@ def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(dirs, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(OIPServer, "serve_forever", serve_once)
-    result = CliRunner().invoke(cli, ["serve", str(dirs[0]), "--trust-factory", "--port", "0", "--max-delay-ms", "1"])
+    result = CliRunner().invoke(cli, ["serve", str(model_dir), "--trust-factory", "--port", "0", "--max-delay-ms", "1"])
     assert result.exit_code == 0, result.output
     assert seen == [[{"name": "input", "datatype": "FP32", "shape": [-1, 6]}]]
     assert "max delay 1 ms, POST /v2/models/m/infer" in result.stderr
