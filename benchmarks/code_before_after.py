@@ -22,6 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import alternating_rounds, machine_line, median_range
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _WORKER = r"""
@@ -64,10 +68,6 @@ def _one(tree: Path, path: str, kind: str, batch: int, tokens: int, threads: int
     return json.loads(r.stdout.strip().splitlines()[-1])["tok_s"]
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})" if values else "failed"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ref", required=True, help="the earlier commit")
@@ -95,20 +95,16 @@ def _link_this(tmp: Path) -> Path:
 
 
 def _run(args, cases, trees) -> None:
+    print(machine_line())
     print(f"decode tokens/s, {args.tokens} new tokens, {args.threads} thread(s), median of {args.rounds} rounds; "
           f"earlier = {args.ref}", flush=True)
     for kind, path in cases:
         for batch in args.batch:
-            got = {name: [] for name in trees}
-            for r in range(args.rounds):
-                order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
-                for name, tree in order:
-                    v = _one(tree, path, kind, batch, args.tokens, args.threads)
-                    if v is not None:
-                        got[name].append(v)
+            got = alternating_rounds({name: (lambda tree=tree: _one(tree, path, kind, batch, args.tokens, args.threads))
+                                      for name, tree in trees.items()}, args.rounds)
             ratio = (statistics.median(got["this"]) / statistics.median(got["earlier"])
                      if got["this"] and got["earlier"] else float("nan"))
-            print(f"{kind:7s} batch {batch}: this {_summary(got['this'])}  earlier {_summary(got['earlier'])}  "
+            print(f"{kind:7s} batch {batch}: this {median_range(got['this']):>20s}  earlier {median_range(got['earlier']):>20s}  "
                   f"this/earlier {ratio:.2f}x", flush=True)
 
 

@@ -38,7 +38,7 @@ from prunus.data.evaluate import DEFAULT_EVAL_TOKENS  # noqa: E402
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
-from benchmarks.harness import spread  # noqa: E402
+from benchmarks.harness import machine_line, spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo" / "model"
@@ -357,9 +357,8 @@ def main() -> None:
         console.print(f"[{name}] {path}: {bench.base['params']:,} parameters, fp32 {bench.base['val_bpb']:.4f} bits per "
                       f"byte on {bench.base['val_tokens']:,} held-out tokens of {bench.ctx.corpus_name} (windows of "
                       f"{bench.ctx.seq_len}); latency ratios: batch 1, prefill 128 tokens and one decode step, median "
-                      f"and, in brackets, interquartile range of 7 alternating fp32/variant timings (≈: the range holds 1, within noise), "
-                      f"{torch.get_num_threads()} threads, "
-                      f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n")
+                      f"and, in brackets, interquartile range of 7 alternating fp32/variant timings (≈: the range holds 1, within noise); "
+                      f"{machine_line()}\n")
         for section in SECTIONS:
             if args.only and not any(s in section.__name__ for s in args.only):
                 continue

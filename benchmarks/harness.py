@@ -27,15 +27,18 @@ NOTE = "ms: median [interquartile range] of the repetitions; ≈: the two spread
 
 # --- rounds --------------------------------------------------------------------------------------------------------
 
-def alternating_rounds(contenders: dict[str, Callable[[], float | None]], rounds: int) -> dict[str, list[float]]:
-    """Each contender's figure from each of ``rounds`` rounds; the order flips every round, so drift falls on all.
-    A contender that returns None (it failed; it said why) adds nothing that round."""
+def alternating_rounds(contenders: dict[str, Callable[[], float | list[float] | None]],
+                       rounds: int) -> dict[str, list[float]]:
+    """Each contender's figures from ``rounds`` rounds (a call gives one figure or a list of them); the order flips
+    every round, so drift falls on all. A contender that returns None (it failed; it said why) adds nothing."""
     got: dict[str, list[float]] = {k: [] for k in contenders}
     items = list(contenders.items())
     for r in range(rounds):
         for name, fn in (items if r % 2 == 0 else items[::-1]):
             v = fn()
-            if v is not None:
+            if isinstance(v, list):
+                got[name] += v
+            elif v is not None:
                 got[name].append(v)
     return got
 

@@ -27,7 +27,6 @@ import ctypes
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -65,6 +65,7 @@ if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
 from benchmarks._llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
+from benchmarks.harness import alternating_rounds, machine_line  # noqa: E402
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
@@ -98,11 +99,8 @@ def hf_tps(model, tok, batch: int, n: int) -> float:
 
 
 def median_pair(fa, fb, rounds: int) -> tuple[float, float]:
-    a, b = [], []
-    for _ in range(rounds):
-        a.append(fa())
-        b.append(fb())
-    return statistics.median(a), statistics.median(b)
+    got = alternating_rounds({"a": fa, "b": fb}, rounds)
+    return statistics.median(got["a"]), statistics.median(got["b"])
 
 
 def find_exports(root: Path) -> list[Path]:
@@ -573,9 +571,10 @@ def main() -> None:
                          "(genai, torch; default both)")
     args = ap.parse_args()
     figures = []
+    print(machine_line())
     if args.peer == "llamacpp":
         print(f"6. prunus beside llama.cpp, greedy, prefill included, {args.tokens} new tokens per sequence, median of "
-              f"{args.rounds} alternating rounds; prunus at OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+              f"{args.rounds} alternating rounds; prunus at the machine line's OMP_WAIT_POLICY, "
               "llama.cpp at its own defaults")
         for spec in args.model or ["smollm2"]:
             llamacpp_section(spec, args, figures)
@@ -585,8 +584,7 @@ def main() -> None:
         return
     have_demo = (Path(args.demo_model) / "config.json").is_file()
     print(f"demo model {args.demo_model}{'' if have_demo else ' (not found: make demo)'}, models {args.model or 'none'}, "
-          f"{args.tokens} tokens per sequence, median of {args.rounds} alternating rounds, "
-          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+          f"{args.tokens} tokens per sequence, median of {args.rounds} alternating rounds")
     if have_demo and not args.only_models:
         demo_sections(args, figures)
     elif not args.only_models:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,10 +38,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
+from benchmarks.harness import fmt, goal, machine_line, ratio, show  # noqa: E402
 
 from prunus.train_parallel import TrainConfig  # noqa: E402
 
@@ -155,8 +153,7 @@ def throughput_section(args, base: TrainConfig, res: dict) -> None:
         return f"{env.get('torch_threads', '?')}" if env else "?"
 
     (load_before, load_after), mc = res["load"], base.model_config()
-    print(f"\nmachine: {os.cpu_count()} CPU threads ({len(os.sched_getaffinity(0))} usable), {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+    print(f"\n{machine_line()}, {len(os.sched_getaffinity(0))} usable, "
           f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min), {res['wall']:.0f} s in all")
     print(f"model: {args.preset} ({mc.num_params():,} params), global batch {base.batch_size} x seq {base.resolved_seq_len()} "
           f"= {base.tokens_per_step:,} tokens/step, {args.steps} steps x {rounds} round(s), median of steps after {skip}")

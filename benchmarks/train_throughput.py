@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks._baseline import hand_written_loop  # noqa: E402
+from benchmarks.harness import alternating_rounds, machine_line, ratio_line  # noqa: E402
 
 from prunus.data import load_corpus  # noqa: E402
 from prunus.models import ByteTokenizer  # noqa: E402
@@ -46,18 +45,12 @@ def main() -> None:
     cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch_size, warmup_steps=5,
                       eval_every=10**9, eval_tokens=4096, ckpt_every=0, progress=False, max_corpus_bytes=4 << 20)
     corpus = load_corpus(None, ByteTokenizer(), max_bytes=cfg.max_corpus_bytes)
-    ours, ref = [], []
-    for _ in range(args.rounds):
-        ref += hand_written_loop(cfg, corpus.train)["tokens_per_s"][args.skip :]
-        ours += prunus_trainer(TrainConfig(**cfg.to_dict()))[args.skip :]
-    m_ours, m_ref = statistics.median(ours), statistics.median(ref)
-    print(f"machine: {os.cpu_count()} CPU threads, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    got = alternating_rounds({"hand-written": lambda: hand_written_loop(cfg, corpus.train)["tokens_per_s"][args.skip:],
+                              "prunus": lambda: prunus_trainer(TrainConfig(**cfg.to_dict()))[args.skip:]}, args.rounds)
+    print(machine_line())
     print(f"model: {args.preset} ({cfg.model_config().num_params():,} params), batch {cfg.batch_size} x seq "
           f"{cfg.resolved_seq_len()}, {args.steps} steps x {args.rounds} rounds, median of steps after {args.skip}")
-    print(f"hand-written torch loop: {m_ref:10,.0f} tokens/s")
-    print(f"prunus train:            {m_ours:10,.0f} tokens/s")
-    print(f"ratio prunus / hand-written: {m_ours / m_ref:.3f}  (goal >= 0.95)")
+    print(ratio_line("prunus", got["prunus"], "hand-written", got["hand-written"], "tokens/s", "goal >= 0.95"))
 
 
 if __name__ == "__main__":
