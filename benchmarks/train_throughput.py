@@ -5,7 +5,7 @@ batches, same optimizer settings; both time only the optimizer step (forward,
 backward, clip, AdamW), with batches prepared off the clock. Prints the median
 tokens/s of each and the ratio prunus / hand-written (goal >= 0.95).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/train_throughput.py [--steps 30] [--rounds 2]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.train_throughput [--steps 30] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks._baseline import hand_written_loop  # noqa: E402
-from benchmarks.harness import alternating_rounds, machine_line, ratio_line  # noqa: E402
+from benchmarks.harness import alternating_rounds, machine_line, ratio_line, write_results  # noqa: E402
 
 from prunus.data import load_corpus  # noqa: E402
 from prunus.models import ByteTokenizer  # noqa: E402
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two this many times")
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
+    ap.add_argument("--json", metavar="PATH", help="also write the settings, machine and per-step figures here")
     args = ap.parse_args()
     cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch_size, warmup_steps=5,
                       eval_every=10**9, eval_tokens=4096, ckpt_every=0, progress=False, max_corpus_bytes=4 << 20)
@@ -51,6 +52,8 @@ def main() -> None:
     print(f"model: {args.preset} ({cfg.model_config().num_params():,} params), batch {cfg.batch_size} x seq "
           f"{cfg.resolved_seq_len()}, {args.steps} steps x {args.rounds} rounds, median of steps after {args.skip}")
     print(ratio_line("prunus", got["prunus"], "hand-written", got["hand-written"], "tokens/s", "goal >= 0.95"))
+    if args.json:
+        print(f"results: {write_results(args.json, vars(args), {'tokens_per_s': got})}")
 
 
 if __name__ == "__main__":
