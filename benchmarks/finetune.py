@@ -37,6 +37,7 @@ with the LoRA / hand-written ratios (goal: throughput >= 1.0x, memory <= 1.0x) a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -104,11 +105,11 @@ def peer_steps(args, batches: list) -> tuple[list[float], list[float]]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     times, losses = [], []
-    for x, y, _positions, _docs, n_trained in batches:
+    for batch in batches:
         t0 = time.perf_counter()
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
-                                                 reduction="sum") / max(n_trained, 1)
+        logits = model(input_ids=batch.inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
+                                                 ignore_index=-100, reduction="sum") / max(batch.n_trained, 1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -128,7 +129,9 @@ def child(args) -> None:
         import transformers  # noqa: F401
     else:
         import prunus.train_parallel.trainer  # noqa: F401
-    batches = torch.load(args.batches)
+    from prunus.data.packing import PackedBatch
+
+    batches = [PackedBatch(*fields) for fields in torch.load(args.batches)]  # saved as plain tuples (weights_only)
     rss0 = proc_status_kib("VmRSS")
     times, losses = peer_steps(args, batches) if args.child == "peer" else prunus_steps(args, args.child, batches)
     hwm = proc_status_kib("VmHWM")
@@ -160,7 +163,7 @@ def prepare(args, work: Path) -> list:
     batches = [get_packed_batch(rows, seed=args.seed, step=s, micro_batch=args.batch_size)
                for s in range(args.warmup + args.steps)]
     args.batches = str(work / "batches.pt")
-    torch.save(batches, args.batches)
+    torch.save([dataclasses.astuple(b) for b in batches], args.batches)
     return batches
 
 
@@ -185,7 +188,7 @@ def summarize(result: dict, args, batches: list) -> dict:
     timed = result["step_s"][args.warmup:]
     seconds = sum(timed)
     positions = args.steps * args.batch_size * args.seq_len
-    trained = sum(b[4] for b in batches[args.warmup:])
+    trained = sum(b.n_trained for b in batches[args.warmup:])
     return {**result, "timed_s": seconds, "tokens_per_s": positions / seconds, "trained_tokens_per_s": trained / seconds}
 
 
@@ -260,7 +263,7 @@ def main() -> None:
     settings = {k: getattr(args, k) for k in ("base", "hf_base", "steps", "warmup", "seq_len", "batch_size", "threads",
                                                "rank", "lr", "seed")}
     settings.update(lora_alpha=2.0 * args.rank, prunus_targets=PRUNUS_TARGETS, peer_targets=PEER_TARGETS,
-                    trained_tokens_timed=sum(b[4] for b in batches[args.warmup:]), torch_threads=args.threads,
+                    trained_tokens_timed=sum(b.n_trained for b in batches[args.warmup:]), torch_threads=args.threads,
                     omp_wait_policy="PASSIVE", versions=versions())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,17 +135,36 @@ def _tensors(rows: PackedRows, idx: np.ndarray) -> tuple[torch.Tensor, ...]:
     return tuple(torch.from_numpy(np.ascontiguousarray(a[idx])) for a in (rows.tokens, rows.targets, rows.positions, rows.doc_ids))
 
 
+@dataclass
+class PackedBatch:
+    """One micro-batch of packed rows: what the model reads (``inputs``, each position's place in its document
+    and the document's id) and what the loss needs (``targets``, and ``n_trained``: the trained targets of the
+    whole global batch the micro-batch belongs to, which normalises its loss under any layout)."""
+
+    inputs: torch.Tensor  # int64 (rows, seq_len)
+    targets: torch.Tensor  # IGNORE_INDEX where a token is not trained
+    positions: torch.Tensor  # position within the document, restarting at 0
+    doc_ids: torch.Tensor  # PAD_DOC for padding
+    n_trained: int
+
+    def model_kwargs(self) -> dict:
+        """The model's keyword arguments: attention stays inside a document, positions restart with it."""
+        return {"positions": self.positions, "doc_ids": self.doc_ids}
+
+
 def get_packed_batch(rows: PackedRows, *, seed: int, step: int, micro_batch: int, grad_accum: int = 1, micro: int = 0,
-                     rank: int = 0, world: int = 1) -> tuple:
-    """``(inputs, targets, positions, doc_ids, trained targets in the global batch)`` of one rank's micro-step."""
+                     rank: int = 0, world: int = 1) -> PackedBatch:
+    """One rank's micro-batch of optimizer step ``step``; its ``n_trained`` counts the whole global batch's."""
     idx = step_rows(seed, step, world * grad_accum * micro_batch, rows.n_rows)
     start = (micro * world + rank) * micro_batch
     n_trained = int((rows.targets[idx] != IGNORE_INDEX).sum())
-    return (*_tensors(rows, idx[start:start + micro_batch]), n_trained)
+    return PackedBatch(*_tensors(rows, idx[start:start + micro_batch]), n_trained)
 
 
 def packed_eval_batches(rows: PackedRows, *, batch_size: int, max_tokens: int | None = None):
-    """The held-out rows in order, ``batch_size`` at a time, up to ``max_tokens`` positions: the same for every run."""
+    """The held-out rows in order, ``batch_size`` at a time, up to ``max_tokens`` positions: the same for every
+    run (each batch's ``n_trained`` counts its own trained targets)."""
     n = rows.n_rows if max_tokens is None else min(rows.n_rows, max(1, math.ceil(max_tokens / rows.tokens.shape[1])))
     for start in range(0, n, batch_size):
-        yield _tensors(rows, np.arange(start, min(start + batch_size, n)))
+        idx = np.arange(start, min(start + batch_size, n))
+        yield PackedBatch(*_tensors(rows, idx), int((rows.targets[idx] != IGNORE_INDEX).sum()))

@@ -6,6 +6,7 @@ overlaps compute; on CPU they are handed over as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -22,6 +23,9 @@ def to_device(batch, device: torch.device):
         return batch.to(device)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # a typed batch: each of its tensors
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
 
 

@@ -11,7 +11,8 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 from prunus.data.instruct import load_documents, read_rows, render_row
-from prunus.data.packing import IGNORE_INDEX, PAD_DOC, get_packed_batch, load_packed, pack, step_rows
+from prunus.data.packing import IGNORE_INDEX, PAD_DOC, PackedBatch, get_packed_batch, load_packed, pack, step_rows
+from prunus.data.prefetch import to_device
 from prunus.models import Transformer, get_preset
 from prunus.models.tokenizer import ByteTokenizer
 
@@ -95,10 +96,14 @@ def test_batches_are_a_pure_function_of_seed_step_rank(tmp_path):
     rows = load_packed(path, BYTES, seq_len=24).train
     one = get_packed_batch(rows, seed=3, step=5, micro_batch=4)
     again = get_packed_batch(rows, seed=3, step=5, micro_batch=4)
-    assert all(torch.equal(a, b) for a, b in zip(one[:4], again[:4])) and one[4] == again[4]
+    tensors = ("inputs", "targets", "positions", "doc_ids")
+    assert all(torch.equal(getattr(one, f), getattr(again, f)) for f in tensors) and one.n_trained == again.n_trained
     halves = [get_packed_batch(rows, seed=3, step=5, micro_batch=2, rank=r, world=2) for r in range(2)]
-    assert torch.equal(torch.cat([h[0] for h in halves]), one[0])  # ranks split the same global batch
-    assert halves[0][4] == halves[1][4] == one[4] == int((one[1] != IGNORE_INDEX).sum())
+    assert torch.equal(torch.cat([h.inputs for h in halves]), one.inputs)  # ranks split the same global batch
+    assert halves[0].n_trained == halves[1].n_trained == one.n_trained == int((one.targets != IGNORE_INDEX).sum())
+    assert one.model_kwargs().keys() == {"positions", "doc_ids"}
+    moved = to_device(one, torch.device("cpu"))  # the prefetcher moves each tensor of a typed batch
+    assert isinstance(moved, PackedBatch) and torch.equal(moved.doc_ids, one.doc_ids) and moved.n_trained == one.n_trained
     # an epoch visits every row once before any repeats
     n = rows.n_rows
     seen = np.concatenate([step_rows(3, s, 4, n) for s in range(n // 4)])

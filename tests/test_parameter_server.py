@@ -99,3 +99,24 @@ def test_dataparallel_matches_one_device(tmp_path):
     dp = train(TrainConfig(**BASE, out=str(tmp_path / "dp"), device="cuda", dp_mode="dataparallel"))
     for a, b in zip(dp.losses, one.losses):
         assert abs(a - b) <= 1e-4
+
+
+def test_each_dp_mode_is_one_strategy(tmp_path):
+    """--dp-mode picks one strategy: its layout, its forward module, whether the dry run plans it, its loop."""
+    from prunus.train_parallel import train
+    from prunus.train_parallel.data_parallel.modes import DP_MODES, dp_mode
+    from prunus.train_parallel.launch.dry_run import memory_plan
+
+    assert DP_MODES == ("ddp", "ps", "dataparallel")
+    assert [dp_mode(TrainConfig(**BASE, dp_mode=m)).name for m in DP_MODES] == list(DP_MODES)
+    part = torch.nn.Linear(2, 2)
+    assert dp_mode(TrainConfig(**BASE)).forward_module(part) is part
+    wrapped = dp_mode(TrainConfig(**BASE, dp_mode="dataparallel")).forward_module(part)
+    assert isinstance(wrapped, torch.nn.DataParallel) and wrapped.module is part
+    with pytest.raises(PrunusError, match="--dp-mode sharded: choose one of ddp, ps, dataparallel"):
+        TrainConfig(**BASE, dp_mode="sharded").validate()
+    with pytest.raises(PrunusError, match="dry run: plans --dp-mode ddp layouts; --dp-mode ps"):
+        memory_plan(TrainConfig(**BASE, dp_mode="ps", ps_servers=1), 2)
+    with pytest.raises(PrunusError, match="--dp-mode ps trains a fresh model on cross-entropy"):
+        train(TrainConfig(**BASE, out=str(tmp_path / "run"), dp_mode="ps"), objective=lambda logits, x, y: 0)
+    assert not (tmp_path / "run").exists()

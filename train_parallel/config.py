@@ -9,11 +9,11 @@ from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel.tensor_parallel.tp_nd.shape import TP_MODES, grid_shape
 from prunus.artifacts.validate import check_dataclass, check_known_fields, dataclass_from_dict, short
+from prunus.train_parallel.data_parallel.modes import DP_MODES, dp_mode
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits a week is a hang
 SETTINGS_FIX = "see prunus train --print-config"  # what an unknown setting's error suggests
 # torch.distributed.pipelining schedules prunus drives (pipeline_parallel.py builds them)
-DP_MODES = ("ddp", "ps", "dataparallel")  # data parallelism: torch.distributed, a parameter server, nn.DataParallel
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 # Settings that may change when a run is resumed; every other one defines the run.
@@ -161,11 +161,7 @@ class TrainConfig:
             raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
         if self.activation_checkpointing not in ("none", "every-other", "full", "selective"):  # selective: the old name
             raise PrunusError(f"--activation-checkpointing {self.activation_checkpointing}: choose none, every-other or full")
-        if self.dp_mode not in DP_MODES:
-            raise PrunusError(f"--dp-mode {self.dp_mode}: choose one of {', '.join(DP_MODES)}")
-        if self.dp_mode == "ps" and (self.init_from or str(self.data or "").lower().endswith((".jsonl", ".parquet"))):
-            raise PrunusError("--dp-mode ps trains from random weights on text corpora; fine-tune (--init-from, "
-                              "instruction rows) with --dp-mode ddp")
+        dp_mode(self).check_config(self)  # an unknown mode, or settings the mode cannot run
         if self.ps_servers < 1 or (self.ps_staleness is not None and self.ps_staleness < 0):
             raise PrunusError(f"--ps-servers {self.ps_servers} must be at least 1 and --ps-staleness {self.ps_staleness} "
                               "not negative")

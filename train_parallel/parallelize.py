@@ -26,6 +26,7 @@ from prunus.artifacts.errors import PrunusError
 from .activation_checkpointing import apply_ac
 from .context_parallel.context_parallel import apply_cp, validate_cp
 from .data_parallel.data_parallel import apply_ddp, apply_fsdp
+from .data_parallel.modes import dp_mode
 from .experts.expert_parallel import apply_ep
 from .lora import apply_lora
 from .parallel_dims import ParallelDims
@@ -77,40 +78,18 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tuple:
     """The validated layout of ``cfg`` (a TrainConfig) on ``world_size`` ranks, checked against its model:
     ``(cfg with the ZeRO stage resolved, ParallelDims)``. Raises PrunusError (one line) for any layout a run
-    would refuse; training, the dry run and both launchers call this, before any process starts or waits."""
-    import dataclasses
-
+    would refuse; training, the dry run and both launchers call this, before any process starts or waits. Each
+    data-parallel mode lays out its own ranks (:mod:`.data_parallel.modes`)."""
     cfg.validate()
     if device_type is None:  # a run (the dry run plans offload on any machine)
         from .data_parallel.offload import check_offload
 
         check_offload(cfg)
-    if cfg.dp_mode != "ddp":  # a parameter server or nn.DataParallel: checked by their own modules
-        return _resolve_other_dp(cfg, world_size, device_type)
-    dims = ParallelDims.from_config(cfg, world_size, device_type)
-    cfg = dataclasses.replace(cfg, zero=dims.zero)
-    validate_layout(dims, cfg, cfg.model_config())
-    return cfg, dims
-
-
-def _resolve_other_dp(cfg, world_size: int, device_type: str | None) -> tuple:
-    """--dp-mode ps: the workers are the data-parallel ranks; --dp-mode dataparallel: one process, every GPU."""
-    import dataclasses
-
-    if cfg.dp_mode == "ps":
-        from .data_parallel.parameter_server import validate_ps
-
-        dims = ParallelDims(world_size=validate_ps(cfg, world_size), zero=0, device_type=device_type)
-    else:
-        from .data_parallel.data_parallel_single import validate_dataparallel
-
-        dims = validate_dataparallel(cfg, world_size, device_type)
-    cfg = dataclasses.replace(cfg, zero=0)
-    dims.validate_model(cfg.model_config())
-    return cfg, dims
+    return dp_mode(cfg).resolve(cfg, world_size, device_type)
 
 
 def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:
+    """``--dp-mode ddp``'s checks of ``dims`` (the mesh) against ``cfg`` and the model; one line for any it fails."""
     dims.validate_model(model_cfg)
     validate_tp_nd(dims.tp_mode, dims.tp, dims.tp_depth, dims, cfg, model_cfg)
     validate_cp(dims.cp, cfg.cp_impl, cfg.resolved_seq_len(), model_cfg.n_heads, dims.tp, dims.pp,

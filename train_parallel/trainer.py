@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from prunus.data import Prefetcher, evaluate, get_batch, load_corpus
 from prunus.data.instruct import is_instruct_path
-from prunus.data.packing import IGNORE_INDEX, PackedCorpus, get_packed_batch, load_packed, packed_eval_batches
+from prunus.data.packing import (IGNORE_INDEX, PackedBatch, PackedCorpus, get_packed_batch, load_packed,
+                                  packed_eval_batches)
+from prunus.data.prefetch import to_device
 from prunus.artifacts.atomic import disk_error
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
@@ -42,18 +44,19 @@ from prunus.models.quant_registry import is_quantized
 
 from .checkpoint.checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .checkpoint.checkpoint_reader import CheckpointUnreadable
+from .checkpoint.init_from import init_hf_origin, init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
+from .checkpoint.peft_format import save_adapter
 from .config import TrainConfig
 from .context_parallel.context_parallel import cp_sum, shard_batch
 from .data_parallel.data_parallel import apply_ddp
-from .checkpoint.init_from import init_hf_origin, init_is_quantized, load_init_weights, reset_adapters, run_tokenizer
+from .data_parallel.modes import dp_mode
 from .flops import flops_per_token, peak_memory_bytes, peak_tflops
-from .lora import apply_lora, check_lora, merge_lora
-from .checkpoint.peft_format import save_adapter
 from .launch.launch import env_ranks, init_distributed, reports_collective_timeouts
+from .lora import apply_lora, check_lora, merge_lora
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
-from .pipeline.pipeline_parallel import pipeline_score
 from .parallelize import Parallelized, cross_entropy, local_value, parallelize, resolve_layout
+from .pipeline.pipeline_parallel import pipeline_score
 from .plot import plot_loss_curves
 from .progress import TrainProgress
 from .run_dir import check_run_dir, discard_incomplete_run, init_run_dir, prior_state, publish_run_dir, run_location
@@ -263,11 +266,8 @@ class Trainer:
         self._loss_modules.enter_context(loss_modules_attached(self.model, dict(objective.modules()) if objective else {}))
         try:
             self.par: Parallelized = self._parallelize()
-            self.forward_module = self.par.parts[0]  # what forward calls (nn.DataParallel's replicas, or the part)
-            if cfg.dp_mode == "dataparallel":
-                from .data_parallel.data_parallel_single import apply_dataparallel
-
-                self.forward_module = apply_dataparallel(self.par.parts[0])
+            # what forward calls: the part, or the data-parallel mode's wrapper of it (nn.DataParallel's replicas)
+            self.forward_module = dp_mode(cfg).forward_module(self.par.parts[0])
             self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
             self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
             self.start, self.train_state = self._load_checkpoint()
@@ -352,9 +352,9 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------------
 
-    def step_batches(self, step: int) -> list[tuple]:
+    def step_batches(self, step: int) -> list:
         """This rank's micro-batches of optimizer step ``step`` (a pure function of the seed and the step):
-        ``(x, y)`` of a text corpus, ``(x, y, positions, doc_ids, trained targets in the global batch)`` when packed."""
+        ``(x, y)`` of a text corpus, a :class:`~prunus.data.packing.PackedBatch` of instruction rows."""
         cfg = self.cfg
         if self.packed:
             return [get_packed_batch(self.corpus.train, seed=cfg.seed, step=step, micro_batch=self.local_batch,
@@ -375,6 +375,15 @@ class Trainer:
             return ce(logits, y)
         return ce(logits, y, reduction="sum") * (self.dims.dp * self.cfg.grad_accum / max(n_trained, 1))
 
+    def model_inputs(self, batch) -> tuple:
+        """``(inputs, targets, the model's keyword arguments, trained targets in the global batch or None)`` of
+        one micro-batch: a packed batch as it is (its documents masked), a text batch cut to this rank's chunks
+        of the sequences under context parallelism."""
+        if isinstance(batch, PackedBatch):
+            return batch.inputs, batch.targets, batch.model_kwargs(), batch.n_trained
+        x, y, positions = shard_batch(*batch, self.cp_mesh)
+        return x, y, {"positions": positions}, None
+
     def forward_backward_step(self, micro_batches) -> tuple[torch.Tensor, MoEStats]:
         """Gradients of one optimizer step; returns (the mean loss on this rank, its MoE statistics)."""
         if self.par.schedule is not None:
@@ -382,17 +391,11 @@ class Trainer:
         part, accum, moe = self.par.parts[0], self.cfg.grad_accum, MoEStats()
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
-            x, y = batch[:2]
-            if len(batch) == 5:  # packed documents: positions restart per document, attention stays inside one
-                positions, docs, n_trained = batch[2:]
-                kwargs = {"positions": positions, "doc_ids": docs}
-            else:
-                x, y, positions = shard_batch(x, y, self.cp_mesh)  # context parallel: this rank's chunks of the sequences
-                kwargs, n_trained = {"positions": positions}, None
+            x, y, kwargs, n_trained = self.model_inputs(batch)
             sync = not self.par.ddp or i == len(micro_batches) - 1
             with (contextlib.nullcontext() if sync else part.no_sync()), loss_context(self.par.loss_parallel):
                 with self.autocast:
-                    logits = (self.forward_module if part is self.par.parts[0] else part)(x, **kwargs)
+                    logits = self.forward_module(x, **kwargs)
                 loss = self.loss(logits, x, y, n_trained)
                 # mixture of experts: the load-balancing loss joins the gradient
                 aux = moe_aux_loss(part) if self.model_cfg.n_experts else None
@@ -405,10 +408,13 @@ class Trainer:
         return total / accum, moe
 
     def _pipeline_forward_backward(self, batch) -> torch.Tensor:
-        (x, y), losses, par, kwargs = batch[:2], [], self.par, {}
-        if len(batch) == 5:  # packed: every stage masks by document; the loss is scaled as in :meth:`loss`
-            kwargs = {"positions": batch[2], "doc_ids": batch[3],
-                      "loss_kwargs": {"scale": self.dims.dp * self.cfg.microbatches / max(batch[4], 1)}}
+        losses, par, kwargs = [], self.par, {}
+        if isinstance(batch, PackedBatch):  # every stage masks by document; the loss is scaled as in :meth:`loss`
+            x, y = batch.inputs, batch.targets
+            kwargs = {**batch.model_kwargs(),
+                      "loss_kwargs": {"scale": self.dims.dp * self.cfg.microbatches / max(batch.n_trained, 1)}}
+        else:
+            x, y = batch
         with self.autocast:
             par.schedule.step(*((x,) if par.has_first else ()), target=y if par.has_last else None, losses=losses,
                               **kwargs)
@@ -489,11 +495,11 @@ class Trainer:
     def _evaluate_packed(self) -> dict:
         """Held-out instruction rows: loss per trained target, bits per byte of those targets."""
         nll, n_tok, n_bytes = 0.0, 0, 0
-        for x, y, positions, docs in packed_eval_batches(self.corpus.val, batch_size=self.local_batch * self.cfg.grad_accum,
-                                                         max_tokens=self.cfg.eval_tokens):
-            x, y, positions, docs = (t.to(self.device) for t in (x, y, positions, docs))
-            nll += self.score(x, y, positions=positions, doc_ids=docs)
-            kept = y[y != IGNORE_INDEX].cpu()
+        for batch in packed_eval_batches(self.corpus.val, batch_size=self.local_batch * self.cfg.grad_accum,
+                                         max_tokens=self.cfg.eval_tokens):
+            batch = to_device(batch, self.device)
+            nll += self.score(batch.inputs, batch.targets, **batch.model_kwargs())
+            kept = batch.targets[batch.targets != IGNORE_INDEX].cpu()
             n_tok += kept.numel()
             n_bytes += int(self.token_bytes[kept].sum())
         return {"val_loss": nll / max(n_tok, 1), "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok,
@@ -613,12 +619,6 @@ class Trainer:
 @reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, model: Transformer | None = None,
           objective=None) -> TrainResult:
-    """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()``; see :class:`Trainer`."""
-    if cfg.dp_mode == "ps":  # servers and workers run their own loop (ps_worker.py)
-        from .data_parallel.ps_worker import refuse_resume, train_parameter_server
-
-        refuse_resume(cfg, resume)
-        if model is not None or objective is not None:
-            raise PrunusError("--dp-mode ps trains a fresh model on cross-entropy; use --dp-mode ddp for this run")
-        return train_parameter_server(cfg, overwrite=overwrite)
-    return Trainer(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective).train()
+    """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()`` (see :class:`Trainer`), or
+    the loop of its data-parallel mode where that mode runs its own (:mod:`.data_parallel.modes`)."""
+    return dp_mode(cfg).train(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective)

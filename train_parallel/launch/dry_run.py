@@ -125,6 +125,7 @@ from torch.distributed.tensor import DTensor
 from prunus.artifacts.errors import PrunusError
 
 from ..config import TrainConfig
+from ..data_parallel.modes import dp_mode
 from ..parallel_dims import ParallelDims
 from ..parallelize import Parallelized, parallelize, resolve_layout
 from ..tensor_parallel.tp_nd.activation_plan import grid_activations
@@ -195,7 +196,7 @@ def memory_plan(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     group is already initialised in this process (the dry run needs its own, fake one).
     """
     cfg.validate()
-    if cfg.dp_mode != "ddp":
+    if not dp_mode(cfg).plans_memory:
         raise PrunusError(f"dry run: plans --dp-mode ddp layouts; --dp-mode {cfg.dp_mode} keeps a whole model (and, under "
                           "ps, the optimizer on the servers): plan it as --dp-mode ddp --zero 0")
     if not 0 <= rank < world_size:
