@@ -15,7 +15,7 @@ DEMO ?= runs/demo
 SERVE_PORT ?= 8765
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: test demo bench install clean
+.PHONY: test test-quick demo bench install clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The quick tier (about 2.5 minutes on 2 cores): every test but those marked slow (seconds each, or starting
+# processes; tests/conftest.py SLOW_REASONS).
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	@echo "== 1/6 train the 'small' preset on the built-in corpus (this Python's standard library) =="

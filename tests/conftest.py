@@ -105,3 +105,73 @@ def _spawn_jobs(worker, nproc: int, jobs: list[dict], tmp_path) -> dict:
 @pytest.fixture(scope="session")
 def spawn_jobs():
     return _spawn_jobs
+
+
+# --- the quick tier: `make test-quick` runs `pytest -m "not slow"` -----------------------------------------
+# A test is slow when it starts processes (it uses ``spawn_jobs``, or is listed below) or took over ~4 s on a
+# busy 2-core machine (about 1.5 s on an idle one), as `pytest --durations=0` measured: a whole module
+# ("test_x.py"), one test function with every parametrization ("test_x.py::name"), or one case
+# ("test_x.py::name[id]"). Mark a new slow test here or with @pytest.mark.slow.
+SLOW_REASONS = {
+    "starts processes (torchrun groups, tensor-parallel workers, servers, fresh interpreters)": [
+        "test_parallel.py", "test_parallel_cli.py", "test_context_parallel.py", "test_tp_nd.py",
+        "test_parameter_server.py", "test_reliability_process.py", "test_restart.py", "test_serve_http.py",
+        "test_server_door.py", "test_cli_startup.py", "test_cli_first_run.py",
+        "test_families_stages.py::test_engine_tp2_workers_give_the_tp1_tokens",
+        "test_serve.py::test_tensor_parallel_equals_one_process_and_leaves_no_workers",
+        "test_serve.py::test_shared_memory_all_reduce_sums_identically_on_every_rank",
+        "test_reliability_data.py::test_interrupted_overwrite_keeps_the_old_run",
+        "test_export_logging.py::test_importing_the_quantizer_leaves_the_root_logger_alone",
+    ],
+    "every code block of README.md and docs/ in reading order": ["test_readme.py"],
+    "ONNX export (torch.onnx.export: seconds to a minute a graph) or ONNX Runtime graphs": [
+        "test_int4_export.py", "test_int4_qdq.py", "test_genai_graph.py", "test_genai_prompt_graph.py",
+        "test_export.py::test_export_dir_follows_the_contract",
+        "test_export.py::test_int8_export_quantizes_every_matmul",
+        "test_export.py::test_quantized_graphs_hold_the_stored_weights",
+        "test_export_logging.py::test_export_and_quantize_log_nothing_under_a_root_logger_at_info",
+        "test_families_stages.py::test_export_parity_and_onnxruntime_greedy",
+        "test_families_stages.py::test_int8_export_of_a_model_with_biases",
+        "test_int4_float_zero.py::test_float_zero_model_saves_loads_exports_and_writes_q4_1",
+        "test_int8_export_outliers.py::test_planted_massive_activation_passes_int8_export_parity",
+        "test_native_decoder.py::test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers",
+        "test_native_decoder.py::test_native_is_refused_where_it_cannot_run",
+        "test_native_decoder.py::test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes",
+        "test_native_decoder.py::test_the_parity_check_runs_through_the_native_kernels",
+        "test_serve.py::test_onnxruntime_backend_greedy_equals_torch",
+        "test_any_model.py::test_cli_trains_and_exports_any_module",
+    ],
+    "trains, compresses or compiles whole models": [
+        "test_serve.py::test_compiled_decode_gives_the_eager_tokens",
+        "test_train.py::test_a_loss_far_below_the_start_on_a_repetitive_text",
+        "test_train.py::test_async_checkpoints_resume_like_sync_ones",
+        "test_train.py::test_gradient_accumulation_matches_one_large_batch",
+        "test_train.py::test_resumed_run_equals_uninterrupted_run_bit_exactly",
+        "test_cli.py::test_train_eval_generate_info", "test_cli.py::test_train_stop_and_resume_via_cli",
+        "test_init_from.py::test_fine_tuning_resumes_bit_exactly",
+        "test_lora.py::test_a_stopped_lora_run_resumes_bit_exactly",
+        "test_lora.py::test_peft_loads_the_adapter_with_the_merged_logits",
+        "test_lora.py::test_qlora_keeps_the_base_quantized_and_trains_adapters_only",
+        "test_distill.py::test_a_few_steps_reduce_the_kd_loss_and_the_pass_returns_a_clean_student",
+        "test_compress.py::test_cli_compress_end_to_end",
+        "test_compress.py::test_runner_chains_pruning_distillation_and_quantization",
+        "test_int4.py::test_cli_int4_compress_and_bad_input",
+        "test_int4.py::test_shipped_int4_recipes_quantize_the_head_to_int8_and_untie_it",
+        "test_int4_clip.py::test_the_pass_reports_the_clip_and_refuses_bad_requests",
+        "test_device_map.py::test_placements_generate_the_same_tokens",
+        "test_gguf.py::test_transformers_reads_our_q4_0_gguf_with_prunus_logits",
+        "test_no_code_runs.py::test_every_run_dir_file_planted_with_a_payload",
+        "test_reliability_inputs.py::test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one",
+        "test_reliability_inputs.py::test_recipes_and_configs[r.yaml-nested too deeply]",
+        "test_plots.py::test_report_plot_layout",
+    ],
+}
+SLOW = {entry for entries in SLOW_REASONS.values() for entry in entries}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        names = {module, f"{module}::{getattr(item, 'originalname', item.name)}", f"{module}::{item.name}"}
+        if "spawn_jobs" in item.fixturenames or names & SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -122,7 +122,8 @@ def test_every_pass_argument_is_typed_and_checked():
     from prunus.models.schemes import SCHEMES
 
     needed = [("quantize", {"scheme": scheme}) for scheme in SCHEMES]
-    needed += [("prune", {"method": "magnitude"}), ("prune_structured", {"target": "heads", "amount": 0.25})]
+    needed += [("prune", {"method": "magnitude"}), ("prune_structured", {"target": "heads", "amount": 0.25}),
+               ("distill_module", {"student": "my_models:small"})]
     needed += [(name, {}) for name in PASSES if name not in {n for n, _ in needed}]
     for name, args in needed:
         check_pass(name, args, where="r.yaml: pass 1")
