@@ -37,6 +37,8 @@ _CLASSES = {(c.__module__, c.__qualname__): c for c in (
     md._MEM_FORMAT_ENCODING, md.StorageMeta, md.MetadataIndex, _StorageInfo, torch.Size, pathlib.PosixPath,
     pathlib.PurePosixPath)}
 _CLASSES[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+# dtypes and memory formats by name, from torch's own namespace dict (a getattr could import a submodule)
+_TORCH_VALUES = {k: v for k, v in vars(torch).items() if isinstance(v, (torch.dtype, torch.memory_format))}
 
 
 class CheckpointUnreadable(ValueError):
@@ -49,8 +51,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _CLASSES:
             return _CLASSES[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
+        if module == "torch" and name in _TORCH_VALUES:
+            return _TORCH_VALUES[name]
         raise CheckpointUnreadable(f".metadata names {module[:60]}.{name[:60]}, which a checkpoint never holds")
 
     def persistent_load(self, pid):
