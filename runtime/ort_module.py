@@ -7,7 +7,7 @@ import numpy as np
 
 from .artifact import export_graph_paths
 from .ort_session import ort_session
-from .predict_backend import PredictBackend
+from .predict_backend import PredictBackend, check_predict_options
 from .registry import Loaded
 
 
@@ -28,5 +28,6 @@ class OrtModuleBackend(PredictBackend):
 
 
 def load(path, config: dict, options) -> Loaded:
+    check_predict_options(path, options)
     backend = OrtModuleBackend(path, config, options)
     return Loaded(backend, None, {"task": config.get("task"), "graph": config["export"]["graphs"]["model"]})

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prunus.artifacts.errors import PrunusError
 from prunus.models.model_dir import verify_model_dir
 from prunus.models.module_dir import load_module
 
-from .predict_backend import PredictBackend
+from .predict_backend import PredictBackend, check_predict_options
 from .registry import Loaded
 
 
@@ -30,9 +29,7 @@ class TorchModuleBackend(PredictBackend):
 
 
 def load(path, config: dict, options) -> Loaded:
-    if options.tp > 1 or options.device_map is not None:
-        raise PrunusError(f"{path}: a generic module is served in one process on one device; drop tp / device_map "
-                          "(--tp, --device-map)")
+    check_predict_options(path, options)
     verify_model_dir(path)  # every file against the manifest before the factory is imported
     backend = TorchModuleBackend(path, config, options)
     return Loaded(backend, None, {"task": config.get("task"), "factory": config.get("factory")})

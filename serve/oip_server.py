@@ -116,7 +116,8 @@ class OIPHandler(CompletionHandler):
 
     def _infer(self, name: str) -> int:
         engine = self.server.engine
-        tensors, request_id = parse_infer(parse_json_body(self._body()), engine.backend.inputs)
+        tensors, request_id = parse_infer(parse_json_body(self._body()), engine.backend.inputs,
+                                          [o.name for o in engine.backend.outputs])
         future = engine.submit_predict(tensors[engine.backend.inputs[0].name])
         while True:
             try:

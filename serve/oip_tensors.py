@@ -78,8 +78,9 @@ def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
     return name, _values(flat, spec, where).reshape(shape)
 
 
-def parse_infer(req, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray], object]:
-    """({input name: array}, the request's id) of a parsed infer body, every tensor checked."""
+def parse_infer(req, specs: list[TensorSpec], outputs: list[str]) -> tuple[dict[str, np.ndarray], object]:
+    """({input name: array}, the request's id) of a parsed infer body, every tensor checked; ``outputs``: the
+    model's output names."""
     if not isinstance(req, dict):
         raise BadRequest(400, "the request body must be a JSON object")
     unknown = sorted(set(req) - REQUEST_FIELDS)
@@ -98,4 +99,24 @@ def parse_infer(req, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray], ob
     request_id = req.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(400, "'id' must be a string")
+    _check_unused(req, inputs, outputs)
     return tensors, request_id
+
+
+def _check_unused(req: dict, inputs: list, outputs: list[str]) -> None:
+    """Fields this server would otherwise ignore are refused: parameters (binary data, classification
+    extensions) and ``outputs`` naming anything but the model's outputs (which are always all returned)."""
+    if req.get("parameters") or any(entry.get("parameters") for entry in inputs):
+        raise BadRequest(400, "'parameters' (binary data, classification) are not supported; send JSON tensors "
+                              "without them")
+    asked = req.get("outputs")
+    if asked is None:
+        return
+    if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
+        raise BadRequest(400, "'outputs' must be a list of objects with a 'name'")
+    for o in asked:
+        if o["name"] not in outputs:
+            raise BadRequest(400, f"output tensor {o['name'][:80]!r}: the model has no such output; it gives "
+                                  f"{', '.join(outputs)}")
+        if set(o) - {"name"}:
+            raise BadRequest(400, f"output tensor {o['name'][:80]!r}: only 'name' is supported")

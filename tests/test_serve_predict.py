@@ -102,8 +102,12 @@ def test_torch_and_onnxruntime_agree_and_refuse_bad_input(dirs):
 def test_an_untrusted_factory_or_tp_is_one_line(model_dir):
     with pytest.raises(PrunusError, match="pass --trust-factory"):
         Engine.load(model_dir)
-    with pytest.raises(PrunusError, match="one process on one device; drop tp"):
+    with pytest.raises(PrunusError, match="one process on one device, as saved; drop --tp"):
         Engine.load(model_dir, trust_factory=True, tp=2)
+    for option, flag in (({"dtype": "bfloat16"}, "--dtype"),
+                         ({"compile": True}, "--compile")):  # generative options are refused, not ignored
+        with pytest.raises(PrunusError, match=f"drop {flag}$"):
+            Engine.load(model_dir, trust_factory=True, **option)
 
 
 # --- the Open Inference Protocol endpoint -------------------------------------------------------------------------
@@ -172,6 +176,22 @@ def test_oip_bad_tensors_are_one_line_and_the_server_keeps_serving(oip, change, 
     got, answer = _call(server, "POST", path, _infer_body(x, **(change or {})))
     assert got == status and needle in answer["error"] and "\n" not in answer["error"]
     assert _call(server, "POST", f"/v2/models/{server.model_name}/infer", _infer_body(x))[0] == 200
+
+
+def test_oip_request_fields_are_honoured_or_refused(oip):
+    """``outputs`` naming the model's output is honoured (it is always returned); any other name, and
+    ``parameters`` (binary data, classification), are refused rather than ignored."""
+    server, _ = oip
+    path, x = f"/v2/models/{server.model_name}/infer", _rows(2, 9)
+    status, answer = _call(server, "POST", path, {**_infer_body(x), "outputs": [{"name": "output"}]})
+    assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
+    for body, needle in (({**_infer_body(x), "outputs": [{"name": "probs"}]}, "output tensor 'probs': the model has no"),
+                         ({**_infer_body(x), "outputs": [{"name": "output", "parameters": {"binary_data": True}}]},
+                          "only 'name' is supported"),
+                         ({**_infer_body(x), "parameters": {"binary_data_output": True}}, "'parameters'"),
+                         (_infer_body(x, parameters={"binary_data_size": 48}), "'parameters'")):
+        got, answer = _call(server, "POST", path, body)
+        assert got == 400 and needle in answer["error"] and "\n" not in answer["error"], answer
 
 
 def test_oip_64_concurrent_clients_none_lost(oip):
