@@ -151,3 +151,29 @@ def test_windowed_chunked_evaluation_matches_whole_logits(monkeypatch):
     got = evaluate(gemma_like, tokens, TOK.token_bytes(), **kw)
     want = evaluate(lambda x: gemma_like(x), tokens, TOK.token_bytes(), **kw)
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5) and got["val_loss"] != pytest.approx(whole["val_loss"])
+
+
+def test_prefetcher_moves_dict_and_dataclass_batches():
+    with Prefetcher(lambda k: {"x": torch.full((2,), k), "y": [torch.tensor(k)]}, range(3)) as p:
+        got = [(int(b["x"][0]), int(b["y"][0])) for _, b in p]
+    assert got == [(0, 0), (1, 1), (2, 2)] and p.stream is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the side-stream copy is CUDA only)")
+def test_cuda_prefetch_copies_on_a_side_stream_and_the_step_sees_whole_batches():
+    """Large batches copied on the side stream while the default stream is busy with matrix products:
+    every batch the step reads equals the host batch it came from (the step waited for its copy)."""
+    make = lambda k: torch.randn(2048, 2048, generator=torch.Generator().manual_seed(k))
+    busy = torch.randn(4096, 4096, device="cuda")
+    sums = []
+    with Prefetcher(make, range(6), device="cuda", depth=3) as p:
+        assert p.stream is not None and p.stream != torch.cuda.default_stream()
+        for key, batch in p:
+            assert batch.is_cuda
+            for _ in range(4):
+                busy = (busy @ busy).tanh_()  # keeps the default stream busy while the next copies run
+            sums.append((key, float(batch.double().sum())))
+    torch.cuda.synchronize()
+    assert [k for k, _ in sums] == list(range(6))
+    for k, s in sums:
+        assert s == pytest.approx(float(make(k).double().sum()), rel=1e-9, abs=1e-6)
