@@ -123,20 +123,29 @@ class Engine:
 
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               stop: str | list[str] | None = None, ignore_eos: bool = False) -> Request:
-        """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`."""
+               stop: str | list[str] | None = None, ignore_eos: bool = False, logits=None,
+               stop_token_ids=()) -> Request:
+        """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`.
+        ``logits``: a :class:`prunus.serve.logits_processors.LogitsSettings` (penalties, logit_bias, min_tokens,
+        logprobs); ``stop_token_ids``: more tokens that end the request, besides the model's own."""
         if self._closed:
             raise PrunusError("the engine is closed; load it again")
         if self.backend.capabilities.predict:
             raise PrunusError("this engine serves a non-generative model; use predict, not generate or stream")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos).check()
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logits).check()
+        if logits is not None:
+            logits.check(self.backend.vocab_size)
+        extra_stops = tuple(stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.backend.vocab_size
+               for t in extra_stops):
+            raise PrunusError(f"stop_token_ids must be token ids in [0, {self.backend.vocab_size})")
         ids = self.encode(prompt)
         if len(ids) + max_new_tokens > self.max_len:
             raise PrunusError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"{self.max_len} tokens; shorten the prompt or lower max_new_tokens")
-        stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ()))
+        stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ())) + extra_stops
         return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops))
 
     def chat_prompt(self, messages) -> str:

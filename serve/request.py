@@ -33,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # run to max_new_tokens (benchmarks)
+    logits: object = None  # a prunus.serve.logits_processors.LogitsSettings: penalties, logit_bias, logprobs
 
     def check(self) -> "SamplingParams":
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -48,6 +49,8 @@ class SamplingParams:
             raise PrunusError(f"seed={str(self.seed)[:40]} must be an integer from -2**63 to 2**64 - 1")
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise PrunusError(f"stop={list(self.stop)!r} must be up to {MAX_STOP_STRINGS} non-empty strings")
+        if self.logits is not None:
+            self.logits.check()
         return self
 
 
@@ -57,6 +60,7 @@ class StreamToken:
 
     id: int
     text: str
+    logprob: object = None  # a prunus.serve.logits_processors.TokenLogprob when the request asked for logprobs
 
 
 @dataclass
@@ -100,15 +104,16 @@ class Request:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add_token(self, token: int) -> None:
-        """Record one token, decide whether the request is finished, and emit its event."""
+    def add_token(self, token: int, logprob=None) -> None:
+        """Record one token (and its log-probability, if asked), decide whether the request is finished, and
+        emit its event."""
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.n_tokens += 1
         if token in self.stop_ids:
             self.finish_reason = "stop"
-            self.events.put(StreamToken(token, self._take(final=True)))
+            self.events.put(StreamToken(token, self._take(final=True), logprob))
             return
         self.generated.append(token)
         searched = len(self._decoded.settled)  # no stop string lies wholly in the text settled before
@@ -123,7 +128,7 @@ class Request:
             self._text = text
             if len(self.generated) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
-        self.events.put(StreamToken(token, self._take(final=self.done)))
+        self.events.put(StreamToken(token, self._take(final=self.done), logprob))
 
     def _take(self, final: bool) -> str:
         """The text not yet handed out, minus what may still change (unless final)."""

@@ -27,6 +27,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.runtime.sampling import RowSampling, sample
 
+from .logits_processors import process, token_logprobs
 from .pass_threads import PassThreads, tune_pass_threads
 from .request import Request
 
@@ -212,11 +213,12 @@ class Scheduler:
         self._retire(reqs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        logits = process(reqs, logits)  # per-row penalties, logit_bias, min_tokens (prunus.serve.logits_processors)
         tokens = sample(logits, [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
                                  for r in reqs])
-        for r, t in zip(reqs, tokens):
+        for r, t, logprob in zip(reqs, tokens, token_logprobs(reqs, logits, tokens)):
             r.last_token = t
-            r.add_token(t)
+            r.add_token(t, logprob)
         self.tokens_generated += len(reqs)
 
     def _retire(self, reqs: list[Request]) -> None:

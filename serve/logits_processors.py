@@ -1,0 +1,117 @@
+"""Per-row logits processing for serving, and the log-probabilities handed back with each token.
+
+A request's :class:`LogitsSettings` (``SamplingParams.logits``) changes its row of logits before the sampler
+(:mod:`prunus.runtime.sampling`) applies temperature, top-k and top-p, in the order transformers' ``generate``
+builds its processors:
+
+1. ``logit_bias`` — ``SequenceBiasLogitsProcessor`` with one-token sequences: ``logits[t] += bias[t]``;
+2. ``repetition_penalty`` — ``RepetitionPenaltyLogitsProcessor`` over the prompt and the tokens made so far:
+   a seen token's logit is divided by the penalty when positive, multiplied by it when negative;
+3. ``presence_penalty`` / ``frequency_penalty`` — OpenAI's definition over the tokens made so far:
+   ``logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``;
+4. ``min_tokens`` — ``MinNewTokensLengthLogitsProcessor``: the request's stop tokens are at ``-inf`` until
+   ``min_tokens`` tokens have been made (stop strings are still honoured).
+
+Log-probabilities (``logprobs``) are the float32 log-softmax of these processed logits, before temperature,
+top-k and top-p: with no bias or penalty they are the model's own next-token log-probabilities, the ones a
+teacher-forced forward pass gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prunus.artifacts.errors import PrunusError
+
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+
+
+@dataclass(frozen=True)
+class LogitsSettings:
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias from -100 to 100)
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives reported per token (0: the chosen one's only); None: none
+
+    def check(self, vocab_size: int | None = None) -> "LogitsSettings":
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise PrunusError(f"{name}={getattr(self, name)!r} must be a number from -2 to 2")
+        if not 0 < self.repetition_penalty <= 100:
+            raise PrunusError(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 100]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise PrunusError(f"logit_bias holds {len(self.logit_bias)} tokens; give at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise PrunusError(f"logit_bias names token {token}; token ids lie in [0, {vocab_size})")
+            if not -100 <= bias <= 100:
+                raise PrunusError(f"logit_bias of token {token} is {bias!r}; give a number from -100 to 100")
+        if self.min_tokens < 0:
+            raise PrunusError(f"min_tokens={self.min_tokens!r} must be a non-negative integer")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise PrunusError(f"logprobs={self.logprobs!r} must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        return self
+
+    @property
+    def changes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the ``top`` alternatives, (token id, log-probability), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def process_row(logits: torch.Tensor, settings: LogitsSettings, prompt_ids: list[int], generated: list[int],
+                stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """One row of logits (vocab,) processed as the module docstring says; a new float32 tensor."""
+    out = logits.float().clone()
+    if settings.logit_bias:
+        ids = torch.tensor([t for t, _ in settings.logit_bias], device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in settings.logit_bias], device=out.device))
+    if settings.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(generated)), dtype=torch.long, device=out.device)
+        score = out[seen]
+        out[seen] = torch.where(score < 0, score * settings.repetition_penalty, score / settings.repetition_penalty)
+    if (settings.presence_penalty or settings.frequency_penalty) and generated:
+        counts = torch.bincount(torch.tensor(generated, device=out.device), minlength=out.numel())[:out.numel()]
+        out -= settings.frequency_penalty * counts + settings.presence_penalty * (counts > 0)
+    if len(generated) < settings.min_tokens and stop_ids:
+        out[torch.tensor(stop_ids, device=out.device)] = -float("inf")
+    return out
+
+
+def process(requests, logits: torch.Tensor) -> torch.Tensor:
+    """The batch's logits with each row processed by its request's settings (the same tensor when none asks)."""
+    settings = [getattr(r.params, "logits", None) for r in requests]
+    if not any(s is not None and s.changes_logits for s in settings):
+        return logits
+    rows = [process_row(logits[i], s, r.prompt_ids, r.generated, r.stop_ids) if s is not None and s.changes_logits
+            else logits[i].float() for i, (r, s) in enumerate(zip(requests, settings))]
+    return torch.stack(rows)
+
+
+def token_logprobs(requests, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
+    """Per row, the chosen token's log-probability and its request's top alternatives (None where not asked)."""
+    out: list[TokenLogprob | None] = []
+    for i, (r, token) in enumerate(zip(requests, tokens)):
+        settings = getattr(r.params, "logits", None)
+        if settings is None or settings.logprobs is None:
+            out.append(None)
+            continue
+        row = torch.log_softmax(logits[i].float(), dim=-1)
+        top = ()
+        if settings.logprobs:
+            values, ids = torch.topk(row, settings.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        out.append(TokenLogprob(float(row[token]), top))
+    return out
