@@ -12,6 +12,11 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   again and its contents are garbage;
 * ``warm_up(set_threads)``: once before the first request, where ``capabilities.warm_up`` says so;
 * ``describe()``: facts for the engine's info once warmed up (e.g. whether decoding compiled);
+* ``restore_prefix(row, ids)`` / ``store_prefix(row, ids)``: where ``capabilities.prefix_cache`` says so, start a
+  row from the longest cached prefix of a prompt (returns the tokens it holds), and cache a row's full blocks
+  (:mod:`prunus.runtime.prefix_cache`);
+* ``verify(row, tokens)`` / ``truncate(row, length)``: where ``capabilities.verify`` says so, append tokens and return
+  the logits after each (len, vocab), and keep a row's first ``length`` tokens (:mod:`prunus.runtime.speculative`);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
@@ -41,6 +46,8 @@ class Capabilities:
     warm_up: bool = False  # ``warm_up(set_threads)`` must run before the first request
     device_sampling: bool = False  # logits stay on an accelerator; tokens are picked there
     predict: bool = False  # a non-generative model: ``predict(batch)`` maps a batch of inputs to outputs, no cache
+    prefix_cache: bool = False  # ``restore_prefix(row, ids)`` / ``store_prefix(row, ids)``: prunus.runtime.prefix_cache
+    verify: bool = False  # ``verify(row, tokens)`` / ``truncate(row, length)``: speculative decoding can check drafts
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:

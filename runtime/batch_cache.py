@@ -63,6 +63,13 @@ class BatchKVCache:
             end = start + (torch.tensor(n_new, dtype=torch.long) if n_new is not None else q_len)
         return CacheStep(self, rows_t, start, q_len, end)
 
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first ``length`` tokens (speculative decoding rolls back rejected draft tokens): the
+        positions past it are never seen again and the next write overwrites them."""
+        if not 0 <= length <= int(self.lengths[row]):
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens; cannot truncate it to {length}")
+        self.lengths[row] = length
+
 
 class CacheStep:
     """What ``Transformer.forward(tokens, cache=..., positions=step.positions)`` sees for one pass.

@@ -2,12 +2,60 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import PurePath
 
 from prunus.artifacts.errors import PrunusError
 
 PREFILL_CHUNK = 256  # tokens per row per prefill pass of the torch backend; see prunus.serve.engine.Engine.load
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+MAX_DRAFT_TOKENS = 16
+
+
+def check_budget(mb) -> None:
+    """``prefix_cache_mb``: None or a number of MiB >= 0 (0 and None: no prefix cache)."""
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < 2**40):
+        raise PrunusError(f"prefix_cache_mb={mb!r} must be a number of MiB >= 0 (0 or None: no prefix cache; "
+                          "--prefix-cache-mb)")
+
+
+@dataclass(frozen=True)
+class ServingFeatures:
+    """Prefix caching and speculative decoding (the torch backend in one process). Each field is an
+    ``Engine.load`` keyword; ``metadata`` gives its CLI flag and help (``prunus serve`` / ``generate``
+    build their options from these fields)."""
+
+    prefix_cache_mb: float | None = field(default=None, metadata={
+        "flag": "--prefix-cache-mb", "type": float,
+        "help": "MiB of KV blocks of prompt prefixes kept for reuse (automatic prefix caching, torch backend): a "
+                "prompt that starts like an earlier one runs only its new tokens. Default: off."})
+    draft: str | None = field(default=None, metadata={
+        "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram",
+        "help": "Speculative decoding (torch backend, one request at a time): a draft model dir with the same "
+                "tokenizer, or ngram (drafts copied from the prompt). Default: off."})
+    draft_tokens: int = field(default=4, metadata={
+        "flag": "--draft-tokens", "type": int,
+        "help": f"With --speculative: tokens drafted per step, checked in one pass of the model (1 to {MAX_DRAFT_TOKENS})."})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prefix_cache_mb) or self.draft is not None
+
+    def check(self, backend: str, tp: int, device_map) -> None:
+        """One PrunusError line for a malformed value, or a feature the backend cannot serve (never ignored)."""
+        check_budget(self.prefix_cache_mb)
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise PrunusError(f"draft_tokens={k!r} must be an integer from 1 to {MAX_DRAFT_TOKENS} (--draft-tokens)")
+        if self.draft is not None and (not isinstance(self.draft, (str, PurePath)) or not str(self.draft)):
+            raise PrunusError(f"draft={self.draft!r} must be a draft model dir or 'ngram' (--speculative)")
+        for on, name, flag in ((self.prefix_cache_mb, "prefix_cache_mb", "--prefix-cache-mb"),
+                               (self.draft, "draft", "--speculative")):
+            if on and (backend != "torch" or tp > 1 or device_map is not None):
+                raise PrunusError(f"{name} applies to the torch backend in one process (a model dir, tp=1, no "
+                                  f"device_map), not {backend} with tp={tp}; drop it ({flag})")
 
 
 @dataclass(frozen=True)
@@ -25,6 +73,7 @@ class LoadOptions:
     prompt_graph: bool = False
     native: bool = False
     trust_factory: object = None  # a generic module dir's factory may be imported (prunus.models.module_factory)
+    features: ServingFeatures = ServingFeatures()  # prefix caching, speculative decoding
 
     def check(self, backend: str) -> None:
         """One PrunusError line for an option that is malformed or does not apply to ``backend``."""
@@ -48,6 +97,7 @@ class LoadOptions:
             raise PrunusError(f"threads={threads!r} must be a positive integer (or None to time 1 against all)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise PrunusError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        self.features.check(backend, tp, self.device_map)
 
     def check_placement(self, backend: str) -> None:
         """``device_map`` / ``max_memory``: a model dir's modules placed for the torch backend in one process."""

@@ -91,6 +91,11 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     options = replace(options, max_len=options.max_len_for(config))
     options.check_placement(backend)
     runtime = find_runtime(backend, config, options)
+    if options.features.enabled and runtime.name != "torch":
+        from prunus.artifacts.errors import PrunusError
+
+        raise PrunusError(f"{path}: prefix caching and speculative decoding serve a transformer model dir on the torch "
+                          f"backend, not {runtime.loads}; drop --prefix-cache-mb / --speculative")
     loaded = runtime.load(path, config, options)
     loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
                    "device": options.device, "max_batch": options.max_batch, "max_len": options.max_len,

@@ -14,6 +14,11 @@ chunks. Only each row's last position goes through the output head (the rest of 
 needs no logits): on SmolLM2-135M the head is a fifth of a prefill's matmul work.
 
 Under tensor parallelism each worker runs this same backend over its shard.
+
+Two serving features build on the cache rows here: automatic prefix caching (``prefix_cache_mb``,
+:mod:`prunus.runtime.prefix_cache`: ``restore_prefix`` / ``store_prefix``) and speculative decoding
+(:mod:`prunus.runtime.speculative`: ``verify`` appends a row's draft tokens and returns the logits at every one of
+them, ``truncate`` rolls the row back to the tokens accepted).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class TorchBackend(BackendBase):
     name = "torch"
 
-    def __init__(self, model, n_slots: int, max_len: int, compile: bool = False, prefill_chunk: int | None = PREFILL_CHUNK):
+    def __init__(self, model, n_slots: int, max_len: int, compile: bool = False, prefill_chunk: int | None = PREFILL_CHUNK,
+                 prefix_cache_mb: float | None = None):
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
@@ -48,19 +54,46 @@ class TorchBackend(BackendBase):
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
         self.compile = compile
         self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
+        self.prefix = None
+        if prefix_cache_mb:
+            from .prefix_cache import PrefixCache
+
+            self.prefix = PrefixCache(self.cache, prefix_cache_mb)
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(max_batch=self.n_slots, extend=True, prefill_chunk=self.prefill_chunk,
                             tunable_threads=self.device.type == "cpu",  # see prunus.serve.pass_threads
-                            warm_up=bool(self.compile), device_sampling=self.device.type != "cpu")
+                            warm_up=bool(self.compile), device_sampling=self.device.type != "cpu",
+                            prefix_cache=self.prefix is not None, verify=True)
 
     def release(self, row: int) -> None:
         """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
         self.cache.lengths[row] = 0
 
     def describe(self) -> dict:
-        return {"compile": self.compiled is not None}
+        facts = {"compile": self.compiled is not None}
+        if self.prefix is not None:
+            facts["prefix_cache"] = self.prefix.stats  # live: the engine's info shows the counts as they move
+        return facts
+
+    def restore_prefix(self, row: int, ids: list[int]) -> int:
+        """Start ``row`` with the longest cached prefix of ``ids``; the tokens it holds (0: start afresh)."""
+        return self.prefix.restore(row, ids)
+
+    def store_prefix(self, row: int, ids: list[int]) -> None:
+        """Cache the full blocks of ``ids`` that ``row`` holds."""
+        self.prefix.store(row, ids)
+
+    def truncate(self, row: int, length: int) -> None:
+        self.cache.truncate(row, length)
+
+    @torch.inference_mode()
+    def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
+        """Append ``tokens`` to ``row`` in one pass; the logits after each of them, (len(tokens), vocab) float32."""
+        step = self.cache.step([row], q_len=len(tokens))
+        x = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return self.model(x, cache=step, positions=step.positions)[0].float()
 
     def warm_up(self, set_threads=None) -> None:
         """With ``compile``, compile the decode graphs now (prunus.runtime.compiled_decode). A compile that
@@ -153,5 +186,5 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
         model = load_model(path, device=options.device, dtype=dtype)
         info["compile"] = compile = choose_compile(options.compile, model)
         backend = TorchBackend(model, options.max_batch, options.max_len, compile=compile,
-                               prefill_chunk=options.prefill_chunk)
+                               prefill_chunk=options.prefill_chunk, prefix_cache_mb=options.features.prefix_cache_mb)
     return Loaded(backend, load_model_tokenizer(path), info)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prunus.artifacts.errors import PrunusError
-from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions
+from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions, ServingFeatures
 from prunus.runtime.registry import load_runtime
 
 from . import events
@@ -45,7 +45,7 @@ def _close_open_engines() -> None:
 
 class Engine:
     def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None,
-                 threads: int | None = None, max_delay_ms: float = 2.0):
+                 threads: int | None = None, max_delay_ms: float = 2.0, speculator=None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_len = backend.max_len
@@ -54,7 +54,9 @@ class Engine:
             self.scheduler = DynamicBatcher(backend, max_delay_ms, max_queue)
             self.info["max_delay_ms"] = max_delay_ms
         else:
-            self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads)
+            self.scheduler = Scheduler(backend, max_queue=max_queue, threads=threads, speculator=speculator)
+            if speculator is not None:
+                self.info["speculative"] = speculator.stats  # live: drafted, accepted, acceptance rate
         if self.scheduler.start_error is not None:
             error = self.scheduler.start_error
             self.scheduler.close()
@@ -72,7 +74,8 @@ class Engine:
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
              prompt_graph: bool = False, native: bool = False, trust_factory=None,
-             max_delay_ms: float = 2.0) -> "Engine":
+             max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
+             draft_tokens: int = 4) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
         runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
 
@@ -91,14 +94,29 @@ class Engine:
         (:mod:`prunus.runtime.native`, AVX2, compiled on first use) over the same weights and KV buffers.
         A generic model dir (any ``nn.Module``; its factory imported only when ``trust_factory`` trusts it) or its
         ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
-        concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others."""
+        concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others.
+        ``prefix_cache_mb``: MiB of KV blocks kept for prompts that start like earlier ones (automatic prefix
+        caching, :mod:`prunus.runtime.prefix_cache`; the torch backend in one process). ``draft``: speculative
+        decoding (:mod:`prunus.runtime.speculative`) with a draft model dir of the same tokenizer, or "ngram" (prompt
+        lookup, :mod:`prunus.runtime.prompt_lookup`), ``draft_tokens`` drafted per step; a lone decoding request
+        speculates, several decode plainly together. The info's ``prefix_cache`` and ``speculative`` count reuse
+        and acceptance."""
         options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
                               compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
                               max_memory=max_memory, prompt_graph=prompt_graph, native=native,
-                              trust_factory=trust_factory)
+                              trust_factory=trust_factory, features=ServingFeatures(prefix_cache_mb, draft, draft_tokens))
         loaded = load_runtime(path, backend, options)
+        speculator = None
+        if draft is not None:
+            from prunus.runtime.speculative import load_speculator
+
+            try:
+                speculator = load_speculator(path, loaded.backend, draft, draft_tokens)
+            except BaseException:
+                loaded.backend.close()
+                raise
         return cls(loaded.backend, loaded.tokenizer, max_queue=max_queue, info=loaded.info, threads=threads,
-                   max_delay_ms=max_delay_ms)
+                   max_delay_ms=max_delay_ms, speculator=speculator)
 
     # --- non-generative models ------------------------------------------------------------
 

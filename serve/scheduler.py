@@ -15,6 +15,15 @@ The scheduler knows a backend by its contract (:class:`prunus.runtime.backend.Ba
 do by ``backend.capabilities`` alone. Sampling is per request (:func:`prunus.runtime.sampling.sample`
 with the request's own settings and generator), so a request's tokens do not depend on its batch-mates;
 it runs where the logits are and brings back token ids.
+
+With a prefix cache (``capabilities.prefix_cache``, :mod:`prunus.runtime.prefix_cache`) a joining request whose
+prompt starts like an earlier one starts its row from the cached blocks and runs only the rest of its prompt,
+through ``extend`` like a long prompt's later chunk; its full blocks are cached once its prompt is in (for the
+requests after it) and again when it leaves (prompt and answer, for the next turn of a conversation).
+
+With a speculator (:mod:`prunus.runtime.speculative`) a decode step of a lone request drafts tokens and checks them
+in one pass; while more than one request decodes, the step is the plain batched one (the draft catches up later),
+as it is for a request with logits processing (``SamplingParams.logits``).
 """
 
 from __future__ import annotations
@@ -37,9 +46,11 @@ class QueueFull(PrunusError):
 
 
 class Scheduler:
-    def __init__(self, backend, max_queue: int | None = None, threads: int | None = None):
-        """``threads``: per pass of an in-process torch backend; None times 1 against all at start."""
+    def __init__(self, backend, max_queue: int | None = None, threads: int | None = None, speculator=None):
+        """``threads``: per pass of an in-process torch backend; None times 1 against all at start.
+        ``speculator``: a :class:`prunus.runtime.speculative.Speculator` over ``backend``, or None."""
         self.backend = backend
+        self.speculator = speculator
         self.caps = backend.capabilities
         self.max_queue = max_queue
         self.threads: PassThreads | None = None
@@ -160,6 +171,8 @@ class Scheduler:
         self.free.append(slot)
         try:
             self.backend.release(slot)
+            if self.speculator is not None:
+                self.speculator.release(slot)
         except Exception:  # a backend that failed mid-pass: its next prefill of the row starts it afresh
             pass
 
@@ -178,13 +191,14 @@ class Scheduler:
                 r.finish_reason = "cancelled"
                 self._free(slot)
                 r.finish()
+        joining = self._restore(joining)
         continuing = list(self.prefilling.values())
         complete, logits = [], []
         for reqs, fresh in ((continuing, False), (joining, True)):
             if not reqs:
                 continue
             starts = [0 if fresh else self.prefilled[r.slot] for r in reqs]
-            pieces = [r.prompt_ids[s:s + chunk] if chunk else r.prompt_ids for r, s in zip(reqs, starts)]
+            pieces = [r.prompt_ids[s:s + chunk] if chunk else r.prompt_ids[s:] for r, s in zip(reqs, starts)]
             self._set_threads(sum(map(len, pieces)))
             run = self.backend.prefill if fresh else self.backend.extend
             out = run([r.slot for r in reqs], pieces)
@@ -198,12 +212,34 @@ class Scheduler:
                 complete.append(r)
                 logits.append(out[i])
         if complete:
+            if self.caps.prefix_cache:
+                for r in complete:
+                    self.backend.store_prefix(r.slot, r.prompt_ids)
             self._sample(complete, torch.stack(logits))
             for r in complete:
                 self.active[r.slot] = r
             self._retire(complete)
 
+    def _restore(self, joining: list[Request]) -> list[Request]:
+        """With a prefix cache: a joining request whose prompt starts like a cached one holds that prefix now and
+        goes on as a prompt being prefilled; the others (returned) start afresh."""
+        if not self.caps.prefix_cache:
+            return joining
+        fresh = []
+        for r in joining:
+            held = self.backend.restore_prefix(r.slot, r.prompt_ids)
+            if held:
+                self.prefilling[r.slot], self.prefilled[r.slot] = r, held
+            else:
+                fresh.append(r)
+        return fresh
+
     def _decode(self) -> None:
+        if self.speculator is not None and len(self.active) == 1:
+            slot, r = next(iter(self.active.items()))
+            if r.params.logits is None:  # penalties, logit_bias and logprobs decode plainly
+                self._speculate(slot, r)
+                return
         rows = sorted(self.active)
         reqs = [self.active[s] for s in rows]
         self._set_threads(len(rows))
@@ -211,6 +247,21 @@ class Scheduler:
         self.steps += 1
         self._sample(reqs, logits)
         self._retire(reqs)
+
+    def _speculate(self, slot: int, r: Request) -> None:
+        """One speculative step of a lone request: the tokens the speculator accepted, and the one it sampled."""
+        self._set_threads(1 + self.speculator.k)
+        sampling = RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
+        tokens = self.speculator.step(slot, r.prompt_ids + r.generated, sampling,
+                                      r.params.max_new_tokens - len(r.generated))
+        self.steps += 1
+        for t in tokens:
+            r.last_token = t
+            r.add_token(t)
+            self.tokens_generated += 1
+            if r.done:
+                break
+        self._retire([r])
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         logits = process(reqs, logits)  # per-row penalties, logit_bias, min_tokens (prunus.serve.logits_processors)
@@ -226,6 +277,8 @@ class Scheduler:
             if r.done or r.cancelled.is_set():
                 if not r.done:
                     r.finish_reason = "cancelled"
+                if self.caps.prefix_cache:  # prompt and answer, for the next turn (the row holds all but the last)
+                    self.backend.store_prefix(r.slot, r.prompt_ids + r.generated)
                 del self.active[r.slot]
                 self._free(r.slot)
                 r.finish()
