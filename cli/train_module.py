@@ -61,7 +61,7 @@ def module_config(given: dict, options: dict) -> ModuleTrainConfig:
     if extra:
         flag = "--" + extra[0].replace("_", "-")
         raise PrunusError(f"{flag} applies to the transformer, not to a generic module (--model); drop it (a module "
-                          "trains with data parallelism: --nproc, --zero, --sync-batchnorm)")
+                          "trains with --nproc, --zero, --sync-batchnorm, --grad-accum, --pp-split or --tp with --tp-plan)")
     spec = options["module_spec"]
     parse_spec(spec, "--model")
     settings = {k: v for k, v in given.items() if k in _MODULE_FIELDS}

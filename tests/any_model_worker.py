@@ -28,7 +28,8 @@ def main(spec_path: str, out_path: str) -> None:
             r = train_module(job["model"], train, job["task"], ModuleTrainConfig(**job["config"]), val_dataset=val,
                              resume=job.get("resume", False))
             results[job["name"]] = {"losses": r.losses, "val_loss": r.metrics.get("val_loss"),
-                                    "val_accuracy": r.metrics.get("val_accuracy")}
+                                    "val_accuracy": r.metrics.get("val_accuracy"),
+                                    "model_dir": str(r.model_dir) if r.model_dir else None}
         except Exception as e:  # recorded; the group goes on with the next layout
             results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
             print(f"{job['name']}: {traceback.format_exc()}", file=sys.stderr)

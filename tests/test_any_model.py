@@ -67,6 +67,10 @@ def resnet(channels=3, width=8, classes=4):
                          Block(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
 
 
+def block(width=4):
+    return Block(width)
+
+
 def not_a_module():
     return 42
 
@@ -263,29 +267,49 @@ LAYOUTS = {
 }
 
 
+# pipeline (user split points) and tensor parallel (user plan) layouts: each against one process running the
+# same micro-batches with gradient accumulation (BatchNorm's statistics are per micro-batch in both)
+PLAN = {"fc1": "colwise", "fc2": "rowwise"}
+SPLIT_LAYOUTS = {
+    "cnn/pp_1f1b": ("test_any_model:resnet", CNN_DATA, dict(pp_split="3", microbatches=4, pp_schedule="1F1B"), 4),
+    "mlp/pp_gpipe": ("test_any_model:two_linear", MLP_DATA, dict(pp_split="fc2", microbatches=2, pp_schedule="GPipe"),
+                     2),
+    "mlp/tp_plan": ("test_any_model:two_linear", MLP_DATA, dict(tp=2), 1),
+}
+
+
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory, spawn_jobs):
     tmp = tmp_path_factory.mktemp("any2")
+    (tmp / "plan.json").write_text(json.dumps(PLAN))
     jobs = [{"name": name, "model": spec, "data": data, "task": "classification",
              "config": {**BASE, **layout, "out": str(tmp / name.replace("/", "_"))}}
-            for name, (spec, data, layout, _) in LAYOUTS.items()]
+            for name, (spec, data, layout, _) in {**LAYOUTS, **SPLIT_LAYOUTS}.items()]
+    jobs[-1]["config"]["tp_plan"] = str(tmp / "plan.json")
+    # stopped at step 2 under the pipeline (each stage saves its own parameters), resumed in one process
+    jobs.append({"name": "cnn/pp_stop", "model": "test_any_model:resnet", "data": CNN_DATA, "task": "classification",
+                 "config": {**BASE, **SPLIT_LAYOUTS["cnn/pp_1f1b"][2], "stop_at": 2, "out": str(tmp / "pp_stop")}})
     # stopped at step 2 under FSDP (a sharded checkpoint), resumed under DDP
     ckpt = {**BASE, "zero": 3, "sync_batchnorm": True, "stop_at": 2, "out": str(tmp / "ckpt")}
     jobs.append({"name": "cnn/stop_fsdp", "model": "test_any_model:resnet", "data": CNN_DATA, "task": "classification",
                  "config": ckpt})
     jobs.append({"name": "cnn/resume_ddp", "model": "test_any_model:resnet", "data": CNN_DATA, "task": "classification",
                  "config": {**ckpt, "zero": 0, "stop_at": None}, "resume": True})
-    return spawn_jobs(WORKER, 2, jobs, tmp)
+    return {**spawn_jobs(WORKER, 2, jobs, tmp), "_tmp": str(tmp)}
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
+    """{spec: figures} of one process, and {(spec, k): figures} of one process accumulating k micro-batches."""
     tmp, refs = tmp_path_factory.mktemp("any1"), {}
-    for spec, data in {(s, d) for s, d, _, _ in LAYOUTS.values()}:
+    runs = {(s, d, 1) for s, d, _, _ in LAYOUTS.values()} | {(s, d, k) for s, d, _, k in SPLIT_LAYOUTS.values()}
+    for spec, data, accum in runs:
         train, val = synthetic_datasets(data)
-        r = train_module(spec, train, "classification", ModuleTrainConfig(out=str(tmp / spec.split(":")[1]), **BASE),
-                         val_dataset=val)
-        refs[spec] = {"losses": r.losses, "val_loss": r.metrics["val_loss"]}
+        cfg = ModuleTrainConfig(out=str(tmp / f"{spec.split(':')[1]}_{accum}"), grad_accum=accum, **BASE)
+        r = train_module(spec, train, "classification", cfg, val_dataset=val)
+        refs[(spec, accum)] = {"losses": r.losses, "val_loss": r.metrics["val_loss"], "model_dir": r.model_dir}
+        if accum == 1:
+            refs[spec] = refs[(spec, accum)]
     return refs
 
 
@@ -300,6 +324,32 @@ def test_two_ranks_train_to_the_losses_of_one_process(two_rank, one_process, nam
         assert max(diffs) > 1e-4, diffs
     else:
         assert max(diffs) <= TOL, f"{name}: |loss - one process| per step {diffs}"
+
+
+@pytest.mark.parametrize("name", SPLIT_LAYOUTS)
+def test_pipeline_and_tensor_parallel_train_to_the_losses_of_one_process(two_rank, one_process, name):
+    spec, _, _, accum = SPLIT_LAYOUTS[name]
+    got, ref = two_rank[name], one_process[(spec, accum)]
+    assert "error" not in got, f"{name}: {got.get('error')}\n{got.get('trace')}"
+    assert len(got["losses"]) == len(ref["losses"]) == BASE["steps"]
+    diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])] + [abs(got["val_loss"] - ref["val_loss"])]
+    assert max(diffs) <= TOL, f"{name}: |loss - one process| per step {diffs}"
+    # the model dir holds every stage's (or shard's) weights under the whole module's names
+    mine = load_model(got["model_dir"], trust_factory=True).state_dict()
+    theirs = load_model(ref["model_dir"], trust_factory=True).state_dict()
+    assert set(mine) == set(theirs) and all(torch.allclose(mine[k].float(), theirs[k].float(), atol=1e-5) for k in mine)
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process(two_rank, one_process, tmp_path):
+    ref, stopped = one_process[("test_any_model:resnet", 4)], two_rank["cnn/pp_stop"]
+    assert "error" not in stopped, f"{stopped.get('error')}\n{stopped.get('trace')}"
+    assert stopped["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
+    run = Path(two_rank["_tmp"]) / "pp_stop"
+    train, val = synthetic_datasets(CNN_DATA)
+    rest = train_module("test_any_model:resnet", train, "classification",
+                        ModuleTrainConfig(out=str(run), **{**BASE, "grad_accum": 4}), val_dataset=val, resume=True)
+    assert rest.losses == pytest.approx(ref["losses"][2:], abs=TOL)
+    assert rest.metrics["val_loss"] == pytest.approx(ref["val_loss"], abs=TOL)
 
 
 def test_a_sharded_checkpoint_resumes_under_ddp(two_rank, one_process):
@@ -395,7 +445,16 @@ def test_export_refuses_a_failed_parity_unless_told(cli_export, tmp_path, monkey
     (["--model", "test_any_model:two_linear", "--model-args", "d_in=__import__('os')"], "--model-args d_in"),
     (["--model", "test_any_model:two_linear", "--model-args", "hidden=-3"], "building the model failed"),
     (["--model", "not a spec"], "not a factory spec"),
-    (["--model", "test_any_model:two_linear", "--tp", "2"], "--tp applies to the transformer"),
+    (["--model", "test_any_model:two_linear", "--tp", "2"], "--tp 2 needs --tp-plan FILE.json"),
+    (["--model", "test_any_model:two_linear", "--pp", "2"], "--pp applies to the transformer"),
+    (["--model", "test_any_model:two_linear", "--pp-split", "fc3", "--nproc", "2"],
+     "--pp-split 'fc3': not a top-level child of TwoLinear; its children are fc1, fc2"),
+    (["--model", "test_any_model:block", "--pp-split", "conv2", "--nproc", "2"],
+     "Block's forward is not a plain sequence of its children (add uses x, not only the step before it); make"),
+    (["--model", "test_any_model:two_linear", "--pp-split", "fc2", "--microbatches", "1", "--nproc", "2"],
+     "--microbatches 1 is too few for 1F1B with 2 stages"),
+    (["--model", "test_any_model:two_linear", "--pp-split", "fc2", "--nproc", "3"], "set --nproc 2"),
+    (["--pp-split", "fc2"], "--pp-split applies to a generic module"),
     (["--sync-batchnorm"], "--sync-batchnorm applies to a generic module"),
     (["--model", "test_any_model:two_linear", "--task", "ranking"], "--task 'ranking'"),
     (["--model", "test_any_model:two_linear", "--data", "synthetic:images"], "synthetic kind 'images'"),
@@ -412,6 +471,45 @@ def test_cli_bad_inputs_are_one_line_exit_2(tmp_path, assert_user_error, extra, 
     result = CliRunner().invoke(cli, [*args, *extra])
     assert_user_error(result, needle)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("plan, needle", [
+    ({"fc3": "colwise"}, "entry 'fc3' is not a module of TwoLinear"),
+    ({"fc1": "diagonal"}, "entry 'fc1' is 'diagonal', not colwise or rowwise"),
+    ({"fc1": "colwise", "fc2": "rowwise", "": "rowwise"}, "entry '' is not a module"),
+    ({"fc2": "colwise"}, "entry 'fc2' (colwise) has 3 outputs, not divisible by --tp 2"),
+    ([["fc1", "colwise"]], "holds a JSON list, not an object"),
+])
+def test_a_tp_plan_that_does_not_fit_is_one_line_before_any_rank_starts(tmp_path, assert_user_error, plan, needle):
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = CliRunner().invoke(cli, ["train", "--model", "test_any_model:two_linear", "--data", MLP_DATA, "--tp", "2",
+                                      "--tp-plan", str(tmp_path / "plan.json"), "--nproc", "2", "--steps", "2",
+                                      "--batch-size", "4", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert_user_error(result, needle)
+    assert str(tmp_path / "plan.json") in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_tp_plan_naming_a_convolution_is_refused(tmp_path, assert_user_error):
+    (tmp_path / "plan.json").write_text(json.dumps({"0": "colwise"}))
+    result = CliRunner().invoke(cli, ["train", "--model", "test_any_model:resnet", "--data", CNN_DATA, "--tp", "2",
+                                      "--tp-plan", str(tmp_path / "plan.json"), "--nproc", "2", "--steps", "2",
+                                      "--batch-size", "4", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert_user_error(result, "entry '0' is a Conv2d, not an nn.Linear; a plan shards Linear layers only")
+
+
+def test_pipeline_stages_keep_the_whole_modules_names_and_outputs():
+    from prunus.train_parallel.pipeline.module_split import split_stages
+
+    torch.manual_seed(0)
+    model = resnet().eval()
+    stages = split_stages(model, ["3", "6"])
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(stages[2](stages[1](stages[0](x))), model(x))
+    assert [sorted(k for k, _ in s.named_parameters()) for s in stages] == [
+        ["0.weight", "1.bias", "1.weight"], sorted(k for k, _ in model.named_parameters() if k.startswith("3.")),
+        ["6.bias", "6.weight"]]
+    with pytest.raises(PrunusError, match="--pp-split 6,3: name children after the first"):
+        split_stages(model, ["6", "3"])
 
 
 # --- data specs ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from .config import MAX_TIMEOUT_S, _doc
 
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
-                    "progress", "nproc", "zero", "sync_batchnorm", "timeout_s", "device")
+                    "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "progress", "nproc", "zero",
+                    "sync_batchnorm", "timeout_s", "device")
 
 
 @dataclass
@@ -55,6 +56,14 @@ class ModuleTrainConfig:
     zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP2. Default: 3 with several ranks.")
     sync_batchnorm: bool = _doc(False, "Data parallel: BatchNorm statistics over the global batch of every rank "
                                        "(as one process computes them), not each rank's share.")
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
+    pp_split: str | None = _doc(None, "Pipeline parallelism: top-level children the stages start at, joined by commas "
+                                      "(e.g. layer3: stage 0 runs up to layer3, stage 1 from it); one rank a stage.")
+    pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining): GPipe or 1F1B.")
+    microbatches: int = _doc(4, "Pipeline micro-batches per step.")
+    tp: int = _doc(1, "Tensor parallel degree (with --tp-plan).")
+    tp_plan: str | None = _doc(None, "Tensor parallelism: a JSON file of module name -> colwise / rowwise (nn.Linear "
+                                     "modules), applied with parallelize_module over --tp ranks.")
     timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
 
     def validate(self) -> None:
@@ -84,10 +93,42 @@ class ModuleTrainConfig:
             raise PrunusError(f"--val-fraction {self.val_fraction} must be between 0 and 1")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        self._validate_layout()
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise PrunusError(f"--device {short(self.device)}: choose auto, cpu or cuda")
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages: one more than the split points."""
+        from prunus.train_parallel.pipeline.module_split import parse_split
+
+        return len(parse_split(self.pp_split)) + 1 if self.pp_split is not None else 1
+
+    def _validate_layout(self) -> None:
+        for name in ("grad_accum", "microbatches", "tp"):
+            if getattr(self, name) < 1:
+                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.batch_size % self.grad_accum:
+            raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
+        if self.tp > 1 and self.tp_plan is None:
+            raise PrunusError(f"--tp {self.tp} needs --tp-plan FILE.json: which nn.Linear modules are colwise and "
+                              "which rowwise (a generic module has no built-in plan)")
+        if self.tp_plan is not None and self.tp == 1:
+            raise PrunusError("--tp-plan needs --tp N (N ranks share each planned Linear)")
+        if self.pp > 1:
+            from prunus.train_parallel.pipeline.module_pipeline import check_module_schedule
+
+            check_module_schedule(self.pp_schedule, self.pp, self.microbatches, self.batch_size)
+            if self.grad_accum > 1:
+                raise PrunusError("--grad-accum with --pp-split: the pipeline's --microbatches already split the batch")
+        if self.pp > 1 and self.tp > 1:
+            raise PrunusError("--pp-split with --tp-plan: a generic module takes one of them at a time; drop one")
+        if (self.pp > 1 or self.tp > 1) and self.nproc not in (1, self.pp * self.tp):
+            kind = "pipeline" if self.pp > 1 else "tensor parallel"
+            raise PrunusError(f"--nproc {self.nproc}: a generic module's {kind} layout uses every rank (no data "
+                              f"parallelism beside it); set --nproc {self.pp * self.tp}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,8 +2,10 @@
 
 The module (or a factory spec that builds it, :mod:`prunus.models.module_factory`) trains on a map-style
 ``Dataset`` of (input, target) samples for a task (:mod:`prunus.models.tasks`: the loss and the held-out
-figures) with the engine's data parallelism: one process, DDP (``zero`` 0 / 1) or FSDP2 (``zero`` 2 / 3) over
-every rank torchrun or ``--nproc`` started, BatchNorm optionally synchronised. Every layout sees the same
+figures) with the engine's data parallelism: one process (``grad_accum`` micro-steps a step), DDP (``zero``
+0 / 1) or FSDP2 (``zero`` 2 / 3) over every rank torchrun or ``--nproc`` started, BatchNorm optionally
+synchronised; or a pipeline split before user-named children (``pp_split``, :mod:`.pipeline.module_pipeline`),
+or tensor parallelism by a user plan (``tp_plan``, :mod:`.tensor_parallel.module_plan`). Every layout sees the same
 global batch per step (:class:`prunus.data.global_batches.GlobalBatches`), so it trains to the same losses
 as one process. The run dir is the transformer's: ``run.json``, ``metrics.jsonl``, ``checkpoints/step-N``
 (reloadable under any layout) and, at the end, ``model/``: a generic model dir that records the factory.
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from prunus.artifacts.errors import PrunusError
+from torch.utils.data import default_collate
+
 from prunus.data.global_batches import GlobalBatches, check_pair, eval_batches
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
@@ -26,12 +30,15 @@ from prunus.models.module_reshape import apply_shapes, shape_changes
 from prunus.models.tasks import Task, get_task
 
 from .checkpoint.checkpoint import Checkpointer, load_checkpoint
-from .data_parallel.any_module import parallelize_any, unwrapped
+from .data_parallel.any_module import broadcast_from_first, parallelize_any, unwrapped
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
 from .module_run_dir import check_module_run, discard_on_failure, open_module_run
 from .parallel_dims import ParallelDims
+from .pipeline.module_pipeline import ModulePipeline
+from .pipeline.module_split import parse_split, split_stages
+from .tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, read_tp_plan
 from .run_dir import publish_run_dir
 from .schedule import lr_at
 from .trainer import clip_grad_norm
@@ -80,6 +87,29 @@ def _call(model, x):
     return model(x)
 
 
+def _split(obj, n: int) -> list:
+    """``n`` micro-batches of a batch's input or target (a tensor, or a tuple / dict of them) along dim 0."""
+    if isinstance(obj, torch.Tensor):
+        return list(obj.chunk(n))
+    if isinstance(obj, (list, tuple)):
+        return [type(obj)(parts) for parts in zip(*(_split(o, n) for o in obj))]
+    if isinstance(obj, dict):
+        parts = {k: _split(v, n) for k, v in obj.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+    return [obj] * n
+
+
+def check_layout(module: torch.nn.Module, cfg: ModuleTrainConfig) -> dict | None:
+    """One line unless ``module`` splits at ``--pp-split`` and fits ``--tp-plan``; returns the plan (or None)."""
+    if cfg.pp > 1:
+        split_stages(module, parse_split(cfg.pp_split))
+    if cfg.tp == 1:
+        return None
+    plan = read_tp_plan(cfg.tp_plan)
+    check_tp_plan(module, plan, cfg.tp, cfg.tp_plan)
+    return plan
+
+
 def _resolve_model(module_or_spec, cfg: ModuleTrainConfig, factory: ModuleFactory | None):
     """(the module, its factory, cfg naming it): a spec is built here (seeded), a module taken as it is."""
     if isinstance(module_or_spec, str):
@@ -121,7 +151,10 @@ class ModuleTrainer:
         self.task: Task = get_task(task)
         self.rank, self.world, launched = init_distributed(cfg.timeout_s)
         self.main = self.rank == 0
-        self.dims = ParallelDims(world_size=self.world, zero=cfg.zero)
+        if self.world != cfg.pp * cfg.tp and (cfg.pp > 1 or cfg.tp > 1):
+            raise PrunusError(f"{'--pp-split' if cfg.pp > 1 else '--tp'} needs {cfg.pp * cfg.tp} ranks but {self.world} "
+                              f"run; start them with --nproc {cfg.pp * cfg.tp} (or torchrun)")
+        self.dims = ParallelDims(world_size=self.world, zero=cfg.zero, pp=cfg.pp, tp=cfg.tp)
         cfg = replace(cfg, zero=self.dims.zero)
         self.batches = GlobalBatches(dataset, cfg.batch_size, seed=cfg.seed, rank=self.dims.submesh_rank("dp"),
                                      world=self.dims.dp)
@@ -130,7 +163,8 @@ class ModuleTrainer:
         self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
         self.run = check_module_run(cfg, resume=resume, overwrite=overwrite)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
-        self.model = parallelize_any(module.to(self.device), self.dims, sync_batchnorm=cfg.sync_batchnorm)
+        self.pipeline: ModulePipeline | None = None
+        self.model = self._parallelize(module.to(self.device))
         self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
         self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
         self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
@@ -143,6 +177,38 @@ class ModuleTrainer:
         self.record: dict = {}
         if self.main:
             open_module_run(self.run, cfg)
+
+    def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
+        """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data
+        parallelism (:func:`parallelize_any`). Every rank starts from the first rank's weights."""
+        cfg, dims = self.cfg, self.dims
+        plan = check_layout(module, cfg)
+        if dims.pp == 1 and dims.tp == 1:
+            return parallelize_any(module, dims, sync_batchnorm=cfg.sync_batchnorm)
+        broadcast_from_first(module, dist.group.WORLD)
+        if dims.pp > 1:
+            self.pipeline = ModulePipeline(module, parse_split(cfg.pp_split), dims.submesh_group("pp"),
+                                           schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
+                                           loss_fn=self.task.loss, device=self.device, example=self._example(
+                                               cfg.batch_size // cfg.microbatches))
+            return self.pipeline.part
+        example = self._example(1)
+        return apply_tp_plan(module, plan, dims.submesh("tp"), lambda m: _call(m, example))
+
+    def _example(self, n: int):
+        """The input of the dataset's first ``n`` samples, collated, on the device."""
+        return _to(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))])[0], self.device)
+
+    def _forward_backward(self, x, y) -> torch.Tensor:
+        """The step's loss (the mean over its micro-batches), gradients accumulated."""
+        if self.pipeline is not None:
+            return self.pipeline.step(x, y)
+        n, total = self.cfg.grad_accum, torch.zeros((), device=self.device)
+        for xm, ym in zip(_split(x, n), _split(y, n)):
+            loss = self.task.loss(_call(self.model, xm), ym)
+            (loss / n).backward()
+            total += loss.detach().float()
+        return total / n
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -162,9 +228,9 @@ class ModuleTrainer:
             group["lr"] = lr
         x, y = _to(self.batches.batch(step), self.device)
         self.model.train()
-        loss = self.task.loss(_call(self.model, x), y)
-        loss.backward()
-        grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        loss = self._forward_backward(x, y)
+        grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
+                                   self.dims.submesh_group("pp"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = self._mean(loss.detach().float())
@@ -189,7 +255,10 @@ class ModuleTrainer:
         loss_sum, count, correct = 0.0, 0, 0
         for x, y in eval_batches(self.val_dataset, self.cfg.batch_size, self.cfg.eval_samples):
             x, y = _to((x, y), self.device)
-            s, n, c = self.task.sums(_call(model, x), y)
+            if self.pipeline is not None:
+                s, n, c = self.pipeline.score(x, y, self.task.sums)
+            else:
+                s, n, c = self.task.sums(_call(model, x), y)
             loss_sum, count, correct = loss_sum + s, count + n, correct + (c or 0)
         model.train()
         return self.task.summary(loss_sum, count, correct)
@@ -221,7 +290,10 @@ class ModuleTrainer:
         into a module the factory builds afresh (so the dir is known to rebuild)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.pipeline is not None:
+            state = self.pipeline.full_state()
+        else:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.main:
             return None
         fresh = self.factory.build(source="model dir factory")
@@ -258,7 +330,7 @@ def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, ove
     check_pair(train_dataset, "--data")
     GlobalBatches(train_dataset, cfg.batch_size, seed=cfg.seed, world=cfg.nproc)
     check_module_run(cfg, resume=resume, overwrite=overwrite)
-    build_module(cfg.model, cfg.model_args)
+    check_layout(build_module(cfg.model, cfg.model_args), cfg)
 
 
 @reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
