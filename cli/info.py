@@ -55,7 +55,21 @@ def model_tables(path: Path) -> list:
              "command": manifest.get("command"), **manifest.get("versions", {})}
     files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
     return [_table(f"model {path}", model_rows), _table("manifest", about), _table("metrics", manifest.get("metrics", {})),
-            _table("files (sha256)", files)]
+            _table("files (sha256)", files), *native_tables(path)]
+
+
+def native_tables(path: Path) -> list:
+    """For an export dir with native weights: the kernel path ``--native`` runs on this CPU, or why it cannot."""
+    from prunus.artifacts.native_layout import NATIVE_WEIGHTS
+
+    if not (path / NATIVE_WEIGHTS).is_file():
+        return []
+    from prunus.native.build import ISA_ENV, isa, supported_isas, unavailable
+
+    why = unavailable()
+    rows = {"kernel path": why} if why else {"kernel path": isa(), "paths this CPU runs": ", ".join(supported_isas()),
+                                             "override": f"{ISA_ENV}=<path>"}
+    return [_table("native decoding (--native) on this machine", rows)]
 
 
 def checkpoint_steps(steps: list[int]) -> str:

@@ -1,9 +1,13 @@
 """Compiling and loading ``decode.c``: once per source and compiler, into ``$XDG_CACHE_HOME/prunus/native``.
 
-The library is built on first use with the machine's C compiler (``$CC``, else ``cc``) for AVX2 + FMA, like
+The library is built on first use with the machine's C compiler (``$CC``, else ``cc``) for AVX2 + FMA + F16C, like
 torch's own JIT extensions: no build step at install, nothing compiled when the native decoder is never asked for.
-The file name carries a hash of the source and the command, so an edited source or another compiler builds anew;
+The file name carries a hash of the sources and the command, so an edited source or another compiler builds anew;
 a build is written under a temporary name and renamed into place, so two processes never load a half-written one.
+
+The same library holds the linear kernels of several ISAs (:data:`ISAS`; the AVX-512 and VNNI ones are compiled
+with gcc's target attributes) and picks one at load from the CPU: the first of :data:`ISAS` it has, or the one
+``PRUNUS_NATIVE_ISA`` names (to compare paths, or to test one).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from pathlib import Path
 from prunus.artifacts.errors import PrunusError
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
-ABI = 2  # prunus_abi() of the source this module's structures match
+HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h")  # the kernel templates decode.c includes
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
+ABI = 3  # prunus_abi() of the source this module's structures match
+ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, in the order they are preferred
+ISA_ENV = "PRUNUS_NATIVE_ISA"
 
 
 def cpu_supported() -> str | None:
@@ -35,7 +42,7 @@ def cpu_supported() -> str | None:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return "/proc/cpuinfo to check for AVX2 (not readable here)"
-    missing = [f for f in ("avx2", "fma") if f not in flags.split()]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
     return f"a CPU with {', '.join(missing)} (this one lacks it)" if missing else None
 
 
@@ -59,7 +66,7 @@ def library() -> ctypes.CDLL:
     if why is not None:
         raise PrunusError(f"the native decoder needs {why}; serve without --native")
     cc = _compiler()
-    source = SOURCE.read_bytes()
+    source = b"".join(SOURCE.with_name(name).read_bytes() for name in (SOURCE.name, *HEADERS))
     key = hashlib.sha256(source + " ".join(cc + FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"prunus-decode-{key}.so"
     if not target.is_file():
@@ -68,7 +75,52 @@ def library() -> ctypes.CDLL:
     if lib.prunus_abi() != ABI:
         raise PrunusError(f"{target}: built from another version of decode.c; delete it and retry")
     _declare(lib)
+    _choose_isa(lib, os.environ.get(ISA_ENV, "").strip())
     return lib
+
+
+def _choose_isa(lib: ctypes.CDLL, forced: str) -> None:
+    """The CPU's preferred kernel path, or the one ``PRUNUS_NATIVE_ISA`` forces (one PrunusError line when it is no
+    path or this CPU lacks it)."""
+    if not forced:
+        lib.prunus_set_isa(lib.prunus_best_isa())
+        return
+    rc = lib.prunus_set_isa(forced.encode())
+    if rc == -1:
+        raise PrunusError(f"{ISA_ENV}={forced}: not a native kernel path; set it to one of {', '.join(ISAS)}, "
+                          "or unset it to let the CPU choose")
+    if rc == -2:
+        raise PrunusError(f"{ISA_ENV}={forced}: this CPU has no {forced}; set it to one of "
+                          f"{', '.join(supported_isas(lib))}, or unset it to let the CPU choose")
+
+
+def supported_isas(lib: ctypes.CDLL | None = None) -> list[str]:
+    """The kernel paths this CPU runs, preferred first."""
+    lib = lib or library()
+    return [name for name in ISAS if lib.prunus_isa_supported(name.encode()) == 1]
+
+
+def isa() -> str:
+    """The kernel path the linear layers run now (``avx2``, ``avxvnni``, ``avx512``, ``avx512vnni``)."""
+    return library().prunus_isa().decode()
+
+
+def set_isa(name: str) -> str:
+    """Run the linear layers with path ``name`` from now on, in this process (for tests and comparisons); returns
+    the path it replaces. Raises ValueError when ``name`` is no path or this CPU lacks it."""
+    lib, before = library(), isa()
+    rc = lib.prunus_set_isa(name.encode())
+    if rc != 0:
+        raise ValueError(f"{name}: {'not a kernel path' if rc == -1 else 'this CPU lacks it'}")
+    return before
+
+
+def isa_missing(name: str) -> str | None:
+    """None when this CPU runs path ``name``, else why not (for skipping a test of it)."""
+    why = unavailable()
+    if why is not None:
+        return why
+    return None if name in supported_isas() else f"this CPU has no {name}"
 
 
 def unavailable() -> str | None:
@@ -107,3 +159,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prunus_forward.restype = i
     lib.prunus_forward.argtypes = [p, p, i, i, p, p, p, i, p, i]
     lib.prunus_linear.argtypes = [p, p, i, p, p]
+    for name in ("prunus_isa", "prunus_best_isa", "prunus_isa_name"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.prunus_isa_name.argtypes = [i]
+    lib.prunus_isa_supported.argtypes = lib.prunus_set_isa.argtypes = [ctypes.c_char_p]
+    lib.prunus_isa_supported.restype = lib.prunus_set_isa.restype = i

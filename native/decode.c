@@ -276,121 +276,129 @@ static void tile_f32_pair(const GemmTask *g, int t, int m) {
     }
 }
 
-/* the int8 dot of one weight block (already split into |w| and w) with one activation block, as 8 floats */
-static inline __m256 dot_q8(__m256i aw, __m256i wv, __m256i xv) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
-}
-
-static inline __m256 dot_q4(__m256i wv, __m256i xv) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
-}
-
+/* the 32 nibbles of a q4 weight block as 32 bytes 0..15, in element order */
 static inline __m256i unpack_q4(const uint8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
-/* one row m against tile t */
-static void tile_quant_row(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
-    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    {
-        const int8_t *xq = g->xq + (size_t)m * L->k;
-        const float *xd = g->xd + (size_t)m * kb, *xds = g->xds + (size_t)m * kb;
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        __m128 zacc = _mm_setzero_ps();
-        for (int b = 0; b < kb; b++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            __m256 d = _mm256_set1_ps(xd[b]);
-            const uint8_t *wb = w + (size_t)b * 4 * bytes;
-            const float *sb = s + 4 * b;
-            for (int i = 0; i < 4; i++) {
-                __m256 p;
-                if (q4) {
-                    p = dot_q4(unpack_q4(wb + 16 * i), xv);
-                } else {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
-                    p = dot_q8(_mm256_abs_epi8(wv), wv, xv);
-                }
-                a[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_broadcast_ss(sb + i)), a[i]);
-            }
-            if (sz) zacc = _mm_fmadd_ps(_mm_loadu_ps(sz + 4 * b), _mm_set1_ps(xds[b]), zacc);
-        }
-        store4(g, m, t, _mm_sub_ps(hsum4x8(a[0], a[1], a[2], a[3]), zacc));
-    }
+/* The integer kernels, one instance per ISA from the templates (their comments give the math). The library is
+ * built for AVX2 + FMA; the other ISAs' functions carry target attributes and run only when prunus_set_isa
+ * chose them on a CPU that has them. */
+#define KERNEL(name) name##_avx2
+#define KERNEL_TARGET
+#define DOT_BUS(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#include "tile_quant256.h"
+#undef KERNEL
+#undef KERNEL_TARGET
+#undef DOT_BUS
+
+#define KERNEL(name) name##_avxvnni
+#define KERNEL_TARGET __attribute__((target("avxvnni")))
+#define DOT_BUS(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#include "tile_quant256.h"
+#undef KERNEL
+#undef KERNEL_TARGET
+#undef DOT_BUS
+
+#include "tile_f32_512.h"
+
+#define KERNEL(name) name##_avx512
+#define KERNEL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define DOT_BUS(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+#include "tile_quant512.h"
+#undef KERNEL
+#undef KERNEL_TARGET
+#undef DOT_BUS
+
+#define KERNEL(name) name##_avx512vnni
+#define KERNEL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define DOT_BUS(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#include "tile_quant512.h"
+#undef KERNEL
+#undef KERNEL_TARGET
+#undef DOT_BUS
+
+/* ---------------------------------------------------------------- run-time dispatch */
+
+typedef void (*tile_fn)(const GemmTask *g, int t, int m);
+
+typedef struct {
+    const char *name;
+    tile_fn f32_row, f32_pair, quant_row, quant_pair;
+} Kernels;
+
+/* in order of preference: the first one the CPU has is the default */
+static const Kernels KERNELS[] = {
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2},
+};
+#define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
+
+static _Atomic(const Kernels *) kernels = &KERNELS[N_KERNELS - 1];
+
+/* whether this CPU (and its OS: __builtin_cpu_supports checks that the AVX-512 state is enabled) runs kernels i */
+static int kernels_run_here(int i) {
+    __builtin_cpu_init();
+    const char *n = KERNELS[i].name;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
+    if (!strcmp(n, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
+    if (!strcmp(n, "avx512")) return avx512;
+    if (!strcmp(n, "avxvnni")) return avx2 && __builtin_cpu_supports("avxvnni");
+    return avx2;
 }
 
-/* rows m and m + 1 against tile t: each weight block loaded (and its |w| taken, or its nibbles unpacked) once for
- * both rows (SmolLM2's 576 x 1536 layer, 8 rows, one thread: 8-22% faster than a row at a time) */
-static void tile_quant_pair(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
-    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    {
-        const int m1 = m + 1;
-        const int8_t *xq0 = g->xq + (size_t)m * L->k, *xq1 = g->xq + (size_t)m1 * L->k;
-        const float *xd0 = g->xd + (size_t)m * kb, *xd1 = g->xd + (size_t)m1 * kb;
-        const float *xds0 = g->xds + (size_t)m * kb, *xds1 = g->xds + (size_t)m1 * kb;
-        __m256 a[2][4];
-        for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
-        __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
-        float scale[2][4]; /* the block's four weight scales times each row's activation scale */
-        size_t step = 0;
-        const char *next = next_share(g, t, m, (size_t)kb * 4 * bytes, &step, kb);
-        for (int b = 0; b < kb; b++) {
-            if (next) _mm_prefetch(next + step * b, _MM_HINT_T0);
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
-            const uint8_t *wb = w + (size_t)b * 4 * bytes;
-            const __m128 sb = _mm_loadu_ps(s + 4 * b);
-            _mm_storeu_ps(scale[0], _mm_mul_ps(sb, _mm_broadcast_ss(xd0 + b)));
-            _mm_storeu_ps(scale[1], _mm_mul_ps(sb, _mm_broadcast_ss(xd1 + b)));
-            for (int i = 0; i < 4; i++) {
-                __m256 p0, p1;
-                if (q4) {
-                    __m256i wv = unpack_q4(wb + 16 * i);
-                    p0 = dot_q4(wv, x0);
-                    p1 = dot_q4(wv, x1);
-                } else {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i)), aw = _mm256_abs_epi8(wv);
-                    p0 = dot_q8(aw, wv, x0);
-                    p1 = dot_q8(aw, wv, x1);
-                }
-                a[0][i] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(scale[0] + i), a[0][i]);
-                a[1][i] = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(scale[1] + i), a[1][i]);
-            }
-            if (sz) {
-                __m128 zb = _mm_loadu_ps(sz + 4 * b);
-                z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds0 + b), z0);
-                z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds1 + b), z1);
-            }
-        }
-        store4(g, m, t, _mm_sub_ps(hsum4x8(a[0][0], a[0][1], a[0][2], a[0][3]), z0));
-        store4(g, m1, t, _mm_sub_ps(hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]), z1));
-    }
+static int kernels_index(const char *name) {
+    for (int i = 0; i < N_KERNELS; i++)
+        if (!strcmp(KERNELS[i].name, name)) return i;
+    return -1;
+}
+
+/* the i-th kernel path's name (NULL past the last), for the caller to list them */
+const char *prunus_isa_name(int i) { return i >= 0 && i < N_KERNELS ? KERNELS[i].name : NULL; }
+
+/* 1 when this CPU runs the named path, 0 when it lacks it, -1 for a name that is no path */
+int prunus_isa_supported(const char *name) {
+    const int i = kernels_index(name);
+    return i < 0 ? -1 : kernels_run_here(i);
+}
+
+/* the path the linear layers run now */
+const char *prunus_isa(void) { return atomic_load(&kernels)->name; }
+
+/* the first path this CPU runs, in order of preference */
+const char *prunus_best_isa(void) {
+    for (int i = 0; i < N_KERNELS; i++)
+        if (kernels_run_here(i)) return KERNELS[i].name;
+    return KERNELS[N_KERNELS - 1].name;
+}
+
+/* run the linear layers with the named path from now on: 0, -1 for a name that is no path, -2 when this CPU
+ * lacks it (nothing changed) */
+int prunus_set_isa(const char *name) {
+    const int i = kernels_index(name);
+    if (i < 0) return -1;
+    if (!kernels_run_here(i)) return -2;
+    atomic_store(&kernels, &KERNELS[i]);
+    return 0;
 }
 
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
+    const Kernels *k = atomic_load(&kernels);
     int t0, t1;
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;
+    const tile_fn pair = f32 ? k->f32_pair : k->quant_pair, one = f32 ? k->f32_row : k->quant_row;
     for (int t = t0; t < t1; t++) {
         int m = 0;
-        for (; m + 2 <= g->m; m += 2) {
-            if (f32) tile_f32_pair(g, t, m);
-            else tile_quant_pair(g, t, m);
-        }
-        if (m < g->m) {
-            if (f32) tile_f32_row(g, t, m);
-            else tile_quant_row(g, t, m);
-        }
+        for (; m + 2 <= g->m; m += 2) pair(g, t, m);
+        if (m < g->m) one(g, t, m);
     }
 }
 
@@ -744,4 +752,4 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 2; }
+int prunus_abi(void) { return 3; }

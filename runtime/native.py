@@ -1,6 +1,7 @@
 """The native runtime: a genai export's decode steps (and short int8 prompts) in prunus's own CPU kernels
-(:mod:`prunus.native`: ``decode.c``, AVX2, compiled on first use), over the same weights and the same KV buffers
-as ONNX Runtime's graph, so the two take turns on one cache (:class:`prunus.runtime.genai_session.GenaiSession`
+(:mod:`prunus.native`: ``decode.c``, compiled on first use; AVX2, AVX-VNNI, AVX-512 or AVX-512 VNNI linear
+kernels, chosen from the CPU at load and named in the engine's info as ``native_isa``), over the same weights and
+the same KV buffers as ONNX Runtime's graph, so the two take turns on one cache (:class:`prunus.runtime.genai_session.GenaiSession`
 with ``native=True``); the backend is the genai one (:mod:`prunus.runtime.ort_genai`).
 
 The weights are the export's own numbers, read from the ``native_weights.safetensors`` it wrote beside its graph
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from prunus.artifacts.errors import PrunusError
+from prunus.native.build import isa
 from prunus.native.decoder import NativeDecoder, check_native, native_prompt_tokens  # noqa: F401  (the runtime's API)
 from prunus.native.weights import PackedModel, native_weights_file, read_native_weights
 
@@ -59,4 +61,6 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
     from .ort_genai import load_genai
 
     check_native(str(path))
-    return load_genai(path, config, options, native=True)
+    loaded = load_genai(path, config, options, native=True)
+    loaded.info["native_isa"] = isa()  # the kernel path the CPU (or PRUNUS_NATIVE_ISA) chose
+    return loaded

@@ -1,11 +1,13 @@
-"""The native decoder (prunus's own AVX2 kernels over a genai export's weights): its linear kernels against numpy,
+"""The native decoder (prunus's own CPU kernels over a genai export's weights): its linear kernels against numpy,
 its passes against ONNX Runtime's on the same graph and the same KV buffers (fp32 exactly, with every family
 variant the genai graph builds), quantized graphs against the PyTorch model, serving through it, and its refusals.
-Skipped with the reason where the kernels cannot be built (no AVX2, no C compiler)."""
+Skipped with the reason where the kernels cannot be built (no AVX2, no C compiler). The kernel and pass tests run
+once per kernel path (avx2, avxvnni, avx512, avx512vnni); a path this CPU lacks is skipped with that reason."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import shutil
 
@@ -29,7 +31,7 @@ from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
 from prunus.runtime.ort_genai import GenaiBackend
 
-from prunus.native.build import library, unavailable
+from prunus.native.build import ISA_ENV, ISAS, isa, isa_missing, library, set_isa, supported_isas, unavailable
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
@@ -39,6 +41,19 @@ from prunus.export.export_dir import genai_dims  # noqa: E402
 from prunus.native.weights import pack_blocks, pack_f32, read_native_weights  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40], [3, 1, 4, 1, 5, 9]]
+
+
+@pytest.fixture(params=ISAS)
+def kernel_path(request):
+    """The test runs with the linear layers on this kernel path (skipped where the CPU lacks it)."""
+    why = isa_missing(request.param)
+    if why is not None:
+        pytest.skip(why)
+    before = set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        set_isa(before)
 
 
 def _run_linear(packed, x: np.ndarray, threads: int) -> np.ndarray:
@@ -62,7 +77,7 @@ def _quantized_activations(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("bits,zero", [(8, None), (8, "uint8"), (4, None), (4, "uint8")])
 @pytest.mark.parametrize("m,threads", [(1, 1), (5, 2), (9, 2)])
-def test_integer_kernels_equal_numpy(bits, zero, m, threads):
+def test_integer_kernels_equal_numpy(kernel_path, bits, zero, m, threads):
     """(q - zero) * scale against block-quantized activations, 37 output rows (not a multiple of the tile's 4)."""
     rng = np.random.default_rng(bits + m)
     n, k = 37, 96
@@ -81,7 +96,7 @@ def test_integer_kernels_equal_numpy(bits, zero, m, threads):
 
 
 @pytest.mark.parametrize("m", [3, 9])
-def test_float_kernel_equals_numpy(m):
+def test_float_kernel_equals_numpy(kernel_path, m):
     """9 rows: passes of six rows or more prefetch the next tile's weights as they go."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((13, 64)).astype(np.float32)
@@ -112,7 +127,7 @@ def _native_prefill(sess: GenaiSession, prompts) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
-def test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers(tmp_path, family):
+def test_fp32_passes_equal_onnx_runtimes_on_the_same_buffers(kernel_path, tmp_path, family):
     """Prompts of different lengths, then 30 greedy steps (a sliding window of 6 for mistral, biases for qwen2,
     scaled rope for llama): logits and the KV buffers as GroupQueryAttention writes them, and torch's tokens."""
     model = family_model(family)
@@ -161,7 +176,7 @@ def test_contexts_over_several_attention_chunks_equal_onnx_runtimes(tmp_path, fa
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(trained_run, tmp_path, precision):
+def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(kernel_path, trained_run, tmp_path, precision):
     """Both runtimes quantize activations to int8 blocks of 32; the native kernels may round them differently,
     not worse: their largest logit error against the fp32 PyTorch model stays within 1.5x ONNX Runtime's."""
     model = load_model(trained_run / "model").eval()
@@ -176,7 +191,7 @@ def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(trained_run, tm
     assert nat.native_prompt_tokens == (64 if precision == "int8" else 0)
 
 
-def test_stored_int4_with_zero_points_runs_natively(trained_run, tmp_path):
+def test_stored_int4_with_zero_points_runs_natively(kernel_path, trained_run, tmp_path):
     """Asymmetric int4 (uint8 zero points in MatMulNBits) and an int8 block: the packed weights' own zero points."""
     model = load_model(trained_run / "model")
     quantize_pass(model, None, scheme="int4-weight-only", algorithm="rtn", group_size=32, symmetric=False,
@@ -208,6 +223,7 @@ def test_engine_serves_natively_with_joins_and_leaves(export_dir):
     lengths = [12, 3, 9, 5, 7]
     with Engine.load(root / "export", max_batch=3, max_len=64, native=True, threads=2) as engine:
         assert engine.info["native_prompt_tokens"] == 0
+        assert engine.info["native_isa"] == isa() == supported_isas()[0]  # the CPU's preferred path
         assert engine.backend.session.native is not None
         requests = [engine.submit(p, n, temperature=0.0, ignore_eos=True) for p, n in zip(prompts, lengths)]
         results = [engine.wait(r) for r in requests]
@@ -216,13 +232,28 @@ def test_engine_serves_natively_with_joins_and_leaves(export_dir):
             assert r.token_ids == generate(model, torch.tensor([p]), n)[0, len(p):].tolist()
 
 
+def test_info_names_the_kernel_path_of_an_export(export_dir):
+    root, _ = export_dir
+    r = CliRunner().invoke(cli, ["info", str(root / "export")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "native decoding (--native) on this machine" in r.output
+    assert isa() in next(line for line in r.output.splitlines() if "kernel path" in line)
+
+
 def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user_error):
     root, _ = export_dir
     with pytest.raises(PrunusError, match="native applies to an ONNX Runtime export dir"):
         Engine.load(root / "model", native=True)
-    export_model(root / "model", tmp_path / "torch", graph="torch", progress=False)
+    torch_graphs = tmp_path / "torch"  # an export dir of torch graphs, as its config says (refused before reading)
+    shutil.copytree(root / "export", torch_graphs)
+    config = json.loads((torch_graphs / "config.json").read_text())
+    config["export"]["graph"] = "torch"
+    (torch_graphs / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((torch_graphs / "prunus.json").read_text())
+    manifest["files"]["config.json"] = hashlib.sha256((torch_graphs / "config.json").read_bytes()).hexdigest()
+    (torch_graphs / "prunus.json").write_text(json.dumps(manifest))
     with pytest.raises(PrunusError, match="--native needs a genai export"):
-        Engine.load(tmp_path / "torch", native=True)
+        Engine.load(torch_graphs, native=True)
     old = tmp_path / "old"  # an export of an older prunus: its graph only
     shutil.copytree(root / "export", old)
     (old / NATIVE_WEIGHTS).unlink()
@@ -284,3 +315,29 @@ def test_a_kernel_build_that_cannot_happen_is_one_line(monkeypatch, tmp_path, en
             library()
     finally:
         library.cache_clear()
+
+
+def test_the_kernel_path_is_chosen_from_the_cpu_or_forced_by_the_environment(monkeypatch):
+    """PRUNUS_NATIVE_ISA forces a path the CPU has; a path it lacks, or no path at all, is one PrunusError line."""
+    library.cache_clear()
+    try:
+        here = supported_isas()
+        assert isa() == here[0] and "avx2" in here
+        monkeypatch.setenv(ISA_ENV, "avx2")
+        library.cache_clear()
+        assert isa() == "avx2"
+        for lacking in (name for name in ISAS if name not in here):
+            monkeypatch.setenv(ISA_ENV, lacking)
+            library.cache_clear()
+            with pytest.raises(PrunusError, match=f"^{ISA_ENV}={lacking}: this CPU has no {lacking}; set it to one "
+                                                  "of .*avx2, or unset it"):
+                library()
+        monkeypatch.setenv(ISA_ENV, "sse2")
+        library.cache_clear()
+        with pytest.raises(PrunusError, match=f"^{ISA_ENV}=sse2: not a native kernel path; set it to one of "
+                                              "avx512vnni, avx512, avxvnni, avx2"):
+            library()
+    finally:
+        monkeypatch.delenv(ISA_ENV)
+        library.cache_clear()
+    assert isa() == supported_isas()[0]
