@@ -341,3 +341,16 @@ def test_the_kernel_path_is_chosen_from_the_cpu_or_forced_by_the_environment(mon
         monkeypatch.delenv(ISA_ENV)
         library.cache_clear()
     assert isa() == supported_isas()[0]
+
+
+def test_the_isa_check_runs_every_path_this_cpu_has(capsys):
+    """python -m prunus.native.check_isa: a line naming the CPU, one line per path it runs (each against numpy and
+    the AVX2 path), and the verdict."""
+    from prunus.native.check_isa import main
+
+    assert main(["--n", "37", "--k", "96", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("CPU: ") and f"paths it runs: {', '.join(supported_isas())}" in out[0]
+    assert [line.split()[0] for line in out[1:-1]] == supported_isas()
+    assert all("int8 err" in line and "int4 err" in line and "fp32 err" in line for line in out[1:-1])
+    assert out[-1].startswith("ok: largest error")
