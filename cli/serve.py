@@ -53,10 +53,14 @@ def _device_map(value: str | None):
                    "Or list trusted specs in PRUNUS_TRUST_FACTORIES.")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0, max=10_000), default=2.0, show_default=True,
               help="A generic module: how long a request waits for others to share its forward pass (dynamic batching).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="A name clients give as 'model' (repeat for aliases; GET /v1/models lists them). Default: the "
+                   "served dir's name. Any other 'model' is answered 404 model_not_found.")
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, trust_factory, max_delay_ms, **access):
-    """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /health and GET /metrics until Ctrl-C;
+            max_memory, prompt_graph, native, trust_factory, max_delay_ms, served_model_names, **access):
+    """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
+    (FastAPI on uvicorn) until Ctrl-C;
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
     import os
     import sys
@@ -73,13 +77,14 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
     try:
         _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
                device_map, max_memory, prompt_graph, native, access,
-               predict={"trust_factory": trust_factory or None, "max_delay_ms": max_delay_ms})
+               predict={"trust_factory": trust_factory or None, "max_delay_ms": max_delay_ms},
+               served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()])
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-           max_memory, prompt_graph=False, native=False, access=None, predict=None):
+           max_memory, prompt_graph=False, native=False, access=None, predict=None, served_model_names=None):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
@@ -89,7 +94,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
                      max_memory=max_memory, prompt_graph=prompt_graph, native=native, **(predict or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
-        server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access)
+        server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
+                                                              served_model_names=served_model_names or None)
         info = engine.info
         if access is None or access.api_key is None:
             if not _loopback(server.server_address[0]):
@@ -100,7 +106,7 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                 f"tp={info['tp']}, max batch {info['max_batch']}, context {info['max_len']}")
         click.echo(f"prunus serve: {info['path']} on {info['backend']} ({what}) listening on {server.url}", err=True)
         try:
-            server.serve_forever(poll_interval=0.2)
+            server.serve_forever(poll_interval=0.2)  # uvicorn: SIGINT / SIGTERM end it after the answers in progress
         except KeyboardInterrupt:
             click.echo("prunus serve: shutting down", err=True)
         finally:

@@ -1,132 +1,114 @@
-"""OpenAI-compatible ``POST /v1/chat/completions``: a conversation in, the assistant's answer out.
+"""OpenAI-compatible ``POST /v1/chat/completions``: a conversation in, the assistant's answers out.
 
 The request's ``messages`` are rendered with the model's chat template (as transformers'
-``apply_chat_template`` does, with the assistant's turn opened) and generated like any
-prompt, ending at the model's end-of-turn / end-of-text tokens, a ``stop`` string or
-``max_tokens`` (default: the rest of the context). Fields: ``messages``, ``max_tokens``
-(or ``max_completion_tokens``), ``temperature`` (1.0), ``top_p``, ``top_k`` (an extension),
-``seed``, ``stop``, ``stream`` and ``stream_options.include_usage``.
+``apply_chat_template`` does, with the assistant's turn opened; in the bounded sandbox of
+:mod:`prunus.models.template_sandbox`, off the event loop) and generated like any prompt, ending at the
+model's end-of-turn / end-of-text tokens, ``stop`` strings, ``stop_token_ids`` or ``max_tokens`` /
+``max_completion_tokens`` (default: the rest of the context). The fields are
+:class:`prunus.serve.openai_schema.ChatCompletionRequest`'s.
 
-* Not streamed: one ``chat.completion`` object, ``choices[0].message = {"role": "assistant",
-  "content": ...}``, ``finish_reason`` "stop" or "length", and ``usage``.
-* Streamed: server-sent ``chat.completion.chunk`` events whose ``choices[0].delta`` carries
-  first the role, then pieces of content; the last names the ``finish_reason``; with
-  ``include_usage`` one more chunk holds ``usage`` and no choices; then ``data: [DONE]``.
+* Not streamed: one ``chat.completion`` object, ``choices[i].message = {"role": "assistant", "content": ...}``,
+  ``finish_reason`` "stop" or "length", ``logprobs`` when asked, and ``usage``, whose ``completion_tokens``
+  counts every token made, the end-of-turn token included (as transformers' ``generate`` returns it).
+* Streamed: server-sent ``chat.completion.chunk`` events whose ``choices[0].delta`` carries first the role,
+  then pieces of content; the last names the ``finish_reason``; with ``stream_options.include_usage`` one more
+  chunk holds ``usage`` and no choices; then ``data: [DONE]``.
 
-Bad input (malformed messages, no chat template, a template that fails to render, an
-unsupported field) raises :class:`PrunusError`, which the HTTP server answers with 400
-and ``{"error": {"message", "type": "invalid_request_error"}}``.
+Malformed messages, no chat template, or a template that fails to render: 400, one line.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from prunus.artifacts.errors import PrunusError
 
-from .events import events
-from .http_guard import start_event_stream
-from .request import GenerationResult
+from .asgi_guard import log_client
+from .http_guard import BadRequest
+from .logprobs import chat_logprobs
+from .openai_generate import DONE, Choice, check_context, check_model, collect, engine_kwargs, merged, sse, submit, usage
+from .openai_schema import ChatCompletionRequest
+from .request import GenerationResult, StreamToken
 
 CHAT_PATH = "/v1/chat/completions"
-CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "stream", "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs"}
+EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-def parse_chat(body: bytes) -> tuple[list, dict, bool, bool]:
-    """(messages, engine keyword arguments, stream, include_usage) from a request body, or PrunusError."""
-    try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PrunusError(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(req, dict):
-        raise PrunusError("the request body must be a JSON object")
-    unknown = sorted(set(req) - CHAT_FIELDS)
-    if unknown:
-        raise PrunusError(f"unknown or unsupported field(s): {', '.join(unknown)}")
-    if req.get("n", 1) != 1:
-        raise PrunusError("'n' other than 1 is not supported; send the request again")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if req.get(name) not in (None, 0, 0.0):
-            raise PrunusError(f"'{name}' is not supported; leave it out or set it to 0")
-    if req.get("logprobs") not in (None, False):
-        raise PrunusError("'logprobs' is not supported")
-    stream = req.get("stream", False)
-    if not isinstance(stream, bool):
-        raise PrunusError("'stream' must be true or false")
-    options = req.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise PrunusError("'stream_options' must be an object like {\"include_usage\": true}")
-    stop = req.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise PrunusError("'stop' must be a string or a list of strings")
-    if req.get("max_tokens") is not None and req.get("max_completion_tokens") is not None:
-        raise PrunusError("give 'max_tokens' or 'max_completion_tokens', not both")
-    max_tokens = req.get("max_tokens", req.get("max_completion_tokens"))
-    kwargs = {"max_new_tokens": max_tokens, "temperature": req.get("temperature", 1.0), "top_p": req.get("top_p"),
-              "top_k": req.get("top_k"), "seed": req.get("seed"), "stop": stop}
-    return req.get("messages"), kwargs, stream, bool(options.get("include_usage", False))
+def _max_tokens(req: ChatCompletionRequest) -> int | None:
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise BadRequest(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
+    return req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
 
 
-def submit_chat(engine, messages, kwargs: dict):
-    """The conversation rendered, tokenised and queued on ``engine``; max_new_tokens defaults to the
-    rest of the context."""
-    ids = engine.encode(engine.chat_prompt(messages))
-    if kwargs["max_new_tokens"] is None:
-        kwargs = {**kwargs, "max_new_tokens": max(engine.max_len - len(ids), 1)}
-    return engine.submit(ids, **kwargs)
+def _top_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequest(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest(400, "'stream_options' needs 'stream': true", param="stream_options")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+async def chat(server, req: ChatCompletionRequest, request: Request):
+    engine = server.engine
+    name = check_model(server, req.model)
+    max_tokens, top = _max_tokens(req), _top_logprobs(req)
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(server.pool, lambda: engine.encode(engine.chat_prompt(req.messages)))
+    field = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = engine.max_len - len(ids)
+        if max_tokens < 1:
+            check_context(engine, len(ids), 1, field)
+    check_context(engine, len(ids), max_tokens, field)
+    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top), req.n)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(server, requests, base, include_usage, request.scope), headers=EVENT_STREAM)
+    choices = await collect(server, requests, request.receive)
+    out = [_choice(engine.tokenizer, c, top is not None) for c in choices]
+    return JSONResponse({**base, "object": "chat.completion", "choices": out,
+                         "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))})
 
 
-def handle_chat(handler, body: bytes) -> int:
-    """Answer one chat-completions request on ``handler`` (the HTTP server's request handler); the HTTP status."""
-    messages, kwargs, stream, include_usage = parse_chat(body)
-    request = submit_chat(handler.server.engine, messages, kwargs)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": handler.server.model_name}
-    if stream:
-        return _stream(handler, request, base, include_usage)
-    try:
-        result = handler._wait(request)  # notices a client that goes away
-    except BaseException:
-        request.cancelled.set()  # frees its batch row at the next step
-        raise
-    choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-              "finish_reason": result.finish_reason}
-    handler._json(200, {**base, "object": "chat.completion", "choices": [choice],
-                        "usage": usage(result.prompt_tokens, len(result.token_ids))})
-    return 200
+def _choice(tokenizer, c: Choice, with_logprobs: bool) -> dict:
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs) if with_logprobs else None,
+            "finish_reason": c.finish_reason}
 
 
-def _stream(handler, request, base: dict, include_usage: bool) -> int:
+async def _stream(server, requests, base: dict, include_usage: bool, scope):
     base = {**base, "object": "chat.completion.chunk"}
+    tokenizer, made, finished = server.engine.tokenizer, [0] * len(requests), False
 
-    def send(obj) -> None:
-        handler.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        handler.wfile.flush()
-
-    def chunk(delta: dict, finish_reason=None) -> dict:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
+    def chunk(i: int, delta: dict, finish_reason=None, logprobs=None) -> bytes:
+        return sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]})
     try:
-        start_event_stream(handler)
-        send(chunk({"role": "assistant", "content": ""}))
-        for event in events(request):
-            if isinstance(event, BaseException):
-                send({**base, "error": {"message": str(event), "type": "server_error"}})
+        for i in range(len(requests)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, event in merged(server, requests):
+            if isinstance(event, StreamToken):
+                made[i] += 1
+                logprobs = None if event.logprob is None else chat_logprobs(tokenizer, [event.id], [event.logprob])
+                if event.text or logprobs:
+                    yield chunk(i, {"content": event.text}, logprobs=logprobs)
             elif isinstance(event, GenerationResult):
-                send(chunk({}, event.finish_reason))
-                if include_usage:
-                    send({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.token_ids))})
-            elif event.text:
-                send(chunk({"content": event.text}))
-        handler.wfile.write(b"data: [DONE]\n\n")
-        handler.wfile.flush()
+                yield chunk(i, {}, event.finish_reason)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(len(requests[0].prompt_ids), sum(made))})
+        finished = True
+    except (PrunusError, RuntimeError) as e:  # the engine failed mid-stream: the client learns it
+        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None, "code": None}})
+        finished = True
     finally:
-        request.cancelled.set()  # a client gone mid-stream frees its row at the next step
-    return 200
+        for r in requests:
+            r.cancelled.set()  # a client gone mid-stream frees its rows at the next step
+        if not finished:
+            log_client(scope)
+    yield DONE

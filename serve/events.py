@@ -2,14 +2,17 @@
 :class:`~prunus.serve.request.GenerationResult`, or the error that ended it) as one result or as a stream.
 
 Every reader of ``request.events`` goes through here: :meth:`prunus.serve.engine.Engine.generate` / ``stream``
-and the HTTP server's completions and chat completions.
+in threads, and the HTTP server's completions and chat completions on its event loop (:func:`async_events`:
+the blocking waits run in a thread pool, each taking every event that is ready at once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 
 from .request import GenerationResult, Request, StreamToken
 
@@ -55,3 +58,31 @@ def result(request: Request, check_every_s: float | None = None,
         if isinstance(event, GenerationResult):
             return event
     raise AssertionError("a request's events end with its result or its error")
+
+
+def _ends(event) -> bool:
+    return isinstance(event, (GenerationResult, BaseException))
+
+
+def _ready(request: Request, wait_s: float) -> list:
+    """The events ready now, waiting up to ``wait_s`` for the first; [] if none came."""
+    try:
+        out = [request.events.get(timeout=wait_s)]
+    except queue.Empty:
+        return []
+    while not _ends(out[-1]):
+        try:
+            out.append(request.events.get_nowait())
+        except queue.Empty:
+            break
+    return out
+
+
+async def async_events(request: Request, pool: Executor, wait_s: float = 0.5) -> AsyncIterator[Event]:
+    """:func:`events` for an asyncio task: the same events, in order, ending with the result or the error."""
+    loop = asyncio.get_running_loop()
+    while True:
+        for event in await loop.run_in_executor(pool, _ready, request, wait_s):
+            yield event
+            if _ends(event):
+                return

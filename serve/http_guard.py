@@ -1,24 +1,19 @@
-"""What the HTTP server guards against: slow or silent clients, too many connections, malformed bodies.
+"""Malformed request bodies and the shape of every error answer.
 
-* :class:`DeadlineReader`: the connection's reads, each bounded by the deadline of the phase it
-  belongs to (the request line and headers, then the body), so a client that trickles one byte at
-  a time cannot hold a thread longer than the phase allows; writes get their own timeout.
-* :func:`refuse_connection`: over the connection cap, a 429 written straight onto the new socket
-  (and its request read off, so the client sees the answer, not a reset), without a handler thread.
 * :func:`parse_json_body`: a request body as JSON, refused with 400 when it is not UTF-8, not
   JSON, nested deeper than :data:`MAX_JSON_DEPTH`, holds a lone surrogate (which no tokenizer can
   encode), NaN, or an integer beyond 64 bits (``seed`` must fit torch's generator).
-* :func:`error_json`: every error in OpenAI's shape,
-  ``{"error": {"message", "type", "param", "code"}}``.
+* :class:`BadRequest`: an error answer (status, one line, OpenAI's ``type``, ``param`` and ``code``);
+  :func:`error_json` writes it in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+
+The connection-level guards (the connection cap, the header deadline, malformed HTTP) are in
+:mod:`prunus.serve.http_connection`; the request-level ones (the door, methods, media type, body size and
+deadline) in :mod:`prunus.serve.asgi_guard`.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import socket
-import threading
-import time
 
 MAX_JSON_DEPTH = 32
 INT_LIMIT = 1 << 64
@@ -26,71 +21,19 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 
 
 class BadRequest(Exception):
-    """An HTTP error answer: status, one-line message and OpenAI error type."""
+    """An HTTP error answer: status, one-line message, OpenAI error type, the field it names and a code."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers or {}
+
+    def body(self) -> bytes:
+        return error_json(str(self), self.kind, self.param, self.code)
 
 
 def error_json(message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
-
-
-class DeadlineReader(io.RawIOBase):
-    """A socket's reads under a deadline (:meth:`start`); ``received`` counts the bytes of the phase."""
-
-    def __init__(self, sock: socket.socket, write_timeout: float | None):
-        self.sock, self.write_timeout = sock, write_timeout
-        self.deadline: float | None = None
-        self.received = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def start(self, seconds: float | None) -> None:
-        self.deadline = None if seconds is None else time.monotonic() + seconds
-        self.received = 0
-
-    def readinto(self, buf) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the read deadline passed")
-            self.sock.settimeout(left)
-        try:
-            n = self.sock.recv_into(buf)
-        finally:
-            self.sock.settimeout(self.write_timeout)
-        self.received += n
-        return n
-
-
-def _drain_and_close(sock: socket.socket, server) -> None:
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(1.0)
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and sock.recv(65536):
-            pass
-    except OSError:
-        pass
-    finally:
-        server.shutdown_request(sock)
-
-
-def refuse_connection(sock: socket.socket, server, message: str) -> None:
-    """Answer 429 on a connection over the cap and close it gently (its request read off first)."""
-    body = error_json(message, "rate_limit_error", code="too_many_connections")
-    head = (f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(head + body)
-    except OSError:
-        server.shutdown_request(sock)
-        return
-    threading.Thread(target=_drain_and_close, args=(sock, server), daemon=True).start()
 
 
 def _reject_constant(name: str):
@@ -144,13 +87,3 @@ def parse_json_body(body: bytes):
         if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise BadRequest(400, "'seed' must be an integer from -2**63 to 2**64 - 1", param="seed")
     return req
-
-
-def start_event_stream(handler) -> None:
-    """Answer 200 with server-sent-event headers; the connection closes when the stream ends."""
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    handler.send_header("Connection", "close")
-    handler.end_headers()
-    handler.close_connection = True

@@ -1,50 +1,51 @@
-"""Server metrics in the Prometheus text format (no client library: a few counters and one histogram)."""
+"""The server's metrics, through prometheus_client, in a registry of its own (one per server).
+
+* ``prunus_requests_total{status}``: answers to POST requests (and to requests refused at the door or at the
+  connection cap), by HTTP status;
+* ``prunus_request_latency_seconds``: a histogram of the time from a request to the end of its 200 answer;
+* ``prunus_tokens_generated_total``, ``prunus_queue_depth``, ``prunus_active_requests``: read from the engine's
+  scheduler at each scrape.
+"""
 
 from __future__ import annotations
 
-import math
-import threading
-from collections import Counter
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+prometheus_client.disable_created_metrics()  # no *_created series beside each counter
+
+
+class _SchedulerCollector:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        s = self.scheduler
+        yield CounterMetricFamily("prunus_tokens_generated", "Tokens sampled by the engine.", value=s.tokens_generated)
+        yield GaugeMetricFamily("prunus_queue_depth", "Requests waiting for a batch slot.", value=s.queue_depth)
+        yield GaugeMetricFamily("prunus_active_requests", "Requests in the running batch.", value=s.n_active)
 
 
 class Metrics:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: Counter[int] = Counter()  # by HTTP status
-        self.latency_counts = [0] * len(LATENCY_BUCKETS)
-        self.latency_sum = 0.0
-        self.latency_n = 0
+    def __init__(self, scheduler):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("prunus_requests", "Requests answered, by HTTP status.", ["status"],
+                                registry=self.registry)
+        self.latency = Histogram("prunus_request_latency_seconds", "Time from a request to the end of its answer.",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_SchedulerCollector(scheduler))
+        self.scheduler = scheduler
 
     def observe(self, status: int, latency_s: float | None = None) -> None:
-        with self._lock:
-            self.requests[status] += 1
-            if latency_s is not None:
-                self.latency_sum += latency_s
-                self.latency_n += 1
-                for i, le in enumerate(LATENCY_BUCKETS):
-                    if latency_s <= le:
-                        self.latency_counts[i] += 1
+        self.requests.labels(status=str(status)).inc()
+        if latency_s is not None:
+            self.latency.observe(latency_s)
 
-    def render(self, scheduler) -> str:
-        with self._lock:
-            lines = ["# HELP prunus_requests_total Completion requests answered, by HTTP status.",
-                     "# TYPE prunus_requests_total counter"]
-            lines += [f'prunus_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            lines += ["# HELP prunus_tokens_generated_total Tokens sampled by the engine.",
-                      "# TYPE prunus_tokens_generated_total counter",
-                      f"prunus_tokens_generated_total {scheduler.tokens_generated}",
-                      "# HELP prunus_queue_depth Requests waiting for a batch slot.",
-                      "# TYPE prunus_queue_depth gauge",
-                      f"prunus_queue_depth {scheduler.queue_depth}",
-                      "# HELP prunus_active_requests Requests in the running batch.",
-                      "# TYPE prunus_active_requests gauge",
-                      f"prunus_active_requests {scheduler.n_active}",
-                      "# HELP prunus_request_latency_seconds Time from a completion request to its last token.",
-                      "# TYPE prunus_request_latency_seconds histogram"]
-            for le, n in zip(LATENCY_BUCKETS, self.latency_counts):
-                lines.append(f'prunus_request_latency_seconds_bucket{{le="{"+Inf" if le == math.inf else le}"}} {n}')
-            lines += [f"prunus_request_latency_seconds_sum {self.latency_sum:.6f}",
-                      f"prunus_request_latency_seconds_count {self.latency_n}"]
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        text = prometheus_client.generate_latest(self.registry)
+        extra = getattr(self.scheduler, "metrics_lines", None)  # the dynamic batcher's own counters
+        return text + ("\n".join(extra()) + "\n").encode() if extra is not None else text

@@ -345,12 +345,13 @@ def chat(url: str, body) -> tuple[int, dict]:
 def test_chat_completions(chat_server, chat_model):
     model_dir, greedy, k = chat_model
     tok = load_model_tokenizer(model_dir)
-    status, r = chat(chat_server, {"messages": CHATS[1], "temperature": 0, "model": "x"})
+    status, r = chat(chat_server, {"messages": CHATS[1], "temperature": 0, "model": "model"})  # the dir's name
     assert status == 200 and r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
     choice = r["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": tok.decode(greedy[:k])} and choice["finish_reason"] == "stop"
     prompt_tokens = len(tok.encode(tok.apply_chat_template(CHATS[1])))
-    assert r["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": k, "total_tokens": prompt_tokens + k}
+    # the end-of-turn token counts as a completion token, as in transformers' generate output
+    assert r["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": k + 1, "total_tokens": prompt_tokens + k + 1}
     status, r = chat(chat_server, {"messages": CHATS[1], "temperature": 0, "max_tokens": 2})
     assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["message"]["content"] == tok.decode(greedy[:2])
     seeded = {"messages": CHATS[3], "temperature": 0.9, "top_p": 0.95, "seed": 3, "max_completion_tokens": 8}
@@ -367,7 +368,7 @@ def test_chat_completions_streamed(chat_server, chat_model):
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == k
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == k + 1  # end of turn too
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
     assert text == load_model_tokenizer(model_dir).decode(greedy[:k])
@@ -378,7 +379,7 @@ def test_chat_completions_bad_input_is_400(chat_server, tmp_path, chat_model):
              ({"messages": [{"role": "user"}]}, "'content' string"), ({"messages": CHATS[0], "tools": []}, "tools"),
              ({"messages": [{"role": "tool", "content": "42"}]}, "Unknown role: tool"),
              ({"messages": CHATS[0], "max_tokens": 10**6}, "exceeds the context"),
-             ({"messages": CHATS[0], "n": 2}, "'n'"), ({"messages": CHATS[0], "stream": "yes"}, "'stream'")]
+             ({"messages": CHATS[0], "n": 0}, "'n'"), ({"messages": CHATS[0], "stream": "yes"}, "'stream'")]
     for body, needle in cases:
         status, r = chat(chat_server, body)
         assert status == 400 and r["error"]["type"] == "invalid_request_error" and needle in r["error"]["message"], (body, r)

@@ -88,6 +88,11 @@ def call(url: str, path: str, body=None, raw: bytes | None = None) -> tuple[int,
     return status, json.loads(text) if ctype.startswith("application/json") else text
 
 
+def metric(pattern: str, text: str) -> int:
+    """A sample's value in the Prometheus text (prometheus_client writes counters as floats: 12.0)."""
+    return int(float(re.search(pattern, text, re.M).group(1)))
+
+
 def start_clients(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], list]:
     """One thread per body, each POSTing it to /v1/completions; answers[i] is (status, body) once joined."""
     answers = [None] * len(bodies)
@@ -204,14 +209,14 @@ def test_full_queue_gets_429_and_a_client_leaving_frees_its_slot(server):
         time.sleep(0.05)
     assert health["active"] == 0 and health["queue_depth"] == 0
     metrics = call(url, "/metrics")[1]
-    tokens = int(re.search(r"^prunus_tokens_generated_total (\d+)$", metrics, re.M).group(1))
+    tokens = metric(r"^prunus_tokens_generated_total (\S+)$", metrics)
     assert tokens < 1500, "the abandoned streams ran on to their 1000 tokens each"
 
 
 def test_a_client_leaving_a_plain_request_frees_its_slot(server):
     _, url = server
     host, port = url.removeprefix("http://").split(":")
-    before = int(re.search(r"^prunus_tokens_generated_total (\d+)$", call(url, "/metrics")[1], re.M).group(1))
+    before = metric(r"^prunus_tokens_generated_total (\S+)$", call(url, "/metrics")[1])
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0}),
                  {"Content-Type": "application/json"})
@@ -224,7 +229,7 @@ def test_a_client_leaving_a_plain_request_frees_its_slot(server):
     while call(url, "/health")[1]["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert call(url, "/health")[1]["active"] == 0
-    after = int(re.search(r"^prunus_tokens_generated_total (\d+)$", call(url, "/metrics")[1], re.M).group(1))
+    after = metric(r"^prunus_tokens_generated_total (\S+)$", call(url, "/metrics")[1])
     assert after - before < 900, "the abandoned request ran on to its 1000 tokens"
     assert call(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # still serving
 
@@ -238,8 +243,8 @@ def test_metrics_in_prometheus_text(server):
                    'prunus_request_latency_seconds_bucket{le="+Inf"}', "prunus_queue_depth 0",
                    "prunus_active_requests 0", "prunus_tokens_generated_total"):
         assert needle in text, needle
-    count = int(re.search(r"^prunus_request_latency_seconds_count (\d+)$", text, re.M).group(1))
-    ok = int(re.search(r'^prunus_requests_total\{status="200"\} (\d+)$', text, re.M).group(1))
+    count = metric(r"^prunus_request_latency_seconds_count (\S+)$", text)
+    ok = metric(r'^prunus_requests_total\{status="200"\} (\S+)$', text)
     assert count == ok >= 10
 
 

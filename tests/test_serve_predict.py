@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import socketserver
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -250,7 +249,7 @@ def test_cli_serve_picks_the_inference_protocol_for_a_generic_dir(model_dir, mon
     from prunus.cli.main import cli
     from prunus.serve.oip_server import OIPServer
 
-    seen, serve = [], socketserver.BaseServer.serve_forever
+    seen, serve = [], OIPServer.serve_forever
 
     def serve_once(server, poll_interval):  # one metadata call on the real loop, then Ctrl-C
         thread = threading.Thread(target=serve, args=(server, 0.05), daemon=True)

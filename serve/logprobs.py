@@ -1,0 +1,44 @@
+"""Log-probabilities in OpenAI's two shapes, from the engine's per-token
+:class:`~prunus.serve.logits_processors.TokenLogprob` (the log-softmax of the logits after bias and penalties,
+before temperature, top-k and top-p).
+
+* completions (``logprobs: k``): ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+  "text_offset"}``;
+* chat (``logprobs: true, top_logprobs: k``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
+  [{"token", "logprob", "bytes"}]}]}``.
+
+A token's text is the decode of that one id (a piece of a multi-byte character may decode to U+FFFD; its
+``bytes`` in chat are those of the decoded text).
+"""
+
+from __future__ import annotations
+
+from .logits_processors import TokenLogprob
+
+
+def _text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob], offset: int = 0) -> dict:
+    tokens = [_text(tokenizer, t) for t in token_ids[:len(entries)]]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    top = [{_text(tokenizer, i): v for i, v in e.top} if e.top else None for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _chat_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob]) -> dict:
+    content = []
+    for t, e in zip(token_ids, entries):
+        entry = _chat_entry(_text(tokenizer, t), e.logprob)
+        entry["top_logprobs"] = [_chat_entry(_text(tokenizer, i), v) for i, v in e.top]
+        content.append(entry)
+    return {"content": content}

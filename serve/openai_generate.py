@@ -1,0 +1,168 @@
+"""What /v1/completions and /v1/chat/completions share: a request's fields as engine settings, its samples
+submitted (``n`` per prompt, each an independent row), and their events gathered on the server's event loop.
+
+* ``model`` must be one of the served names (404 ``model_not_found``);
+* a prompt whose tokens plus ``max_tokens`` exceed the context is 400 ``context_length_exceeded``;
+* sample ``j`` of a prompt with ``seed`` s draws with seed ``s + j``; without a seed each draws its own;
+* a client that leaves before its answer cancels every row it holds (:func:`collect`), as one that leaves a
+  stream does (the routes' ``finally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .asgi_guard import ClientGone
+from .events import async_events
+from .http_guard import BadRequest
+from .logits_processors import LogitsSettings, TokenLogprob
+from .openai_schema import Sampling
+from .request import GenerationResult, Request, StreamToken
+
+
+@dataclass
+class Choice:
+    """One sample's answer as its events come: every token made (a stop token included), text, log-probabilities."""
+
+    index: int
+    prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, event) -> None:
+        if isinstance(event, StreamToken):
+            self.token_ids.append(event.id)
+            self.text += event.text
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
+        elif isinstance(event, GenerationResult):
+            self.text, self.finish_reason = event.text, event.finish_reason
+
+
+def check_model(server, name: str | None) -> str:
+    """The name the answer carries: the one asked for, or the first served name."""
+    if name is None:
+        return server.model_names[0]
+    if name not in server.model_names:
+        raise BadRequest(404, f"the model {name[:100]!r} does not exist; this server serves "
+                              f"{', '.join(server.model_names)} (GET /v1/models)", "invalid_request_error",
+                         param="model", code="model_not_found")
+    return name
+
+
+def check_context(engine, n_prompt: int, max_tokens: int, field_name: str) -> None:
+    if n_prompt + max_tokens > engine.max_len:
+        raise BadRequest(400, f"prompt ({n_prompt} tokens) + {field_name} ({max_tokens}) exceeds the context of "
+                              f"{engine.max_len} tokens; shorten the prompt or lower {field_name}",
+                         param=field_name, code="context_length_exceeded")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise BadRequest(400, f"'logit_bias' key {key[:40]!r} is not a token id; give token ids as strings",
+                             param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None) -> dict:
+    """Engine.submit's settings for one sample of ``req``; fields it leaves out take ``defaults``."""
+    def pick(name, fallback=None):
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+    logits = LogitsSettings(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=_logit_bias(req.logit_bias),
+                            min_tokens=req.min_tokens, logprobs=logprobs)
+    uses = logits.changes_logits or logprobs is not None
+    return {"max_new_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p"),
+            "top_k": pick("top_k"), "seed": req.seed, "stop": req.stop, "logits": logits if uses else None,
+            "stop_token_ids": tuple(req.stop_token_ids or ())}
+
+
+def submit(engine, prompts: list[list[int]], kwargs: dict, n: int) -> list[Request]:
+    """``n`` rows per prompt, prompt-major; on any refusal (a full queue: 429) the rows already queued are cancelled."""
+    requests = []
+    try:
+        for ids in prompts:
+            for j in range(n):
+                seed = kwargs["seed"]
+                if seed is not None and j:
+                    seed = seed + j if seed + j < 2**64 else seed - j
+                requests.append(engine.submit(ids, **{**kwargs, "seed": seed}))
+    except BaseException:
+        for r in requests:
+            r.cancelled.set()
+        raise
+    return requests
+
+
+async def merged(server, requests: list[Request]) -> AsyncIterator[tuple[int, object]]:
+    """(row index, event) of every row as they come, until each has ended; an engine error is raised."""
+    if len(requests) == 1:
+        async for event in async_events(requests[0], server.pool):
+            if isinstance(event, BaseException):
+                raise event
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, r: Request) -> None:
+        async for event in async_events(r, server.pool):
+            queue.put_nowait((i, event))
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, event = await queue.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield i, event
+            left -= isinstance(event, GenerationResult)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(server, requests: list[Request], receive) -> list[Choice]:
+    """Every row's whole answer; ClientGone (its rows cancelled) if the client leaves first."""
+    choices = [Choice(i, len(r.prompt_ids)) for i, r in enumerate(requests)]
+
+    async def run() -> None:
+        async for i, event in merged(server, requests):
+            choices[i].add(event)
+    work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            work.result()
+            return choices
+        raise ClientGone
+    finally:
+        work.cancel()
+        gone.cancel()
+        for r in requests:
+            r.cancelled.set()  # frees the rows of a client gone (no-op for finished ones)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
