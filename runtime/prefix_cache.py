@@ -50,6 +50,11 @@ class PrefixCache:
                       "lookups": 0, "hits": 0, "prompt_tokens": 0, "reused_tokens": 0,
                       "blocks": 0, "stored_blocks": 0, "evicted_blocks": 0}
 
+    def clear(self) -> None:
+        """Forget every block (the counts stay)."""
+        self.blocks.clear()
+        self.stats["blocks"] = 0
+
     def _touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):  # the parent ends most recent: children are evicted before it
             self.blocks.move_to_end(key)

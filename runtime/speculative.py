@@ -1,0 +1,205 @@
+"""Speculative decoding: a drafter proposes ``k`` tokens, the target model checks them all in one pass.
+
+A step of one row (:meth:`Speculator.step`): the row holds its sequence but the last token; the drafter proposes
+up to ``k`` tokens (:class:`DraftModel`: a smaller model dir with the same tokenizer, run step by step on its own
+cache rows; :class:`prunus.runtime.prompt_lookup.PromptLookup`: tokens copied from earlier in the sequence); the
+target appends the last token and the drafts in one ``verify`` pass, which gives its logits after each; the
+accepted drafts and one token of the target's own come out, and both caches are truncated to the accepted tokens
+(the rejected drafts' keys are never seen again).
+
+* Greedy rows accept drafts while each equals the target's argmax, then take the target's argmax: the tokens of
+  plain greedy decoding.
+* Sampled rows use the rejection rule of Leviathan et al. and Chen et al. (2023): draft ``d`` drawn from ``q`` is
+  accepted with probability ``min(1, p(d) / q(d))`` where ``p`` is the target's distribution (temperature, top-k,
+  top-p as :func:`prunus.runtime.sampling.sample` applies them); at the first rejection the token is drawn from
+  ``max(0, p - q)`` renormalised, and after ``k`` acceptances from the target's next ``p``. Every token is then
+  distributed as the target's own sampling would draw it. A prompt-lookup draft is a point mass (``q(d) = 1``).
+
+All draws use the request's own generator, so a seed gives the same tokens again (not the tokens of plain
+sampling with that seed: the draws are different ones). ``stats`` (live, in the engine's info) counts steps,
+drafted and accepted tokens and the acceptance rate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from prunus.artifacts.errors import PrunusError
+from prunus.models.generate import greedy_next
+
+from .sampling import RowSampling, is_greedy, sampling_probs
+
+
+class Speculator:
+    def __init__(self, target, drafter, k: int):
+        self.target, self.drafter, self.k = target, drafter, k
+        self.stats = {"draft": drafter.name, "draft_tokens": k, "steps": 0, "drafted": 0, "accepted": 0,
+                      "acceptance_rate": 0.0, "tokens_per_step": 0.0}
+        self._made = 0
+
+    def release(self, row: int) -> None:
+        self.drafter.release(row)
+
+    def close(self) -> None:
+        self.drafter.close()
+
+    def step(self, row: int, seq: list[int], sampling: RowSampling, remaining: int) -> list[int]:
+        """The next tokens of ``row`` (1 to k + 1 of them), whose cache holds ``seq`` but its last token;
+        ``remaining``: tokens the request may still make."""
+        k = max(0, min(self.k, remaining - 1, self.target.max_len - len(seq)))
+        greedy = is_greedy(sampling)
+        drafts, q = self.drafter.propose(row, seq, k, None if greedy else sampling) if k else ([], None)
+        logits = self.target.verify(row, [seq[-1]] + drafts)
+        if greedy:
+            accepted, extra = accept_greedy(drafts, logits)
+        else:
+            accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
+        self.target.truncate(row, len(seq) + accepted)
+        self.drafter.rollback(row, len(seq) + accepted)
+        self._count(len(drafts), accepted)
+        return drafts[:accepted] + [extra]
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        s = self.stats
+        s["steps"] += 1
+        s["drafted"] += drafted
+        s["accepted"] += accepted
+        self._made += accepted + 1
+        s["acceptance_rate"] = round(s["accepted"] / s["drafted"], 4) if s["drafted"] else 0.0
+        s["tokens_per_step"] = round(self._made / s["steps"], 3)
+
+
+def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """(drafts accepted, the target's token after them): drafts are kept while each is the target's argmax."""
+    best = greedy_next(logits).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor,
+                   generator: torch.Generator) -> tuple[int, int]:
+    """The rejection rule: ``p`` (k + 1, vocab) the target's probabilities after each position, ``q`` (k, vocab)
+    the draft's (None: point masses at the drafts). (drafts accepted, the token drawn after them)."""
+    for i, d in enumerate(drafts):
+        q_d = float(q[i, d]) if q is not None else 1.0
+        if float(torch.rand((), generator=generator)) * q_d < float(p[i, d]):
+            continue
+        if q is not None:
+            residual = (p[i] - q[i]).clamp_min(0)
+        else:
+            residual = p[i].clone()
+            residual[d] = 0
+        if not float(residual.sum()) > 0:  # p == q up to rounding: any draw from p is exact
+            residual = p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+class DraftModel:
+    """A draft model dir on its own torch backend, one cache row per target row; each row remembers how much of
+    its request's sequence it holds and catches up on what it has not seen (prompt, plain steps) before drafting."""
+
+    name = "model"
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.held: dict[int, int] = {}
+
+    def _catch_up(self, row: int, seq: list[int]) -> torch.Tensor:
+        held = self.held.get(row, 0)
+        if held == 0:
+            return self.backend.prefill([row], [seq])[0]
+        chunk = self.backend.prefill_chunk or len(seq)
+        for start in range(held, len(seq), chunk):
+            logits = self.backend.extend([row], [seq[start:start + chunk]])
+        return logits[0]
+
+    def propose(self, row: int, seq: list[int], k: int, sampling: RowSampling | None):
+        logits = self._catch_up(row, seq)
+        drafts, qs = [], []
+        for i in range(k):
+            if sampling is None:
+                token = int(greedy_next(logits[None])[0])
+            else:
+                q = sampling_probs(logits[None], sampling)[0].cpu()
+                token = int(torch.multinomial(q, 1, generator=sampling.generator))
+                qs.append(q)
+            drafts.append(token)
+            if i < k - 1:
+                logits = self.backend.decode([row], [token])[0]
+        self.held[row] = len(seq) + k - 1
+        return drafts, (torch.stack(qs) if qs else None)
+
+    def rollback(self, row: int, length: int) -> None:
+        held = min(self.held.get(row, 0), length)
+        self.held[row] = held
+        self.backend.truncate(row, held)
+
+    def release(self, row: int) -> None:
+        self.held.pop(row, None)
+        self.backend.release(row)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def load_speculator(target_path, backend, draft, k: int) -> Speculator:
+    """The speculator ``Engine.load(draft=..., draft_tokens=k)`` asks for over the loaded target ``backend``."""
+    if not backend.capabilities.verify:
+        raise PrunusError(f"draft: the {backend.name} backend cannot check draft tokens; drop --speculative")
+    if str(draft) == "ngram":
+        from .prompt_lookup import PromptLookup
+
+        return Speculator(backend, PromptLookup(), k)
+    return Speculator(backend, load_draft_model(Path(target_path), Path(draft), backend), k)
+
+
+def load_draft_model(target: Path, draft: Path, backend) -> DraftModel:
+    """A draft model dir beside the target's: a transformer model dir with the same tokenizer and vocabulary, and
+    the context the engine serves; one PrunusError line naming both dirs otherwise."""
+    from prunus.models import load_model
+    from prunus.models.model_dir import read_config
+
+    from .torch import TorchBackend
+
+    if not (draft / "config.json").is_file():
+        raise PrunusError(f"--speculative {draft}: not a model dir (no config.json); give a prunus model dir or ngram")
+    draft_cfg, draft_config = read_config(draft)
+    if "export" in draft_config:
+        raise PrunusError(f"--speculative {draft}: an export dir; the draft must be a prunus model dir")
+    target_cfg, target_config = read_config(target)
+    why = tokenizer_difference(target, target_config, target_cfg, draft, draft_config, draft_cfg)
+    if why:
+        raise PrunusError(f"draft model {draft} and target {target} have different tokenizers ({why}); a draft "
+                          "must share the target's tokenizer")
+    if draft_cfg.max_seq_len < backend.max_len:
+        raise PrunusError(f"draft model {draft} holds {draft_cfg.max_seq_len} tokens, below the {backend.max_len} "
+                          f"the target {target} serves; lower max_len (--max-len)")
+    model = load_model(draft, device=backend.device)
+    return DraftModel(TorchBackend(model, backend.n_slots, backend.max_len, prefill_chunk=backend.prefill_chunk))
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tokenizer_difference(target: Path, target_config: dict, target_cfg, draft: Path, draft_config: dict,
+                         draft_cfg) -> str | None:
+    """Why two model dirs' tokenizers differ, in a few words, or None: the spec in config.json, the bytes of
+    tokenizer.json, the vocabulary size."""
+    if target_config.get("tokenizer") != draft_config.get("tokenizer"):
+        return "config.json tokenizer entries differ"
+    files = [p / "tokenizer.json" for p in (target, draft)]
+    if any(f.exists() for f in files):
+        if not all(f.is_file() for f in files) or _digest(files[0]) != _digest(files[1]):
+            return "tokenizer.json differs"
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        return f"vocab_size {target_cfg.vocab_size} and {draft_cfg.vocab_size}"
+    return None

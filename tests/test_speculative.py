@@ -1,0 +1,177 @@
+"""Speculative decoding (prunus.runtime.speculative): greedy tokens identical to plain decoding with a draft model
+dir and with prompt lookup, sampled tokens distributed as the target's (a chi-square test of the first two tokens
+over many draws against the target's exact distribution, on a 3-token vocabulary), the cache rolled back to the
+accepted tokens, acceptance counted in the engine's info, and a draft it cannot use refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from prunus.artifacts.errors import PrunusError
+from prunus.models import ModelConfig, Transformer, get_preset, sample_next, save_model
+from prunus.runtime.prompt_lookup import PromptLookup, lookup
+from prunus.runtime.sampling import RowSampling, sampling_probs
+from prunus.runtime.speculative import DraftModel, Speculator
+from prunus.runtime.torch import TorchBackend
+from prunus.serve import Engine
+
+PROMPTS = ["def f(x):\n    return x\ndef f(x):\n", "abcabcabcab", "import os\n"]
+N_NEW = 20
+
+
+def _tiny(seed: int, **changes) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(replace(get_preset("tiny"), max_seq_len=256, **changes))
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    return {"target": save_model(_tiny(0), root / "target", stage="test"),
+            "draft": save_model(_tiny(1), root / "draft", stage="test")}
+
+
+@pytest.fixture(scope="module")
+def plain(dirs):
+    with Engine.load(dirs["target"], max_batch=2, threads=1) as e:
+        yield e
+
+
+def _run(engine, **sampling):
+    return [engine.generate(p, max_new_tokens=N_NEW, ignore_eos=True, **sampling).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("draft", ["target", "draft", "ngram"])
+def test_greedy_tokens_are_plain_decodings(dirs, plain, draft):
+    with Engine.load(dirs["target"], max_batch=2, threads=1, draft=dirs.get(draft, draft), draft_tokens=3) as e:
+        assert _run(e) == _run(plain)
+        stats = e.info["speculative"]
+        assert stats["steps"] > 0 and stats["drafted"] > 0
+        if draft == "target":  # the target drafting for itself: every draft accepted
+            assert stats["acceptance_rate"] > 0.9 and stats["tokens_per_step"] > 3
+        if draft == "ngram":  # the repetitive prompts' drafts are taken
+            assert stats["accepted"] > 0
+        # two requests at once decode plainly together (one alone speculates again): the same tokens
+        together = [r.token_ids for r in e.generate(PROMPTS[:2], max_new_tokens=N_NEW, ignore_eos=True)]
+        assert together == _run(plain)[:2]
+
+
+def test_sampled_run_is_seeded_and_stops_where_told(dirs):
+    with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["target"], draft_tokens=4) as e:
+        one = [e.generate(p, max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=5).token_ids for p in PROMPTS]
+        two = [e.generate(p, max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=5).token_ids for p in PROMPTS]
+        short = e.generate(PROMPTS[0], max_new_tokens=2, ignore_eos=True, temperature=0.8, seed=5)
+    assert one == two and all(len(t) == N_NEW for t in one)
+    assert short.token_ids == one[0][:2]
+
+
+def _pair(vocab: int):
+    """A one-layer target, far from uniform, and a draft that prefers what the target does not (its head negated)."""
+    models = []
+    for scale in (20.0, -10.0):
+        torch.manual_seed(3)
+        m = Transformer(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
+                                    max_seq_len=16))
+        m.init_weights()
+        with torch.no_grad():
+            m.output.weight.mul_(scale)
+        models.append(m.eval())
+    return models
+
+
+def _joint(backend: TorchBackend, prompt: list[int], vocab: int) -> torch.Tensor:
+    """The exact probability of each first two tokens (a, b) at temperature 1."""
+    held = len(prompt) - 1
+    r = RowSampling(temperature=1.0)
+    first = sampling_probs(backend.verify(0, prompt[-1:])[-1:], r)[0]
+    backend.truncate(0, held)
+    joint = torch.zeros(vocab, vocab)
+    for a in range(vocab):
+        joint[a] = first[a] * sampling_probs(backend.verify(0, [prompt[-1], a])[-1:], r)[0]
+        backend.truncate(0, held)
+    return joint
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("drafting", ["model", "ngram"])
+def test_sampled_tokens_follow_the_targets_distribution(drafting):
+    vocab, n = 3, 300
+    target, draft = _pair(vocab)
+    tb = TorchBackend(target, 1, 16, prefill_chunk=None)
+    prompt = [1, 2, 0, 1, 2]  # prompt lookup drafts [0, 1]
+    tb.prefill([0], [prompt[:-1]])
+    exact = _joint(tb, prompt, vocab)
+    drafter = DraftModel(TorchBackend(draft, 1, 16)) if drafting == "model" else PromptLookup()
+    spec = Speculator(tb, drafter, k=2)
+    sampling = RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(n):
+        out = spec.step(0, prompt, sampling, remaining=8)
+        if len(out) == 1:
+            out += spec.step(0, prompt + out, sampling, remaining=7)
+        counts[out[0], out[1]] += 1
+        tb.truncate(0, len(prompt) - 1)
+        drafter.rollback(0, len(prompt) - 1)
+    assert 0.05 < spec.stats["acceptance_rate"] < 0.95  # both acceptance and rejection were exercised
+    assert _chi2(counts, exact) < 26.1  # 8 degrees of freedom, p = 0.001
+    if drafting == "model":  # the test can tell the draft's own distribution from the target's
+        db = TorchBackend(draft, 1, 16)
+        db.prefill([0], [prompt[:-1]])
+        assert _chi2(counts, _joint(db, prompt, vocab)) > 100
+
+
+def test_sampling_probs_are_what_sample_next_draws_from():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)) * 3
+    for t, k, p in ((1.0, None, None), (0.7, 10, None), (1.3, None, 0.8), (0.9, 5, 0.5)):
+        probs = sampling_probs(logits, RowSampling(t, k, p))
+        for seed in range(20):
+            a = int(sample_next(logits, t, k, p, torch.Generator().manual_seed(seed))[0])
+            b = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))[0])
+            assert a == b
+
+
+def test_verify_then_truncate_rolls_the_row_back(tiny_model):
+    backend = TorchBackend(tiny_model, n_slots=1, max_len=64)
+    backend.prefill([0], [[5, 6, 7, 8]])
+    reference = backend.decode([0], [9])
+    backend.truncate(0, 4)
+    logits = backend.verify(0, [9, 1, 2, 3])  # three drafts, then rejected
+    assert torch.allclose(logits[0], reference[0], atol=1e-5)
+    backend.truncate(0, 5)
+    assert int(backend.cache.lengths[0]) == 5
+    with pytest.raises(ValueError):
+        backend.truncate(0, 6)
+
+
+def test_prompt_lookup_copies_what_followed_the_tail():
+    assert lookup([1, 2, 3, 9, 4, 1, 2], 2) == [3, 9]
+    assert lookup([1, 2, 3, 2, 5, 7, 2], 3) == [5, 7, 2]  # the most recent earlier occurrence
+    assert lookup([1, 2, 3], 4) == []
+
+
+def test_drafts_it_cannot_use_are_refused_in_one_line(dirs, tmp_path):
+    other = save_model(_tiny(2, vocab_size=512), tmp_path / "other-vocab", stage="test")
+    with pytest.raises(PrunusError) as e:
+        Engine.load(dirs["target"], draft=other)
+    assert str(other) in str(e.value) and str(dirs["target"]) in str(e.value) and "tokenizer" in str(e.value)
+    copy = tmp_path / "other-tokenizer"
+    shutil.copytree(dirs["draft"], copy)
+    (copy / "tokenizer.json").write_text("{}")
+    with pytest.raises(PrunusError, match="tokenizer.json differs"):
+        Engine.load(dirs["target"], draft=copy)
+    for kw, needle in (({"draft": tmp_path / "absent"}, "not a model dir"), ({"draft": "ngram", "tp": 2}, "tp=2"),
+                       ({"draft": "ngram", "draft_tokens": 0}, "draft_tokens=0")):
+        with pytest.raises(PrunusError, match=needle) as e:
+            Engine.load(dirs["target"], **kw)
+        assert "\n" not in str(e.value)
