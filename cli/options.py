@@ -7,6 +7,7 @@ import dataclasses
 
 import click
 
+from prunus.runtime.load_options import ServingFeatures
 from prunus.runtime.registry import BACKENDS
 from prunus.serve.http_access import ServeAccess
 from prunus.train_parallel.config import TrainConfig
@@ -54,4 +55,14 @@ def access_options(command):
         command = click.option("--" + f.name.replace("_", "-"), f.name, multiple=many, default=None,
                                envvar=envvar, show_envvar=envvar is not None, metavar="LIST" if many else "KEY",
                                help=f.metadata["help"])(command)
+    return command
+
+
+def serving_feature_options(command):
+    """--prefix-cache-mb / --speculative / --draft-tokens: one option per ServingFeatures field, named by its
+    ``metadata["flag"]``, passed to the command under the field's name (an ``Engine.load`` keyword)."""
+    for f in reversed(dataclasses.fields(ServingFeatures)):
+        m = f.metadata
+        command = click.option(m["flag"], f.name, type=m["type"], default=f.default, metavar=m.get("metavar"),
+                               show_default=f.default is not None, help=m["help"])(command)
     return command

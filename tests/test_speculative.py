@@ -175,3 +175,18 @@ def test_drafts_it_cannot_use_are_refused_in_one_line(dirs, tmp_path):
         with pytest.raises(PrunusError, match=needle) as e:
             Engine.load(dirs["target"], **kw)
         assert "\n" not in str(e.value)
+
+
+def test_cli_generate_speculates_and_refuses_in_one_line(dirs, tmp_path, assert_user_error):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    args = ["generate", str(dirs["target"]), "--prompt", PROMPTS[1], "--temperature", "0", "--max-new-tokens", "12"]
+    plain_run = CliRunner().invoke(cli, args)
+    fast = CliRunner().invoke(cli, args + ["--speculative", "ngram", "--draft-tokens", "3", "--prefix-cache-mb", "1"])
+    assert plain_run.exit_code == 0 and fast.exit_code == 0, fast.output
+    assert fast.stdout == plain_run.stdout
+    other = save_model(_tiny(2, vocab_size=512), tmp_path / "other-vocab", stage="test")
+    assert_user_error(CliRunner().invoke(cli, args + ["--speculative", str(other)]), str(other), "tokenizer")
+    assert_user_error(CliRunner().invoke(cli, args + ["--speculative", "ngram", "--draft-tokens", "99"]), "--draft-tokens")
