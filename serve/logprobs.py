@@ -7,7 +7,8 @@ before temperature, top-k and top-p).
 * chat (``logprobs: true, top_logprobs: k``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}``.
 
-A token's text is the decode of that one id (a piece of a multi-byte character may decode to U+FFFD; its
+A token's text is the decode of that one id; in the completions shape, alternatives that decode alike share one
+key, holding the likelier one's value (a piece of a multi-byte character may decode to U+FFFD; its
 ``bytes`` in chat are those of the decoded text).
 """
 
@@ -26,9 +27,17 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogp
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    top = [{_text(tokenizer, i): v for i, v in e.top} if e.top else None for e in entries]
+    top = [_best_first(tokenizer, e.top) if e.top else None for e in entries]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
             "text_offset": offsets}
+
+
+def _best_first(tokenizer, top) -> dict:
+    """{text: logprob} of the alternatives; ids that decode alike keep the likelier one's value."""
+    out: dict[str, float] = {}
+    for token_id, value in top:
+        out.setdefault(_text(tokenizer, token_id), value)
+    return out
 
 
 def _chat_entry(text: str, logprob: float) -> dict:
