@@ -85,7 +85,7 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
     from prunus.data.module_datasets import module_datasets
     from prunus.train_parallel.module_trainer import preflight_module, train_module
 
-    train, val = module_datasets(cfg.data, cfg.val_fraction)
+    train, val = module_datasets(cfg.data, cfg.val_fraction, cfg.shuffle_buffer)
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_ranks

@@ -63,3 +63,13 @@ def eval_batches(dataset, batch_size: int, max_samples: int):
     n = min(len(dataset), max_samples)
     for start in range(0, n, batch_size):
         yield default_collate([dataset[i] for i in range(start, min(n, start + batch_size))])
+
+
+def step_batches(dataset, batch_size: int, *, seed: int, rank: int = 0, world: int = 1, workers: int = 0):
+    """What gives the trainer each step's batch: :class:`GlobalBatches`, or for tar shards the stream's
+    :class:`~prunus.data.shard_stream.ShardBatches` (read by ``workers`` DataLoader workers)."""
+    from .shard_stream import ShardBatches, TarShardStream
+
+    if isinstance(dataset, TarShardStream):
+        return ShardBatches(dataset, batch_size, seed=seed, rank=rank, world=world, workers=workers)
+    return GlobalBatches(dataset, batch_size, seed=seed, rank=rank, world=world)

@@ -2,7 +2,9 @@
 
 * ``synthetic:classification?n=256&shape=3x32x32&classes=10`` (or ``synthetic:regression?...``):
   :mod:`.synthetic`, for tests and benchmarks;
-* a directory in ImageFolder layout (``ROOT/<class>/<image>``): :mod:`.image_folder`.
+* a directory in ImageFolder layout (``ROOT/<class>/<image>``): :mod:`.image_folder`;
+* a directory of tar shards (``shard-000000.tar`` ..., WebDataset layout, ``val-*.tar`` held out):
+  :mod:`.tar_shards`, streamed by :mod:`.shard_stream`.
 
 Data that may hold code (``.pt`` files, pickles) is never read.
 """
@@ -16,17 +18,33 @@ from prunus.artifacts.validate import short
 
 from .image_folder import image_folder_datasets
 from .synthetic import PREFIX, synthetic_datasets
+from .tar_shards import TRAIN_PATTERN, VAL_PATTERN, list_shards
 
 EXAMPLE = "synthetic:classification?n=256&shape=3x32x32&classes=10"
 
 
-def module_datasets(spec: str, val_fraction: float = 0.1):
+def shard_datasets(root: Path, buffer: int = 256):
+    """(the training stream, the held-out samples) of a shard dir; without ``val-*.tar``, the held-out split is
+    the training shards' first samples (said in one line when there are none)."""
+    from .shard_stream import TarShardStream
+    from .tar_shards import TarSampleDataset, read_classes, scan_shard
+
+    classes = read_classes(root)
+    n = len(classes) if classes else None
+    train = TarShardStream([scan_shard(s, n) for s in list_shards(root, TRAIN_PATTERN)], classes, buffer=buffer)
+    val = [s for shard in list_shards(root, VAL_PATTERN) for s in scan_shard(shard, n)]
+    return train, TarSampleDataset(val, classes) if val else train.index
+
+
+def module_datasets(spec: str, val_fraction: float = 0.1, shuffle_buffer: int = 256):
     """(train, held-out) datasets that ``spec`` names; one line for anything else."""
     if not isinstance(spec, str) or not spec:
         raise PrunusError(f"--data {short(spec)}: give an ImageFolder directory or {EXAMPLE}")
     if spec.startswith(PREFIX):
         return synthetic_datasets(spec)
     path = Path(spec)
+    if path.is_dir() and list_shards(path, TRAIN_PATTERN):
+        return shard_datasets(path, buffer=shuffle_buffer)
     if path.is_dir():
         return image_folder_datasets(path, val_fraction)
     what = "does not exist" if not path.exists() else "is a file, not an ImageFolder directory"

@@ -17,7 +17,7 @@ from .config import MAX_TIMEOUT_S, _doc
 
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
-                    "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "progress", "nproc", "zero",
+                    "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "data_workers", "progress", "nproc", "zero",
                     "sync_batchnorm", "timeout_s", "device")
 
 
@@ -31,8 +31,12 @@ class ModuleTrainConfig:
     model_args: dict = _doc(dict, "Keyword arguments of the factory (JSON values).", cli=False)
     task: str = _doc("classification", "What the module is trained on: classification, regression, causal-lm, or a "
                                        "loss package.module:fn (fn(output, target) -> scalar).")
-    data: str | None = _doc(None, "An ImageFolder directory or synthetic:KIND?... (for the command line; the Python "
-                                  "API takes any torch Dataset of (input, target)).")
+    data: str | None = _doc(None, "An ImageFolder directory, a directory of tar shards (shard-*.tar) or "
+                                  "synthetic:KIND?... (for the command line; the Python API takes any torch Dataset "
+                                  "of (input, target)).")
+    data_workers: int = _doc(0, "Tar shards: DataLoader worker processes reading them on each rank (0: the rank "
+                                "itself).")
+    shuffle_buffer: int = _doc(256, "Tar shards: samples each reader shuffles among as it streams its shards.")
     val_fraction: float = _doc(0.1, "Share of an image folder held out for evaluation (by a hash of each path).")
     batch_size: int = _doc(16, "Samples per optimizer step (the global batch), split over data-parallel ranks.")
     steps: int = _doc(1000, "Optimizer steps in the run.")
@@ -107,6 +111,9 @@ class ModuleTrainConfig:
         return len(parse_split(self.pp_split)) + 1 if self.pp_split is not None else 1
 
     def _validate_layout(self) -> None:
+        if not 0 <= self.data_workers <= 64 or not 1 <= self.shuffle_buffer <= 1_000_000:
+            raise PrunusError(f"--data-workers {self.data_workers} must be 0 to 64 and --shuffle-buffer "
+                              f"{self.shuffle_buffer} 1 to 1,000,000")
         for name in ("grad_accum", "microbatches", "tp"):
             if getattr(self, name) < 1:
                 raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")

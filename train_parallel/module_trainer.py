@@ -23,7 +23,7 @@ import torch.distributed as dist
 from prunus.artifacts.errors import PrunusError
 from torch.utils.data import default_collate
 
-from prunus.data.global_batches import GlobalBatches, check_pair, eval_batches
+from prunus.data.global_batches import check_pair, eval_batches, step_batches
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
@@ -156,8 +156,8 @@ class ModuleTrainer:
                               f"run; start them with --nproc {cfg.pp * cfg.tp} (or torchrun)")
         self.dims = ParallelDims(world_size=self.world, zero=cfg.zero, pp=cfg.pp, tp=cfg.tp)
         cfg = replace(cfg, zero=self.dims.zero)
-        self.batches = GlobalBatches(dataset, cfg.batch_size, seed=cfg.seed, rank=self.dims.submesh_rank("dp"),
-                                     world=self.dims.dp)
+        self.batches = step_batches(dataset, cfg.batch_size, seed=cfg.seed, rank=self.dims.submesh_rank("dp"),
+                                    world=self.dims.dp, workers=cfg.data_workers)
         module, self.factory, cfg = _resolve_model(module_or_spec, cfg, factory)
         self.cfg, self.dataset, self.val_dataset = cfg, dataset, val_dataset
         self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
@@ -172,6 +172,9 @@ class ModuleTrainer:
             self.state = load_checkpoint(self.run.resume_from, [self.model], [self.optimizer])
             self.state["samples"] = self.state["tokens"]
             self.start = self.state["step"]
+            self._check_readers(self.state.get("data_readers"))
+        if hasattr(self.batches, "readers"):  # a stream's position depends on its number of readers
+            self.state["data_readers"] = self.batches.readers
         self.stop = cfg.stop_at or cfg.steps
         self.losses: list[float] = []
         self.record: dict = {}
@@ -209,6 +212,12 @@ class ModuleTrainer:
             (loss / n).backward()
             total += loss.detach().float()
         return total / n
+
+    def _check_readers(self, saved) -> None:
+        mine = getattr(self.batches, "readers", None)
+        if saved != mine and mine is not None:
+            raise PrunusError(f"--resume: the run streamed its shards with {saved} readers (ranks x data workers), now "
+                              f"{mine}; resume with the same --nproc and --data-workers to continue its exact stream")
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -328,7 +337,8 @@ def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, ove
     cfg.validate()
     get_task(cfg.task)
     check_pair(train_dataset, "--data")
-    GlobalBatches(train_dataset, cfg.batch_size, seed=cfg.seed, world=cfg.nproc)
+    step_batches(train_dataset, cfg.batch_size, seed=cfg.seed, world=max(1, cfg.nproc // (cfg.pp * cfg.tp)),
+                 workers=cfg.data_workers)
     check_module_run(cfg, resume=resume, overwrite=overwrite)
     check_layout(build_module(cfg.model, cfg.model_args), cfg)
 
