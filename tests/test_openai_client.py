@@ -1,0 +1,74 @@
+"""The real ``openai`` Python client against prunus serve (a live uvicorn server on a free port, with an API key):
+models.list, completions, chat (plain, streamed with usage, with logprobs and n), and its typed errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from prunus.models import HFTokenizer, Transformer, get_preset, save_model
+from prunus.serve import Engine
+from prunus.serve.http_access import ServeAccess
+from prunus.serve.http_server import CompletionServer
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+from test_chat import CHAT_TEMPLATE, hf_tokenizer_dir  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("client")
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(max_seq_len=256))
+    model.init_weights()
+    path = save_model(model.eval(), root / "model", tokenizer=HFTokenizer(hf_tokenizer_dir(root / "tok", CHAT_TEMPLATE)),
+                      stage="test")
+    with Engine.load(path, max_batch=4, threads=1) as engine:
+        server = CompletionServer(engine, port=0, access=ServeAccess(api_key="k3y"), served_model_names=["tiny"])
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        yield engine, openai.OpenAI(base_url=server.url + "/v1", api_key="k3y", max_retries=0, timeout=60)
+        server.shutdown()
+        server.server_close()
+
+
+def test_models_and_completions(served):
+    engine, client = served
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    answer = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0)
+    assert answer.choices[0].text == engine.generate("Hello there", 6).text
+    assert answer.usage.completion_tokens == len(engine.generate("Hello there", 6).token_ids)
+
+
+def test_chat_plain_streamed_and_logprobs(served):
+    _, client = served
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    content = plain.choices[0].message.content
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    with_logprobs = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                                   logprobs=True, top_logprobs=2, n=2)
+    assert [c.message.content for c in with_logprobs.choices] == [content, content]  # greedy: both samples agree
+    entries = with_logprobs.choices[0].logprobs.content
+    assert len(entries) == plain.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob == e.top_logprobs[0].logprob for e in entries)  # greedy took the likeliest
+
+
+def test_typed_errors(served):
+    _, client = served
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[{"type": "function", "function":
+                                                                                {"name": "f", "parameters": {}}}])
+    assert e.value.code == "unknown_field" and "'tools'" in e.value.message
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
