@@ -47,6 +47,7 @@ class Engine:
     def __init__(self, backend, tokenizer, *, max_queue: int | None = None, info: dict | None = None,
                  threads: int | None = None, max_delay_ms: float = 2.0, speculator=None):
         self.backend = backend
+        self.speculator = speculator
         self.tokenizer = tokenizer
         self.max_len = backend.max_len
         self.info = info or {}
@@ -222,6 +223,8 @@ class Engine:
         self._closed = True
         _OPEN.discard(self)
         self.scheduler.close()
+        if self.speculator is not None:
+            self.speculator.close()  # the draft model's backend
         self.backend.close()
 
     def __enter__(self) -> "Engine":
