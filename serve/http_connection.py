@@ -8,6 +8,9 @@
   connection opening (or of the previous answer on a kept-alive connection): a request begun and not
   finished in time gets 408 (``type: timeout_error``) and the connection closes; an idle connection is closed
   without an answer. A client that trickles a byte at a time cannot hold a connection longer.
+* **Clients that stop reading.** Once an answer fills the connection's write buffer, the client has
+  ``write_timeout`` seconds to read some of it; otherwise the connection is dropped, which cancels the
+  request's rows like any client that leaves.
 * **Too many headers.** More than :data:`MAX_HEADERS` header lines: 431, before h11 parses them.
 * **Malformed HTTP.** What h11 cannot parse (a bad request line, a bad ``Content-Length``, headers too
   long) is a JSON error in OpenAI's shape with h11's status (400, 431), never uvicorn's plain text.
@@ -29,6 +32,7 @@ from .http_guard import error_json
 
 REFUSED_LINGER_S = 1.0  # how long a refused connection is read off before it is closed
 MAX_HEADERS = 100
+WRITE_BUFFER = 1 << 16  # bytes of answer buffered for a client before its write deadline starts
 HEAD_BYTES = 1 << 16  # what h11 reads of a request line and headers, at most (h11_max_incomplete_event_size)
 
 
@@ -38,6 +42,7 @@ class ConnectionLimits:
 
     max_connections: int
     header_timeout: float
+    write_timeout: float = 60.0
     observe: Callable[[int], None] = lambda status: None  # the metrics' count of answers by status
     open: int = 0
 
@@ -58,6 +63,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
         self._received = 0  # bytes of a request whose headers have not all come
         self._head = b""  # those bytes (up to HEAD_BYTES), to count its header lines
         self._refused = self._counted = False
@@ -87,10 +93,12 @@ class GuardedH11Protocol(H11Protocol):
         limits.open += 1
         self._counted = True
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER)
         self._start_deadline()
 
     def connection_lost(self, exc) -> None:
         self._cancel_deadline()
+        self.resume_writing_deadline()
         if self._refused:
             return
         if self._counted:
@@ -115,6 +123,20 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         if self.cycle is cycle and not self.transport.is_closing():  # waiting for the next request
             self._start_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.limits.write_timeout, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.resume_writing_deadline()
+
+    def resume_writing_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
 
     def send_400_response(self, msg: str) -> None:
         error = self._h11_error

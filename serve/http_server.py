@@ -33,6 +33,7 @@ from .sampling_defaults import sampling_defaults
 
 HEADER_TIMEOUT_S = 10.0  # request line + headers (and an idle kept-alive connection)
 BODY_TIMEOUT_S = 30.0  # the body, once the headers are in
+WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of a full write buffer
 SHUTDOWN_GRACE_S = 2.0  # answers in progress when the server stops
 
 
@@ -58,7 +59,7 @@ class CompletionServer:
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
                  header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-                 access: ServeAccess | None = None, served_model_names: list[str] | tuple[str, ...] | None = None):
+                 write_timeout: float = WRITE_TIMEOUT_S, access: ServeAccess | None = None, served_model_names: list[str] | tuple[str, ...] | None = None):
         self.engine = engine
         self.access = access or ServeAccess()
         self.metrics, self.metrics_type = Metrics(engine.scheduler), CONTENT_TYPE
@@ -74,7 +75,7 @@ class CompletionServer:
         self.socket = _listen(host, port, self.max_connections)
         self.server_address = self.socket.getsockname()[:2]
         self.pool = ThreadPoolExecutor(min(512, 2 * self.max_connections + 16), thread_name_prefix="prunus-http")
-        limits = ConnectionLimits(self.max_connections, header_timeout, self.metrics.observe)
+        limits = ConnectionLimits(self.max_connections, header_timeout, write_timeout, self.metrics.observe)
         config = uvicorn.Config(self.build_app(), http=guarded_protocol(limits), ws="none", lifespan="off",
                                 loop="asyncio", log_config=None, log_level="error", access_log=False,
                                 timeout_keep_alive=max(int(header_timeout), 1), backlog=self.max_connections,

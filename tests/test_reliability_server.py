@@ -1,7 +1,7 @@
-"""The HTTP server under load, slow clients and malformed requests (issue 14, items 6-9), against a real
-server on 127.0.0.1: 64 concurrent clients lose nothing, a connection over the cap gets 429, requests
-that do not arrive in time get 408, every error is JSON in OpenAI's shape with the right status, and a
-client that resets is one log line."""
+"""The HTTP server under load, slow clients and malformed requests, against a real server (uvicorn) on
+127.0.0.1: 64 concurrent clients lose nothing, a connection over the cap gets 429, requests that do not
+arrive in time get 408, a client that stops reading is dropped after the write deadline, every error is JSON
+in OpenAI's shape with the right status, and a client that resets is one log line."""
 
 from __future__ import annotations
 
@@ -233,3 +233,40 @@ def test_extreme_sampling_numbers_never_give_500(server):
         assert got == 400 and words in answer["error"]["message"], (fields, answer)
     got, answer = complete(temperature=1e5)  # hot, but a distribution: any token, no NaN
     assert got == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.slow  # decodes a few hundred tokens to fill the buffers, then waits out the deadline
+def test_a_client_that_stops_reading_is_dropped_and_frees_its_row(tmp_path, monkeypatch, capfd):
+    """Once the answer fills the (here small) buffers, the client has write_timeout seconds to read."""
+    monkeypatch.setattr("prunus.serve.http_connection.WRITE_BUFFER", 1024)
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny").replace(max_seq_len=512))
+    model.init_weights()
+    path = save_model(model.eval(), tmp_path / "model", stage="test")
+    with Engine.load(path, max_batch=2, threads=1) as engine:
+        server = start(engine, write_timeout=1.0)
+        server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
+        try:
+            capfd.readouterr()
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(server.server_address[:2])
+            no_end = {str(t): -100 for t in engine.tokenizer.stop_ids}  # it would run to its 500 tokens
+            body = json.dumps({"prompt": "x", "max_tokens": 500, "temperature": 0, "logit_bias": no_end,
+                               "stream": True}).encode()
+            before = engine.scheduler.tokens_generated
+            s.sendall(post("/v1/completions", body))  # ...and never reads
+            t0 = time.monotonic()
+            while engine.scheduler.n_active == 0 and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            while engine.scheduler.n_active and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            assert engine.scheduler.n_active == 0 and engine.scheduler.tokens_generated - before < 450
+            s.close()
+            time.sleep(0.2)
+            assert "went away" in capfd.readouterr().err
+            got, _, _, _ = exchange(server, post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}'))
+            assert got == 200
+        finally:
+            server.shutdown()
+            server.server_close()
