@@ -5,7 +5,7 @@ The ```python, ```bash / ```sh and ```console blocks of README.md, then of the d
 directory (never the checkout) that a session fixture fills with what ``make demo`` leaves behind
 -- ``runs/demo/model`` (a tiny model trained for a few steps) and ``runs/demo/int8`` (its int8
 weight-only compression) -- plus the input files the commands name (``notes.txt``, ``tokens.bin``,
-``./Qwen-dir``, a GGUF file, ``my.yaml``, ``run.toml``). Blocks run in that order and see each
+``./Qwen-dir``, a GGUF file, ``my.yaml``, ``run.toml``, and ``my_models.py`` as README shows it). Blocks run in that order and see each
 other's outputs, as a reader's shell would (docs/serving.md serves the chat model that
 docs/interop.md converts).
 
@@ -56,7 +56,8 @@ FENCE = re.compile(r"^```([\w-]*)\s*$")
 
 # --- the size mapping: the docs' sizes -> demo sizes (only sizes; every key must occur in the docs) ---
 # Flag values replaced, per verb ...
-VALUES = {"train": {"--preset": {"small": "tiny"}, "--steps": {"1000": "6", "5000": "4"}, "--stop-at": {"400": "3"}}}
+VALUES = {"train": {"--preset": {"small": "tiny"}, "--steps": {"1000": "6", "5000": "4", "200": "3"},
+                   "--stop-at": {"400": "3"}}}
 # ... and sizes added where the command leaves them to their defaults (train: only a command that
 # starts a run, not --resume, --dry-run or --print-slurm):
 # (verb, a flag the command must hold, or None) -> sizes
@@ -64,7 +65,9 @@ DEFAULTS = {("train", None): {"--preset": "tiny", "--steps": "6", "--seq-len": "
                               "--warmup-steps": "1", "--eval-every": "3", "--eval-tokens": "1024",
                               "--max-corpus-bytes": "100000", "--ckpt-every": "0"},
             ("generate", None): {"--max-new-tokens": "16"},  # the tiny preset's context is 128 tokens
-            ("compress", "--distill"): {"--distill-steps": "4", "--distill-batch-size": "2"}}
+            ("compress", "--distill"): {"--distill-steps": "4", "--distill-batch-size": "2"},
+            # a generic module's run (--model) takes none of the transformer's sizes above
+            ("train", "--model"): {"--batch-size": "8", "--warmup-steps": "1", "--eval-every": "3", "--ckpt-every": "0"}}
 # Python blocks: exact text -> text.
 PYTHON_SIZES = {'preset="small", steps=300': 'preset="tiny", steps=4, seq_len=32, batch_size=4, warmup_steps=1, '
                                              'eval_every=2, eval_tokens=1024, max_corpus_bytes=100_000'}
@@ -149,7 +152,7 @@ def sized(args: list[str]) -> list[str]:
     if verb == "train" and {"--resume", "--dry-run", "--print-slurm"} & set(args):
         return args
     for (v, needs), sizes in DEFAULTS.items():
-        if v != verb or (needs and needs not in args):
+        if v != verb or (needs and needs not in args) or (verb == "train" and not needs and "--model" in args):
             continue
         for flag, value in sizes.items():
             if flag not in args and not (verb == "train" and flag == "--preset" and "--config" in args):
@@ -187,6 +190,9 @@ def workspace(tmp_path_factory):
     to_gguf(make_model_dir(root / "gguf-src" / "model", n_layers=1), root / "smollm2-135m-instruct.gguf")
     (root / "my.yaml").write_text("passes:\n  - quantize: {scheme: int8-weight-only}\n")
     (root / "run.toml").write_text('preset = "tiny"\nseq_len = 32\nbatch_size = 4\n')
+    for block in all_blocks():  # the factory file the README shows ("# my_models.py" on its first line)
+        if block.lang == "python" and block.code.startswith("# my_models.py"):
+            (root / "my_models.py").write_text(block.code)
     return root
 
 
@@ -348,6 +354,8 @@ def test_marker_parsing():
         "train", "--preset", "tiny", "--steps", "6", "--out", "x"]
     assert sized(["train", "--resume", "--out", "x"]) == ["train", "--resume", "--out", "x"]
     assert sized(["generate", "m", "--prompt", "a"])[-2:] == ["--max-new-tokens", "16"]
+    module_run = sized(["train", "--model", "m:f", "--steps", "200", "--out", "x"])  # none of the transformer's sizes
+    assert module_run[:5] == ["train", "--model", "m:f", "--steps", "3"] and "--preset" not in module_run
 
 
 def test_the_recipe_shown_is_the_shipped_file():
