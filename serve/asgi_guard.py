@@ -54,23 +54,26 @@ async def read_body(receive, headers: Headers, timeout: float) -> bytes:
         raise BadRequest(411, "send the JSON body with a valid Content-Length header", headers={"Connection": "close"})
     if length is not None and int(length) > MAX_BODY_BYTES:
         raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
-    chunks, size = [], 0
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > MAX_BODY_BYTES:
-                    raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                                     headers={"Connection": "close"})
-                if not message.get("more_body"):
-                    return b"".join(chunks)
-    except TimeoutError:
+        return await asyncio.wait_for(_receive_body(receive), timeout)  # asyncio.timeout needs Python 3.11
+    except asyncio.TimeoutError:
         raise BadRequest(408, f"the request body did not arrive within {timeout:g} s", "timeout_error",
                          headers={"Connection": "close"}) from None
+
+
+async def _receive_body(receive) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                             headers={"Connection": "close"})
+        if not message.get("more_body"):
+            return b"".join(chunks)
 
 
 def replay(body: bytes, receive):
