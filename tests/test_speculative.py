@@ -1,6 +1,6 @@
 """Speculative decoding (prunus.runtime.speculative): greedy tokens identical to plain decoding with a draft model
 dir and with prompt lookup, sampled tokens distributed as the target's (a chi-square test of the first two tokens
-over many draws against the target's exact distribution, on a 3-token vocabulary), the cache rolled back to the
+over many draws against the target's exact distribution, on a 3-token vocabulary with stand-in models), the cache rolled back to the
 accepted tokens, acceptance counted in the engine's info, and a draft it cannot use refused in one line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.models import ModelConfig, Transformer, get_preset, sample_next, save_model
+from prunus.models import Transformer, get_preset, sample_next, save_model
 from prunus.runtime.prompt_lookup import PromptLookup, lookup
 from prunus.runtime.sampling import RowSampling, sampling_probs
 from prunus.runtime.speculative import DraftModel, Speculator
@@ -71,31 +71,37 @@ def test_sampled_run_is_seeded_and_stops_where_told(dirs):
     assert short.token_ids == one[0][:2]
 
 
-def _pair(vocab: int):
-    """A one-layer target, far from uniform, and a draft that prefers what the target does not (its head negated)."""
-    models = []
-    for scale in (20.0, -10.0):
-        torch.manual_seed(3)
-        m = Transformer(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                                    max_seq_len=16))
-        m.init_weights()
-        with torch.no_grad():
-            m.output.weight.mul_(scale)
-        models.append(m.eval())
-    return models
+class Bigram:
+    """A stand-in backend whose next-token logits depend on the row's last token only (a table), so the exact
+    distribution of any tokens is known; it keeps each row's tokens to check what the speculator leaves there."""
 
+    prefill_chunk = None
+    max_len = 64
 
-def _joint(backend: TorchBackend, prompt: list[int], vocab: int) -> torch.Tensor:
-    """The exact probability of each first two tokens (a, b) at temperature 1."""
-    held = len(prompt) - 1
-    r = RowSampling(temperature=1.0)
-    first = sampling_probs(backend.verify(0, prompt[-1:])[-1:], r)[0]
-    backend.truncate(0, held)
-    joint = torch.zeros(vocab, vocab)
-    for a in range(vocab):
-        joint[a] = first[a] * sampling_probs(backend.verify(0, [prompt[-1], a])[-1:], r)[0]
-        backend.truncate(0, held)
-    return joint
+    def __init__(self, table: torch.Tensor):
+        self.table, self.rows = table, {}
+
+    def prefill(self, rows, prompts):
+        self.rows[rows[0]] = list(prompts[0])
+        return self.table[[prompts[0][-1]]]
+
+    def extend(self, rows, pieces):
+        self.rows[rows[0]] += pieces[0]
+        return self.table[[pieces[0][-1]]]
+
+    def decode(self, rows, tokens):
+        return self.extend(rows, [tokens])
+
+    def verify(self, row, tokens):
+        self.rows[row] += tokens
+        return self.table[tokens]
+
+    def truncate(self, row, length):
+        assert length <= len(self.rows[row])
+        del self.rows[row][length:]
+
+    def release(self, row):
+        self.rows.pop(row, None)
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -106,29 +112,32 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("drafting", ["model", "ngram"])
 def test_sampled_tokens_follow_the_targets_distribution(drafting):
-    vocab, n = 3, 300
-    target, draft = _pair(vocab)
-    tb = TorchBackend(target, 1, 16, prefill_chunk=None)
+    """The first two tokens of 1,500 draws against their exact distribution, p(a) p(b | a)."""
+    vocab, n = 3, 1500
+    g = torch.Generator().manual_seed(0)
+    p_table, q_table = torch.randn(vocab, vocab, generator=g), torch.randn(vocab, vocab, generator=g)
+    target = Bigram(p_table)
     prompt = [1, 2, 0, 1, 2]  # prompt lookup drafts [0, 1]
-    tb.prefill([0], [prompt[:-1]])
-    exact = _joint(tb, prompt, vocab)
-    drafter = DraftModel(TorchBackend(draft, 1, 16)) if drafting == "model" else PromptLookup()
-    spec = Speculator(tb, drafter, k=2)
-    sampling = RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    target.prefill([0], [prompt[:-1]])
+    p = p_table.softmax(-1)
+    exact = p[prompt[-1]][:, None] * p
+    drafter = DraftModel(Bigram(q_table)) if drafting == "model" else PromptLookup()
+    spec = Speculator(target, drafter, k=2)
+    sampling = RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(1))
     counts = torch.zeros(vocab, vocab)
     for _ in range(n):
         out = spec.step(0, prompt, sampling, remaining=8)
+        assert target.rows[0] == (prompt + out)[:-1]  # the target holds the accepted tokens, not the rejected
         if len(out) == 1:
             out += spec.step(0, prompt + out, sampling, remaining=7)
         counts[out[0], out[1]] += 1
-        tb.truncate(0, len(prompt) - 1)
+        target.truncate(0, len(prompt) - 1)
         drafter.rollback(0, len(prompt) - 1)
     assert 0.05 < spec.stats["acceptance_rate"] < 0.95  # both acceptance and rejection were exercised
     assert _chi2(counts, exact) < 26.1  # 8 degrees of freedom, p = 0.001
-    if drafting == "model":  # the test can tell the draft's own distribution from the target's
-        db = TorchBackend(draft, 1, 16)
-        db.prefill([0], [prompt[:-1]])
-        assert _chi2(counts, _joint(db, prompt, vocab)) > 100
+    q = q_table.softmax(-1)
+    wrong = (q[prompt[-1]][:, None] * q) if drafting == "model" else torch.full((vocab, vocab), 1 / vocab ** 2)
+    assert _chi2(counts, wrong) > 200  # the test tells another distribution (the draft's own) from the target's
 
 
 def test_sampling_probs_are_what_sample_next_draws_from():
