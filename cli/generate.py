@@ -11,7 +11,7 @@ import click
 
 from prunus.artifacts.errors import PrunusError
 
-from .options import backend_option, compile_option, device_option, native_option, prefill_chunk_option, prompt_graph_option, resolve_device, \
+from .options import backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, prompt_graph_option, resolve_device, \
     serving_feature_options
 
 
@@ -45,9 +45,10 @@ def check_sampling(**params) -> None:
 @prefill_chunk_option
 @prompt_graph_option
 @native_option
+@kv_dtype_option
 @serving_feature_options
 def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k, top_p, seed, backend, tp, device,
-            compile_, prefill_chunk, prompt_graph, native, prefix_cache_mb, draft, draft_tokens):
+            compile_, prefill_chunk, prompt_graph, native, kv_dtype, prefix_cache_mb, draft, draft_tokens):
     """Continue PROMPT with the model in MODEL_DIR (or an export dir), or answer it with --chat."""
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if system is not None and not chat:
@@ -57,7 +58,8 @@ def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k,
     with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device),
                      compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, prompt_graph=prompt_graph, native=native,
-                     prefix_cache_mb=prefix_cache_mb, draft=draft, draft_tokens=draft_tokens) as engine:
+                     kv_dtype=kv_dtype, prefix_cache_mb=prefix_cache_mb, draft=draft,
+                     draft_tokens=draft_tokens) as engine:
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system is not None else []) + [

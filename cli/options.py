@@ -38,8 +38,12 @@ prompt_graph_option = click.option(
          "(faster first token, a second copy of the weights in memory).")
 native_option = click.option(
     "--native", is_flag=True, default=False,
-    help="Genai export: decode steps in prunus's own CPU kernels (AVX2; compiled with the machine's C compiler on "
-         "first use) instead of ONNX Runtime, over the same weights.")
+    help="Genai export: decode steps in prunus's own CPU kernels (AVX2 to AVX-512 VNNI, by the CPU; compiled with "
+         "the machine's C compiler on first use) instead of ONNX Runtime, over the same weights.")
+kv_dtype_option = click.option(
+    "--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+    help="With --native: the KV cache's element type; f16 halves its memory and bandwidth at long contexts "
+         "(every pass then runs in the native kernels).")
 prefill_chunk_option = click.option(
     "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # runtime.torch.PREFILL_CHUNK
     help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "

@@ -7,7 +7,7 @@ import signal
 
 import click
 
-from .options import access_options, backend_option, compile_option, device_option, native_option, prefill_chunk_option, \
+from .options import access_options, backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, \
     prompt_graph_option, resolve_device, serving_feature_options
 
 
@@ -44,6 +44,7 @@ def _device_map(value: str | None):
 @prefill_chunk_option
 @prompt_graph_option
 @native_option
+@kv_dtype_option
 @click.option("--device-map", default=None,
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
@@ -59,8 +60,8 @@ def _device_map(value: str | None):
 @serving_feature_options
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, trust_factory, max_delay_ms, served_model_names, prefix_cache_mb, draft,
-            draft_tokens, **access):
+            max_memory, prompt_graph, native, kv_dtype, trust_factory, max_delay_ms, served_model_names, prefix_cache_mb,
+            draft, draft_tokens, **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
     (FastAPI on uvicorn) until Ctrl-C;
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
@@ -81,14 +82,15 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                device_map, max_memory, prompt_graph, native, access,
                predict={"trust_factory": trust_factory or None, "max_delay_ms": max_delay_ms},
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
-               features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens})
+               features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens},
+               kv_dtype=kv_dtype)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=False, access=None, predict=None, served_model_names=None,
-           features=None):
+           kv_dtype="f32", features=None):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
@@ -96,8 +98,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
-                     max_memory=max_memory, prompt_graph=prompt_graph, native=native, **(predict or {}),
-                     **(features or {})) as engine:
+                     max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
+                     **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None)

@@ -27,7 +27,7 @@ from prunus.artifacts.errors import PrunusError
 SOURCE = Path(__file__).with_name("decode.c")
 HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h")  # the kernel templates decode.c includes
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
-ABI = 3  # prunus_abi() of the source this module's structures match
+ABI = 4  # prunus_abi() of the source this module's structures match
 ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, in the order they are preferred
 ISA_ENV = "PRUNUS_NATIVE_ISA"
 

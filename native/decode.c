@@ -423,7 +423,8 @@ typedef struct {
     const float *emb, *cos, *sin, *norm;
     const Layer *layers;
     Linear head;
-    float **kc, **vc; /* per layer (n_slots, kv_heads, max_len, head_dim) */
+    void **kc, **vc; /* per layer (n_slots, kv_heads, max_len, head_dim): floats, or halves when kv_f16 */
+    int32_t kv_f16;
 } Model;
 
 #define ATTN_CHUNK 256 /* positions one attention item covers at most: a longer context is split into chunks, so
@@ -453,14 +454,62 @@ static void rope(float *x, const float *cos, const float *sin, int half) {
     }
 }
 
-/* One query head over keys j0..j1-1: o (hd) = sum of e^(score - mx) v_j; returns the sum of e^(score - mx) and
- * sets *mx (-inf and 0 for an empty range) */
-static float attend(const float *q, const float *K, const float *V, int j0, int j1, int hd, float scale, float *sc,
-                    float *o, float *mx) {
+/* ---------------------------------------------------------------- the KV cache: floats, or halves (F16C) */
+
+/* element at of a KV buffer, f16: halves, else floats */
+static inline const void *kv_at(const void *buf, size_t at, int f16) { return (const char *)buf + at * (f16 ? 2 : 4); }
+
+/* q . k for one key of hd elements; halves are widened to floats 8 at a time (vcvtph2ps, exact) */
+static inline float dot_kv(const float *q, const void *k, int hd, int f16) {
+    if (!f16) return dot(q, (const float *)k, hd);
+    const uint16_t *h = (const uint16_t *)k;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= hd; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), acc);
+    float sum = hsum8(acc);
+    for (; i < hd; i++) sum += q[i] * _cvtsh_ss(h[i]);
+    return sum;
+}
+
+/* o += w v for one value of hd elements */
+static inline void axpy_kv(float *o, float w, const void *v, int hd, int f16) {
+    if (!f16) {
+        const float *f = (const float *)v;
+        for (int e = 0; e < hd; e++) o[e] += w * f[e];
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)v;
+    const __m256 wv = _mm256_set1_ps(w);
+    int e = 0;
+    for (; e + 8 <= hd; e += 8) {
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e)));
+        _mm256_storeu_ps(o + e, _mm256_fmadd_ps(wv, x, _mm256_loadu_ps(o + e)));
+    }
+    for (; e < hd; e++) o[e] += w * _cvtsh_ss(h[e]);
+}
+
+/* one key or value of hd floats stored at element at: copied, or rounded to the nearest half (vcvtps2ph) */
+static inline void store_kv(void *buf, size_t at, const float *x, int hd, int f16) {
+    if (!f16) {
+        memcpy((float *)buf + at, x, hd * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)buf + at;
+    int e = 0;
+    for (; e + 8 <= hd; e += 8)
+        _mm_storeu_si128((__m128i *)(h + e), _mm256_cvtps_ph(_mm256_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT));
+    for (; e < hd; e++) h[e] = _cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* One query head over keys j0..j1-1 of K / V (the slot's KV head, floats or halves): o (hd) = sum of
+ * e^(score - mx) v_j; returns the sum of e^(score - mx) and sets *mx (-inf and 0 for an empty range) */
+static float attend(const float *q, const void *K, const void *V, int f16, int j0, int j1, int hd, float scale,
+                    float *sc, float *o, float *mx) {
     float top = -INFINITY;
     const int n = j1 - j0;
     for (int j = 0; j < n; j++) {
-        sc[j] = dot(q, K + (size_t)(j0 + j) * hd, hd) * scale;
+        sc[j] = dot_kv(q, kv_at(K, (size_t)(j0 + j) * hd, f16), hd, f16) * scale;
         if (sc[j] > top) top = sc[j];
     }
     __m256 vm = _mm256_set1_ps(top), vs = _mm256_setzero_ps();
@@ -473,10 +522,7 @@ static float attend(const float *q, const float *K, const float *V, int j0, int 
     float sum = hsum8(vs);
     for (; j < n; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
     memset(o, 0, hd * sizeof(float));
-    for (j = 0; j < n; j++) {
-        const float w = sc[j], *vj = V + (size_t)(j0 + j) * hd;
-        for (int e = 0; e < hd; e++) o[e] += w * vj[e];
-    }
+    for (j = 0; j < n; j++) axpy_kv(o, sc[j], kv_at(V, (size_t)(j0 + j) * hd, f16), hd, f16);
     *mx = top;
     return sum;
 }
@@ -494,7 +540,8 @@ static void attn_task(void *ctx, int ith, int nth) {
     for (int it = i0; it < i1; it++) {
         const int t = it / (G * C), g = it / C % G, c = it % C, pos = a->pos[t];
         const size_t base = ((size_t)a->slot[t] * G + g) * m->max_len * hd;
-        const float *K = m->kc[a->layer] + base, *V = m->vc[a->layer] + base;
+        const int f16 = m->kv_f16;
+        const void *K = kv_at(m->kc[a->layer], base, f16), *V = kv_at(m->vc[a->layer], base, f16);
         const int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         const int j0 = first > c * ATTN_CHUNK ? first : c * ATTN_CHUNK;
         const int j1 = pos + 1 < (c + 1) * ATTN_CHUNK ? pos + 1 : (c + 1) * ATTN_CHUNK;
@@ -503,11 +550,11 @@ static void attn_task(void *ctx, int ith, int nth) {
             float mx;
             if (C == 1) {
                 float *o = a->out + ((size_t)t * H + h) * hd;
-                const float r = 1.f / attend(q, K, V, j0, j1, hd, m->scale, sc, o, &mx);
+                const float r = 1.f / attend(q, K, V, f16, j0, j1, hd, m->scale, sc, o, &mx);
                 for (int e = 0; e < hd; e++) o[e] *= r;
             } else {
                 float *part = a->part + (((size_t)t * H + h) * C + c) * (2 + hd);
-                part[1] = attend(q, K, V, j0, j1 > j0 ? j1 : j0, hd, m->scale, sc, part + 2, &mx);
+                part[1] = attend(q, K, V, f16, j0, j1 > j0 ? j1 : j0, hd, m->scale, sc, part + 2, &mx);
                 part[0] = mx;
             }
         }
@@ -597,8 +644,8 @@ static void rope_row(const RowJob *r, int t) {
     for (int h = 0; h < H + G; h++) rope(row + h * hd, c, sn, half);
     for (int g = 0; g < G; g++) {
         size_t at = (((size_t)r->slot[t] * G + g) * m->max_len + r->pos[t]) * hd;
-        memcpy(m->kc[r->li] + at, row + (H + g) * hd, hd * sizeof(float));
-        memcpy(m->vc[r->li] + at, row + (H + G + g) * hd, hd * sizeof(float));
+        store_kv(m->kc[r->li], at, row + (H + g) * hd, hd, m->kv_f16);
+        store_kv(m->vc[r->li], at, row + (H + G + g) * hd, hd, m->kv_f16);
     }
 }
 
@@ -752,4 +799,4 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 3; }
+int prunus_abi(void) { return 4; }

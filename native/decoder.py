@@ -4,7 +4,10 @@
 pass with one call: rows of new tokens at their own positions (a decode step: one token per row at its length;
 a prompt: its tokens from position 0), keys and values written into the same (n_slots, kv_heads, max_len,
 head_dim) buffers that ONNX Runtime's GroupQueryAttention uses, rotated the same way, so the two can take turns
-on one cache (:class:`prunus.runtime.genai_session.GenaiSession` with ``native=True``).
+on one cache (:class:`prunus.runtime.genai_session.GenaiSession` with ``native=True``). Buffers of float16
+(``kv_dtype="f16"``) are the native decoder's alone: keys and values rounded to the nearest half as they are
+written (F16C) and widened back to floats as attention reads them, half the memory and the bandwidth of a long
+context.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ class ModelC(ctypes.Structure):
     _fields_ = [(name, I32) for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab",
                                          "max_len", "n_slots", "rope_len")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("emb", P), ("cos", P), ("sin", P), ("norm", P),
-        ("layers", P), ("head", LinearC), ("kc", P), ("vc", P)]
+        ("layers", P), ("head", LinearC), ("kc", P), ("vc", P), ("kv_f16", I32)]
+
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the KV cache's element types, by the name load options use
 
 
 def _address(a: np.ndarray | None) -> int | None:
@@ -59,9 +64,13 @@ class NativeDecoder:
         self._buffers = (list(k_buffers), list(v_buffers))
         if not len(k_buffers) == len(v_buffers) == len(packed.layers) == d["n_layers"]:
             raise ValueError(f"one key and one value buffer per layer: {d['n_layers']} layers")
+        dtype = k_buffers[0].dtype if k_buffers else np.dtype(np.float32)
         for buf in (*k_buffers, *v_buffers):
-            if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.shape != (n_slots, d["n_kv_heads"], max_len, d["head_dim"]):
-                raise ValueError("KV buffers must be C-contiguous float32 (n_slots, kv_heads, max_len, head_dim)")
+            if (buf.dtype != dtype or dtype not in (np.float32, np.float16) or not buf.flags.c_contiguous
+                    or buf.shape != (n_slots, d["n_kv_heads"], max_len, d["head_dim"])):
+                raise ValueError("KV buffers must be C-contiguous float32 or float16, all one type, "
+                                 "(n_slots, kv_heads, max_len, head_dim)")
+        self.kv_dtype = "f16" if dtype == np.float16 else "f32"
         self._kc = (P * len(k_buffers))(*(b.ctypes.data for b in k_buffers))
         self._vc = (P * len(v_buffers))(*(b.ctypes.data for b in v_buffers))
         self._layers = (LayerC * len(packed.layers))(*(self._layer(x) for x in packed.layers))
@@ -69,7 +78,7 @@ class NativeDecoder:
                             d["hidden"], d["vocab_size"], max_len, n_slots, packed.cos.shape[0], packed.eps,
                             packed.scale, _address(packed.emb), _address(packed.cos), _address(packed.sin),
                             _address(packed.norm), ctypes.addressof(self._layers), _linear(packed.head),
-                            ctypes.addressof(self._kc), ctypes.addressof(self._vc))
+                            ctypes.addressof(self._kc), ctypes.addressof(self._vc), int(self.kv_dtype == "f16"))
         self.threads = threads or os.cpu_count() or 1
         self.pool = self.lib.prunus_pool_new(self.threads)
         self._start = np.zeros(n_slots, np.int32)

@@ -19,7 +19,9 @@ again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.exp
 kernels (:mod:`prunus.native.decoder`) over the same weights and the same KV buffers: keys are rotated and laid out
 as GroupQueryAttention lays them, so either may run any pass. Longer prompts still run in ONNX Runtime (its GEMMs,
 or the twin's, are the faster ones for many rows), whose threads then sleep between runs instead of spinning
-beside the native pool's.
+beside the native pool's. ``kv_dtype="f16"`` (with ``native=True``) keeps the cache in float16 buffers that only the
+native kernels read and write (:mod:`prunus.native.decoder`): every pass, prompts included, runs natively, and
+ONNX Runtime's session is not loaded.
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
@@ -63,20 +65,22 @@ def prompt_twin_of(path_or_bytes, n_slots: int, max_len: int):
 class GenaiSession:
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
-                 prompt_twin: bool = False, native: bool = False, packed=None):
+                 prompt_twin: bool = False, native: bool = False, packed=None, kv_dtype: str = "f32"):
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
         dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
         if native and packed is None:  # the export's native weights, checked and packed before ONNX Runtime loads
             from .native import pack_export
 
             packed = pack_export(path_or_bytes, dims)
-        self.session = ort_session(path_or_bytes, threads, spinning and not native, config)
+        native_only = native and kv_dtype == "f16"  # buffers ONNX Runtime cannot bind: every pass native
+        self.session = None if native_only else ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(n_layers)]
+        dtype = np.float16 if native_only else np.float32
+        self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.logits = np.zeros((n_slots, vocab_size), np.float32)
         self.step_ids = np.zeros((n_slots, 1), np.int64)
         self.seqlens = np.zeros(n_slots, np.int32)
@@ -88,7 +92,9 @@ class GenaiSession:
             from .native import native_decoder, native_prompt_tokens
 
             self.native = native_decoder(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads, packed)
-            self.native_prompt_tokens = native_prompt_tokens(self.native.packed)
+            self.native_prompt_tokens = n_slots * max_len if native_only else native_prompt_tokens(self.native.packed)
+            if native_only:
+                return
             # ONNX Runtime's first pass with sleeping threads is slow (SmolLM2 int4, a 5-token prompt at 2 threads:
             # 212 ms, then 15 ms): pay it at load, not in the first request's first token
             self.seqlens[:1], self.total[...] = 0, 1

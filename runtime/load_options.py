@@ -72,6 +72,7 @@ class LoadOptions:
     max_memory: object = None
     prompt_graph: bool = False
     native: bool = False
+    kv_dtype: str = "f32"  # the native decoder's KV cache: "f32", or "f16" (half the memory; its own buffers)
     trust_factory: object = None  # a generic module dir's factory may be imported (prunus.models.module_factory)
     features: ServingFeatures = ServingFeatures()  # prefix caching, speculative decoding
 
@@ -90,6 +91,14 @@ class LoadOptions:
             if wanted and backend != "onnxruntime":
                 raise PrunusError(f"{name} applies to an ONNX Runtime export dir, not the {backend} backend; "
                                   f"drop it (--{name.replace('_', '-')})")
+        if self.kv_dtype not in ("f32", "f16"):
+            raise PrunusError(f"kv_dtype={self.kv_dtype!r}: choose 'f32' or 'f16' (--kv-dtype)")
+        if self.kv_dtype == "f16" and not self.native:
+            raise PrunusError("kv_dtype='f16' is the native decoder's KV cache; add native=True (--native) or drop "
+                              "it (--kv-dtype)")
+        if self.kv_dtype == "f16" and self.prompt_graph:
+            raise PrunusError("prompt_graph runs prompts in ONNX Runtime, which cannot read the f16 KV cache "
+                              "(kv_dtype='f16' runs every pass natively); drop one of them (--prompt-graph, --kv-dtype)")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise PrunusError(f"max_batch={self.max_batch!r} must be a positive integer")
         threads = self.threads

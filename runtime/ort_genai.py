@@ -119,7 +119,7 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     try:
         session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len,
                                threads=options.threads, spinning=SPINNING, prompt_twin=options.prompt_graph,
-                               native=native)
+                               native=native, kv_dtype=options.kv_dtype if native else "f32")
     except PrunusError:
         raise
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
@@ -130,6 +130,7 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
         info["prompt_graph_min_tokens"] = session.prompt_min_tokens
     if native:
         info["native_prompt_tokens"] = session.native_prompt_tokens
+        info["kv_dtype"] = options.kv_dtype
     return Loaded(GenaiBackend(session, n_slots, max_len), tokenizer, info)
 
 

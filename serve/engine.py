@@ -74,7 +74,7 @@ class Engine:
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
-             prompt_graph: bool = False, native: bool = False, trust_factory=None,
+             prompt_graph: bool = False, native: bool = False, kv_dtype: str = "f32", trust_factory=None,
              max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
              draft_tokens: int = 4) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
@@ -92,7 +92,9 @@ class Engine:
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
         (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
         ``native``: for a genai export, decode steps (and int8 prompts of up to 64 tokens) in prunus's own CPU kernels
-        (:mod:`prunus.runtime.native`, AVX2, compiled on first use) over the same weights and KV buffers.
+        (:mod:`prunus.runtime.native`, compiled on first use; the CPU's kernel path is the info's ``native_isa``) over
+        the same weights and KV buffers; ``kv_dtype="f16"`` keeps its KV cache in float16 (half the memory and
+        bandwidth at long contexts; every pass then runs natively).
         A generic model dir (any ``nn.Module``; its factory imported only when ``trust_factory`` trusts it) or its
         ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
         concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others.
@@ -104,7 +106,7 @@ class Engine:
         and acceptance."""
         options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
                               compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
-                              max_memory=max_memory, prompt_graph=prompt_graph, native=native,
+                              max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
                               trust_factory=trust_factory, features=ServingFeatures(prefix_cache_mb, draft, draft_tokens))
         loaded = load_runtime(path, backend, options)
         speculator = None

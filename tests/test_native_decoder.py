@@ -36,7 +36,7 @@ from prunus.native.build import ISA_ENV, ISAS, isa, isa_missing, library, set_is
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
 
-from prunus.native.decoder import _linear  # noqa: E402
+from prunus.native.decoder import NativeDecoder, _linear  # noqa: E402
 from prunus.export.export_dir import genai_dims  # noqa: E402
 from prunus.native.weights import pack_blocks, pack_f32, read_native_weights  # noqa: E402
 
@@ -354,3 +354,62 @@ def test_the_isa_check_runs_every_path_this_cpu_has(capsys):
     assert [line.split()[0] for line in out[1:-1]] == supported_isas()
     assert all("int8 err" in line and "int4 err" in line and "fp32 err" in line for line in out[1:-1])
     assert out[-1].startswith("ok: largest error")
+
+
+def _run_cache(packed, dims, dtype, prompts, steps: int, max_len: int, tokens=None):
+    """Prompts in one pass, then ``steps`` decode steps (``tokens``: the tokens to feed, else each step's greedy
+    ones) over a KV cache of ``dtype``: every pass's logits, stacked."""
+    shape = (len(prompts), dims["n_kv_heads"], max_len, dims["head_dim"])
+    k, v = ([np.zeros(shape, dtype) for _ in range(dims["n_layers"])] for _ in range(2))
+    decoder = NativeDecoder(packed, k, v, len(prompts), max_len, 1)
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    logits = np.zeros((len(prompts), dims["vocab_size"]), np.float32)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    out = [decoder.forward(ids, np.zeros(len(prompts), np.int32), lengths, 0, logits).copy()]
+    for i in range(steps):
+        step = out[-1].argmax(-1) if tokens is None else tokens[i]
+        out.append(decoder.forward(step[:, None], lengths, np.ones(len(prompts), np.int32), 0, logits).copy())
+        lengths += 1
+    decoder.close()
+    assert decoder.kv_dtype == ("f16" if dtype == np.float16 else "f32")
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_half_precision_kv_cache_stays_within_its_tolerance_of_the_float_one(tmp_path, family):
+    """Keys and values rounded to float16 as they are written (F16C), over prompts of 300 and 600 tokens (chunked
+    attention) and 10 steps fed the same tokens: every logit within 2e-3 of the largest, the same greedy tokens."""
+    model = family_model(family, max_seq_len=640)
+    write_native_weights(model, tmp_path)
+    dims = genai_dims(model)
+    packed = read_native_weights(tmp_path / NATIVE_WEIGHTS, dims)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 320, 300)), list(rng.integers(0, 320, 600))]
+    want = _run_cache(packed, dims, np.float32, prompts, 10, 640)
+    got = _run_cache(packed, dims, np.float16, prompts, 10, 640, tokens=list(want[:-1].argmax(-1)))
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_engine_serves_with_a_half_precision_kv_cache(export_dir, assert_user_error):
+    """kv_dtype="f16": float16 buffers of the native decoder's own, every pass native (no ONNX Runtime session),
+    torch's greedy tokens; without native, or another type, one line (and exit 2 from the CLI)."""
+    root, model = export_dir
+    prompts, n = [[5, 6, 7], [9, 10, 11, 12]], 8
+    with Engine.load(root / "export", max_batch=2, max_len=64, native=True, kv_dtype="f16", threads=1) as engine:
+        session = engine.backend.session
+        assert engine.info["kv_dtype"] == "f16" and session.session is None
+        assert all(buf.dtype == np.float16 for buf in session.k + session.v)
+        results = [engine.wait(engine.submit(p, n, temperature=0.0, ignore_eos=True)) for p in prompts]
+    with torch.no_grad():
+        for p, r in zip(prompts, results):
+            assert r.token_ids == generate(model, torch.tensor([p]), n)[0, len(p):].tolist()
+    with pytest.raises(PrunusError, match="kv_dtype='f16' is the native decoder's KV cache; add native=True"):
+        Engine.load(root / "export", kv_dtype="f16")
+    with pytest.raises(PrunusError, match="kv_dtype='f8': choose 'f32' or 'f16'"):
+        Engine.load(root / "export", native=True, kv_dtype="f8")
+    cli_run = CliRunner().invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--kv-dtype", "f16"])
+    assert_user_error(cli_run,
+                      "kv_dtype='f16' is the native decoder's KV cache")
