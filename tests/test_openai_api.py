@@ -218,3 +218,50 @@ def test_generation_config_defaults_apply_when_left_out(model_dir, engine, tmp_p
 
     with pytest.raises(PrunusError, match="generation_config.json: temperature 'hot' must be a float"):
         sampling_defaults(bad)
+
+
+def test_serve_cli_takes_served_model_names(model_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+
+    seen = []
+
+    def record(self, poll_interval=0.5):  # the server the command built, then Ctrl-C
+        seen.append(self.model_names)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(CompletionServer, "serve_forever", record)
+    args = ["serve", str(model_dir), "--port", "0", "--max-batch", "1"]
+    r = CliRunner().invoke(cli, [*args, "--served-model-name", "a,b", "--served-model-name", "c"])
+    assert r.exit_code == 0, r.output
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    assert seen == [["a", "b", "c"], [model_dir.name]]
+
+
+def test_chat_streams_n_samples_with_logprobs(tmp_path):
+    from test_chat import CHAT_TEMPLATE, hf_tokenizer_dir
+
+    from prunus.models import HFTokenizer
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny"))
+    model.init_weights()
+    path = save_model(model.eval(), tmp_path / "chat", stage="test",
+                      tokenizer=HFTokenizer(hf_tokenizer_dir(tmp_path / "tok", CHAT_TEMPLATE)))
+    with Engine.load(path, max_batch=2, threads=1) as engine:
+        server = start(engine)
+        try:
+            body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "n": 2,
+                    "temperature": 0.8, "seed": 1, "logprobs": True, "top_logprobs": 1}
+            status, plain = call(server, "POST", "/v1/chat/completions", body)
+            assert status == 200 and [c["index"] for c in plain["choices"]] == [0, 1]
+            chunks = events(server, "/v1/chat/completions", body)
+            for i, choice in enumerate(plain["choices"]):
+                mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+                assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+                assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
+                streamed = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
+                assert streamed == choice["logprobs"]["content"] and mine[-1]["finish_reason"] in ("stop", "length")
+        finally:
+            server.shutdown()
+            server.server_close()
