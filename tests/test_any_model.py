@@ -67,6 +67,20 @@ def resnet(channels=3, width=8, classes=4):
                          Block(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
 
 
+class NamedResNet(nn.Module):
+    """torchvision's ResNet layout in small: named children, and a torch.flatten between avgpool and fc."""
+
+    def __init__(self, width: int = 4, classes: int = 3):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        self.layer1, self.layer2, self.layer3 = Block(width), Block(width), Block(width)
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.layer3(self.layer2(self.layer1(self.relu(self.bn1(self.conv1(x))))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 def block(width=4):
     return Block(width)
 
@@ -510,6 +524,10 @@ def test_pipeline_stages_keep_the_whole_modules_names_and_outputs():
         ["6.bias", "6.weight"]]
     with pytest.raises(PrunusError, match="--pp-split 6,3: name children after the first"):
         split_stages(model, ["6", "3"])
+    named = NamedResNet().eval()  # seq1 = conv1 ... layer2, seq2 = layer3 ... fc (the flatten between included)
+    first, second = split_stages(named, ["layer3"])
+    assert torch.equal(second(first(x)), named(x))
+    assert {k.split(".")[0] for k, _ in second.named_parameters()} == {"layer3", "fc"}
 
 
 # --- data specs ---------------------------------------------------------------------------------------------------

@@ -74,22 +74,25 @@ class ModulePipeline:
                               f"{type(x).__name__}s")
         losses: list = []
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None, losses=losses)
-        loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else torch.zeros(())
-        loss = loss.cpu()
-        dist.all_reduce(loss, group=self.group)  # only the last stage holds it
+        loss = torch.zeros((), device=self.device)
+        if self.last:
+            loss = torch.stack([v.detach().float() for v in losses]).mean()
+        dist.all_reduce(loss, group=self.group)  # only the last stage holds it (tensors on the device: NCCL too)
         return loss
 
     def _send(self, h: torch.Tensor) -> None:
         meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
         meta[0], meta[1] = h.ndim, _DTYPES.index(h.dtype)
         meta[2:2 + h.ndim] = torch.tensor(h.shape)
+        meta = meta.to(self.device)
         dist.send(meta, dst=self._peer(self.rank + 1), group=self.group)
         dist.send(h.contiguous(), dst=self._peer(self.rank + 1), group=self.group)
 
     def _recv(self) -> torch.Tensor:
-        meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+        meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
         dist.recv(meta, src=self._peer(self.rank - 1), group=self.group)
-        h = torch.empty(meta[2:2 + int(meta[0])].tolist(), dtype=_DTYPES[int(meta[1])], device=self.device)
+        meta = meta.tolist()
+        h = torch.empty(meta[2:2 + meta[0]], dtype=_DTYPES[meta[1]], device=self.device)
         dist.recv(h, src=self._peer(self.rank - 1), group=self.group)
         return h
 
@@ -102,12 +105,13 @@ class ModulePipeline:
                 raise PrunusError(f"--pp-split: stage {self.rank} outputs a {h.dtype} tensor of {h.ndim} dims; the "
                                   f"pipeline sends up to {_MAX_DIMS} dims of {', '.join(map(str, _DTYPES))}")
             self._send(h)
-        totals = torch.zeros(4, dtype=torch.float64)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.last:
             s, n, c = sums(h, y)
-            totals[:] = torch.tensor([s, n, c or 0, c is not None], dtype=torch.float64)
+            totals = torch.tensor([s, n, c or 0, c is not None], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)
-        return float(totals[0]), int(totals[1]), int(totals[2]) if totals[3] else None
+        s, n, c, has_c = totals.tolist()
+        return s, int(n), int(c) if has_c else None
 
     def full_state(self) -> dict | None:
         """The whole module's state dict on the pipeline's first rank (None elsewhere); every rank calls it."""
