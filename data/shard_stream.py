@@ -8,7 +8,9 @@ worker yields whole batches and the DataLoader takes them round-robin, so batch 
 worker ``j % W``. Every choice is computed from the scanned index (no bytes are read to skip), so a run
 resumed at step ``s`` starts each worker past the batches it gave before ``s``: the same samples, in the same
 order, as a run that never stopped. The position is the step in the checkpoint, as for the other data; the
-number of readers is kept beside it, and a resume with another one is refused in one line.
+number of readers is kept beside it, and a resume with another one is refused in one line. Since the samples
+of a step depend on the number of readers, a stream does not give every layout one process's global batches
+(the map-style datasets do, through :class:`.global_batches.GlobalBatches`).
 """
 
 from __future__ import annotations
