@@ -132,6 +132,10 @@ class ModuleTrainConfig:
                 raise PrunusError("--grad-accum with --pp-split: the pipeline's --microbatches already split the batch")
         if self.pp > 1 and self.tp > 1:
             raise PrunusError("--pp-split with --tp-plan: a generic module takes one of them at a time; drop one")
+        if (self.pp > 1 or self.tp > 1) and (self.zero not in (None, 0) or self.sync_batchnorm):
+            flag = "--sync-batchnorm" if self.sync_batchnorm else f"--zero {self.zero}"
+            raise PrunusError(f"{flag} applies to data parallelism; a generic module's pipeline or tensor parallel "
+                              "layout uses every rank without it: drop it")
         if (self.pp > 1 or self.tp > 1) and self.nproc not in (1, self.pp * self.tp):
             kind = "pipeline" if self.pp > 1 else "tensor parallel"
             raise PrunusError(f"--nproc {self.nproc}: a generic module's {kind} layout uses every rank (no data "

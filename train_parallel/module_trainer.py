@@ -216,8 +216,9 @@ class ModuleTrainer:
     def _check_readers(self, saved) -> None:
         mine = getattr(self.batches, "readers", None)
         if saved != mine and mine is not None:
-            raise PrunusError(f"--resume: the run streamed its shards with {saved} readers (ranks x data workers), now "
-                              f"{mine}; resume with the same --nproc and --data-workers to continue its exact stream")
+            was = "did not stream tar shards" if saved is None else f"streamed its shards with {saved} readers"
+            raise PrunusError(f"--resume: the run {was} (ranks x data workers), now {mine}; resume with the same "
+                              "--data, --nproc and --data-workers to continue its exact stream")
 
     def _barrier(self) -> None:
         if self.world > 1:
