@@ -21,15 +21,28 @@ def _text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob], offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob | None],
+                        offset: int = 0) -> dict:
+    """``entries[i]`` None: a token with no log-probability (an echoed prompt's first), written null."""
     tokens = [_text(tokenizer, t) for t in token_ids[:len(entries)]]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    top = [_best_first(tokenizer, e.top) if e.top else None for e in entries]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    top = [_best_first(tokenizer, e.top) if e is not None and e.top else None for e in entries]
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def joined(first: dict | None, second: dict) -> dict:
+    """Two completions-shaped log-probability records one after the other (an echoed prompt, then its answer)."""
+    if first is None:
+        return second
+    shift = first["text_offset"][-1] + len(first["tokens"][-1]) if first["tokens"] else 0
+    return {"tokens": first["tokens"] + second["tokens"],
+            "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
 
 
 def _best_first(tokenizer, top) -> dict:

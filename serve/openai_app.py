@@ -3,7 +3,8 @@
 * ``GET /health``: the engine's settings and load; ``GET /metrics``: Prometheus (:mod:`prunus.serve.metrics`);
 * ``GET /v1/models``, ``GET /v1/models/{id}``: the served names (``--served-model-name``, several allowed);
 * ``POST /v1/completions``: ``prompt`` (a string, a list of strings, token ids or lists of them), ``n`` samples
-  each, streamed or not, ``echo``, ``logprobs`` (an integer: alternatives per token);
+  each, streamed or not, ``echo``, ``logprobs`` (an integer: alternatives per token; with ``echo`` the
+  prompt's own too, :mod:`prunus.serve.prompt_logprobs`);
 * ``POST /v1/chat/completions``: :mod:`prunus.serve.chat_api`;
 * ``GET /docs``: the OpenAPI page (``/openapi.json`` the schema).
 
@@ -26,9 +27,10 @@ from prunus.artifacts.errors import PrunusError
 from . import chat_api, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, joined
 from .openai_generate import DONE, Choice, check_context, check_model, collect, engine_kwargs, merged, sse, submit, usage
 from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .prompt_logprobs import prompt_logprobs
 from .request import GenerationResult, StreamToken
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
@@ -97,9 +99,6 @@ def _refusals(req: CompletionRequest) -> None:
         raise BadRequest(400, "'suffix' (insertion) is not supported; leave it out", param="suffix")
     if req.best_of not in (None, req.n):
         raise BadRequest(400, "'best_of' other than 'n' is not supported; ask for n samples instead", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise BadRequest(400, "'echo' with 'logprobs' (the prompt's log-probabilities) is not supported; ask for "
-                              "one or the other", param="echo")
     if req.stream_options is not None and not req.stream:
         raise BadRequest(400, "'stream_options' needs 'stream': true", param="stream_options")
 
@@ -116,33 +115,42 @@ async def complete(server, req: CompletionRequest, request: Request):
         check_context(engine, len(ids), max_tokens, "max_tokens")
     kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs)
     echoed = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given] if req.echo else None
+    echo_logprobs = None
+    if req.echo and req.logprobs is not None:  # the prompts' own, by a teacher-forced pass (off the event loop)
+        echo_logprobs = await loop.run_in_executor(server.pool, lambda: [completion_logprobs(
+            engine.tokenizer, ids, prompt_logprobs(engine, ids, req.logprobs)) for ids in prompts])
     requests = submit(engine, prompts, kwargs, req.n)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, requests, base, req, echoed, include_usage, request.scope),
+        echo = (echoed, echo_logprobs)
+        return StreamingResponse(_stream(server, requests, base, req, echo, include_usage, request.scope),
                                  headers=EVENT_STREAM)
     choices = await collect(server, requests, request.receive)
-    out = [_choice(engine.tokenizer, c, req, echoed[c.index // req.n] if echoed else "") for c in choices]
+    out = [_choice(engine.tokenizer, c, req, echoed[c.index // req.n] if echoed else "",
+                   echo_logprobs[c.index // req.n] if echo_logprobs else None) for c in choices]
     n_prompt = sum(len(p) for p in prompts)
     return JSONResponse({**base, "choices": out, "usage": usage(n_prompt, sum(len(c.token_ids) for c in choices))})
 
 
-def _choice(tokenizer, c: Choice, req: CompletionRequest, prefix: str) -> dict:
-    logprobs = completion_logprobs(tokenizer, c.token_ids, c.logprobs) if req.logprobs is not None else None
+def _choice(tokenizer, c: Choice, req: CompletionRequest, prefix: str, prefix_logprobs: dict | None) -> dict:
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = joined(prefix_logprobs, completion_logprobs(tokenizer, c.token_ids, c.logprobs))
     return {"index": c.index, "text": prefix + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
-async def _stream(server, requests, base, req: CompletionRequest, echoed, include_usage: bool, scope):
+async def _stream(server, requests, base, req: CompletionRequest, echo, include_usage: bool, scope):
     tokenizer, made, finished = server.engine.tokenizer, [0] * len(requests), False
+    echoed, echo_logprobs = echo
 
     def chunk(i, text, finish_reason=None, logprobs=None) -> bytes:
         return sse({**base, "choices": [{"index": i, "text": text, "finish_reason": finish_reason,
                                          "logprobs": logprobs}]})
     try:
         for i in range(len(requests) if echoed else 0):
-            yield chunk(i, echoed[i // req.n])
+            yield chunk(i, echoed[i // req.n], logprobs=echo_logprobs[i // req.n] if echo_logprobs else None)
         async for i, event in merged(server, requests):
             if isinstance(event, StreamToken):
                 made[i] += 1

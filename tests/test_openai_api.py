@@ -103,7 +103,6 @@ def test_unknown_fields_are_refused_by_name(server, path, body, field):
     ({"prompt": "x", "temperature": "hot"}, "temperature", None, "temperature='hot'"),
     ({"prompt": "x", "n": 0}, "n", None, "'n'"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", None, "not a token id"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", None, "'echo' with 'logprobs'"),
     ({"prompt": "x", "suffix": "y"}, "suffix", None, "'suffix'"),
     ({"prompt": "x", "best_of": 3}, "best_of", None, "'best_of'"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None, "presence_penalty=2.5"),
@@ -185,6 +184,24 @@ def test_echo_prepends_the_prompt(server, engine):
     assert status == 200 and answer["choices"][0]["text"] == PROMPT + engine.generate(PROMPT, 5).text
     chunks = events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True})
     assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
+
+
+def test_echo_with_logprobs_gives_the_prompts_by_a_teacher_forced_pass(server, engine, model_dir):
+    from prunus.models import load_model
+
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    status, answer = call(server, "POST", "/v1/completions", body)
+    lp, ids = answer["choices"][0]["logprobs"], engine.encode(PROMPT)
+    with torch.no_grad():
+        want = torch.log_softmax(load_model(model_dir).eval()(torch.tensor([ids])).float(), -1)[0]
+    assert status == 200 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(ids) + answer["usage"]["completion_tokens"]
+    for i in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][i] - want[i - 1, ids[i]].item()) < 1e-4
+        assert abs(max(lp["top_logprobs"][i].values()) - want[i - 1].max().item()) < 1e-4
+    assert "".join(lp["tokens"]) == answer["choices"][0]["text"] and lp["text_offset"][len(ids)] == len(PROMPT)
+    chunks = events(server, "/v1/completions", body)
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
 
 
 def test_openapi_docs(server):

@@ -130,3 +130,15 @@ def test_penalised_generation_equals_transformers_processors_step_by_step(model_
         want = reference(logits, settings, prompt, ids[len(prompt):], stops)
         assert token == int(want.argmax())
         ids.append(token)
+
+
+def test_prompt_logprobs_need_the_model_in_this_process():
+    from types import SimpleNamespace
+
+    from prunus.serve.http_guard import BadRequest
+    from prunus.serve.prompt_logprobs import prompt_logprobs
+
+    engine = SimpleNamespace(backend=SimpleNamespace(), info={"backend": "onnxruntime"})
+    with pytest.raises(BadRequest, match="the onnxruntime backend does not compute here") as e:
+        prompt_logprobs(engine, [1, 2, 3], 1)
+    assert e.value.status == 400 and e.value.param == "echo"
