@@ -19,7 +19,9 @@ it runs where the logits are and brings back token ids.
 With a prefix cache (``capabilities.prefix_cache``, :mod:`prunus.runtime.prefix_cache`) a joining request whose
 prompt starts like an earlier one starts its row from the cached blocks and runs only the rest of its prompt,
 through ``extend`` like a long prompt's later chunk; its full blocks are cached once its prompt is in (for the
-requests after it) and again when it leaves (prompt and answer, for the next turn of a conversation).
+requests after it) and again when it leaves (prompt and answer, for the next turn of a conversation). A request
+that shares at least half its prompt with one being prefilled waits, holding its row, until that one's blocks are
+cached, so a burst of requests with one long system prompt computes it once.
 
 With a speculator (:mod:`prunus.runtime.speculative`) a decode step of a lone request drafts tokens and checks them
 in one pass; while more than one request decodes, the step is the plain batched one (the draft catches up later),
@@ -34,6 +36,7 @@ import threading
 import torch
 
 from prunus.artifacts.errors import PrunusError
+from prunus.runtime.prefix_cache import BLOCK
 from prunus.runtime.sampling import RowSampling, sample
 
 from .logits_processors import process, token_logprobs
@@ -62,6 +65,7 @@ class Scheduler:
         self.active: dict[int, Request] = {}
         self.prefilling: dict[int, Request] = {}  # slot -> request whose prompt is partly in the cache
         self.prefilled: dict[int, int] = {}  # slot -> prompt tokens the cache holds
+        self.deferred: dict[int, Request] = {}  # slot -> request waiting for another's prompt blocks (prefix cache)
         self.tokens_generated = 0
         self.steps = 0
         self._cond = threading.Condition()
@@ -77,7 +81,7 @@ class Scheduler:
     @property
     def n_active(self) -> int:
         """Requests holding a cache row: decoding, or with their prompt partly prefilled."""
-        return len(self.active) + len(self.prefilling)
+        return len(self.active) + len(self.prefilling) + len(self.deferred)
 
     def submit(self, request: Request) -> Request:
         with self._cond:
@@ -96,12 +100,13 @@ class Scheduler:
         if self._thread is not threading.current_thread():
             self._thread.join()
         closed = PrunusError("the engine was closed before this request finished")
-        for r in list(self.waiting) + list(self.active.values()) + list(self.prefilling.values()):
+        for r in list(self.waiting) + list(self.active.values()) + list(self.prefilling.values()) + list(self.deferred.values()):
             r.fail(closed)
         self.waiting.clear()
         self.active.clear()
         self.prefilling.clear()
         self.prefilled.clear()
+        self.deferred.clear()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Scheduler:
         self._choose_threads()
         while True:
             with self._cond:
-                while self._running and not self.waiting and not self.active and not self.prefilling:
+                while self._running and not self.waiting and not self.active and not self.prefilling and not self.deferred:
                     self._cond.wait()
                 if not self._running:
                     return
@@ -149,12 +154,13 @@ class Scheduler:
                     r.slot = self.free.pop(0)
                     joining.append(r)
             try:
-                if joining or self.prefilling:
+                if joining or self.prefilling or self.deferred:
                     self._prefill(joining)
                 if self.active:
                     self._decode()
             except Exception as e:  # a failed pass fails the requests in it; the loop serves the next ones
-                self._fail(joining + list(self.active.values()) + list(self.prefilling.values()), e)
+                self._fail(joining + list(self.active.values()) + list(self.prefilling.values())
+                           + list(self.deferred.values()), e)
 
     def _fail(self, reqs: list[Request], error: Exception) -> None:
         for r in reqs:
@@ -165,6 +171,7 @@ class Scheduler:
         self.active.clear()
         self.prefilling.clear()
         self.prefilled.clear()
+        self.deferred.clear()
 
     def _free(self, slot: int) -> None:
         """The row's request has left: the backend releases it, the row goes back to the free list."""
@@ -185,9 +192,11 @@ class Scheduler:
         requests' first chunks start their rows, earlier requests' next chunks extend theirs; a request
         whose prompt is all in the cache samples its first token and joins the decode batch."""
         chunk = self._chunk()
-        for slot, r in list(self.prefilling.items()):
+        for slot, r in list(self.prefilling.items()) + list(self.deferred.items()):
             if r.cancelled.is_set():
-                del self.prefilling[slot], self.prefilled[slot]
+                self.prefilling.pop(slot, None)
+                self.prefilled.pop(slot, None)
+                self.deferred.pop(slot, None)
                 r.finish_reason = "cancelled"
                 self._free(slot)
                 r.finish()
@@ -221,17 +230,25 @@ class Scheduler:
             self._retire(complete)
 
     def _restore(self, joining: list[Request]) -> list[Request]:
-        """With a prefix cache: a joining request whose prompt starts like a cached one holds that prefix now and
-        goes on as a prompt being prefilled; the others (returned) start afresh."""
+        """With a prefix cache: a joining (or deferred) request whose prompt starts like a cached one holds that
+        prefix now and goes on as a prompt being prefilled. One that shares at least half its prompt with a prompt
+        being prefilled (a burst of requests with one system prompt) waits for that one's blocks, holding its row;
+        the others (returned) start afresh."""
         if not self.caps.prefix_cache:
             return joining
+        candidates = list(self.deferred.values()) + joining
+        self.deferred.clear()
+        leaders = list(self.prefilling.values())
         fresh = []
-        for r in joining:
+        for r in candidates:
             held = self.backend.restore_prefix(r.slot, r.prompt_ids)
             if held:
                 self.prefilling[r.slot], self.prefilled[r.slot] = r, held
+            elif any(_worth_waiting(r.prompt_ids, leader.prompt_ids) for leader in leaders):
+                self.deferred[r.slot] = r
             else:
                 fresh.append(r)
+                leaders.append(r)
         return fresh
 
     def _decode(self) -> None:
@@ -282,3 +299,15 @@ class Scheduler:
                 del self.active[r.slot]
                 self._free(r.slot)
                 r.finish()
+
+
+def _worth_waiting(prompt: list[int], leader: list[int]) -> bool:
+    """Whether ``prompt`` shares at least half its tokens (and a whole block) with ``leader``, whose blocks the
+    prefix cache will hold once its prompt is in."""
+    shared = 0
+    for a, b in zip(prompt, leader):
+        if a != b:
+            break
+        shared += 1
+    usable = min(shared, len(prompt) - 1) // BLOCK * BLOCK
+    return usable > 0 and 2 * usable >= len(prompt)

@@ -50,11 +50,26 @@ def test_shared_prefix_same_tokens_and_counted(model_dir, plain):
         # together: rows prefilled in one pass, some from the cache, some afresh
         together = [r.token_ids for r in e.generate(prompts, max_new_tokens=12, ignore_eos=True)]
         assert together == _one_by_one(plain, prompts)
-        stats = e.info["prefix_cache"]
+        stats = dict(e.info["prefix_cache"])
     assert stats["block_tokens"] == BLOCK
     assert stats["hits"] >= 2 * len(prompts) - 1  # every prompt after the first found the system prompt's blocks
     assert stats["reused_tokens"] >= stats["hits"] * 4 * BLOCK
     assert stats["evicted_blocks"] == 0
+
+
+@pytest.mark.parametrize("chunk", [32, None])
+def test_a_burst_with_one_system_prompt_computes_it_once(model_dir, chunk):
+    """Requests arriving together wait for the first one's blocks instead of each prefilling the shared prompt."""
+    system = SYSTEM * 2  # 132 tokens: the questions are under half of each prompt
+    prompts = [system + q for q in QUESTIONS]
+    with Engine.load(model_dir, max_batch=4, threads=1, prefix_cache_mb=4, prefill_chunk=chunk) as e:
+        got = [r.token_ids for r in e.generate(prompts, max_new_tokens=8, ignore_eos=True, temperature=0.7, seed=1)]
+        stats = e.info["prefix_cache"]
+        assert stats["hits"] == len(prompts) - 1 and stats["reused_tokens"] == 3 * (len(system) // BLOCK) * BLOCK
+        assert not e.scheduler.deferred and e.scheduler.n_active == 0
+    with Engine.load(model_dir, max_batch=4, threads=1, prefill_chunk=chunk) as e:  # the plain engine, same chunks
+        assert got == [r.token_ids for r in e.generate(prompts, max_new_tokens=8, ignore_eos=True, temperature=0.7,
+                                                          seed=1)]
 
 
 def test_next_turn_reuses_prompt_and_answer(model_dir, plain):
