@@ -237,6 +237,35 @@ def test_stop_and_resume_continue_the_same_run(tmp_path):
     assert rest.metrics["val_loss"] == pytest.approx(full.metrics["val_loss"], abs=TOL)
 
 
+def test_prefetched_steps_train_to_the_losses_of_steps_read_inline(tmp_path, monkeypatch):
+    """The trainer reads the next batches on a thread (data.prefetch.Prefetcher); the losses are bit-identical to
+    reading each step's batch in the step, as the trainer did before."""
+    from prunus.train_parallel import module_trainer
+
+    train, val = synthetic_datasets(CNN_DATA)
+    made = []
+
+    class Inline:  # each step's batch read in the step itself, on this thread
+        def __init__(self, make, keys, device="cpu", depth=2):
+            self.make, self.keys = make, keys
+
+        def __iter__(self):
+            for k in self.keys:
+                made.append(k)
+                yield k, self.make(k)
+
+        def close(self):
+            pass
+
+    prefetched = train_module("test_any_model:resnet", train, "classification",
+                              ModuleTrainConfig(out=str(tmp_path / "a"), **BASE), val_dataset=val)
+    monkeypatch.setattr(module_trainer, "Prefetcher", Inline)
+    inline = train_module("test_any_model:resnet", train, "classification",
+                          ModuleTrainConfig(out=str(tmp_path / "b"), **BASE), val_dataset=val)
+    assert made == list(range(BASE["steps"]))
+    assert prefetched.losses == inline.losses and prefetched.metrics["val_loss"] == inline.metrics["val_loss"]
+
+
 def test_regression_and_a_user_loss(tmp_path):
     train, val = synthetic_datasets("synthetic:regression?n=64&shape=16&outputs=2&val=16")
     cfg = dict(**BASE, model_args={"d_in": 16, "classes": 2})

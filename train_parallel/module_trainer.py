@@ -24,6 +24,7 @@ from prunus.artifacts.errors import PrunusError
 from torch.utils.data import default_collate
 
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
+from prunus.data.prefetch import Prefetcher
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
@@ -230,13 +231,14 @@ class ModuleTrainer:
             value = value / self.dims.dp
         return float(value)
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step (0-based ``step``); returns its record for metrics.jsonl."""
+    def train_step(self, step: int, batch=None) -> dict:
+        """One optimizer step (0-based ``step``) on ``batch`` (the step's (input, target), already on the device;
+        read here when None); returns its record for metrics.jsonl."""
         cfg, t0 = self.cfg, time.perf_counter()
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = _to(self.batches.batch(step), self.device)
+        x, y = _to(self.batches.batch(step), self.device) if batch is None else batch
         self.model.train()
         loss = self._forward_backward(x, y)
         grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
@@ -283,15 +285,18 @@ class ModuleTrainer:
 
     def _run_steps(self) -> None:
         metrics = MetricsLog(self.run.path, resume_step=self.start if self.run.resume_from else None) if self.main else None
+        # the next steps' batches are read (and, on CUDA, copied on a side stream) while this step computes
+        prefetch = Prefetcher(self.batches.batch, range(self.start, self.stop), device=self.device)
         try:
-            for step in range(self.start, self.stop):
-                self.record = self.train_step(step)
+            for step, batch in prefetch:
+                self.record = self.train_step(step, batch)
                 self._log(self.record, metrics)
                 done = step + 1
                 cfg = self.cfg
                 if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps):
                     self.checkpointer.save(done, [self.model], [self.optimizer], self.state)
         finally:
+            prefetch.close()
             if metrics is not None:
                 metrics.close()
 
