@@ -25,13 +25,15 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from prunus.artifacts.errors import PrunusError
 
 from .asgi_guard import log_client
 from .http_guard import BadRequest
 from .logprobs import chat_logprobs
-from .openai_generate import DONE, Choice, check_context, check_model, collect, engine_kwargs, merged, sse, submit, usage
+from .openai_generate import DONE, Choice, cancel, check_context, check_model, collect, engine_kwargs, merged, sse, \
+    submit, usage
 from .openai_schema import ChatCompletionRequest
 from .request import GenerationResult, StreamToken
 
@@ -69,7 +71,8 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, requests, base, include_usage, request.scope), headers=EVENT_STREAM)
+        return StreamingResponse(_stream(server, requests, base, include_usage, request.scope), headers=EVENT_STREAM,
+                                 background=BackgroundTask(cancel, requests))
     choices = await collect(server, requests, request.receive)
     out = [_choice(engine.tokenizer, c, top is not None) for c in choices]
     return JSONResponse({**base, "object": "chat.completion", "choices": out,

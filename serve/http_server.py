@@ -59,7 +59,8 @@ class CompletionServer:
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
                  header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-                 write_timeout: float = WRITE_TIMEOUT_S, access: ServeAccess | None = None, served_model_names: list[str] | tuple[str, ...] | None = None):
+                 write_timeout: float = WRITE_TIMEOUT_S, access: ServeAccess | None = None,
+                 served_model_names: list[str] | tuple[str, ...] | None = None):
         self.engine = engine
         self.access = access or ServeAccess()
         self.metrics, self.metrics_type = Metrics(engine.scheduler), CONTENT_TYPE

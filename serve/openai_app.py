@@ -21,6 +21,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from prunus.artifacts.errors import PrunusError
 
@@ -28,7 +29,8 @@ from . import chat_api, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
-from .openai_generate import DONE, Choice, check_context, check_model, collect, engine_kwargs, merged, sse, submit, usage
+from .openai_generate import DONE, Choice, cancel, check_context, check_model, collect, engine_kwargs, merged, sse, \
+    submit, usage
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prompt_logprobs import prompt_logprobs
 from .request import GenerationResult, StreamToken
@@ -126,7 +128,8 @@ async def complete(server, req: CompletionRequest, request: Request):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         echo = (echoed, echo_logprobs)
         return StreamingResponse(_stream(server, requests, base, req, echo, include_usage, request.scope),
-                                 headers=EVENT_STREAM)
+                                 headers=EVENT_STREAM,
+                                 background=BackgroundTask(cancel, requests))
     choices = await collect(server, requests, request.receive)
     out = [_choice(engine.tokenizer, c, req, echoed[c.index // req.n] if echoed else "",
                    echo_logprobs[c.index // req.n] if echo_logprobs else None) for c in choices]

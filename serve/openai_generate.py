@@ -130,6 +130,13 @@ async def merged(server, requests: list[Request]) -> AsyncIterator[tuple[int, ob
             t.cancel()
 
 
+def cancel(requests: list[Request]) -> None:
+    """Every row of an answer freed at the next step (no-op for finished ones): run after a stream, even one
+    whose client left before its first chunk."""
+    for r in requests:
+        r.cancelled.set()
+
+
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
