@@ -1,8 +1,9 @@
-/* prunus native decode: a Llama-family decoder step on the CPU (AVX2 + FMA), over a genai export's weights.
+/* prunus native decode: a Llama-family decoder step on the CPU (AVX2 + FMA + F16C, and the linear layers on
+ * AVX-VNNI, AVX-512 or AVX-512 VNNI where the CPU has them: prunus_set_isa), over a genai export's weights.
  *
  * One call, prunus_forward, runs every layer of a pass: rows of new tokens at their own positions, keys and
- * values written into the caller's KV buffers (n_slots, kv_heads, max_len, head_dim) per layer, the logits of
- * each row's last token out. Linear layers are fp32, or int8 / int4 in blocks of 32 with a float scale (and a
+ * values written into the caller's KV buffers (n_slots, kv_heads, max_len, head_dim) per layer, floats or
+ * halves (Model.kv_f16), the logits of each row's last token out. Linear layers are fp32, or int8 / int4 in blocks of 32 with a float scale (and a
  * float scale x zero point) per block, repacked at load (prunus/native/weights.py) four output rows at a time:
  *
  *   f32: (tiles, k / 8, 4, 8) floats
@@ -13,7 +14,8 @@
  * so one tile's blocks are one sequential stream. Activations are quantized per block of 32 (scale
  * max|x| / 127, as llama.cpp's Q8_0 and ONNX Runtime's MatMulNBits at accuracy level 4 do). The int8 dot
  * products use the sign trick (|w| unsigned times sign(x, w) signed) so that _mm256_maddubs_epi16 cannot
- * saturate without VNNI; int4 nibbles are unsigned and their products are small.
+ * saturate without VNNI, and VNNI's dpbusd gets the unsigned operand it needs; int4 nibbles are unsigned and their
+ * products are small. The linear kernels of each ISA are instances of templates (tile_*.h), chosen at run time.
  */
 #include <immintrin.h>
 #include <math.h>
