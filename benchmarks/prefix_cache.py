@@ -70,8 +70,8 @@ def main() -> None:
     ttft = {k: [r[0] for r in v] for k, v in got.items()}
     print(f"ratio of mean time to first token, no cache / prefix cache: {median_ratio(ttft['no cache'], ttft['prefix cache'], '.2f')}")
     stats = cached.info["prefix_cache"]
-    print(f"prefix cache (all rounds): {stats['hits']} hits of {stats['lookups']} lookups, {stats['reused_tokens']} "
-          f"of {stats['prompt_tokens']} prompt tokens reused, {stats['blocks']} blocks held")
+    print(f"prefix cache (all rounds): {stats['hits']} of {stats['lookups']} prompts started from cached blocks, "
+          f"{stats['reused_tokens']} of {stats['prompt_tokens']} prompt tokens reused, {stats['blocks']} blocks held")
     plain.close()
     cached.close()
 

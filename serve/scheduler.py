@@ -241,11 +241,12 @@ class Scheduler:
         leaders = list(self.prefilling.values())
         fresh = []
         for r in candidates:
+            if any(_worth_waiting(r.prompt_ids, leader.prompt_ids) for leader in leaders):
+                self.deferred[r.slot] = r  # looks up the cache once its leader's prompt is in
+                continue
             held = self.backend.restore_prefix(r.slot, r.prompt_ids)
             if held:
                 self.prefilling[r.slot], self.prefilled[r.slot] = r, held
-            elif any(_worth_waiting(r.prompt_ids, leader.prompt_ids) for leader in leaders):
-                self.deferred[r.slot] = r
             else:
                 fresh.append(r)
                 leaders.append(r)

@@ -65,7 +65,8 @@ def test_a_burst_with_one_system_prompt_computes_it_once(model_dir, chunk):
     with Engine.load(model_dir, max_batch=4, threads=1, prefix_cache_mb=4, prefill_chunk=chunk) as e:
         got = [r.token_ids for r in e.generate(prompts, max_new_tokens=8, ignore_eos=True, temperature=0.7, seed=1)]
         stats = e.info["prefix_cache"]
-        assert stats["hits"] == len(prompts) - 1 and stats["reused_tokens"] == 3 * (len(system) // BLOCK) * BLOCK
+        assert stats["lookups"] == len(prompts) and stats["hits"] == len(prompts) - 1
+        assert stats["reused_tokens"] == 3 * (len(system) // BLOCK) * BLOCK
         assert not e.scheduler.deferred and e.scheduler.n_active == 0
     with Engine.load(model_dir, max_batch=4, threads=1, prefill_chunk=chunk) as e:  # the plain engine, same chunks
         assert got == [r.token_ids for r in e.generate(prompts, max_new_tokens=8, ignore_eos=True, temperature=0.7,
