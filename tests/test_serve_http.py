@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -51,11 +50,17 @@ def greedy(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server_tmp(tmp_path_factory):
+    """The server's own TMPDIR: another test's server, in a parallel worker, cleans the shared one at its start."""
+    return tmp_path_factory.mktemp("server-tmp")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, server_tmp):
     proc = subprocess.Popen([sys.executable, "-m", "prunus.cli.main", "serve", str(model_dir), "--port", "0",
                              "--tp", "2", "--max-batch", "2", "--max-queue", "4"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(server_tmp)})
     lines, url = [], None
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -249,12 +254,12 @@ def test_metrics_in_prometheus_text(server):
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc to find the worker processes")
-def test_killing_the_server_ends_its_workers(server, children):
+def test_killing_the_server_ends_its_workers(server, children, server_tmp):
     """...and the temp dir it could not remove (named after its pid) goes at the next start's cleaning."""
     proc, _ = server
     workers = children(proc.pid)
     assert len(workers) == 2
-    left = list(Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{proc.pid}-*"))
+    left = list(server_tmp.glob(f"{TEMP_PREFIX}{proc.pid}-*"))
     assert len(left) == 1 and (left[0] / "sock").exists()
     proc.kill()
     proc.wait(10)
@@ -264,7 +269,7 @@ def test_killing_the_server_ends_its_workers(server, children):
         alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
         time.sleep(0.1)
     assert not alive, f"workers {alive} outlived the killed server"
-    assert left[0].exists() and left[0] in remove_stale(tempfile.gettempdir(), TEMP_PREFIX)
+    assert left[0].exists() and left[0] in remove_stale(server_tmp, TEMP_PREFIX)
     assert not left[0].exists()
 
 
