@@ -27,15 +27,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from prunus.artifacts.errors import PrunusError
-
-from .asgi_guard import log_client
 from .http_guard import BadRequest
 from .logprobs import chat_logprobs
-from .openai_generate import DONE, Choice, cancel, check_context, check_model, collect, engine_kwargs, merged, sse, \
+from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, engine_kwargs, sse, \
     submit, usage
 from .openai_schema import ChatCompletionRequest
-from .request import GenerationResult, StreamToken
+from .request import StreamToken
 
 CHAT_PATH = "/v1/chat/completions"
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -85,33 +82,21 @@ def _choice(tokenizer, c: Choice, with_logprobs: bool) -> dict:
             "finish_reason": c.finish_reason}
 
 
-async def _stream(server, requests, base: dict, include_usage: bool, scope):
+def _stream(server, requests, base: dict, include_usage: bool, scope):
     base = {**base, "object": "chat.completion.chunk"}
-    tokenizer, made, finished = server.engine.tokenizer, [0] * len(requests), False
+    tokenizer = server.engine.tokenizer
 
     def chunk(i: int, delta: dict, finish_reason=None, logprobs=None) -> bytes:
         return sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]})
-    try:
-        for i in range(len(requests)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for i, event in merged(server, requests):
-            if isinstance(event, StreamToken):
-                made[i] += 1
-                logprobs = None if event.logprob is None else chat_logprobs(tokenizer, [event.id], [event.logprob])
-                if event.text or logprobs:
-                    yield chunk(i, {"content": event.text}, logprobs=logprobs)
-            elif isinstance(event, GenerationResult):
-                yield chunk(i, {}, event.finish_reason)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(len(requests[0].prompt_ids), sum(made))})
-        finished = True
-    except (PrunusError, RuntimeError) as e:  # the engine failed mid-stream: the client learns it
-        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None, "code": None}})
-        finished = True
-    finally:
-        for r in requests:
-            r.cancelled.set()  # a client gone mid-stream frees its rows at the next step
-        if not finished:
-            log_client(scope)
-    yield DONE
+
+    def token(i, event: StreamToken):
+        logprobs = None if event.logprob is None else chat_logprobs(tokenizer, [event.id], [event.logprob])
+        return chunk(i, {"content": event.text}, logprobs=logprobs) if event.text or logprobs else None
+
+    def tail(made: int) -> bytes:
+        return sse({**base, "choices": [], "usage": usage(len(requests[0].prompt_ids), made)})
+    return sse_stream(server, requests, base, scope, head=[chunk(i, {"role": "assistant", "content": ""})
+                                                          for i in range(len(requests))],
+                      token_chunk=token, finish_chunk=lambda i, result: chunk(i, {}, result.finish_reason),
+                      usage_chunk=tail if include_usage else None)

@@ -23,17 +23,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from prunus.artifacts.errors import PrunusError
-
 from . import chat_api, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
-from .openai_generate import DONE, Choice, cancel, check_context, check_model, collect, engine_kwargs, merged, sse, \
+from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, engine_kwargs, sse, \
     submit, usage
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prompt_logprobs import prompt_logprobs
-from .request import GenerationResult, StreamToken
+from .request import StreamToken
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -144,34 +142,22 @@ def _choice(tokenizer, c: Choice, req: CompletionRequest, prefix: str, prefix_lo
     return {"index": c.index, "text": prefix + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
-async def _stream(server, requests, base, req: CompletionRequest, echo, include_usage: bool, scope):
-    tokenizer, made, finished = server.engine.tokenizer, [0] * len(requests), False
-    echoed, echo_logprobs = echo
+def _stream(server, requests, base, req: CompletionRequest, echo, include_usage: bool, scope):
+    tokenizer, (echoed, echo_logprobs) = server.engine.tokenizer, echo
 
     def chunk(i, text, finish_reason=None, logprobs=None) -> bytes:
         return sse({**base, "choices": [{"index": i, "text": text, "finish_reason": finish_reason,
                                          "logprobs": logprobs}]})
-    try:
-        for i in range(len(requests) if echoed else 0):
-            yield chunk(i, echoed[i // req.n], logprobs=echo_logprobs[i // req.n] if echo_logprobs else None)
-        async for i, event in merged(server, requests):
-            if isinstance(event, StreamToken):
-                made[i] += 1
-                logprobs = None if event.logprob is None else completion_logprobs(tokenizer, [event.id], [event.logprob])
-                if event.text or logprobs:
-                    yield chunk(i, event.text, logprobs=logprobs)
-            elif isinstance(event, GenerationResult):
-                yield chunk(i, "", event.finish_reason)
-        if include_usage:
-            n_prompt = sum(len(r.prompt_ids) for r in requests[::req.n])
-            yield sse({**base, "choices": [], "usage": usage(n_prompt, sum(made))})
-        finished = True
-    except (PrunusError, RuntimeError) as e:  # the engine failed mid-stream: the client learns it
-        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None, "code": None}})
-        finished = True
-    finally:
-        for r in requests:
-            r.cancelled.set()  # a client gone mid-stream frees its rows at the next step
-        if not finished:
-            log_client(scope)
-    yield DONE
+
+    def token(i, event: StreamToken):
+        logprobs = None if event.logprob is None else completion_logprobs(tokenizer, [event.id], [event.logprob])
+        return chunk(i, event.text, logprobs=logprobs) if event.text or logprobs else None
+
+    def tail(made: int) -> bytes:
+        n_prompt = sum(len(r.prompt_ids) for r in requests[::req.n])
+        return sse({**base, "choices": [], "usage": usage(n_prompt, made)})
+    head = [chunk(i, echoed[i // req.n], logprobs=echo_logprobs[i // req.n] if echo_logprobs else None)
+            for i in range(len(requests) if echoed else 0)]
+    return sse_stream(server, requests, base, scope, head=head, token_chunk=token,
+                      finish_chunk=lambda i, result: chunk(i, "", result.finish_reason),
+                      usage_chunk=tail if include_usage else None)

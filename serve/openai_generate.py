@@ -15,7 +15,9 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from .asgi_guard import ClientGone
+from prunus.artifacts.errors import PrunusError
+
+from .asgi_guard import ClientGone, log_client
 from .events import async_events
 from .http_guard import BadRequest
 from .logits_processors import LogitsSettings, TokenLogprob
@@ -173,3 +175,35 @@ def sse(obj) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+async def sse_stream(server, requests: list[Request], base: dict, scope, *, head=(), token_chunk, finish_chunk,
+                     usage_chunk=None) -> AsyncIterator[bytes]:
+    """The body of a streamed answer, completions and chat alike: the ``head`` chunks, then for each event of
+    the merged requests ``token_chunk(i, token)`` (None: nothing to send) or ``finish_chunk(i, result)``, then
+    ``usage_chunk(completion_tokens)`` where asked, then ``[DONE]``. An engine failure mid-stream is sent as an
+    error chunk; whatever ends the stream cancels its rows, and a client that left is one log line."""
+    made, finished = [0] * len(requests), False
+    try:
+        for c in head:
+            yield c
+        async for i, event in merged(server, requests):
+            if isinstance(event, StreamToken):
+                made[i] += 1
+                c = token_chunk(i, event)
+                if c is not None:
+                    yield c
+            elif isinstance(event, GenerationResult):
+                yield finish_chunk(i, event)
+        if usage_chunk is not None:
+            yield usage_chunk(sum(made))
+        finished = True
+    except (PrunusError, RuntimeError) as e:  # the engine failed mid-stream: the client learns it
+        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None, "code": None}})
+        finished = True
+    finally:
+        for r in requests:
+            r.cancelled.set()  # a client gone mid-stream frees its rows at the next step
+        if not finished:
+            log_client(scope)
+    yield DONE
