@@ -38,7 +38,7 @@ prompt_graph_option = click.option(
          "(faster first token, a second copy of the weights in memory).")
 native_option = click.option(
     "--native", is_flag=True, default=False,
-    help="Genai export: decode steps in prunus's own CPU kernels (AVX2 to AVX-512 VNNI, by the CPU; compiled with "
+    help="Genai export: decode steps in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; compiled with "
          "the machine's C compiler on first use) instead of ONNX Runtime, over the same weights.")
 kv_dtype_option = click.option(
     "--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,

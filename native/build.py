@@ -5,9 +5,9 @@ torch's own JIT extensions: no build step at install, nothing compiled when the 
 The file name carries a hash of the sources and the command, so an edited source or another compiler builds anew;
 a build is written under a temporary name and renamed into place, so two processes never load a half-written one.
 
-The same library holds the linear kernels of several ISAs (:data:`ISAS`; the AVX-512 and VNNI ones are compiled
-with gcc's target attributes) and picks one at load from the CPU: the first of :data:`ISAS` it has, or the one
-``PRUNUS_NATIVE_ISA`` names (to compare paths, or to test one).
+The same library holds the linear kernels of several ISAs (:data:`ISAS`; the AVX-512, VNNI and AMX ones are
+compiled with gcc's target attributes) and picks one at load from the CPU: the first of :data:`ISAS` it has, or
+the one ``PRUNUS_NATIVE_ISA`` names (to compare paths, or to test one).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 from prunus.artifacts.errors import PrunusError
 
 SOURCE = Path(__file__).with_name("decode.c")
-HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h")  # the kernel templates decode.c includes
+HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h", "tile_amx.h")  # the kernel templates decode.c includes
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
 ABI = 4  # prunus_abi() of the source this module's structures match
-ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, in the order they are preferred
+ISAS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, in the order they are preferred
 ISA_ENV = "PRUNUS_NATIVE_ISA"
 
 
@@ -101,7 +101,7 @@ def supported_isas(lib: ctypes.CDLL | None = None) -> list[str]:
 
 
 def isa() -> str:
-    """The kernel path the linear layers run now (``avx2``, ``avxvnni``, ``avx512``, ``avx512vnni``)."""
+    """The kernel path the linear layers run now (``avx2``, ``avxvnni``, ``avx512``, ``avx512vnni``, ``amx``)."""
     return library().prunus_isa().decode()
 
 

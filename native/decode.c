@@ -1,5 +1,5 @@
 /* prunus native decode: a Llama-family decoder step on the CPU (AVX2 + FMA + F16C, and the linear layers on
- * AVX-VNNI, AVX-512 or AVX-512 VNNI where the CPU has them: prunus_set_isa), over a genai export's weights.
+ * AVX-VNNI, AVX-512, AVX-512 VNNI or AMX where the CPU has them: prunus_set_isa), over a genai export's weights.
  *
  * One call, prunus_forward, runs every layer of a pass: rows of new tokens at their own positions, keys and
  * values written into the caller's KV buffers (n_slots, kv_heads, max_len, head_dim) per layer, floats or
@@ -17,6 +17,7 @@
  * saturate without VNNI, and VNNI's dpbusd gets the unsigned operand it needs; int4 nibbles are unsigned and their
  * products are small. The linear kernels of each ISA are instances of templates (tile_*.h), chosen at run time.
  */
+#define _GNU_SOURCE /* syscall, for the AMX permission (tile_amx.h) */
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -322,6 +323,8 @@ static inline __m256i unpack_q4(const uint8_t *p) {
 #undef KERNEL_TARGET
 #undef DOT_BUS
 
+#include "tile_amx.h"
+
 /* ---------------------------------------------------------------- run-time dispatch */
 
 typedef void (*tile_fn)(const GemmTask *g, int t, int m);
@@ -329,14 +332,16 @@ typedef void (*tile_fn)(const GemmTask *g, int t, int m);
 typedef struct {
     const char *name;
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
+    int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
 } Kernels;
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512},
-    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni},
-    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2},
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, 1},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, 0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, 0},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, 0},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, 0},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -349,7 +354,10 @@ static int kernels_run_here(int i) {
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl");
-    if (!strcmp(n, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
+    const int vnni512 = avx512 && __builtin_cpu_supports("avx512vnni");
+    if (!strcmp(n, "amx"))
+        return vnni512 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
+    if (!strcmp(n, "avx512vnni")) return vnni512;
     if (!strcmp(n, "avx512")) return avx512;
     if (!strcmp(n, "avxvnni")) return avx2 && __builtin_cpu_supports("avxvnni");
     return avx2;
@@ -393,6 +401,10 @@ int prunus_set_isa(const char *name) {
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
     const Kernels *k = atomic_load(&kernels);
+    if (k->amx && g->L->kind == KIND_Q8 && g->m >= AMX_MIN_ROWS) {
+        amx_task(g, ith, nth);
+        return;
+    }
     int t0, t1;
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;

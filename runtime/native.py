@@ -1,5 +1,5 @@
 """The native runtime: a genai export's decode steps (and short int8 prompts) in prunus's own CPU kernels
-(:mod:`prunus.native`: ``decode.c``, compiled on first use; AVX2, AVX-VNNI, AVX-512 or AVX-512 VNNI linear
+(:mod:`prunus.native`: ``decode.c``, compiled on first use; AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI or AMX linear
 kernels, chosen from the CPU at load and named in the engine's info as ``native_isa``), over the same weights and
 the same KV buffers as ONNX Runtime's graph, so the two take turns on one cache
 (:class:`prunus.runtime.genai_session.GenaiSession` with ``native=True``; ``kv_dtype="f16"``: a float16 cache of

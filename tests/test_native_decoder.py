@@ -2,7 +2,7 @@
 its passes against ONNX Runtime's on the same graph and the same KV buffers (fp32 exactly, with every family
 variant the genai graph builds), quantized graphs against the PyTorch model, serving through it, and its refusals.
 Skipped with the reason where the kernels cannot be built (no AVX2, no C compiler). The kernel and pass tests run
-once per kernel path (avx2, avxvnni, avx512, avx512vnni); a path this CPU lacks is skipped with that reason."""
+once per kernel path (avx2, avxvnni, avx512, avx512vnni, amx); a path this CPU lacks is skipped with that reason."""
 
 from __future__ import annotations
 
@@ -76,9 +76,10 @@ def _quantized_activations(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits,zero", [(8, None), (8, "uint8"), (4, None), (4, "uint8")])
-@pytest.mark.parametrize("m,threads", [(1, 1), (5, 2), (9, 2)])
+@pytest.mark.parametrize("m,threads", [(1, 1), (5, 2), (9, 2), (17, 2)])
 def test_integer_kernels_equal_numpy(kernel_path, bits, zero, m, threads):
-    """(q - zero) * scale against block-quantized activations, 37 output rows (not a multiple of the tile's 4)."""
+    """(q - zero) * scale against block-quantized activations, 37 output rows (not a multiple of the tile's 4); 17
+    rows: a pass AMX takes (a chunk of 16 and one of 1, two groups of 16 outputs, the last tiles on AVX-512 VNNI)."""
     rng = np.random.default_rng(bits + m)
     n, k = 37, 96
     q = rng.integers(0, 2 ** bits, (n, k)).astype(np.uint8)
@@ -335,7 +336,7 @@ def test_the_kernel_path_is_chosen_from_the_cpu_or_forced_by_the_environment(mon
         monkeypatch.setenv(ISA_ENV, "sse2")
         library.cache_clear()
         with pytest.raises(PrunusError, match=f"^{ISA_ENV}=sse2: not a native kernel path; set it to one of "
-                                              "avx512vnni, avx512, avxvnni, avx2"):
+                                              f"{', '.join(ISAS)}, or unset it"):
             library()
     finally:
         monkeypatch.delenv(ISA_ENV)
