@@ -2,10 +2,10 @@
 
 For each path (:data:`prunus.native.build.ISAS` that the CPU has), the int8, int4 (with zero points) and fp32
 linear kernels run on the same random buffers; each result is compared with numpy's (the same block-quantized
-activations, in float64) and with the AVX2 path's, and timed (the best of a few rounds, one thread, a 1536 x 576
-layer: SmolLM2-135M's feed-forward, 1, 8 and 32 rows: a decode step, a batch, a short prompt; AMX takes passes
-of 16 rows or more). One line per path, under a line naming the CPU. Needs
-numpy and a C compiler only; exits 1 when a path is further from numpy than the tolerance.
+activations, in float64) and with the AVX2 path's, and timed: the best of a few rounds, one thread unless
+``--threads``, a 1536 x 576 layer (SmolLM2-135M's feed-forward) at 1, 8 and 32 rows (a decode step, a batch, a
+short prompt; AMX takes passes of 16 rows or more). One line per path, under a line naming the CPU. Needs numpy
+and a C compiler only; exits 1 when a path is further from numpy than the tolerance.
 """
 
 from __future__ import annotations
@@ -79,13 +79,14 @@ def best_time(packed: PackedLinear, x: np.ndarray, pool, rounds: int, calls: int
     return best
 
 
-def check(n: int = 1536, k: int = 576, rows: tuple = (1, 8, 32), rounds: int = 5, calls: int = 20) -> list[dict]:
+def check(n: int = 1536, k: int = 576, rows: tuple = (1, 8, 32), rounds: int = 5, calls: int = 20,
+          threads: int = 1) -> list[dict]:
     """One record per path: per kind, the error against numpy and against AVX2, and the time per row count."""
     kinds = layers(n, k)
     rng = np.random.default_rng(1)
     xs = {m: rng.standard_normal((m, k)).astype(np.float32) for m in rows}
     lib, before, records = library(), isa(), []
-    pool = lib.prunus_pool_new(1)
+    pool = lib.prunus_pool_new(threads)
     try:
         set_isa("avx2")
         base = {(kind, m): run(p, xs[m], pool) for kind, (p, _, _) in kinds.items() for m in rows}
@@ -122,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1536, help="output rows of the layer (default 1536)")
     ap.add_argument("--k", type=int, default=576, help="inputs, a multiple of 32 (default 576)")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds, the best one counts (default 5)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the kernels' pool (default 1)")
     args = ap.parse_args(argv)
     rows = (1, 8, 32)
     print(f"CPU: {cpu_model()}; paths it runs: {', '.join(supported_isas())}; chosen at load: {isa()}; "
-          f"{args.n} x {args.k} layer, one thread, times for {' and '.join(map(str, rows))} rows; "
+          f"{args.n} x {args.k} layer, {args.threads} thread(s), times for {' and '.join(map(str, rows))} rows; "
           f"error = max |y - numpy| / max |numpy|")
-    records = check(args.n, args.k, rows, args.rounds)
+    records = check(args.n, args.k, rows, args.rounds, threads=args.threads)
     for rec in records:
         print(line(rec))
     worst = max(rec[kind]["err"] for rec in records for kind in ("int8", "int4", "fp32"))
