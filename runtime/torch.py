@@ -55,6 +55,7 @@ class TorchBackend(BackendBase):
         self.compile = compile
         self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
         self.prefix = None
+        self.lora = None  # a prunus.runtime.lora_adapters.LoraSet once attach_lora runs
         if prefix_cache_mb:
             from .prefix_cache import PrefixCache
 
@@ -70,6 +71,24 @@ class TorchBackend(BackendBase):
     def release(self, row: int) -> None:
         """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
         self.cache.lengths[row] = 0
+        if self.lora is not None:
+            self.lora.bind(row, None)
+
+    def attach_lora(self, adapters: dict) -> None:
+        """Serve LoRA adapters ({name: PEFT adapter dir}) over this model, per row (prunus.runtime.lora_adapters);
+        decoding stays eager (the adapters' hooks run in the model's forward)."""
+        from .lora_adapters import LoraSet
+
+        if self.lora is None:
+            self.lora = LoraSet(self.model)
+        self.compile = False
+        for name, path in adapters.items():
+            self.lora.load(name, path)
+
+    def bind_adapter(self, row: int, adapter) -> None:
+        """The request that holds ``row`` now runs with ``adapter`` (a loaded Adapter, or None: the base)."""
+        if self.lora is not None:
+            self.lora.bind(row, adapter)
 
     def describe(self) -> dict:
         facts = {"compile": self.compiled is not None}
@@ -79,10 +98,14 @@ class TorchBackend(BackendBase):
 
     def restore_prefix(self, row: int, ids: list[int]) -> int:
         """Start ``row`` with the longest cached prefix of ``ids``; the tokens it holds (0: start afresh)."""
+        if self.lora is not None and row in self.lora.bound:  # the cache holds the base's keys and values
+            return 0
         return self.prefix.restore(row, ids)
 
     def store_prefix(self, row: int, ids: list[int]) -> None:
         """Cache the full blocks of ``ids`` that ``row`` holds."""
+        if self.lora is not None and row in self.lora.bound:
+            return
         self.prefix.store(row, ids)
 
     def truncate(self, row: int, length: int) -> None:

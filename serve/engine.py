@@ -76,7 +76,7 @@ class Engine:
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
              prompt_graph: bool = False, native: bool = False, kv_dtype: str = "f32", trust_factory=None,
              max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
-             draft_tokens: int = 4) -> "Engine":
+             draft_tokens: int = 4, lora: dict | None = None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
         runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
 
@@ -103,12 +103,19 @@ class Engine:
         decoding (:mod:`prunus.runtime.speculative`) with a draft model dir of the same tokenizer, or "ngram" (prompt
         lookup, :mod:`prunus.runtime.prompt_lookup`), ``draft_tokens`` drafted per step; a lone decoding request
         speculates, several decode plainly together. The info's ``prefix_cache`` and ``speculative`` count reuse
-        and acceptance."""
+        and acceptance. ``lora``: {name: PEFT adapter dir}, LoRA adapters served over the base per row
+        (:mod:`prunus.runtime.lora_adapters`; the torch backend in one process); a request picks one by name."""
         options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
                               compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
                               max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
                               trust_factory=trust_factory, features=ServingFeatures(prefix_cache_mb, draft, draft_tokens))
         loaded = load_runtime(path, backend, options)
+        if lora:
+            try:
+                _attach_lora(loaded.backend, lora)
+            except BaseException:
+                loaded.backend.close()
+                raise
         speculator = None
         if draft is not None:
             from prunus.runtime.speculative import load_speculator
@@ -145,10 +152,11 @@ class Engine:
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop: str | list[str] | None = None, ignore_eos: bool = False, logits=None,
-               stop_token_ids=()) -> Request:
+               stop_token_ids=(), adapter: str | None = None) -> Request:
         """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`.
         ``logits``: a :class:`prunus.serve.logits_processors.LogitsSettings` (penalties, logit_bias, min_tokens,
-        logprobs); ``stop_token_ids``: more tokens that end the request, besides the model's own."""
+        logprobs); ``stop_token_ids``: more tokens that end the request, besides the model's own; ``adapter``: the
+        name of a loaded LoRA adapter to run with (None: the base)."""
         if self._closed:
             raise PrunusError("the engine is closed; load it again")
         if self.backend.capabilities.predict:
@@ -167,7 +175,32 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"{self.max_len} tokens; shorten the prompt or lower max_new_tokens")
         stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ())) + extra_stops
-        return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops))
+        lora = self.lora_adapter(adapter) if adapter is not None else None
+        return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops, adapter=lora))
+
+    # --- LoRA adapters (prunus.runtime.lora_adapters) -------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        lora = getattr(self.backend, "lora", None)
+        return list(lora.adapters) if lora is not None else []
+
+    def lora_adapter(self, name: str):
+        lora = getattr(self.backend, "lora", None)
+        if lora is None:
+            raise PrunusError(f"adapter {str(name)[:60]!r}: this engine serves no LoRA adapters; load it with lora= "
+                              "(prunus serve --lora NAME=DIR)")
+        return lora.get(name)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load one more LoRA adapter while serving (the torch backend in one process)."""
+        _attach_lora(self.backend, {name: path})
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name``: new requests cannot pick it; requests already running with it finish with it."""
+        lora = getattr(self.backend, "lora", None)
+        if lora is None:
+            raise PrunusError(f"adapter {str(name)[:60]!r}: this engine serves no LoRA adapters")
+        lora.unload(name)
 
     def chat_prompt(self, messages) -> str:
         """The prompt text of a conversation (``[{"role", "content"}, ...]``) in the model's chat template,
@@ -240,3 +273,15 @@ class Engine:
             self.close()
         except Exception:
             pass
+
+
+def _attach_lora(backend, adapters: dict) -> None:
+    """Load ``adapters`` ({name: dir}) onto ``backend``, or one line where the backend cannot serve them."""
+    if not isinstance(adapters, dict):
+        raise PrunusError("lora must be a dict {name: PEFT adapter dir}")
+    attach = getattr(backend, "attach_lora", None)
+    if attach is None or backend.capabilities.predict:
+        name = getattr(backend, "name", type(backend).__name__)
+        raise PrunusError(f"--lora: the {name} backend cannot serve LoRA adapters; serve the model dir with the torch "
+                          "backend in one process (no --tp, --native or export dir), or merge the adapter first")
+    attach(adapters)

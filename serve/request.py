@@ -80,6 +80,7 @@ class Request:
     params: SamplingParams
     tokenizer: object
     stop_ids: tuple[int, ...] = ()  # tokens that end the request (end of text, end of turn)
+    adapter: object = None  # a loaded LoRA adapter (prunus.runtime.lora_adapters.Adapter), None: the base
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)

@@ -152,6 +152,8 @@ class Scheduler:
                         continue
                     self.free.sort()
                     r.slot = self.free.pop(0)
+                    if r.adapter is not None:  # a LoRA adapter (prunus.runtime.lora_adapters) for this row
+                        self.backend.bind_adapter(r.slot, r.adapter)
                     joining.append(r)
             try:
                 if joining or self.prefilling or self.deferred:

@@ -1,0 +1,167 @@
+"""Many LoRA adapters over one base (prunus.runtime.lora_adapters): each row of a mixed batch (the base and two
+adapters) has the logits of the adapter merged into the base by PEFT's formula (1e-5), prefill and decode; requests
+pick an adapter by name; adapter dirs that do not fit the base are one PrunusError line naming the dir and module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prunus.artifacts.errors import PrunusError
+from prunus.models import Transformer, get_preset, load_model, save_model, stream_tokens
+from prunus.serve import Engine
+
+TOL = 1e-5
+HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+      "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+      "feed_forward.w3": "mlp.up_proj"}
+
+
+def write_adapter(model, out, rank: int, alpha: float, targets, seed: int, **config) -> dict:
+    """A PEFT-format adapter dir of random weights over ``model``; returns {prunus module: (A, B)}."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, weights = {}, {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) != 4 or f"{parts[2]}.{parts[3]}" not in targets:
+            continue
+        A = torch.randn(rank, module.in_features, generator=g) * 0.1
+        B = torch.randn(module.out_features, rank, generator=g) * 0.1
+        hf = f"base_model.model.model.layers.{parts[1]}.{HF[parts[2] + '.' + parts[3]]}"
+        tensors[f"{hf}.lora_A.weight"], tensors[f"{hf}.lora_B.weight"] = A, B
+        weights[name] = (A, B)
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted(HF[t].split(".")[1] for t in targets),
+        "bias": "none", "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None, **config}))
+    save_file(tensors, out / "adapter_model.safetensors")
+    return weights
+
+
+def merged(model_dir, weights, scale: float) -> Transformer:
+    """The base with the adapter folded in as PEFT merges it: W + scale * B @ A."""
+    model = load_model(model_dir)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, (A, B) in weights.items():
+            modules[name].weight += scale * B @ A
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_serve")
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny"))
+    model.init_weights()
+    base = save_model(model.eval(), tmp / "base", stage="test")
+    a = write_adapter(model, tmp / "a", 4, 8.0, ("attention.wq", "attention.wv", "feed_forward.w2"), 1)
+    b = write_adapter(model, tmp / "b", 2, 4.0, tuple(HF), 2)
+    refs = {None: load_model(base), "a": merged(base, a, 2.0), "b": merged(base, b, 2.0)}
+    return tmp, base, refs
+
+
+def test_mixed_batch_rows_equal_the_merged_models_prefill_and_decode(setup):
+    tmp, base, refs = setup
+    with Engine.load(base, max_batch=4, compile=False, lora={"a": tmp / "a", "b": tmp / "b"}) as engine:
+        backend = engine.backend
+        names = ["a", None, "b", "a"]
+        prompts = [[5, 6, 7, 8, 9], [1, 2, 3], [7, 7, 8, 9, 10, 11, 12], [40, 41]]
+        rows = [0, 1, 2, 3]
+        for row, name in zip(rows, names):
+            backend.bind_adapter(row, engine.lora_adapter(name) if name else None)
+        with torch.inference_mode():
+            first = backend.prefill(rows, prompts)
+            nxt = [11, 12, 13, 14]
+            second = backend.decode(rows, nxt)
+            for i, name in enumerate(names):
+                model = refs[name]
+                x = torch.tensor([prompts[i] + [nxt[i]]])
+                full = model(x)[0]
+                assert (first[i] - full[-2]).abs().max() <= TOL, (i, name)
+                assert (second[i] - full[-1]).abs().max() <= TOL, (i, name)
+            assert (first[0] - refs[None](torch.tensor([prompts[0]]))[0, -1]).abs().max() > 1e-3  # it differs
+        for row in rows:
+            backend.release(row)
+
+
+def test_requests_pick_adapters_by_name_and_unload_waits_for_none(setup):
+    tmp, base, refs = setup
+    with Engine.load(base, max_batch=4, compile=False, lora={"a": tmp / "a"}) as engine:
+        engine.load_adapter("b", tmp / "b")
+        assert engine.adapter_names() == ["a", "b"]
+        prompt = [3, 4, 5, 6]
+        reqs = {n: engine.submit(prompt, 6, ignore_eos=True, adapter=n) for n in ("a", "b")}
+        reqs[None] = engine.submit(prompt, 6, ignore_eos=True)
+        engine.unload_adapter("b")  # the running request finishes with it
+        for name, r in reqs.items():
+            want = [int(t[0]) for t in stream_tokens(refs[name], torch.tensor([prompt]), 6)]
+            assert engine.wait(r).token_ids == want, name
+        assert engine.adapter_names() == ["a"]
+        with pytest.raises(PrunusError, match="no adapter named 'b' is loaded; loaded: a"):
+            engine.submit(prompt, 2, adapter="b")
+
+
+def one_line(excinfo, *needles):
+    text = str(excinfo.value)
+    assert "\n" not in text
+    for n in needles:
+        assert n in text, text
+
+
+def test_an_adapter_for_another_base_is_one_line_naming_dir_and_module(setup, tmp_path):
+    tmp, base, _ = setup
+    cfg = get_preset("tiny")
+    other = Transformer(type(cfg)(**{**cfg.__dict__, "dim": cfg.dim * 2, "n_heads": cfg.n_heads}))
+    write_adapter(other, tmp_path / "wide", 4, 8.0, ("attention.wq",), 3)
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"wide": tmp_path / "wide"})
+    one_line(e, str(tmp_path / "wide" / "adapter_model.safetensors"), "layers.0.attention.wq", "another base")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(use_dora=True), "use_dora=True is not supported"),
+    (dict(r=3), "takes a float (3,"),
+    (dict(peft_type="IA3"), "peft_type 'IA3' is not LORA"),
+    (dict(r=0), "r=0 must be an integer rank"),
+])
+def test_bad_adapter_configs_are_one_line(setup, tmp_path, change, needle):
+    tmp, base, _ = setup
+    model = load_model(base)
+    write_adapter(model, tmp_path / "x", 4, 8.0, ("attention.wq",), 4)
+    path = tmp_path / "x" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"x": tmp_path / "x"})
+    one_line(e, needle, str(tmp_path / "x"))
+
+
+def test_weights_outside_the_dir_and_missing_dirs_are_refused(setup, tmp_path):
+    tmp, base, _ = setup
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "adapter_config.json").write_text((tmp / "a" / "adapter_config.json").read_text())
+    os.symlink(tmp / "a" / "adapter_model.safetensors", tmp_path / "x" / "adapter_model.safetensors")
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"x": tmp_path / "x"})
+    one_line(e, "leads outside")
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"y": tmp_path / "nope"})
+    one_line(e, "not a directory")
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"bad name!": tmp / "a"})
+    one_line(e, "adapter name 'bad name!'")
+
+
+def test_backends_without_lora_refuse_in_one_line():
+    from prunus.serve.engine import _attach_lora
+
+    class Graph:
+        name = "onnxruntime"
+
+    with pytest.raises(PrunusError) as e:
+        _attach_lora(Graph(), {"a": "dir"})
+    one_line(e, "the onnxruntime backend cannot serve LoRA adapters")
