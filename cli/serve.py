@@ -57,11 +57,14 @@ def _device_map(value: str | None):
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="A name clients give as 'model' (repeat for aliases; GET /v1/models lists them). Default: the "
                    "served dir's name. Any other 'model' is answered 404 model_not_found.")
+@click.option("--lora", "lora", multiple=True, metavar="NAME=ADAPTER_DIR",
+              help="Serve a PEFT LoRA adapter dir over the base under NAME (repeat for more; a request's 'model' picks "
+                   "one; torch backend in one process).")
 @serving_feature_options
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
             max_memory, prompt_graph, native, kv_dtype, trust_factory, max_delay_ms, served_model_names, prefix_cache_mb,
-            draft, draft_tokens, **access):
+            draft, draft_tokens, lora=(), **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
     (FastAPI on uvicorn) until Ctrl-C;
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
@@ -74,6 +77,7 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
         sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
 
     access = ServeAccess.from_options(**access)  # a bad key or list fails before the model loads
+    adapters = _lora(lora)
     # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
     # put back after, for a caller that runs this command in its own process)
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -82,7 +86,8 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                device_map, max_memory, prompt_graph, native, access,
                predict={"trust_factory": trust_factory or None, "max_delay_ms": max_delay_ms},
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
-               features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens},
+               features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens,
+                         **({"lora": adapters} if adapters else {})},
                kv_dtype=kv_dtype)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -118,6 +123,21 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
             click.echo("prunus serve: shutting down", err=True)
         finally:
             server.server_close()
+
+
+def _lora(values) -> dict:
+    """--lora NAME=ADAPTER_DIR (repeated) -> {name: dir}; one line for a malformed or repeated name."""
+    from prunus.artifacts.errors import PrunusError
+
+    out = {}
+    for value in values:
+        name, sep, where = value.partition("=")
+        if not sep or not name.strip() or not where.strip():
+            raise PrunusError(f"--lora {value[:80]!r}: give NAME=ADAPTER_DIR (a PEFT adapter dir)")
+        if name.strip() in out:
+            raise PrunusError(f"--lora {name.strip()[:60]!r} is given twice; give each adapter one name")
+        out[name.strip()] = where.strip()
+    return out
 
 
 def _loopback(address: str) -> bool:

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from . import chat_api, openai_errors
+from . import chat_api, lora_routes, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
@@ -35,7 +35,7 @@ from .request import StreamToken
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-POST_ROUTES = ("/v1/completions", chat_api.CHAT_PATH)
+POST_ROUTES = ("/v1/completions", chat_api.CHAT_PATH, *lora_routes.ROUTES)
 
 
 def build_app(server) -> FastAPI:
@@ -61,11 +61,13 @@ def build_app(server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(server, name) for name in server.model_names]}
+        return {"object": "list", "data": [model_card(server, name) for name in server.model_names]
+                + lora_routes.adapter_cards(server)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        return model_card(server, check_model(server, model_id))
+        name = check_model(server, model_id)
+        return next((c for c in lora_routes.adapter_cards(server) if c["id"] == name), None) or model_card(server, name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -74,6 +76,8 @@ def build_app(server) -> FastAPI:
     @app.post(chat_api.CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat_api.chat(server, body, request)
+
+    lora_routes.install(app, server)
 
     app.add_middleware(RequestGuard, server=server, takes_body=lambda path: path in POST_ROUTES)
     return app

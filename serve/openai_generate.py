@@ -50,7 +50,7 @@ def check_model(server, name: str | None) -> str:
     """The name the answer carries: the one asked for, or the first served name."""
     if name is None:
         return server.model_names[0]
-    if name not in server.model_names:
+    if name not in server.model_names and name not in server.engine.adapter_names():
         raise BadRequest(404, f"the model {name[:100]!r} does not exist; this server serves "
                               f"{', '.join(server.model_names)} (GET /v1/models)", "invalid_request_error",
                          param="model", code="model_not_found")
@@ -85,12 +85,16 @@ def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int 
     uses = logits.changes_logits or logprobs is not None
     return {"max_new_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p"),
             "top_k": pick("top_k"), "seed": req.seed, "stop": req.stop, "logits": logits if uses else None,
-            "stop_token_ids": tuple(req.stop_token_ids or ())}
+            "stop_token_ids": tuple(req.stop_token_ids or ()), "model": getattr(req, "model", None)}
 
 
 def submit(engine, prompts: list[list[int]], kwargs: dict, n: int) -> list[Request]:
     """``n`` rows per prompt, prompt-major; on any refusal (a full queue: 429) the rows already queued are cancelled."""
     requests = []
+    kwargs = dict(kwargs)
+    name = kwargs.pop("model", None)  # a LoRA adapter's name picks it (prunus.serve.lora_routes)
+    if name is not None and name in engine.adapter_names():
+        kwargs["adapter"] = name
     try:
         for ids in prompts:
             for j in range(n):

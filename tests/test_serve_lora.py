@@ -165,3 +165,91 @@ def test_backends_without_lora_refuse_in_one_line():
     with pytest.raises(PrunusError) as e:
         _attach_lora(Graph(), {"a": "dir"})
     one_line(e, "the onnxruntime backend cannot serve LoRA adapters")
+
+
+def _call(server, method, path, body=None, key=None):
+    import http.client
+
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, None if body is None else json.dumps(body), headers)
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, json.loads(raw)
+
+
+def _serve(engine, **kwargs):
+    import threading
+
+    from prunus.serve.http_server import CompletionServer
+
+    server = CompletionServer(engine, port=0, served_model_names=["base"], **kwargs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_http_model_field_picks_adapters_and_admin_routes_need_a_key(setup):
+    from prunus.serve.http_access import ServeAccess
+
+    tmp, base, refs = setup
+    prompt = [3, 4, 5, 6]
+    with Engine.load(base, max_batch=4, compile=False, threads=1, lora={"a": tmp / "a"}) as engine:
+        server = _serve(engine, access=ServeAccess(api_key="k"))
+        try:
+            status, models = _call(server, "GET", "/v1/models", key="k")
+            assert status == 200 and [m["id"] for m in models["data"]] == ["base", "a"]
+            assert models["data"][1]["parent"] == "base"
+            for name in ("a", "base"):
+                status, out = _call(server, "POST", "/v1/completions", {"model": name, "prompt": prompt,
+                                                                       "max_tokens": 5, "temperature": 0}, key="k")
+                want = engine.generate(prompt, 5, adapter=name if name == "a" else None)
+                assert status == 200 and out["model"] == name and out["choices"][0]["text"] == want.text, name
+            assert engine.generate(prompt, 5, adapter="a").token_ids != engine.generate(prompt, 5).token_ids
+            status, out = _call(server, "POST", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp / "b")})
+            assert status == 401
+            status, out = _call(server, "POST", "/v1/load_lora_adapter",
+                                {"lora_name": "b", "lora_path": str(tmp / "b")}, key="k")
+            assert status == 200 and engine.adapter_names() == ["a", "b"], out
+            status, out = _call(server, "POST", "/v1/load_lora_adapter",
+                                {"lora_name": "c", "lora_path": str(tmp / "nope")}, key="k")
+            assert status == 400 and "not a directory" in out["error"]["message"]
+            status, out = _call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "a"}, key="k")
+            assert status == 200 and engine.adapter_names() == ["b"]
+            status, out = _call(server, "POST", "/v1/completions", {"model": "a", "prompt": "x"}, key="k")
+            assert status == 404 and out["error"]["code"] == "model_not_found"
+            status, out = _call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "a"}, key="k")
+            assert status == 404
+        finally:
+            server.shutdown()
+            server.server_close()
+        server = _serve(engine)  # no API key: the admin routes are refused
+        try:
+            status, out = _call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "b"})
+            assert status == 403 and "--api-key" in out["error"]["message"] and engine.adapter_names() == ["b"]
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_serve_cli_takes_lora(setup, monkeypatch, assert_user_error):
+    from click.testing import CliRunner
+
+    from prunus.cli.main import cli
+    from prunus.serve.http_server import CompletionServer
+
+    tmp, base, _ = setup
+    seen = []
+
+    def record(self, poll_interval=0.5):
+        seen.append(self.engine.adapter_names())
+        raise KeyboardInterrupt
+    monkeypatch.setattr(CompletionServer, "serve_forever", record)
+    args = ["serve", str(base), "--port", "0", "--max-batch", "1", "--no-compile"]
+    r = CliRunner().invoke(cli, [*args, "--lora", f"a={tmp / 'a'}", "--lora", f"b={tmp / 'b'}"])
+    assert r.exit_code == 0, r.output
+    assert seen == [["a", "b"]]
+    assert_user_error(CliRunner().invoke(cli, [*args, "--lora", "a"]), "--lora 'a': give NAME=ADAPTER_DIR")
+    assert_user_error(CliRunner().invoke(cli, [*args, "--lora", f"w={tmp}"]), f"{tmp}", "adapter_config.json")
