@@ -96,7 +96,7 @@ def export_graphs(tmp: Path) -> tuple[nn.Module, dict[str, Path], dict]:
         result = export_model(tmp / "model", tmp / precision, precision=precision, trust_factory=True,
                               progress=False, verify=False)
         graphs[precision] = tmp / precision / "model.onnx"
-        parity[precision] = {**{k: v for k, v in result.report.items() if not isinstance(v, (dict, list))},
+        parity[precision] = {**{k: v for k, v in result.parity.items() if not isinstance(v, (dict, list))},
                              "export_s": round(time.perf_counter() - t0, 1)}
     return module, graphs, parity
 
