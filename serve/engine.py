@@ -19,6 +19,8 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from prunus.artifacts.errors import PrunusError
 from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions, ServingFeatures
 from prunus.runtime.registry import load_runtime
@@ -177,6 +179,16 @@ class Engine:
         stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ())) + extra_stops
         lora = self.lora_adapter(adapter) if adapter is not None else None
         return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops, adapter=lora))
+
+    def embed(self, texts, pooling: str = "last", normalize: bool = True, adapter: str | None = None) -> torch.Tensor:
+        """(len(texts), dim) float32 embeddings: the final hidden state (after the final norm) pooled over each
+        input's tokens ("last" or "mean"), L2-normalized unless ``normalize`` is False (:mod:`prunus.serve.embeddings`;
+        the torch backend in one process). ``texts``: a string, token ids, or a list of them."""
+        from .embeddings import check_inputs, embed_ids
+
+        if self._closed:
+            raise PrunusError("the engine is closed; load it again")
+        return embed_ids(self, check_inputs(self, texts), pooling, normalize, adapter)
 
     # --- LoRA adapters (prunus.runtime.lora_adapters) -------------------------------------
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from . import chat_api, lora_routes, openai_errors
+from . import chat_api, embeddings, lora_routes, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
@@ -35,7 +35,7 @@ from .request import StreamToken
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-POST_ROUTES = ("/v1/completions", chat_api.CHAT_PATH, *lora_routes.ROUTES)
+POST_ROUTES = ("/v1/completions", chat_api.CHAT_PATH, *lora_routes.ROUTES, embeddings.PATH)
 
 
 def build_app(server) -> FastAPI:
@@ -78,6 +78,7 @@ def build_app(server) -> FastAPI:
         return await chat_api.chat(server, body, request)
 
     lora_routes.install(app, server)
+    embeddings.install(app, server)
 
     app.add_middleware(RequestGuard, server=server, takes_body=lambda path: path in POST_ROUTES)
     return app

@@ -253,3 +253,19 @@ def test_serve_cli_takes_lora(setup, monkeypatch, assert_user_error):
     assert seen == [["a", "b"]]
     assert_user_error(CliRunner().invoke(cli, [*args, "--lora", "a"]), "--lora 'a': give NAME=ADAPTER_DIR")
     assert_user_error(CliRunner().invoke(cli, [*args, "--lora", f"w={tmp}"]), f"{tmp}", "adapter_config.json")
+
+
+def test_embeddings_with_an_adapter_equal_the_merged_model(setup):
+    tmp, base, refs = setup
+    ids = [5, 6, 7, 8]
+    with Engine.load(base, max_batch=2, compile=False, lora={"a": tmp / "a"}) as engine:
+        got = engine.embed([ids, ids], adapter="a", normalize=False)
+        plain = engine.embed([ids], normalize=False)
+    for model, vector in ((refs["a"], got[0]), (refs["a"], got[1]), (refs[None], plain[0])):
+        seen = {}
+        handle = model.output.register_forward_pre_hook(lambda m, a: seen.setdefault("h", a[0]))
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+        handle.remove()
+        assert (vector - seen["h"][0, -1]).abs().max() <= TOL
+    assert (got[0] - plain[0]).abs().max() > 1e-3
