@@ -29,8 +29,8 @@ from starlette.background import BackgroundTask
 
 from .http_guard import BadRequest
 from .logprobs import chat_logprobs
-from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, engine_kwargs, sse, \
-    submit, usage
+from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
+    constraint, engine_kwargs, sse, submit, usage
 from .openai_schema import ChatCompletionRequest
 from .request import StreamToken
 
@@ -64,7 +64,8 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
         if max_tokens < 1:
             check_context(engine, len(ids), 1, field)
     check_context(engine, len(ids), max_tokens, field)
-    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top), req.n)
+    grammar = await compile_grammar(server, constraint(req))
+    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -10,7 +10,9 @@ builds its processors:
 3. ``presence_penalty`` / ``frequency_penalty`` — OpenAI's definition over the tokens made so far:
    ``logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``;
 4. ``min_tokens`` — ``MinNewTokensLengthLogitsProcessor``: the request's stop tokens are at ``-inf`` until
-   ``min_tokens`` tokens have been made (stop strings are still honoured).
+   ``min_tokens`` tokens have been made (stop strings are still honoured);
+5. ``grammar`` — structured outputs (:mod:`prunus.serve.structured_output`): every token the request's JSON
+   schema or regex forbids next is at ``-inf``, stop tokens included until the grammar is complete.
 
 Log-probabilities (``logprobs``) are the float32 log-softmax of these processed logits, before temperature,
 top-k and top-p: with no bias or penalty they are the model's own next-token log-probabilities, the ones a
@@ -37,6 +39,7 @@ class LogitsSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias from -100 to 100)
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives reported per token (0: the chosen one's only); None: none
+    grammar: object = None  # a prunus.serve.structured_output.Grammar: the tokens allowed next, per row
 
     def check(self, vocab_size: int | None = None) -> "LogitsSettings":
         for name in ("presence_penalty", "frequency_penalty"):
@@ -60,7 +63,7 @@ class LogitsSettings:
     @property
     def changes_logits(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,10 @@ def process(requests, logits: torch.Tensor) -> torch.Tensor:
         return logits
     rows = [process_row(logits[i], s, r.prompt_ids, r.generated, r.stop_ids) if s is not None and s.changes_logits
             else logits[i].float() for i, (r, s) in enumerate(zip(requests, settings))]
+    for row, r, s in zip(rows, requests, settings):
+        if s is not None and s.grammar is not None:
+            from .structured_output import mask_row
+            mask_row(row, s.grammar, r)
     return torch.stack(rows)
 
 

@@ -27,8 +27,8 @@ from . import chat_api, embeddings, lora_routes, openai_errors
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
-from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, engine_kwargs, sse, \
-    submit, usage
+from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
+    constraint, engine_kwargs, sse, submit, usage
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prompt_logprobs import prompt_logprobs
 from .request import StreamToken
@@ -118,7 +118,8 @@ async def complete(server, req: CompletionRequest, request: Request):
     max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
     for ids in prompts:
         check_context(engine, len(ids), max_tokens, "max_tokens")
-    kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs)
+    grammar = await compile_grammar(server, constraint(req))
+    kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs, grammar)
     echoed = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given] if req.echo else None
     echo_logprobs = None
     if req.echo and req.logprobs is not None:  # the prompts' own, by a teacher-forced pass (off the event loop)

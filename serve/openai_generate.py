@@ -74,14 +74,51 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None) -> dict:
+def constraint(req: Sampling) -> tuple[str, object, str] | None:
+    """(kind, schema or regex, the field that asked) of the one structured-output field ``req`` sets, if any."""
+    asked = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadRequest(400, "'response_format' of type 'json_schema' needs 'json_schema': {\"name\", "
+                                  "\"schema\"}", param="response_format")
+        schema = fmt.json_schema.schema_
+        asked.append(("json_schema", schema, "response_format") if schema is not None
+                     else ("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_object":
+        asked.append(("json_object", None, "response_format"))
+    if req.guided_json is not None:
+        asked.append(("json_schema", req.guided_json, "guided_json"))
+    if req.guided_regex is not None:
+        asked.append(("regex", req.guided_regex, "guided_regex"))
+    if len(asked) > 1:
+        raise BadRequest(400, f"give one of {', '.join(repr(a[2]) for a in asked)}, not several",
+                         param=asked[1][2])
+    return asked[0] if asked else None
+
+
+async def compile_grammar(server, asked: tuple[str, object, str] | None):
+    """The compiled grammar of :func:`constraint`'s answer (off the event loop; cached), or a 400 naming its field."""
+    if asked is None:
+        return None
+    from .structured_output import compile_constraint
+    what, value, field_name = asked
+    engine = server.engine
+    try:
+        return await asyncio.get_running_loop().run_in_executor(server.pool, lambda: compile_constraint(
+            engine.tokenizer, engine.backend.vocab_size, what, value, field_name))
+    except PrunusError as e:
+        raise BadRequest(400, str(e), param=field_name) from None
+
+
+def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None) -> dict:
     """Engine.submit's settings for one sample of ``req``; fields it leaves out take ``defaults``."""
     def pick(name, fallback=None):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
     logits = LogitsSettings(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                             repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=_logit_bias(req.logit_bias),
-                            min_tokens=req.min_tokens, logprobs=logprobs)
+                            min_tokens=req.min_tokens, logprobs=logprobs, grammar=grammar)
     uses = logits.changes_logits or logprobs is not None
     return {"max_new_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p"),
             "top_k": pick("top_k"), "seed": req.seed, "stop": req.stop, "logits": logits if uses else None,

@@ -2,14 +2,14 @@
 
 Strict (a string is not a number, ``1`` is not ``true``) and closed: a field not listed here is refused with
 400 naming it (:mod:`prunus.serve.openai_errors`), never silently dropped. ``top_k``, ``repetition_penalty``,
-``min_tokens`` and ``stop_token_ids`` are extensions (vLLM's names). What each field does is in
+``min_tokens``, ``stop_token_ids``, ``guided_json`` and ``guided_regex`` are extensions (vLLM's names). What each field does is in
 docs/serving.md; a field left out takes the model's ``generation_config.json`` default where it has one
 (:mod:`prunus.serve.sampling_defaults`), else OpenAI's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,20 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON schema; left out: any JSON.")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class Sampling(Strict):
@@ -44,6 +58,9 @@ class Sampling(Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="Extension: transformers' penalty.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias from -100 to 100.")
     min_tokens: int = Field(0, ge=0, description="Extension: the stop tokens are barred until this many are made.")
+    response_format: ResponseFormat | None = Field(None, description="JSON (any, or of a schema), token by token.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension: the answer follows this schema.")
+    guided_regex: str | None = Field(None, description="Extension: the answer matches this regular expression.")
 
 
 class CompletionRequest(Sampling):

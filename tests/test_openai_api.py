@@ -87,8 +87,9 @@ def test_models_and_aliases(server):
     ("/v1/completions", {"prompt": "x", "bogus": 1}, "bogus"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}, "stream": True},
      "stream_options.extra"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object", "extra": 1}}, "response_format.extra"),
 ])
 def test_unknown_fields_are_refused_by_name(server, path, body, field):
     status, answer = call(server, "POST", path, body)
