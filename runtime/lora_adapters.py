@@ -128,7 +128,9 @@ def read_adapter(model, name: str, path: str | Path) -> Adapter:
     modules, weights = dict(model.named_modules()), {}
     with safe_open(str(weights_file), framework="pt") as f:
         for module_name, pair in plan.items():
-            w = modules[module_name].weight
+            module = modules[module_name]
+            w = getattr(module, "weight", None)
+            w = w if isinstance(w, torch.Tensor) else next(module.buffers())  # a packed quantized base
             dtype = w.dtype if w.is_floating_point() else torch.float32  # a quantized base: float adapters
             A = f.get_tensor(pair["A"]).to(w.device, dtype)
             B = (f.get_tensor(pair["B"]).float() * scale).to(w.device, dtype)
