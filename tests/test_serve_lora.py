@@ -202,6 +202,8 @@ def test_http_model_field_picks_adapters_and_admin_routes_need_a_key(setup):
             status, models = _call(server, "GET", "/v1/models", key="k")
             assert status == 200 and [m["id"] for m in models["data"]] == ["base", "a"]
             assert models["data"][1]["parent"] == "base"
+            status, card = _call(server, "GET", "/v1/models/a", key="k")
+            assert status == 200 and card["id"] == "a" and card["parent"] == "base"
             for name in ("a", "base"):
                 status, out = _call(server, "POST", "/v1/completions", {"model": name, "prompt": prompt,
                                                                        "max_tokens": 5, "temperature": 0}, key="k")
@@ -269,3 +271,27 @@ def test_embeddings_with_an_adapter_equal_the_merged_model(setup):
         handle.remove()
         assert (vector - seen["h"][0, -1]).abs().max() <= TOL
     assert (got[0] - plain[0]).abs().max() > 1e-3
+
+
+def test_an_adapter_prunus_train_wrote_serves_as_its_merged_model(tmp_path):
+    from prunus.train_parallel import TrainConfig, train
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny"))
+    model.init_weights()
+    base = save_model(model.eval(), tmp_path / "base", stage="train")
+    cfg = TrainConfig(preset="tiny", seq_len=32, batch_size=4, steps=2, warmup_steps=1, eval_every=2, eval_tokens=512,
+                      ckpt_every=0, max_corpus_bytes=50_000, progress=False, lr=1e-2, lora_rank=4, lora_alpha=8.0,
+                      out=str(tmp_path / "run"), save_adapter=True)
+    result = train(cfg, model=load_model(base).train())
+    ids = [5, 6, 7, 8, 9]
+    with Engine.load(base, max_batch=2, compile=False, lora={"t": result.run_dir / "adapter"}) as engine:
+        backend = engine.backend
+        backend.bind_adapter(0, engine.lora_adapter("t"))
+        got = backend.prefill([0, 1], [ids, ids])
+        backend.release(0)
+    with torch.no_grad():
+        want = load_model(result.model_dir)(torch.tensor([ids]))[0, -1]
+        plain = load_model(base)(torch.tensor([ids]))[0, -1]
+    assert (got[0] - want).abs().max() <= TOL and (got[1] - plain).abs().max() <= TOL
+    assert (want - plain).abs().max() > 1e-4
