@@ -82,6 +82,7 @@ class TorchBackend(BackendBase):
         if self.lora is None:
             self.lora = LoraSet(self.model)
         self.compile = False
+        self.compiled = None  # graphs compiled before the hooks existed would leave the adapters out
         for name, path in adapters.items():
             self.lora.load(name, path)
 
