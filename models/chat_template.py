@@ -123,6 +123,9 @@ def check_messages(messages) -> list[dict]:
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise PrunusError(f"messages[{i}] needs a 'role' string (system, user, assistant, ...)")
         content = m.get("content")
+        if content is None and m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+            out.append(json.loads(json.dumps(m)))  # a turn of tool calls only: content may be null or absent
+            continue
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise PrunusError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
@@ -131,6 +134,13 @@ def check_messages(messages) -> list[dict]:
             raise PrunusError(f"messages[{i}] needs a 'content' string")
         out.append(json.loads(json.dumps({**m, "content": content})))  # plain JSON data only, a fresh copy
     return out
+
+
+@lru_cache(maxsize=16)
+def reads_variable(source: str, name: str) -> bool:
+    """Whether the template reads the variable ``name`` (e.g. ``tools``) anywhere."""
+    import jinja2.meta
+    return name in jinja2.meta.find_undeclared_variables(compile_template(source).environment.parse(source))
 
 
 def alias_reasoning(message: dict) -> dict:

@@ -127,8 +127,8 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``, as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``), as transformers' ``apply_chat_template(..., tokenize=False)``."""
         if self.chat_template is None:
             names = sorted(self.chat_templates)
             raise PrunusError(
@@ -136,7 +136,7 @@ class HFTokenizer:
                 else f"the model has no chat template (no {CHAT_TEMPLATE_FILE}, no chat_template in {TOKENIZER_CONFIG}); "
                      "use a model converted from a chat checkpoint, or give a plain prompt")
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           special_tokens=self.special_tokens)
+                           special_tokens=self.special_tokens, tools=tools)
 
     def encode(self, text: str) -> list[int]:
         try:

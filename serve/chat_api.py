@@ -15,6 +15,9 @@ model's end-of-turn / end-of-text tokens, ``stop`` strings, ``stop_token_ids`` o
   chunk holds ``usage`` and no choices; then ``data: [DONE]``.
 
 Malformed messages, no chat template, or a template that fails to render: 400, one line.
+
+``tools`` / ``tool_choice``: :mod:`prunus.serve.tool_calls` (not streamed: ``stream`` with tools is one 400).
+Structured outputs (``response_format``, ``guided_json``, ``guided_regex``): :mod:`prunus.serve.structured_output`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .logprobs import chat_logprobs
 from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
     constraint, engine_kwargs, sse, submit, usage
 from .openai_schema import ChatCompletionRequest
+from .tool_calls import call_schema, check_tools, parse_tool_calls, template_messages
 from .request import StreamToken
 
 CHAT_PATH = "/v1/chat/completions"
@@ -52,19 +56,46 @@ def _top_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict], str, tuple | None]:
+    """The tools, the choice, and the structured-output constraint (a forced call's, or the request's own)."""
+    tools, choice = check_tools(req.tools, req.tool_choice)
+    if tools and req.stream:
+        raise BadRequest(400, "'tools' cannot be streamed yet; leave out 'stream' (the calls come parsed in one "
+                              "answer)", param="tools")
+    asked = constraint(req)
+    if choice in ("none", "auto"):
+        return tools, choice, asked
+    if asked is not None:
+        raise BadRequest(400, f"give {asked[2]!r} or a forcing 'tool_choice', not both", param="tool_choice")
+    return tools, choice, ("tool_call", call_schema(tools, choice), "tool_choice")
+
+
+def _prompt(engine, messages: list, tools: list[dict]) -> str:
+    if not tools:
+        return engine.chat_prompt(messages)
+    from prunus.models.chat_template import reads_variable
+    source = getattr(engine.tokenizer, "chat_template", None)
+    if source is None or not reads_variable(source, "tools"):
+        raise BadRequest(400, "this model's chat template does not take tools (it never reads 'tools'); leave out "
+                              "'tools' or serve a model whose template supports them", param="tools")
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+
 async def chat(server, req: ChatCompletionRequest, request: Request):
     engine = server.engine
     name = check_model(server, req.model)
     max_tokens, top = _max_tokens(req), _top_logprobs(req)
+    tools, choice, asked = _tools(req)
+    messages = template_messages(req.messages)
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(server.pool, lambda: engine.encode(engine.chat_prompt(req.messages)))
+    ids = await loop.run_in_executor(server.pool, lambda: engine.encode(_prompt(engine, messages, tools)))
     field = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     if max_tokens is None:
         max_tokens = engine.max_len - len(ids)
         if max_tokens < 1:
             check_context(engine, len(ids), 1, field)
     check_context(engine, len(ids), max_tokens, field)
-    grammar = await compile_grammar(server, constraint(req))
+    grammar = await compile_grammar(server, asked)
     requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
     if req.stream:
@@ -72,15 +103,20 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
         return StreamingResponse(_stream(server, requests, base, include_usage, request.scope), headers=EVENT_STREAM,
                                  background=BackgroundTask(cancel, requests))
     choices = await collect(server, requests, request.receive)
-    out = [_choice(engine.tokenizer, c, top is not None) for c in choices]
+    out = [_choice(engine.tokenizer, c, top is not None, parse=choice != "none") for c in choices]
     return JSONResponse({**base, "object": "chat.completion", "choices": out,
                          "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))})
 
 
-def _choice(tokenizer, c: Choice, with_logprobs: bool) -> dict:
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+def _choice(tokenizer, c: Choice, with_logprobs: bool, parse: bool) -> dict:
+    message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    calls = parse_tool_calls(c.text) if parse else None
+    if calls is not None:
+        message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": c.index, "message": message,
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs) if with_logprobs else None,
-            "finish_reason": c.finish_reason}
+            "finish_reason": finish_reason}
 
 
 def _stream(server, requests, base: dict, include_usage: bool, scope):

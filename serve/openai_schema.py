@@ -76,3 +76,7 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (through its chat "
+                                                                 "template's tools).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"none", "auto", "required" or a function.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; every call the answer holds is returned.")

@@ -39,7 +39,7 @@ class Grammar:
 
     compiled: object  # xgrammar.CompiledGrammar
     vocab_size: int
-    what: str  # "json_schema", "json_object" or "regex": for messages
+    what: str  # "json_schema", "json_object", "regex" or "tool_call": for messages
 
     def matcher(self, stop_ids: tuple[int, ...]):
         xgr = _xgrammar()
@@ -73,6 +73,11 @@ def _compile(tokenizer, vocab_size: int, what: str, text: str) -> Grammar:
         compiler = _compiler(tokenizer, vocab_size)
     if what == "regex":
         compiled = compiler.compile_regex(text)
+    elif what == "tool_call":  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (prunus.serve.tool_calls)
+        xgr = _xgrammar()
+        compiled = compiler.compile_grammar(xgr.Grammar.concat(
+            xgr.Grammar.from_regex(r"<tool_call>\n"), xgr.Grammar.from_json_schema(text, any_whitespace=False),
+            xgr.Grammar.from_regex(r"\n</tool_call>")))
     else:  # json_object: any JSON object (OpenAI's JSON mode); whitespace as json.dumps writes it
         compiled = compiler.compile_json_schema(text if what == "json_schema" else '{"type": "object"}',
                                                 any_whitespace=False)
@@ -82,7 +87,7 @@ def _compile(tokenizer, vocab_size: int, what: str, text: str) -> Grammar:
 def compile_constraint(tokenizer, vocab_size: int, what: str, value, field: str) -> Grammar:
     """The grammar of ``value`` (a schema as a dict or JSON text, or a regex), or one PrunusError line naming
     ``field``. Cached by its canonical text."""
-    if what == "json_schema":
+    if what in ("json_schema", "tool_call"):
         text = value if isinstance(value, str) else json.dumps(value)  # key order kept: it orders the answer's keys
     else:
         text = value or ""
