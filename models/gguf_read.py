@@ -35,6 +35,7 @@ from prunus.artifacts.validate import check_int_range, short
 from .gguf_layout import ARCHITECTURES, PERMUTED, from_gguf_rows, gguf_name, prunus_name, rotary_heads
 from .gguf_tokenizer import write_tokenizer_files
 from .llama import Transformer
+from .gguf_general import gguf_general_of
 from .model_dir import save_model
 from prunus.artifacts.paths import check_output
 from .tokenizer import ByteTokenizer, HFTokenizer
@@ -278,4 +279,5 @@ def from_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32", over
         model = _build(cfg, read_state(path, tensors, names, cfg, arch, where, DTYPES[dtype]))
         types = sorted({t.type_name for t in tensors.values()})
         return save_model(model, out, tokenizer=tokenizer, stage="convert", overwrite=overwrite,
-                          metrics={"gguf_source": str(path.resolve()), "gguf_tensor_types": types})
+                          metrics={"gguf_source": str(path.resolve()), "gguf_tensor_types": types,
+                                   "gguf_general": gguf_general_of(meta)})

@@ -89,12 +89,16 @@ def _shape(pre):
 
 
 def pre_tokenizer_name(pre: dict | None, where: str) -> str:
-    """The llama.cpp pre-tokenizer name for a byte-level tokenizer.json's ``pre_tokenizer``."""
+    """The llama.cpp pre-tokenizer name for a byte-level tokenizer.json's ``pre_tokenizer``: the family its
+    split regexes and steps identify (llama.cpp's converter names the same families by hashing the token ids
+    of a check text). One that matches none is refused: there is no safe default name."""
     for name, known in PRE_TOKENIZERS.items():
         if _shape(pre) == _shape(known):
             return name
-    raise PrunusError(f"{where}: its byte-level pre-tokenizer is none llama.cpp knows by name; supported: "
-                      "GPT-2 byte-level, digits + byte-level (SmolLM, StarCoder), the Llama 3 and Qwen2 split regexes")
+    raise PrunusError(f"{where}: its byte-level pre-tokenizer is none llama.cpp knows by name, and a guessed name "
+                      "would split text differently; supported: GPT-2 byte-level (gpt-2), digits + byte-level (smollm), "
+                      "the Llama 3 (llama-bpe) and Qwen2 (qwen2) split regexes; convert it with llama.cpp's "
+                      "convert_hf_to_gguf.py instead")
 
 
 # --------------------------------------------------------------------------- GGUF -> tokenizer.json

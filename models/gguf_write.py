@@ -41,7 +41,8 @@ from .config import ModelConfig
 from prunus.artifacts.errors import PrunusError
 from .gguf_layout import PERMUTED, gguf_name, rotary_heads, to_gguf_rows
 from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
-from .model_dir import load_model, load_model_tokenizer
+from .gguf_general import add_general, general_metadata
+from .model_dir import load_model, load_model_tokenizer, read_manifest
 from prunus.artifacts.paths import check_output
 from .tokenizer import ByteTokenizer
 
@@ -150,7 +151,7 @@ def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: st
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
-def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
+def _add_config(writer, cfg: ModelConfig, general: dict, kind: str) -> None:
     """The ``general.*`` and ``<arch>.*`` keys llama.cpp's converter writes (``writer`` knows the arch)."""
     import gguf
 
@@ -158,7 +159,7 @@ def _add_config(writer, cfg: ModelConfig, name: str, kind: str) -> None:
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind]
     writer.add_type("model")
-    writer.add_name(name)
+    add_general(writer, general)  # name, license, size label, ... (prunus.models.gguf_general)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.dim)
@@ -221,12 +222,13 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
     tok_meta = (byte_tokenizer_metadata(cfg.vocab_size) if isinstance(tokenizer, ByteTokenizer)
                 else hf_tokenizer_metadata(model_dir, cfg.vocab_size))
     weights = float_weights(model, str(model_dir))
+    general = general_metadata(model_dir, read_manifest(model_dir), sum(p.numel() for p in model.parameters()))
     codes = stored_int4(model, type)
     del model
     head = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
     with _atomic_file(out, overwrite) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
-        _add_config(writer, cfg, model_dir.resolve().name, type)
+        _add_config(writer, cfg, general, type)
         add_tokenizer(writer, tok_meta)
         for name, w in weights.items():
             heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
