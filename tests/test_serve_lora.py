@@ -224,11 +224,7 @@ def test_http_model_field_picks_adapters_and_admin_routes_need_a_key(setup):
             assert status == 404 and out["error"]["code"] == "model_not_found"
             status, out = _call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "a"}, key="k")
             assert status == 404
-        finally:
-            server.shutdown()
-            server.server_close()
-        server = _serve(engine)  # no API key: the admin routes are refused
-        try:
+            server.access = ServeAccess()  # no API key: the admin routes are refused
             status, out = _call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "b"})
             assert status == 403 and "--api-key" in out["error"]["message"] and engine.adapter_names() == ["b"]
         finally:
