@@ -40,6 +40,7 @@ from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_deco
 from .formats import FORMATS, GRAPHS, PRECISIONS
 from .genai_graph import (GENAI_GRAPH, check_genai_support, genai_dims, quantized_genai_graph,
                           unsupported_features)
+from .genai_compat import write_genai_compat
 from .genai_parity import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
 from .ort_graphs import OrtGraphs
@@ -205,6 +206,8 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
         tokenizer.save(tmp)
+        if plan.graph == "genai":  # the same graph as onnxruntime-genai's runtime loads it (og.Model(out))
+            write_genai_compat(tmp, model, tokenizer)
         export = _export_entry(fmt.name, plan, model)
         if fmt.finish is not None:
             fmt.finish(tmp, export, plan, model.config, timing_cache, console)

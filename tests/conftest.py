@@ -126,6 +126,7 @@ SLOW_REASONS = {
     "every code block of README.md and docs/ in reading order": ["test_readme.py"],
     "ONNX export (torch.onnx.export: seconds to a minute a graph) or ONNX Runtime graphs": [
         "test_int4_export.py", "test_int4_qdq.py", "test_genai_graph.py", "test_genai_prompt_graph.py",
+        "test_genai_compat.py",
         "test_export.py::test_export_dir_follows_the_contract",
         "test_export.py::test_int8_export_quantizes_every_matmul",
         "test_export.py::test_quantized_graphs_hold_the_stored_weights",
