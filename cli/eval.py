@@ -4,7 +4,37 @@ from __future__ import annotations
 
 import click
 
+from prunus.artifacts.errors import PrunusError
+
 from .options import device_option, resolve_device
+
+
+def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options: dict, *, record: bool,
+                 device: str) -> None:
+    """prunus eval of a generic module dir: the task's figures on --data's held-out split, as a table."""
+    import os
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from prunus.train_parallel.module_eval import evaluate_module_dir
+
+    if data is None:
+        raise PrunusError(f"{model_dir} holds a generic module: pass --data (an image folder, tar shards or "
+                          "synthetic:classification?...) of the samples it was trained on")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # the factory's module may sit in the current directory, as for prunus train
+    r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device, **options)
+    table = Table(title=f"prunus eval {model_dir}", show_header=False)
+    table.add_row("data", f"{r['eval_data']} (held-out split)")
+    table.add_row("task", r["task"])
+    table.add_row("samples scored", f"{r['val_samples']:,}")
+    label = "mean squared error" if r["task"] == "regression" else "loss"
+    table.add_row(label, f"{r['val_loss']:.6g}")
+    if "val_accuracy" in r:
+        table.add_row("top-1 accuracy", f"{r['val_accuracy']:.4f}")
+    Console().print(table)
 
 
 @click.command("eval")
@@ -16,13 +46,35 @@ from .options import device_option, resolve_device
 @click.option("--max-tokens", "--eval-tokens", "max_tokens", type=int, default=None,
               help="Held-out tokens to score. Default: the slice the compression report and export parity score.")
 @click.option("--no-record", is_flag=True, help="Do not write the figures into prunus.json.")
+@click.option("--trust-factory", is_flag=True,
+              help="A generic module dir: import the factory its config.json names (that runs its code).")
+@click.option("--batch-size", type=int, default=None, help="A generic module dir: samples per batch (default 64).")
+@click.option("--max-samples", type=int, default=None,
+              help="A generic module dir: held-out samples scored, the first of the split (default 4096).")
+@click.option("--val-fraction", type=float, default=None,
+              help="A generic module dir on an image folder: the share held out (by a hash of each path; default 0.1).")
 @device_option
-def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: int | None, no_record: bool, device: str):
-    """Score MODEL_DIR on held-out text."""
+def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: int | None, no_record: bool, device: str,
+            trust_factory: bool, batch_size: int | None, max_samples: int | None, val_fraction: float | None):
+    """Score MODEL_DIR on held-out text (a generic module dir: on --data's held-out samples)."""
     from rich.console import Console
     from rich.table import Table
 
     from prunus.data import evaluate_model_dir
+    from prunus.models.module_summary import is_module_dir
+
+    module_opts = {"batch_size": batch_size, "max_samples": max_samples, "val_fraction": val_fraction}
+    if is_module_dir(model_dir):
+        for flag, value in (("--seq-len", seq_len), ("--max-tokens", max_tokens)):
+            if value is not None:
+                raise PrunusError(f"{flag} applies to a transformer; {model_dir} holds a generic module: drop it "
+                                  "(--max-samples bounds what is scored)")
+        return _module_eval(model_dir, data, trust_factory, {k: v for k, v in module_opts.items() if v is not None},
+                            record=not no_record, device=resolve_device(device))
+    given_module = [k for k, v in module_opts.items() if v is not None] + (["trust_factory"] if trust_factory else [])
+    if given_module:
+        raise PrunusError(f"--{given_module[0].replace('_', '-')} applies to a generic module dir (config.json kind "
+                          f"module); {model_dir} is not one: drop it")
 
     given = {"max_tokens": max_tokens} if max_tokens is not None else {}
     r = evaluate_model_dir(model_dir, data=data, seq_len=seq_len, record=not no_record, device=resolve_device(device),

@@ -44,6 +44,10 @@ def architecture(fields: dict) -> dict:
 
 def model_tables(path: Path) -> list:
     from prunus.models import read_manifest
+    from prunus.models.module_summary import is_module_dir
+
+    if is_module_dir(path):
+        return module_tables(path)
     from prunus.models.model_dir import read_config
 
     manifest = read_manifest(path)
@@ -56,6 +60,23 @@ def model_tables(path: Path) -> list:
     files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
     return [_table(f"model {path}", model_rows), _table("manifest", about), _table("metrics", manifest.get("metrics", {})),
             _table("files (sha256)", files), *native_tables(path)]
+
+
+def module_tables(path: Path) -> list:
+    """A generic module dir (config.json kind "module"): its factory, task, input and lineage; nothing imported."""
+    from prunus.models.module_summary import input_text, module_summary
+
+    s = module_summary(path)
+    model_rows = {"factory": s["factory"], "args": json.dumps(s["args"]), "task": s["task"],
+                  "input": input_text(s["input"]), "parameters": s["params"], "stored tensors": s["stored_tensors"]}
+    if s["pruned_shapes"]:
+        model_rows["pruned shapes"] = s["pruned_shapes"]
+    lineage = {f"{i}: {e['stage']}": f"{e['path']}" + (f" ({e['hash']})" if e.get("hash") else "")
+               + (f"  <- {e['command']}" if e.get("command") else "") for i, e in enumerate(s["lineage"])}
+    manifest = s["manifest"]
+    files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
+    return [_table(f"module {path}", model_rows), _table("lineage (newest first)", lineage),
+            _table("metrics", manifest.get("metrics", {})), _table("files (sha256)", files)]
 
 
 def native_tables(path: Path) -> list:
@@ -106,7 +127,7 @@ def run_tables(path: Path) -> list:
 @click.command("info")
 @click.argument("path", type=click.Path())
 def command(path: str):
-    """Show what PATH (a model dir or a run dir) holds."""
+    """Show what PATH (a model dir, a generic module dir or a run dir) holds."""
     from rich.console import Console
 
     from prunus.train_parallel.run_dir import RUN_CONFIG

@@ -139,6 +139,21 @@ def _input_spec(dataset) -> dict | None:
     return input_spec(x, high=max(int(t.max()) for t in seen) + 1)
 
 
+@torch.no_grad()
+def score_module(model: torch.nn.Module, task: Task, dataset, *, batch_size: int, max_samples: int,
+                 device: torch.device | str = "cpu", scorer=None) -> dict:
+    """The task's held-out figures (``val_loss``, ``val_accuracy`` for classification) of ``model`` in eval mode on
+    the first ``max_samples`` samples of ``dataset``; ``scorer(x, y) -> (loss sum, count, correct)`` replaces the
+    plain forward (the pipeline's). What the trainer's evaluation and ``prunus eval`` of a module dir compute."""
+    model.eval()
+    loss_sum, count, correct = 0.0, 0, 0
+    for x, y in eval_batches(dataset, batch_size, max_samples):
+        x, y = _to((x, y), device)
+        s, n, c = scorer(x, y) if scorer is not None else task.sums(_call(model, x), y)
+        loss_sum, count, correct = loss_sum + s, count + n, correct + (c or 0)
+    return task.summary(loss_sum, count, correct)
+
+
 class ModuleTrainer:
     """One run (or its resumption) of a generic module on this rank; build it, then call :meth:`train`."""
 
@@ -263,17 +278,11 @@ class ModuleTrainer:
     def evaluate(self) -> dict:
         """The task's held-out figures of the module as it is now (every rank scores the same samples)."""
         model = unwrapped(self.model)
-        model.eval()
-        loss_sum, count, correct = 0.0, 0, 0
-        for x, y in eval_batches(self.val_dataset, self.cfg.batch_size, self.cfg.eval_samples):
-            x, y = _to((x, y), self.device)
-            if self.pipeline is not None:
-                s, n, c = self.pipeline.score(x, y, self.task.sums)
-            else:
-                s, n, c = self.task.sums(_call(model, x), y)
-            loss_sum, count, correct = loss_sum + s, count + n, correct + (c or 0)
+        scorer = None if self.pipeline is None else (lambda x, y: self.pipeline.score(x, y, self.task.sums))
+        figures = score_module(model, self.task, self.val_dataset, batch_size=self.cfg.batch_size,
+                               max_samples=self.cfg.eval_samples, device=self.device, scorer=scorer)
         model.train()
-        return self.task.summary(loss_sum, count, correct)
+        return figures
 
     def _log(self, record: dict, metrics: MetricsLog | None) -> None:
         if metrics is not None:
