@@ -133,9 +133,10 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
 
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if options.get("module_spec") is not None:  # any nn.Module, built by the factory --model names
-        refused = {"--config": config_file, "--print-config": print_config, "--dry-run": dry_run,
-                   "--print-slurm": print_slurm}
-        return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused)
+        refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,
+                   "--world-size": world_size is not None, "--rank": plan_rank != 0}
+        return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused,
+                                    dry_run=dry_run)
     options = transformer_options(given, options)
     given = {k: v for k, v in given.items() if k in options}
     cfg = resolve_config(given, options, config_file, resume)

@@ -73,15 +73,40 @@ def module_config(given: dict, options: dict) -> ModuleTrainConfig:
     return cfg
 
 
+def print_module_plan(plan: dict) -> None:
+    """The dry run's per-rank bytes and launch command, as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    columns = ("params", "gathered", "grads", "ddp_buckets", "optimizer", "buffers", "total_peak")
+    table = Table(title=f"dry run: {plan['layout']}, {plan['world_size']} rank(s), {plan['params_total']:,} parameters "
+                        f"({plan['param_bytes_total']:,} bytes); bytes per rank, activations not counted",
+                  title_justify="left")
+    for name in ("rank", *columns):
+        table.add_column(name, justify="right")
+    for row in plan["ranks"]:
+        table.add_row(str(row["rank"]), *(f"{row[c]:,}" for c in columns))
+    console = Console()
+    console.print(table)
+    console.print(f"would run: {plan['command']}", soft_wrap=True)
+
+
 def train_module_command(ctx: click.Context, given: dict, options: dict, *, resume: bool, overwrite: bool,
-                         refused: dict) -> None:
-    """Train the generic module ``--model`` names; ``refused``: the transformer-only actions asked for."""
+                         refused: dict, dry_run: bool = False) -> None:
+    """Train the generic module ``--model`` names (``dry_run``: print its memory plan and launch command instead);
+    ``refused``: the transformer-only actions asked for."""
     for flag, asked in refused.items():
         if asked:
             raise PrunusError(f"{flag} plans a transformer run; drop it with --model")
     cfg = module_config(given, options)
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed packages first)
+    if dry_run:
+        from prunus.train_parallel.launch.module_dry_run import module_memory_plan
+
+        from .train import command_line
+
+        return print_module_plan(module_memory_plan(cfg, command_line(ctx, given, None, resume, overwrite)))
     from prunus.data.module_datasets import module_datasets
     from prunus.train_parallel.module_trainer import preflight_module, train_module
 

@@ -507,7 +507,7 @@ def test_export_refuses_a_failed_parity_unless_told(cli_export, tmp_path, monkey
     (["--model", "test_any_model:two_linear", "--data", "synthetic:images"], "synthetic kind 'images'"),
     (["--model", "test_any_model:two_linear", "--data", "synthetic:classification?n=0"], "n='0' must be"),
     (["--model", "test_any_model:two_linear", "--data", "no/such/dir"], "does not exist"),
-    (["--model", "test_any_model:two_linear", "--dry-run"], "--dry-run plans a transformer run"),
+    (["--model", "test_any_model:two_linear", "--world-size", "4"], "--world-size plans a transformer run"),
     (["--model", "test_any_model:broken", "--nproc", "2"], "building the model failed"),  # before any rank starts
     (["--model", "test_any_model:two_linear", "--nproc", "3"], "--batch-size 4 is not divisible by the 3"),
 ])
