@@ -18,7 +18,7 @@ from .config import MAX_TIMEOUT_S, _doc
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
                     "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "data_workers", "progress", "nproc", "zero",
-                    "sync_batchnorm", "timeout_s", "device")
+                    "sync_batchnorm", "timeout_s", "device", "dp_mode")
 
 
 @dataclass
@@ -69,6 +69,8 @@ class ModuleTrainConfig:
     tp_plan: str | None = _doc(None, "Tensor parallelism: a JSON file of module name -> colwise / rowwise (nn.Linear "
                                      "modules), applied with parallelize_module over --tp ranks.")
     timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
+    dp_mode: str = _doc("ddp", "Data parallelism: ddp (--nproc N processes: DDP / ZeRO / FSDP) or dataparallel "
+                               "(nn.DataParallel in one process over every visible GPU; needs 2 or more).")
 
     def validate(self) -> None:
         from prunus.models.module_factory import check_args, parse_spec
@@ -98,6 +100,7 @@ class ModuleTrainConfig:
         if self.zero not in (None, 0, 1, 2, 3):
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
         self._validate_layout()
+        self._validate_dp_mode()
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -140,6 +143,25 @@ class ModuleTrainConfig:
             kind = "pipeline" if self.pp > 1 else "tensor parallel"
             raise PrunusError(f"--nproc {self.nproc}: a generic module's {kind} layout uses every rank (no data "
                               f"parallelism beside it); set --nproc {self.pp * self.tp}")
+
+    def _validate_dp_mode(self) -> None:
+        if self.dp_mode not in ("ddp", "dataparallel"):
+            raise PrunusError(f"--dp-mode {short(self.dp_mode)}: a generic module trains with ddp (--nproc N) or "
+                              "dataparallel (one process over every visible GPU)")
+        if self.dp_mode == "ddp":
+            return
+        clash = [flag for flag, on in (("--nproc", self.nproc > 1), ("--pp-split", self.pp > 1), ("--tp", self.tp > 1),
+                                       ("--zero", self.zero not in (None, 0)), ("--sync-batchnorm", self.sync_batchnorm),
+                                       ("--device cpu", self.device == "cpu")) if on]
+        if clash:
+            raise PrunusError(f"--dp-mode dataparallel runs one process replicating the whole module over the GPUs: "
+                              f"drop {clash[0]} (or use --nproc N for DDP)")
+        from .data_parallel.data_parallel_single import cuda_devices
+
+        n = cuda_devices()
+        if n < 2:
+            raise PrunusError(f"--dp-mode dataparallel needs 2 or more CUDA devices; this machine has {n}: use "
+                              "--nproc N for DDP (one process per device), or drop --dp-mode for one process")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -180,6 +180,7 @@ class ModuleTrainer:
         self.run = check_module_run(cfg, resume=resume, overwrite=overwrite)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
         self.pipeline: ModulePipeline | None = None
+        self.replicated: torch.nn.Module | None = None  # --dp-mode dataparallel: nn.DataParallel over the module
         self.model = self._parallelize(module.to(self.device))
         self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
         self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
@@ -202,6 +203,11 @@ class ModuleTrainer:
         parallelism (:func:`parallelize_any`). Every rank starts from the first rank's weights."""
         cfg, dims = self.cfg, self.dims
         plan = check_layout(module, cfg)
+        if cfg.dp_mode == "dataparallel":  # one process: the forward replicated over every GPU, the module kept plain
+            from .data_parallel.data_parallel_single import apply_dataparallel
+
+            self.replicated = apply_dataparallel(module)
+            return module
         if dims.pp == 1 and dims.tp == 1:
             return parallelize_any(module, dims, sync_batchnorm=cfg.sync_batchnorm)
         broadcast_from_first(module, dist.group.WORLD)
@@ -224,7 +230,7 @@ class ModuleTrainer:
             return self.pipeline.step(x, y)
         n, total = self.cfg.grad_accum, torch.zeros((), device=self.device)
         for xm, ym in zip(_split(x, n), _split(y, n)):
-            loss = self.task.loss(_call(self.model, xm), ym)
+            loss = self.task.loss(_call(self.replicated or self.model, xm), ym)
             (loss / n).backward()
             total += loss.detach().float()
         return total / n
