@@ -78,8 +78,9 @@ def genai_config(cfg, n_layers: int, tokenizer) -> dict:
     """The ``genai_config.json`` onnxruntime-genai's builder writes, for this export's graph."""
     eos = getattr(tokenizer, "eos_id", None)
     stops = [i for i in (getattr(tokenizer, "stop_ids", None) or []) if i is not None] or ([eos] if eos is not None else [])
-    bos = getattr(tokenizer, "bos_id", None)
-    pad = getattr(tokenizer, "pad_id", None)
+    named = getattr(tokenizer, "token_id", None)  # HFTokenizer: the special tokens tokenizer_config.json names
+    bos = named("bos_token") if named else None
+    pad = named("pad_token") if named else None
     return {
         "model": {
             "bos_token_id": bos if bos is not None else (eos if eos is not None else 0),
