@@ -230,7 +230,7 @@ class ModuleTrainer:
             return self.pipeline.step(x, y)
         n, total = self.cfg.grad_accum, torch.zeros((), device=self.device)
         for xm, ym in zip(_split(x, n), _split(y, n)):
-            loss = self.task.loss(_call(self.replicated or self.model, xm), ym)
+            loss = self.task.loss(_call(self.model if self.replicated is None else self.replicated, xm), ym)
             (loss / n).backward()
             total += loss.detach().float()
         return total / n
