@@ -128,7 +128,8 @@ class HFTokenizer:
         return self.chat_templates.get("default")
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> str:
-        """The prompt text for ``messages`` (and ``tools``), as transformers' ``apply_chat_template(..., tokenize=False)``."""
+        """The prompt text for ``messages`` (and ``tools``), as transformers'
+        ``apply_chat_template(..., tokenize=False)``."""
         if self.chat_template is None:
             names = sorted(self.chat_templates)
             raise PrunusError(

@@ -94,6 +94,9 @@ def constraint(req: Sampling) -> tuple[str, object, str] | None:
     if len(asked) > 1:
         raise BadRequest(400, f"give one of {', '.join(repr(a[2]) for a in asked)}, not several",
                          param=asked[1][2])
+    if asked and req.min_tokens:  # the grammar may end before min_tokens, where no token would be left to sample
+        raise BadRequest(400, f"'min_tokens' cannot be combined with {asked[0][2]!r}; leave one out",
+                         param="min_tokens")
     return asked[0] if asked else None
 
 

@@ -2,7 +2,8 @@
 
 Strict (a string is not a number, ``1`` is not ``true``) and closed: a field not listed here is refused with
 400 naming it (:mod:`prunus.serve.openai_errors`), never silently dropped. ``top_k``, ``repetition_penalty``,
-``min_tokens``, ``stop_token_ids``, ``guided_json`` and ``guided_regex`` are extensions (vLLM's names). What each field does is in
+``min_tokens``, ``stop_token_ids``, ``guided_json`` and ``guided_regex`` are extensions
+(vLLM's names). What each field does is in
 docs/serving.md; a field left out takes the model's ``generation_config.json`` default where it has one
 (:mod:`prunus.serve.sampling_defaults`), else OpenAI's.
 """

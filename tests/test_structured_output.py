@@ -110,6 +110,7 @@ def test_json_object_and_regex(server):
     ({"guided_regex": "(ab"}, "guided_regex", "not a regular expression prunus can enforce"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs 'json_schema'"),
     ({"guided_regex": "a", "guided_json": {"type": "integer"}}, "guided_regex", "not several"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "cannot be combined with 'guided_regex'"),
 ])
 def test_bad_constraints_are_one_400_naming_the_field(server, fields, param, words):
     status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 4, **fields})

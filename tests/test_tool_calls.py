@@ -52,7 +52,8 @@ QWEN_TOOLS = (
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "The forecast.", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "now", "description": "The time.",
                                            "parameters": {"type": "object", "properties": {},
                                                           "additionalProperties": False}}}]
