@@ -153,3 +153,17 @@ def test_template_without_tools_refuses_them(tmp_path):
         finally:
             server.shutdown()
             server.server_close()
+
+
+def test_auto_parses_what_the_model_writes(served):
+    """With tool_choice "auto" the answer is free; a regex makes the random model write a Hermes call and some
+    text, which come back as tool_calls and content."""
+    _, _, server = served
+    status, body = call(server, "POST", "/v1/chat/completions", {
+        "messages": HISTORY, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0, "seed": 1,
+        "guided_regex": r'Sure\.\n<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("now", "{}")]
