@@ -126,6 +126,8 @@ def measure(module, graphs, batches, threads, reps) -> dict:
         for t in threads:
             out[(b, t)] = alternating_samples(contenders(module, graphs, x, t), reps[b])
             torch.set_num_threads(max(threads))
+            print(f"batch {b}, {t} threads: " + ", ".join(f"{k} {b / statistics.median(v):.2f} images/s"
+                                                          for k, v in out[(b, t)].items()), flush=True)
     return out
 
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     with tempfile.TemporaryDirectory(prefix="prunus-resnet50-") as tmp:
         module, graphs, parity = export_graphs(Path(tmp))
-        print(f"export: {parity}")
+        print(f"export: {parity}", flush=True)
         times = measure(module, graphs, [1, 32], threads, reps)
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; one warm-up call per contender "
           "and setting, then the timed calls alternating")
