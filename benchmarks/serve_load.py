@@ -50,6 +50,8 @@ from benchmarks.harness import machine_line, show, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_CHARS = (260, 420, 560, 700, 840, 330, 490, 630)  # about 60-210 tokens of code
+LEGEND = {"prunus ORT": "prunus serve (FastAPI), ONNX Runtime", "prunus native": "prunus serve (FastAPI), --native",
+          "prunus stdlib": "stdlib server, ONNX Runtime"}
 REQUESTS_PER_CLIENT = {1: 3}  # more clients: one request each
 
 
@@ -364,6 +366,14 @@ def report(results: dict, engine_tps: dict, levels: list[int]) -> None:
          "prunus / llama.cpp (Q8_0 for int8, F32 for fp32)",
          ["contender", "clients", "tok/s", "TTFT p50", "TTFT p99", "gap p50", "lost", "tokens / req", "tok/s ratio",
           "TTFT p50 ratio"], rows, width=150)
+    old = next((k for k in results if "stdlib" in k and "failed" not in results[k]), None)
+    new = results.get("prunus ORT", {})
+    for k in (levels if old and "failed" not in new else []):
+        a, b = new.get(k), results[old].get(k)
+        if a and b:
+            print(f"{k} clients: prunus ORT / {old}: tok/s {a['tok_s'] / b['tok_s']:.2f}, TTFT p50 "
+                  f"{a['ttft_p50'] / b['ttft_p50']:.2f}, p99 {a['ttft_p99'] / b['ttft_p99']:.2f}, gap p50 "
+                  f"{a['gap_p50'] / b['gap_p50']:.2f}")
     for label, tps in engine_tps.items():
         served = results.get(label, {}).get(1)
         if tps and served:
@@ -383,9 +393,10 @@ def plot(results: dict, levels: list[int], path: str, title: str) -> None:
         if "failed" in res:
             continue
         style = "--" if label.startswith("llama.cpp") else "-"
+        name = LEGEND.get(label.split(" de")[0], label) + (f" ({label.split()[-1]})" if "stdlib" in label else "")
         ks = [k for k in levels if k in res]
-        a.plot(ks, [res[k]["tok_s"] for k in ks], style, marker="o", label=label)
-        b.plot(ks, [res[k]["ttft_p99"] or float("nan") for k in ks], style, marker="o", label=label)
+        a.plot(ks, [res[k]["tok_s"] for k in ks], style, marker="o", label=name)
+        b.plot(ks, [res[k]["ttft_p99"] or float("nan") for k in ks], style, marker="o", label=name)
     for ax, name in ((a, "output tokens/s (all streams)"), (b, "time to first token, p99 (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(k) for k in levels])
@@ -427,6 +438,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-native", action="store_true")
     p.add_argument("--level-budget-s", type=float, default=300.0,
                    help="skip a level that would take longer than this at the previous level's rate")
+    p.add_argument("--reverse", action="store_true", help="run the contenders in the reverse order")
+    p.add_argument("--no-engine", action="store_true", help="leave out the in-process Engine.stream figure")
     p.add_argument("--only", default=None, help="run only the contenders whose label holds one of these (a,b)")
     p.add_argument("--add", action="append", default=[], metavar="JSON",
                    help="an earlier run's --json: the levels it measured that this run did not join the table and plot")
@@ -448,11 +461,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _cut_short)  # SIGTERM stops the servers and reports what was measured
     with tempfile.TemporaryDirectory(prefix="prunus-serve-load-") as tmp:
         try:
-            for c in contenders(args, Path(tmp)):
+            for c in contenders(args, Path(tmp))[::-1 if args.reverse else 1]:
                 if args.only and not any(w in c.label for w in args.only.split(",")):
                     continue
                 print(f"{c.label}: load average {os.getloadavg()[0]:.2f} at its start", flush=True)
-                if c.engine:
+                if c.engine and not args.no_engine:
                     engine_tps[c.label] = in_process(*c.engine, texts, args.tokens)
                 results[c.label] = run_contender(c, Path(tmp), args.clients, texts, args.tokens, args.level_budget_s)
         except CutShort:
@@ -481,8 +494,10 @@ def merge(results: dict, engine_tps: dict, loads: list[float], files: list[str],
     for f in files:
         body = json.loads(Path(f).read_text())
         loads += [body["load_average"]["start"][0], body["load_average"]["end"][0]]
-        for label, tps in body.get("engine_tps", {}).items():
-            engine_tps.setdefault(label, tps)
+        for label, tps in body.get("engine_tps", {}).items():  # set against one client of the same run
+            mine = results.get(label, {})
+            if tps and (label not in engine_tps or (1 not in mine and "1" in body["results"].get(label, {}))):
+                engine_tps[label] = tps
         for label, res in body["results"].items():
             if "failed" in res:
                 results.setdefault(label, res)
