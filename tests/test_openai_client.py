@@ -72,3 +72,42 @@ def test_typed_errors(served):
     assert e.value.param == "tools" and "does not take tools" in e.value.message  # a template without tools
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+
+
+def test_sampling_fields_through_the_client_equal_engine_generate(served):
+    """Every sampling field OpenAI's client sends reaches the engine: the answer equals Engine.generate with the
+    same settings (penalties, logit_bias, seed, top_p, stop), plain and streamed, and echo prepends the prompt."""
+    from prunus.serve.logits_processors import LogitsSettings
+
+    engine, client = served
+    fields = dict(temperature=0.8, seed=5, top_p=0.9, presence_penalty=0.6, frequency_penalty=0.4,
+                  logit_bias={"101": 3.0, "32": -4.0}, stop=["\n\n"])
+    want = engine.generate("Hello there", 10, temperature=0.8, seed=5, top_p=0.9, stop=["\n\n"],
+                           logits=LogitsSettings(presence_penalty=0.6, frequency_penalty=0.4,
+                                                 logit_bias=((101, 3.0), (32, -4.0))))
+    answer = client.completions.create(model="tiny", prompt="Hello there", max_tokens=10, **fields)
+    assert answer.choices[0].text == want.text and answer.choices[0].finish_reason == want.finish_reason
+    streamed = client.completions.create(model="tiny", prompt="Hello there", max_tokens=10, stream=True, **fields)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+    echoed = client.completions.create(model="tiny", prompt="Hello there", max_tokens=10, echo=True, **fields)
+    assert echoed.choices[0].text == "Hello there" + want.text
+
+
+def test_structured_output_and_embeddings_through_the_client(served):
+    pytest.importorskip("xgrammar")
+    import json
+
+    engine, client = served
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=1,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "flag", "schema": schema}})
+    if answer.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside the object
+        assert isinstance(json.loads(answer.choices[0].message.content)["ok"], bool)
+    else:
+        assert answer.choices[0].message.content.startswith("{")
+    vectors = client.embeddings.create(model="tiny", input=["Hello there", "What is 2 + 2?"])
+    want = engine.embed(["Hello there", "What is 2 + 2?"])
+    got = torch.tensor([v.embedding for v in vectors.data])
+    assert torch.allclose(got, want, atol=1e-5) and vectors.usage.prompt_tokens > 0
