@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 import traceback
 
 from fastapi import FastAPI, Request
@@ -58,6 +59,16 @@ def _is_type_name(part) -> bool:  # a union branch pydantic names in the locatio
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
+def field_named(message: str) -> str | None:
+    """The request field an engine refusal starts with (``logit_bias names token 7; ...`` → ``logit_bias``), as
+    OpenAI's ``param``; None when the message names no field of the completions or chat request."""
+    from .openai_schema import ChatCompletionRequest, CompletionRequest
+
+    m = re.match(r"([a-z_]+)\b", message)
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    return m.group(1) if m and m.group(1) in fields else None
+
+
 def install(app: FastAPI, routes: str = ROUTES) -> None:
     """The handlers of the module docstring on ``app``."""
 
@@ -75,7 +86,8 @@ def install(app: FastAPI, routes: str = ROUTES) -> None:
 
     @app.exception_handler(PrunusError)
     async def refused(request: Request, exc: PrunusError):
-        return error_response(BadRequest(400, str(exc).replace("max_new_tokens", "max_tokens")))
+        message = str(exc).replace("max_new_tokens", "max_tokens")
+        return error_response(BadRequest(400, message, param=field_named(message)))
 
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException):

@@ -107,6 +107,9 @@ def test_unknown_fields_are_refused_by_name(server, path, body, field):
     ({"prompt": "x", "suffix": "y"}, "suffix", None, "'suffix'"),
     ({"prompt": "x", "best_of": 3}, "best_of", None, "'best_of'"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None, "presence_penalty=2.5"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", None, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias", None, "99999999"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", None, "frequency_penalty=-2.5"),
 ])
 def test_errors_carry_openai_fields(server, body, param, code, words):
     status, answer = call(server, "POST", "/v1/completions", body)
