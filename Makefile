@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml constraints.txt
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=20
 
 # The quick tier (about 2.5 minutes on 2 cores): every test but those marked slow (seconds each, or starting
 # processes; tests/conftest.py SLOW_REASONS).
