@@ -31,18 +31,19 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 	@echo "prunus is installed in $(VENV). To have the prunus command on your PATH, run: source $(BIN)/activate"
 
-# Two pytest workers (pytest-xdist, a dev dependency): most tests run one Python thread, and the process-group
+# Two pytest workers (pytest-xdist, a dev dependency), a test file to a worker (module fixtures and the tests that
+# read what earlier tests of their file did stay together): most tests run one Python thread, and the process-group
 # tests wait on rendezvous and I/O, so two workers on two cores take about half the time of one.
 # PYTEST_WORKERS=0 runs everything in this one process.
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=20
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 
 # The quick tier (about 2.5 minutes on 2 cores): every test but those marked slow (seconds each, or starting
 # processes; tests/conftest.py SLOW_REASONS).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	@echo "== 1/6 train the 'small' preset on the built-in corpus (this Python's standard library) =="

@@ -103,16 +103,18 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
         return StreamingResponse(_stream(server, requests, base, include_usage, request.scope), headers=EVENT_STREAM,
                                  background=BackgroundTask(cancel, requests))
     choices = await collect(server, requests, request.receive)
-    out = [_choice(engine.tokenizer, c, top is not None, parse=choice != "none") for c in choices]
+    one_call = req.parallel_tool_calls is False
+    out = [_choice(engine.tokenizer, c, top is not None, parse=choice != "none", one_call=one_call) for c in choices]
     return JSONResponse({**base, "object": "chat.completion", "choices": out,
                          "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))})
 
 
-def _choice(tokenizer, c: Choice, with_logprobs: bool, parse: bool) -> dict:
+def _choice(tokenizer, c: Choice, with_logprobs: bool, parse: bool, one_call: bool = False) -> dict:
+    """One choice of a whole answer; ``one_call`` (``parallel_tool_calls: false``): its first tool call only."""
     message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
     calls = parse_tool_calls(c.text) if parse else None
     if calls is not None:
-        message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+        message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1][:1] if one_call else calls[1]}
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"index": c.index, "message": message,
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs) if with_logprobs else None,

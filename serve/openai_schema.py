@@ -80,4 +80,5 @@ class ChatCompletionRequest(Sampling):
     tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (through its chat "
                                                                  "template's tools).")
     tool_choice: str | dict[str, Any] | None = Field(None, description='"none", "auto", "required" or a function.')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; every call the answer holds is returned.")
+    parallel_tool_calls: bool | None = Field(None, description="false: the answer's first tool call only; "
+                                                 "otherwise every call it holds.")

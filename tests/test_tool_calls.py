@@ -125,6 +125,13 @@ def test_hermes_calls_are_parsed():
         ("get_weather", {"city": "Rome", "days": 1}), ("now", {})]
     assert parse_tool_calls("no calls here") is None
     assert parse_tool_calls("<tool_call>{not json</tool_call>") is None
+    from prunus.serve.chat_api import _choice
+    from prunus.serve.openai_generate import Choice
+
+    answer = Choice(index=0, prompt_tokens=1, text=text, finish_reason="stop")
+    assert len(_choice(None, answer, False, parse=True)["message"]["tool_calls"]) == 2
+    one = _choice(None, answer, False, parse=True, one_call=True)  # parallel_tool_calls: false
+    assert [c["function"]["name"] for c in one["message"]["tool_calls"]] == ["get_weather"]
 
 
 @pytest.mark.parametrize("fields, param, words", [
