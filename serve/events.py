@@ -3,7 +3,7 @@
 
 Every reader of ``request.events`` goes through here: :meth:`prunus.serve.engine.Engine.generate` / ``stream``
 in threads, and the HTTP server's completions and chat completions on its event loop (:func:`async_events`:
-the blocking waits run in a thread pool, each taking every event that is ready at once).
+woken by the scheduler's thread, each wake taking every event that is ready at once).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Executor
 
 from .request import GenerationResult, Request, StreamToken
 
@@ -64,13 +63,10 @@ def _ends(event) -> bool:
     return isinstance(event, (GenerationResult, BaseException))
 
 
-def _ready(request: Request, wait_s: float) -> list:
-    """The events ready now, waiting up to ``wait_s`` for the first; [] if none came."""
-    try:
-        out = [request.events.get(timeout=wait_s)]
-    except queue.Empty:
-        return []
-    while not _ends(out[-1]):
+def _drain(request: Request) -> list:
+    """The events ready now, up to and including one that ends the request."""
+    out = []
+    while not out or not _ends(out[-1]):
         try:
             out.append(request.events.get_nowait())
         except queue.Empty:
@@ -78,11 +74,30 @@ def _ready(request: Request, wait_s: float) -> list:
     return out
 
 
-async def async_events(request: Request, pool: Executor, wait_s: float = 0.5) -> AsyncIterator[Event]:
-    """:func:`events` for an asyncio task: the same events, in order, ending with the result or the error."""
-    loop = asyncio.get_running_loop()
-    while True:
-        for event in await loop.run_in_executor(pool, _ready, request, wait_s):
-            yield event
-            if _ends(event):
-                return
+def _wake_on_put(request: Request, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
+    def notify() -> None:
+        try:
+            loop.call_soon_threadsafe(ready.set)
+        except RuntimeError:  # the loop has closed: nobody is reading any more
+            pass
+    request.notify = notify
+
+
+async def async_events(request: Request) -> AsyncIterator[Event]:
+    """:func:`events` for an asyncio task: the same events, in order, ending with the result or the error.
+    The scheduler's thread wakes the loop itself after each event it puts (``request.notify``), so a token
+    reaches the loop in one hop, with no thread of a pool waiting in between."""
+    ready = asyncio.Event()
+    _wake_on_put(request, asyncio.get_running_loop(), ready)
+    try:
+        while True:
+            ready.clear()  # before draining: an event put after the drain sets it again
+            got = _drain(request)
+            for event in got:
+                yield event
+                if _ends(event):
+                    return
+            if not got:
+                await ready.wait()
+    finally:
+        request.notify = None

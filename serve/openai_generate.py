@@ -152,7 +152,7 @@ def submit(engine, prompts: list[list[int]], kwargs: dict, n: int) -> list[Reque
 async def merged(server, requests: list[Request]) -> AsyncIterator[tuple[int, object]]:
     """(row index, event) of every row as they come, until each has ended; an engine error is raised."""
     if len(requests) == 1:
-        async for event in async_events(requests[0], server.pool):
+        async for event in async_events(requests[0]):
             if isinstance(event, BaseException):
                 raise event
             yield 0, event
@@ -160,7 +160,7 @@ async def merged(server, requests: list[Request]) -> AsyncIterator[tuple[int, ob
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, r: Request) -> None:
-        async for event in async_events(r, server.pool):
+        async for event in async_events(r):
             queue.put_nowait((i, event))
     tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
     try:

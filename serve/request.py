@@ -82,6 +82,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # tokens that end the request (end of text, end of turn)
     adapter: object = None  # a loaded LoRA adapter (prunus.runtime.lora_adapters.Adapter), None: the base
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    notify: object = None  # called after every event is put (an event loop's wake-up: prunus.serve.events)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -114,7 +115,7 @@ class Request:
         self.n_tokens += 1
         if token in self.stop_ids:
             self.finish_reason = "stop"
-            self.events.put(StreamToken(token, self._take(final=True), logprob))
+            self._emit(StreamToken(token, self._take(final=True), logprob))
             return
         self.generated.append(token)
         searched = len(self._decoded.settled)  # no stop string lies wholly in the text settled before
@@ -129,7 +130,7 @@ class Request:
             self._text = text
             if len(self.generated) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
-        self.events.put(StreamToken(token, self._take(final=self.done), logprob))
+        self._emit(StreamToken(token, self._take(final=self.done), logprob))
 
     def _take(self, final: bool) -> str:
         """The text not yet handed out, minus what may still change (unless final)."""
@@ -149,11 +150,17 @@ class Request:
 
     def fail(self, error: BaseException) -> None:
         self.finish_reason = "error"
-        self.events.put(error)
+        self._emit(error)
 
     def finish(self) -> None:
         """Called by the scheduler once the request has left the batch."""
-        self.events.put(self.result())
+        self._emit(self.result())
+
+    def _emit(self, event) -> None:
+        self.events.put(event)
+        notify = self.notify
+        if notify is not None:
+            notify()
 
     def result(self) -> GenerationResult:
         first = self.first_token_at or time.perf_counter()
