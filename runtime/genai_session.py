@@ -111,8 +111,8 @@ class GenaiSession:
         for _ in range(2):
             self.prefill(0, warm)
 
-    def _bind(self, ids: np.ndarray, start: int, session=None):
-        """An I/O binding of ``ids`` (b, seq) on slots [start, start + b)."""
+    def _bind(self, ids: np.ndarray, start: int, session=None, out: int = 0):
+        """An I/O binding of ``ids`` (b, seq) on slots [start, start + b), logits into rows [out, out + b)."""
         b = ids.shape[0]
         binding = (session or self.session).io_binding()
 
@@ -128,7 +128,7 @@ class GenaiSession:
                 view = buf[start:start + b]
                 array(f"past.{i}.{t}", view)
                 array(f"present.{i}.{t}", view, output=True)
-        array("logits", self.logits[:b], output=True)
+        array("logits", self.logits[out:out + b], output=True)
         return binding
 
     def prefill(self, start: int, prompts: list) -> np.ndarray:
@@ -141,9 +141,7 @@ class GenaiSession:
         width = max(lengths)
         if width > self.max_len:
             raise ValueError(f"a prompt of {width} tokens exceeds the buffer's {self.max_len} positions")
-        ids = np.zeros((b, width), np.int64)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = p
+        ids = _padded(prompts, width)
         if sum(lengths) <= self.native_prompt_tokens:
             return self.native.forward(ids, np.zeros(b, np.int32), lengths, start, self.logits)
         self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
@@ -152,6 +150,34 @@ class GenaiSession:
         if self.prompt_session is not None and b * width >= self.prompt_min_tokens:
             session = self.prompt_session
         session.run_with_iobinding(self._bind(ids, start, session))
+        return self.logits[:b]
+
+    def extend(self, start: int, held, pieces: list) -> np.ndarray:
+        """Each of slots [start, start + len(pieces)) goes on after the ``held[i]`` positions it holds with its piece
+        of a prompt (chunked prefill, a prompt after its cached prefix); returns each piece's last-token logits, a
+        view of the shared logits array (valid until the next pass).
+
+        The native kernels take every row at its own position in one pass. GroupQueryAttention takes a pass of
+        several new tokens after a past only at batch 1 ("batch_size must be 1 when sequence_length > 1 and past
+        context is given"), so in ONNX Runtime each row is its own pass (its slot bound alone: slots need not be
+        consecutive there), its logits into its own row of the shared array."""
+        b = len(pieces)
+        if start < 0 or start + b > self.n_slots:
+            raise ValueError(f"slots [{start}, {start + b}) outside the buffer's {self.n_slots}")
+        counts = [len(p) for p in pieces]
+        ends = [int(h) + c for h, c in zip(held, counts)]
+        if min(counts) < 1 or max(ends) > self.max_len:
+            raise ValueError(f"pieces of 1 to {self.max_len} positions after what a row holds; got {counts} after "
+                             f"{[int(h) for h in held]}")
+        if sum(counts) <= self.native_prompt_tokens:
+            return self.native.forward(_padded(pieces, max(counts)), np.asarray(held, np.int32), counts, start,
+                                       self.logits)
+        for i, (piece, end) in enumerate(zip(pieces, ends)):
+            self.seqlens[:1], self.total[...] = end - 1, end
+            session = self.session
+            if self.prompt_session is not None and len(piece) >= self.prompt_min_tokens:
+                session = self.prompt_session
+            session.run_with_iobinding(self._bind(np.asarray([piece], np.int64), start + i, session, out=i))
         return self.logits[:b]
 
     def decode(self, lengths: np.ndarray, tokens) -> np.ndarray:
@@ -176,8 +202,23 @@ class GenaiSession:
         for buf in (*self.k, *self.v):
             buf[dst, :, :length] = buf[src, :, :length]
 
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange slots ``a`` and ``b`` (their first ``length_a`` / ``length_b`` positions) in every layer."""
+        for buf in (*self.k, *self.v):
+            held = buf[a, :, :length_a].copy()
+            buf[a, :, :length_b] = buf[b, :, :length_b]
+            buf[b, :, :length_a] = held
+
     def close(self) -> None:
         self._decode_bindings.clear()
         if self.native is not None:
             self.native.close()
         self.session = self.prompt_session = self.native = None
+
+
+def _padded(pieces: list, width: int) -> np.ndarray:
+    """Token id lists right-padded (with 0) into one (len(pieces), width) int64 array."""
+    ids = np.zeros((len(pieces), width), np.int64)
+    for i, p in enumerate(pieces):
+        ids[i, :len(p)] = p
+    return ids

@@ -12,6 +12,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 MAX_DRAFT_TOKENS = 16
+PREFIX_CACHE_BACKENDS = ("torch", "onnxruntime")  # the backends whose runtimes can serve prefix caching (see registry)
 
 
 def check_budget(mb) -> None:
@@ -23,13 +24,15 @@ def check_budget(mb) -> None:
 
 @dataclass(frozen=True)
 class ServingFeatures:
-    """Prefix caching and speculative decoding (the torch backend in one process). Each field is an
+    """Prefix caching (the torch backend in one process, or a genai export) and speculative decoding (the torch
+    backend in one process). Each field is an
     ``Engine.load`` keyword; ``metadata`` gives its CLI flag and help (``prunus serve`` / ``generate``
     build their options from these fields)."""
 
     prefix_cache_mb: float | None = field(default=None, metadata={
         "flag": "--prefix-cache-mb", "type": float,
-        "help": "MiB of KV blocks of prompt prefixes kept for reuse (automatic prefix caching, torch backend): a "
+        "help": "MiB of KV blocks of prompt prefixes kept for reuse (automatic prefix caching; torch backend, or an "
+                "ONNX Runtime genai export with or without --native): a "
                 "prompt that starts like an earlier one runs only its new tokens. Default: off."})
     draft: str | None = field(default=None, metadata={
         "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram",
@@ -51,11 +54,13 @@ class ServingFeatures:
             raise PrunusError(f"draft_tokens={k!r} must be an integer from 1 to {MAX_DRAFT_TOKENS} (--draft-tokens)")
         if self.draft is not None and (not isinstance(self.draft, (str, PurePath)) or not str(self.draft)):
             raise PrunusError(f"draft={self.draft!r} must be a draft model dir or 'ngram' (--speculative)")
-        for on, name, flag in ((self.prefix_cache_mb, "prefix_cache_mb", "--prefix-cache-mb"),
-                               (self.draft, "draft", "--speculative")):
-            if on and (backend != "torch" or tp > 1 or device_map is not None):
-                raise PrunusError(f"{name} applies to the torch backend in one process (a model dir, tp=1, no "
-                                  f"device_map), not {backend} with tp={tp}; drop it ({flag})")
+        if self.prefix_cache_mb and (backend not in PREFIX_CACHE_BACKENDS or tp > 1 or device_map is not None):
+            raise PrunusError(f"prefix_cache_mb applies to the torch backend in one process (a model dir, tp=1, no "
+                              f"device_map) or an ONNX Runtime genai export, not {backend} with tp={tp}; drop it "
+                              "(--prefix-cache-mb)")
+        if self.draft and (backend != "torch" or tp > 1 or device_map is not None):
+            raise PrunusError(f"draft applies to the torch backend in one process (a model dir, tp=1, no "
+                              f"device_map), not {backend} with tp={tp}; drop it (--speculative)")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_dims, export_tokenizer
 from .backend import BackendBase, Capabilities
-from .load_options import LoadOptions
+from .load_options import PREFILL_CHUNK, LoadOptions
 from .registry import Loaded
 
 
@@ -44,20 +44,34 @@ SPINNING = True
 class GenaiBackend(BackendBase):
     name = "onnxruntime"
 
-    def __init__(self, session, n_slots: int, max_len: int):
+    def __init__(self, session, n_slots: int, max_len: int, prefill_chunk: int | None = PREFILL_CHUNK,
+                 prefix_cache_mb: float | None = None):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
         self.session = session
         self.n_slots, self.max_len = n_slots, max_len
+        self.prefill_chunk = prefill_chunk
         self.vocab_size, self.n_layers = session.vocab_size, session.n_layers
         self.device = torch.device("cpu")
         self.slot_of: dict[int, int] = {}  # scheduler row -> buffer slot
         self.row_at: list[int] = []  # buffer slot -> scheduler row, slots [0, n)
         self.lengths = np.zeros(n_slots, np.int64)  # tokens held per buffer slot
+        self.prefix = None
+        if prefix_cache_mb:
+            from .prefix_cache import ArrayRows, PrefixCache
+
+            self.prefix = PrefixCache(ArrayRows(session.k, session.v, self.lengths), prefix_cache_mb)
 
     @property
     def capabilities(self) -> Capabilities:
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
         # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
-        return Capabilities(max_batch=self.n_slots, host_threads=1)
+        return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
+                            prefix_cache=self.prefix is not None)
+
+    def describe(self) -> dict:
+        return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}
 
     def release(self, row: int) -> None:
         """Drop ``row`` from the block (a row never prefilled: nothing); the last slot's row moves into its slot."""
@@ -74,33 +88,84 @@ class GenaiBackend(BackendBase):
         self.row_at.pop()
         self.lengths[last] = 0
 
-    def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        for r in rows:  # a row prefilled again starts afresh
+    def _join(self, rows: list[int]) -> int:
+        """Rows that start afresh take the slots after the block (each leaves its old slot first); the first one's."""
+        for r in rows:
             self.release(r)
         start = len(self.row_at)
         if start + len(rows) > self.n_slots:
             raise PrunusError(f"{start + len(rows)} rows exceed the backend's {self.n_slots} slots")
-        logits = self.session.prefill(start, prompts)
-        for i, (r, p) in enumerate(zip(rows, prompts)):
+        for i, r in enumerate(rows):
             self.slot_of[r] = start + i
             self.row_at.append(r)
+        return start
+
+    def _held(self, rows: list[int], verb: str) -> None:
+        missing = [r for r in rows if r not in self.slot_of]
+        if missing:
+            raise PrunusError(f"{verb} of row(s) {missing} that were never prefilled")
+
+    def _place(self, rows: list[int], at: int) -> None:
+        """Move the held ``rows`` into slots [at, at + len(rows)) (in any order), swapping each one outside them
+        with a row inside that is not one of them: one exchange per row that joins a block, never per step."""
+        target = range(at, at + len(rows))
+        wanted = set(rows)
+        outside = [r for r in rows if self.slot_of[r] not in target]
+        spare = [s for s in target if self.row_at[s] not in wanted]
+        for r, b in zip(outside, spare):
+            a, other = self.slot_of[r], self.row_at[b]
+            self.session.swap(a, b, int(self.lengths[a]), int(self.lengths[b]))
+            self.lengths[[a, b]] = self.lengths[[b, a]]
+            self.row_at[a], self.row_at[b] = other, r
+            self.slot_of[r], self.slot_of[other] = b, a
+
+    def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        start = self._join(rows)
+        logits = self.session.prefill(start, prompts)
+        for i, p in enumerate(prompts):
             self.lengths[start + i] = len(p)
         return torch.from_numpy(logits.copy())
 
+    def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
+        """Each row goes on after what it holds with its piece of a prompt; the rows move to the block's end (the
+        rows decoding stay in its first slots) so that one native pass takes them all."""
+        self._held(rows, "extend")
+        at = len(self.row_at) - len(rows)
+        self._place(rows, at)
+        slots = np.fromiter((self.slot_of[r] for r in rows), np.int64, len(rows))
+        order = np.argsort(slots)  # the pass runs in slot order
+        held = self.lengths[slots[order]]
+        logits = self.session.extend(at, held, [pieces[i] for i in order])
+        self.lengths[slots] += [len(p) for p in pieces]
+        out = np.empty((len(rows), self.vocab_size), np.float32)
+        out[order] = logits
+        return torch.from_numpy(out)
+
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        missing = [r for r in rows if r not in self.slot_of]
-        if missing:
-            raise PrunusError(f"decode of row(s) {missing} that were never prefilled")
-        n = len(self.row_at)
-        if len(rows) != n:  # the block decodes as one: a row that left must have been released
-            held = sorted(set(self.row_at) - set(rows))
-            raise PrunusError(f"decode of {len(rows)} rows while the block holds {n}: release row(s) {held} first")
+        """One token for each of ``rows`` (those whose prompts are in: rows still prefilling wait in later slots)."""
+        self._held(rows, "decode")
+        n = len(rows)
+        self._place(rows, 0)
         by_slot = np.empty(n, np.int64)
-        order = np.fromiter((self.slot_of[r] for r in rows), np.int64, len(rows))
+        order = np.fromiter((self.slot_of[r] for r in rows), np.int64, n)
         by_slot[order] = tokens
         logits = self.session.decode(self.lengths[:n], by_slot)
         self.lengths[:n] += 1
         return torch.from_numpy(logits[order])  # fancy indexing copies: the buffer is reused next step
+
+    def restore_prefix(self, row: int, ids: list[int]) -> int:
+        """Start ``row`` with the longest cached prefix of ``ids`` in a slot after the block; the tokens it holds
+        (0: none cached, the row holds nothing)."""
+        slot = self._join([row])
+        held = self.prefix.restore(slot, ids)
+        if not held:
+            self.release(row)
+        return held
+
+    def store_prefix(self, row: int, ids: list[int]) -> None:
+        """Cache the full blocks of ``ids`` that ``row`` holds."""
+        if row in self.slot_of:
+            self.prefix.store(self.slot_of[row], ids)
 
     def close(self) -> None:
         self.session.close()
@@ -131,7 +196,9 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     if native:
         info["native_prompt_tokens"] = session.native_prompt_tokens
         info["kv_dtype"] = options.kv_dtype
-    return Loaded(GenaiBackend(session, n_slots, max_len), tokenizer, info)
+    backend = GenaiBackend(session, n_slots, max_len, prefill_chunk=options.prefill_chunk,
+                           prefix_cache_mb=options.features.prefix_cache_mb)
+    return Loaded(backend, tokenizer, info)
 
 
 def load(path: Path, config: dict, options: LoadOptions) -> Loaded:

@@ -12,6 +12,11 @@ the prompt minus its last token: that one must run to give the first logits) and
 backend then runs only the rest through its ``extend`` path. :meth:`PrefixCache.store` copies a row's full blocks
 in after its prompt is prefilled and again when its request leaves (prompt and answer, for the next turn).
 
+The cache it reads and writes is anything with ``k`` and ``v`` (per layer, a (rows, kv heads, positions, head dim)
+tensor, by layer id) and ``lengths`` (tokens held per row): the torch backend's
+:class:`prunus.runtime.batch_cache.BatchKVCache`, or :class:`ArrayRows` over numpy buffers (the genai backend's, float32
+or float16), viewed in place as tensors.
+
 ``stats`` is a live dict (the engine's info shows it): lookups, hits, tokens reused, blocks stored and evicted.
 """
 
@@ -26,6 +31,17 @@ import torch
 from .load_options import check_budget
 
 BLOCK = 16  # tokens per cached block
+
+
+class ArrayRows:
+    """Numpy KV buffers (one key and one value array per layer, (rows, kv heads, positions, head dim)) and their
+    ``lengths`` array, as a :class:`PrefixCache` reads them: tensors sharing the arrays' memory (no copy), so blocks
+    restored here are what the buffers' own readers see."""
+
+    def __init__(self, k: list, v: list, lengths):
+        self.k = {i: torch.from_numpy(a) for i, a in enumerate(k)}
+        self.v = {i: torch.from_numpy(a) for i, a in enumerate(v)}
+        self.lengths = lengths
 
 
 def block_keys(ids: list[int], n_blocks: int, block: int) -> list[bytes]:

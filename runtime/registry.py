@@ -16,6 +16,7 @@ from .load_options import LoadOptions
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what --backend names
 EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}  # an export dir's format -> the backend it needs
+PREFIX_CACHE_RUNTIMES = ("torch", "ort_genai", "native")  # the runtimes whose backends hold a prefix cache
 
 
 @dataclass
@@ -91,11 +92,16 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     options = replace(options, max_len=options.max_len_for(config))
     options.check_placement(backend)
     runtime = find_runtime(backend, config, options)
-    if options.features.enabled and runtime.name != "torch":
+    features = options.features
+    if (features.prefix_cache_mb and runtime.name not in PREFIX_CACHE_RUNTIMES) or (
+            features.draft is not None and runtime.name != "torch"):
         from prunus.artifacts.errors import PrunusError
 
-        raise PrunusError(f"{path}: prefix caching and speculative decoding serve a transformer model dir on the torch "
-                          f"backend, not {runtime.loads}; drop --prefix-cache-mb / --speculative")
+        if features.draft is not None:
+            raise PrunusError(f"{path}: speculative decoding serves a transformer model dir on the torch backend, not "
+                              f"{runtime.loads}; drop --speculative")
+        raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
+                          f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
     loaded = runtime.load(path, config, options)
     loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
                    "device": options.device, "max_batch": options.max_batch, "max_len": options.max_len,
