@@ -107,7 +107,7 @@ def shipped_recipes() -> list[str]:
 @click.option("--quantize", default=None, metavar="SCHEME", help=f"Quantize every Linear but the output head: {', '.join(SCHEMES)}.")
 @click.option("--prune", default=None, metavar="METHOD[:AMOUNT]",
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")
-@click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, width:F or a preset name.")
+@click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, depth:N (N blocks spread from the first to the last), width:F or a preset name.")
 @click.option("--distill-steps", type=int, default=None, help="With --distill: optimizer steps of the distillation. "
               "Default: the distill pass's.")
 @click.option("--distill-batch-size", type=int, default=None, help="With --distill: sequences per step. Default: the distill pass's.")

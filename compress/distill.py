@@ -48,7 +48,7 @@ from prunus.train_parallel.launch.launch import env_ranks, init_distributed
 
 from .distill_loss import DistillObjective
 from .distill_spawn import spawn
-from .student import check_float, make_student
+from .student import check_float, make_student, teacher_blocks
 
 DISTILL_WINDOW = 512  # tokens per row at most
 LOGITS_MEMORY = 1 << 30  # bytes for the student's float32 logits, their gradient and two softmax-sized buffers
@@ -204,7 +204,7 @@ def distill_pass(model: Transformer, ctx, *, student: str | dict | None = None, 
                  seed: int = 0, progress: bool = True) -> Transformer:
     """The compression pass: ``model`` (or the student derived from it) distilled from ``ctx.teacher``.
 
-    ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"width:F"``, a
+    ``student``: None (fine-tune ``model`` itself, in place), ``"keep-every:K"``, ``"depth:N"``, ``"width:F"``, a
     preset name or a dict of model config fields (see ``compress/student.py``). Returns the
     student in eval mode; its CompressionState's ``distillation`` records what was done. ``steps``,
     ``batch_size`` and ``seq_len`` default to :func:`default_schedule` (scaled to the model)."""
@@ -232,6 +232,7 @@ def distill_pass(model: Transformer, ctx, *, student: str | dict | None = None, 
     state.distillation = {
         "student": student, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "temperature": temperature,
         "kd_weight": kd_weight, "reverse_kl": reverse_kl, "hidden_weight": hidden_weight, "nproc": nproc,
+        "teacher_layers": ctx.teacher.config.n_layers, "teacher_blocks": teacher_blocks(student, model.config.n_layers),
         "teacher_params": teacher_params, "student_params": sum(p.numel() for p in out.parameters()),
         "final_loss": result.losses[-1], "val_loss": result.metrics.get("val_loss"), "val_bpb": result.metrics.get("val_bpb"),
     }

@@ -110,7 +110,7 @@ VALUE_CHECKS = {
     ("distill", "reverse_kl"): (_between(0, 1), "a number in [0, 1]"),
     ("distill", "hidden_weight"): (_between(0, math.inf, open_hi=True), "a number of at least 0"),
     ("distill", "seed"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
-    ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, width:F, a preset name or a mapping of model fields"),
+    ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, depth:N, width:F, a preset name or a mapping of model fields"),
 }
 VALUE_CHECKS.update({
     ("prune_channels", "amount"): (_fraction, "a fraction in [0, 1)"),

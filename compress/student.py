@@ -4,6 +4,10 @@
 
 * ``"keep-every:K"``: blocks 0, K, 2K, ... of the teacher, renumbered 0, 1, 2, ...; every
   other weight (embedding, final norm, head) copied.
+* ``"depth:N"``: N blocks of the teacher spread evenly from its first to its last (block
+  ``round(i (L - 1) / (N - 1))`` for i = 0 .. N - 1), renumbered; every other weight copied. Unlike
+  keep-every, the last block (the one that writes what the head reads) is always kept: depth:15 of a
+  30-block model keeps 0, 2, 4, ..., 27, 29. The layer-dropping initialisation of DistilBERT.
 * ``"width:F"``: dim, ffn_dim and the attention heads narrowed by F, weights taken from the
   teacher: the residual channels with the largest weight norms summed over every matrix that
   reads or writes them (embedding, q/k/v/w1/w3 columns, wo/w2 rows, head columns), whole
@@ -48,7 +52,22 @@ def keep_every(teacher: Transformer, k: int) -> Transformer:
     n = teacher.config.n_layers
     if not 1 <= k <= n:
         raise PrunusError(f"distill: keep-every:{k} must be between 1 and the model's {n} blocks")
-    kept = list(teacher.layers.keys())[::k]
+    return keep_blocks(teacher, list(range(n))[::k])
+
+
+def spread_blocks(n_layers: int, n: int) -> list[int]:
+    """``n`` block indices spread evenly over ``n_layers`` blocks, the first and the last included."""
+    if not 1 <= n <= n_layers:
+        raise PrunusError(f"distill: depth:{n} must be between 1 and the model's {n_layers} blocks")
+    if n == 1:
+        return [n_layers - 1]
+    return sorted({round(i * (n_layers - 1) / (n - 1)) for i in range(n)})
+
+
+def keep_blocks(teacher: Transformer, blocks: list[int]) -> Transformer:
+    """The teacher's blocks at positions ``blocks`` (renumbered 0, 1, ...), everything else copied."""
+    names = list(teacher.layers.keys())
+    kept = [names[i] for i in blocks]
     student = _new(teacher.config.replace(n_layers=len(kept)), 0, teacher)
     src = teacher.state_dict()
     state = {}
@@ -150,6 +169,19 @@ def parse_factor(text: str, spec: str) -> float:
         raise PrunusError(f"distill: student {spec!r}: {text!r} is not a number") from None
 
 
+def teacher_blocks(spec, n_layers: int) -> list[int] | None:
+    """Which of the teacher's blocks a ``keep-every:K`` or ``depth:N`` student (made by
+    :func:`make_student`, which has checked ``spec``) starts from; None for other students."""
+    if not isinstance(spec, str) or "," in spec:
+        return None
+    kind, _, value = spec.partition(":")
+    if kind == "keep-every":
+        return list(range(n_layers))[::int(float(value))]
+    if kind == "depth":
+        return spread_blocks(n_layers, int(float(value)))
+    return None
+
+
 def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
     """The student ``spec`` describes (see the module docstring), in train mode."""
     check_float(teacher)
@@ -163,13 +195,18 @@ def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
         if k != int(k):
             raise PrunusError(f"distill: student {spec!r}: K must be a whole number of blocks")
         student = keep_every(teacher, int(k))
+    elif isinstance(spec, str) and spec.startswith("depth:"):
+        n = parse_factor(spec.split(":", 1)[1], spec)
+        if n != int(n):
+            raise PrunusError(f"distill: student {spec!r}: N must be a whole number of blocks")
+        student = keep_blocks(teacher, spread_blocks(teacher.config.n_layers, int(n)))
     elif isinstance(spec, str) and spec.startswith("width:"):
         student = width(teacher, parse_factor(spec.split(":", 1)[1], spec))
     elif isinstance(spec, str):
         try:
             cfg = get_preset(spec)
         except PrunusError:
-            raise PrunusError(f"distill: unknown student {spec!r}; give keep-every:K, width:F, a preset name or a dict "
+            raise PrunusError(f"distill: unknown student {spec!r}; give keep-every:K, depth:N, width:F, a preset name or a dict "
                               "of model config fields") from None
         student = from_config(teacher, cfg.replace(vocab_size=teacher.config.vocab_size), seed)
     elif isinstance(spec, dict):
@@ -179,5 +216,5 @@ def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
         check_known_fields(spec, ModelConfig, "distill: student config")
         student = from_config(teacher, teacher.config.replace(**spec), seed)
     else:
-        raise PrunusError(f"distill: student {spec!r}: give keep-every:K, width:F, a preset name or a dict of model config fields")
+        raise PrunusError(f"distill: student {spec!r}: give keep-every:K, depth:N, width:F, a preset name or a dict of model config fields")
     return student.train()
