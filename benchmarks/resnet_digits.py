@@ -11,7 +11,8 @@ on two CPU cores: the depth and the layout are ResNet-18's).
 
 1. **train** with prunus's generic trainer (``train_module``): held-out accuracy.
 2. **int8 static PTQ**: prunus's export (``precision="int8"``) beside ONNX Runtime's ``quantize_static`` with
-   its defaults on the same fp32 graph and the same calibration samples: accuracy, and latency at batch 1 / 64.
+   its defaults on the same fp32 graph and the same calibration samples (spread over the training split):
+   accuracy, and latency at batch 1 / 64.
 3. **prune 50% of the channels + fine-tune**: prunus (``prune_channels``, magnitude, then its trainer) beside
    torch-pruning's ``MetaPruner`` called directly (same importance, ratio and kept classifier) and a plain AdamW
    loop of the same steps, batch and lr: accuracy, params and FLOPs.

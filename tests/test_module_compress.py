@@ -152,8 +152,27 @@ def test_export_int8_static_qdq(cnn_dir, tmp_path):
     graph = onnx.load(str(out / "model.onnx"))
     ops = {n.op_type for n in graph.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "BatchNormalization" not in ops
+    weights = [onnx.numpy_helper.to_array(t) for t in graph.graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    # 7-bit weights: uint8 x int8 pairs never saturate the int16 sums of CPUs without VNNI
+    assert weights and all(int(abs(w.astype(int)).max()) <= 64 for w in weights)
     assert json.loads((out / "config.json").read_text())["export"]["precision"] == "int8"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.onnx", "parity.json", "prunus.json"]
+
+
+def test_int8_calibration_spreads_over_a_class_ordered_split(tmp_path, monkeypatch):
+    import numpy as np
+
+    from prunus.export import module_int8
+
+    for c in range(3):  # an image folder lists its samples class by class; each image holds its class index
+        (tmp_path / "data" / str(c)).mkdir(parents=True)
+        for i in range(20):
+            np.save(tmp_path / "data" / str(c) / f"{i:02d}.npy", np.full((1, 2, 2), c, np.float32))
+    assert module_int8.spread_indices(10, 4) == [0, 3, 6, 9] and module_int8.spread_indices(3, 8) == [0, 1, 2]
+    assert module_int8.spread_indices(10, 1) == [0]
+    monkeypatch.setattr(module_int8, "CALIB_SAMPLES", 6)
+    calib = module_int8.calibration_inputs({}, str(tmp_path / "data"), tmp_path)
+    assert calib.shape == (6, 1, 2, 2) and set(calib[:, 0, 0, 0].tolist()) == {0.0, 1.0, 2.0}
 
 
 def test_distill_module_into_a_smaller_student(cnn_dir, tmp_path):
