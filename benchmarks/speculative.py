@@ -5,15 +5,21 @@ each an Engine with one cache row and ``--threads`` threads per pass, greedy, ``
 prompt, in alternating rounds:
 
 * ``plain``: one decode pass per token;
-* ``ngram``: prompt-lookup drafting (``draft="ngram"``), ``--draft-tokens`` per step;
-* ``draft``: a draft model dir, ``--draft DIR``, or by default a stand-in made here: the target's first
-  ``--draft-layers`` blocks with its final norm and head (no training: a truncated copy, not a distilled student).
+* ``ngram``: prompt-lookup drafting (``draft="ngram"``), the first of ``--draft-tokens`` per step;
+* ``draft kK``: a draft model dir, ``--draft DIR`` (e.g. a student ``prunus compress --distill depth:N`` made from
+  the target; its lineage is printed from its manifest), or by default a stand-in made here: the target's first
+  ``--draft-layers`` blocks with its final norm and head (no training: a truncated copy, not a distilled student);
+  one contender per K of ``--draft-tokens 2,4``;
+* ``draft alone``: the draft model decoding by itself, plain: its cost per token beside the target's.
 
-Prompts: a repetitive code-like one (a table of similar functions) and a piece of Python's own ``json`` source.
-Prints each contender's decode tokens/s (median and range), its acceptance rate and tokens per step, whether its
-tokens equal plain decoding's, and the ratio to plain. Timings never fail the run; losses are printed as they are.
+Prompts: a repetitive code-like one (a table of similar functions), a piece of Python's own ``json`` source and
+English prose (the first held-out topic of ``pydoc_data.topics``, ``data/prose.py``'s split: text a draft distilled
+on ``benchmarks/draft_corpus.py`` never saw, as it never saw ``json``). Prints each contender's decode tokens/s
+(median and range), its acceptance rate and tokens per step, whether its tokens equal plain decoding's, and the
+ratio to plain. Timings never fail the run; losses are printed as they are.
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.speculative [--model DIR] [--draft DIR] [--threads 1] [--rounds 2]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.speculative [--model DIR] [--draft DIR] [--draft-tokens 2,4]
+        [--threads 1] [--rounds 2] [--no-ngram]
 """
 
 from __future__ import annotations
@@ -50,6 +56,29 @@ def truncated_draft(target: Path, layers: int) -> Path:
         return save_model(small.eval(), out, tokenizer=load_model_tokenizer(target), stage="benchmark")
 
 
+def lineage(draft: Path) -> str:
+    """Where a draft model dir came from, in words, from its manifest and distillation record."""
+    import json
+
+    from prunus.models.model_dir import read_manifest
+
+    manifest = read_manifest(draft)
+    record = json.loads((draft / "config.json").read_text()).get("compression", {}).get("distillation") or {}
+    parent = (manifest.get("parent") or {}).get("path", "none")
+    text = f"{draft} ({manifest['stage']} of {parent}"
+    if record:
+        text += (f"; distilled student {record.get('student')} from the teacher's blocks {record.get('teacher_blocks')}, "
+                 f"{record.get('steps')} steps x {record.get('batch_size')} x {record.get('seq_len')} tokens, "
+                 f"{record.get('student_params'):,} of {record.get('teacher_params'):,} params")
+    return text + ")"
+
+
+def prose_prompt() -> str:
+    from prunus.data.prose import prose_documents
+
+    return prose_documents()[1][0].decode("utf-8")[:1500]
+
+
 def run(engine, prompt: str, new_tokens: int) -> tuple[float, list[int]]:
     r = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)
     return r.decode_tokens_per_s, r.token_ids
@@ -67,7 +96,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a prunus model dir (default: /tmp/smol/model-dir)")
     ap.add_argument("--draft", default=None, help="a draft model dir (default: a truncated copy of the target)")
     ap.add_argument("--draft-layers", type=int, default=8)
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-tokens", default="4", help="draft tokens per step, one value or several: 2,4")
+    ap.add_argument("--no-ngram", action="store_true", help="leave out prompt-lookup drafting")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
@@ -75,15 +105,19 @@ def main() -> None:
 
     target, what = smol_model_dir(args.model)
     draft = Path(args.draft) if args.draft else truncated_draft(target, args.draft_layers)
-    draft_what = args.draft or f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)"
+    draft_what = lineage(draft) if args.draft else f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)"
+    ks = [int(k) for k in str(args.draft_tokens).split(",")]
     common = dict(max_batch=1, max_len=2048, threads=args.threads, compile=False)
-    engines = {"plain": Engine.load(target, **common),
-               "ngram": Engine.load(target, draft="ngram", draft_tokens=args.draft_tokens, **common),
-               "draft": Engine.load(target, draft=draft, draft_tokens=args.draft_tokens, **common)}
-    prompts = {"repetitive code": REPETITIVE, "json source": inspect.getsource(json)[:1500]}
+    engines = {"plain": Engine.load(target, **common)}
+    if not args.no_ngram:
+        engines["ngram"] = Engine.load(target, draft="ngram", draft_tokens=ks[0], **common)
+    engines["draft alone"] = Engine.load(draft, **common)
+    for k in ks:
+        engines[f"draft k{k}"] = Engine.load(target, draft=draft, draft_tokens=k, **common)
+    prompts = {"repetitive code": REPETITIVE, "json source": inspect.getsource(json)[:1500], "prose": prose_prompt()}
     print(machine_line())
-    print(f"target: {what}; draft: {draft_what}; batch 1, greedy, {args.new_tokens} new tokens, {args.draft_tokens} "
-          f"draft tokens per step, {args.threads} thread(s) per pass")
+    print(f"target: {what}\ndraft: {draft_what}\nbatch 1, greedy, {args.new_tokens} new tokens, draft tokens per step "
+          f"{', '.join(map(str, ks))}, {args.threads} thread(s) per pass")
     for label, prompt in prompts.items():
         tokens: dict[str, list[int]] = {}
         before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
@@ -98,8 +132,10 @@ def main() -> None:
         got = alternating_rounds({k: contender(k) for k in engines}, args.rounds)
         print(f"\nprompt: {label} ({len(engines['plain'].encode(prompt))} tokens)")
         for name, speeds in got.items():
-            line = f"  {name:6s} {median_range(speeds, '.1f')} tokens/s"
-            if name != "plain":
+            line = f"  {name:11s} {median_range(speeds, '.1f')} tokens/s"
+            if name == "draft alone":
+                line += f", cost per token {median_ratio(got['plain'], speeds, '.2f')} of the target's"
+            elif name != "plain":
                 s, b = engines[name].info["speculative"], before[name]
                 drafted, accepted = s["drafted"] - b.get("drafted", 0), s["accepted"] - b.get("accepted", 0)
                 steps = s["steps"] - b.get("steps", 0)
