@@ -6,13 +6,15 @@ Models: a two-Linear classifier (64 -> 256 -> 10) and a small CNN (conv-BN-ReLU 
 Data: prunus's seeded synthetic classification set (map-style, in memory), read by both. Both runs go through
 torchrun (``--standalone``, 2 ranks, one thread each). Throughput is the global batch times the steps after
 ``--warmup`` over the wall time between the end of the warm-up and the end of the last step, data waits
-included. prunus uses its defaults (AdamW, gradient clipping at 1.0, a metrics record per step); the
-hand-written loop uses SGD and records nothing: that work is part of what is compared.
+included. prunus uses its defaults (DDP, AdamW, gradient clipping at 1.0, a metrics record per step, the losses
+averaged over the ranks every ``log_every`` steps); the hand-written loop uses SGD and records nothing: that
+work is part of what is compared. ``--zero3`` adds prunus with ``zero=3`` (FSDP2, the whole module one unit),
+the layout prunus chose by default before DDP, for the record.
 
 Data readers: an image folder of 32 x 32 PNGs and the same samples as tar shards (``write_shards``), read in
 batches of the global batch with 0 and 2 DataLoader workers (images/s).
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.ddp_vs_handwritten [--steps 60] [--json F]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.ddp_vs_handwritten [--steps 60] [--zero3] [--json F]
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def rate(ends: list[float], warmup: int, batch: int) -> float:
     return batch * (len(ends) - 1 - warmup) / (ends[-1] - ends[warmup])
 
 
-def run_prunus(model: str, steps: int, batch: int, out: Path) -> list[float]:
+def run_prunus(model: str, steps: int, batch: int, out: Path, zero: int | None = None) -> list[float]:
     from prunus.data.synthetic import synthetic_datasets
     from prunus.train_parallel import module_trainer
     from prunus.train_parallel.module_config import ModuleTrainConfig
@@ -75,7 +77,7 @@ def run_prunus(model: str, steps: int, batch: int, out: Path) -> list[float]:
     module_trainer.ModuleTrainer.train_step = timed
     spec, data = MODELS[model]
     cfg = ModuleTrainConfig(out=str(out), batch_size=batch, steps=steps, lr=1e-3, warmup_steps=0, eval_every=steps,
-                            ckpt_every=0, progress=False, device="cpu")
+                            ckpt_every=0, progress=False, device="cpu", zero=zero)
     module_trainer.train_module(spec, synthetic_datasets(data)[0], "classification", cfg)
     return ends
 
@@ -114,8 +116,10 @@ def run_handwritten(model: str, steps: int, batch: int) -> list[float]:
 
 
 def worker(mode: str, model: str, steps: int, batch: int, out: str) -> None:
-    ends = run_prunus(model, steps, batch, Path(out).with_suffix(".run")) if mode == "prunus" else \
-        run_handwritten(model, steps, batch)
+    if mode == "handwritten":
+        ends = run_handwritten(model, steps, batch)
+    else:
+        ends = run_prunus(model, steps, batch, Path(out).with_suffix(".run"), 3 if mode == "prunus-zero3" else None)
     if os.environ.get("RANK", "0") == "0":
         Path(out).write_text(json.dumps(ends))
 
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch (split over the 2 ranks)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each contender, alternating")
     parser.add_argument("--images", type=int, default=1024, help="images written for the reader figures")
+    parser.add_argument("--zero3", action="store_true", help="add prunus with zero=3 (FSDP2) as a third row")
     parser.add_argument("--json", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     print(machine_line())
@@ -188,14 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="prunus-ddp-") as tmp:
         tmp = Path(tmp)
         for model in MODELS:
-            got = {"prunus DDP x2": [], "hand-written DDP x2": []}
+            labels = {"prunus": "prunus DDP x2", "handwritten": "hand-written DDP x2"}
+            if args.zero3:
+                labels["prunus-zero3"] = "prunus FSDP2 (zero=3) x2"
+            got = {label: [] for label in labels.values()}
             for r in range(args.rounds):
-                order = ["prunus", "handwritten"] if r % 2 == 0 else ["handwritten", "prunus"]
+                order = list(labels) if r % 2 == 0 else list(labels)[::-1]
                 (tmp / f"r{r}").mkdir(exist_ok=True)
                 for mode in order:
                     ends = launch(mode, model, args.steps, args.batch, tmp / f"r{r}")
-                    got["prunus DDP x2" if mode == "prunus" else "hand-written DDP x2"].append(
-                        rate(ends, args.warmup, args.batch))
+                    got[labels[mode]].append(rate(ends, args.warmup, args.batch))
             results[model] = got
         results["readers"] = reader_rates(tmp, args.images, args.batch, (0, 2))
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
@@ -210,11 +217,13 @@ def report(results: dict, args) -> None:
     rows = []
     for model in MODELS:
         got = results[model]
-        a, b = (statistics.median(v) for v in got.values())
-        rows.append([model] + [" / ".join(f"{x:,.0f}" for x in v) for v in got.values()] + [f"{a / b:.3f}"])
+        a, b, *z3 = (statistics.median(v) for v in got.values())
+        rows.append([model] + [" / ".join(f"{x:,.0f}" for x in v) for v in got.values()] + [f"{a / b:.3f}"]
+                    + [f"{z / b:.3f}" for z in z3])
+    labels = list(results[next(iter(MODELS))])
     show(f"samples/s, global batch {args.batch}, 2 ranks x 1 thread, gloo ({args.rounds} runs each of "
-         f"{args.steps} steps, first {args.warmup} left out)", ["model", "prunus DDP x2", "hand-written DDP x2",
-                                                               "ratio prunus / hand-written (medians)"], rows)
+         f"{args.steps} steps, first {args.warmup} left out)", ["model", *labels, "ratio prunus DDP / hand-written"]
+         + (["ratio FSDP2 / hand-written"] if len(labels) > 2 else []), rows, width=140)
     cnn = statistics.median(results["small_cnn"]["prunus DDP x2"])
     show(f"data readers, images/s (batch {args.batch}, one process) beside the small CNN's training step",
          ["reader", "images/s", "reader / CNN step"],

@@ -36,6 +36,8 @@ def test_one_process_and_ddp():
     ddp = _plan(nproc=2, zero=0)
     assert ddp["layout"] == "DDP" and _bytes(ddp, "ddp_buckets") == [P, P] and _bytes(ddp, "optimizer") == [ADAM, ADAM]
     assert ddp["command"].startswith("torchrun --standalone --nproc-per-node=2 -m prunus.cli.main train --model")
+    default = _plan(nproc=2)  # --zero defaults to 0: DDP, the whole module being one FSDP2 unit otherwise
+    assert default["zero"] == 0 and default["layout"] == "DDP" and default["ranks"] == ddp["ranks"]
 
 
 def test_zero1_partitions_whole_tensors_largest_first():
@@ -46,7 +48,7 @@ def test_zero1_partitions_whole_tensors_largest_first():
 
 
 def test_fsdp_chunks_rows_as_torch_chunk_does():
-    plan = _plan(nproc=2)  # --zero defaults to 3 with several ranks
+    plan = _plan(nproc=2, zero=3)
     assert plan["zero"] == 3 and plan["layout"] == "FSDP2 (ZeRO-3)"
     # rank 0: 8 rows of fc1 (64 + 8), 2 rows of fc2 (32 + 2) = 106 elements; rank 1: 64 + 8 + 16 + 1 = 89
     assert _bytes(plan, "params") == [106 * 4, 89 * 4] == _bytes(plan, "grads")

@@ -92,7 +92,8 @@ class TrainConfig:
     ep: int = _doc(1, "Expert parallel degree: MoE experts split over this many of the --dp-shard ranks.")
     pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining).", choices=PP_SCHEDULES)
     microbatches: int = _doc(4, "Pipeline micro-batches per step.")
-    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0.")
+    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0 "
+                                        "(--model: 0).")
     activation_checkpointing: str = _doc("none", "Recompute activations in the backward pass: none, every-other "
                                                  "(blocks) or full.")
     cpu_offload: bool = _doc(False, "FSDP only (--zero 2/3): parameter shards, their gradients and the optimizer "

@@ -57,7 +57,7 @@ class ModuleTrainConfig:
     device: str = _doc("auto", "auto (cuda when available, else cpu), cpu or cuda.")
     progress: bool = _doc(True, "Print progress lines.")
     nproc: int = _doc(1, "Processes on this host (starts torchrun).")
-    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP2. Default: 3 with several ranks.")
+    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP2 (the whole module one unit). Default: 0.")
     sync_batchnorm: bool = _doc(False, "Data parallel: BatchNorm statistics over the global batch of every rank "
                                        "(as one process computes them), not each rank's share.")
     grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
@@ -71,6 +71,12 @@ class ModuleTrainConfig:
     timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
     dp_mode: str = _doc("ddp", "Data parallelism: ddp (--nproc N processes: DDP / ZeRO / FSDP) or dataparallel "
                                "(nn.DataParallel in one process over every visible GPU; needs 2 or more).")
+
+    def zero_stage(self) -> int:
+        """The ZeRO stage run: ``zero``, else 0. FSDP2 shards the whole module as one unit, so every step gathers
+        all its parameters in forward and in backward and scatters its gradients (DTensors through the optimizer
+        too); DDP's bucketed all-reduce overlaps backward. Sharding pays when the optimizer states do not fit."""
+        return 0 if self.zero is None else self.zero
 
     def validate(self) -> None:
         from prunus.models.module_factory import check_args, parse_spec

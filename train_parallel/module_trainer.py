@@ -170,7 +170,7 @@ class ModuleTrainer:
         if self.world != cfg.pp * cfg.tp and (cfg.pp > 1 or cfg.tp > 1):
             raise PrunusError(f"{'--pp-split' if cfg.pp > 1 else '--tp'} needs {cfg.pp * cfg.tp} ranks but {self.world} "
                               f"run; start them with --nproc {cfg.pp * cfg.tp} (or torchrun)")
-        self.dims = ParallelDims(world_size=self.world, zero=cfg.zero, pp=cfg.pp, tp=cfg.tp)
+        self.dims = ParallelDims(world_size=self.world, zero=cfg.zero_stage(), pp=cfg.pp, tp=cfg.tp)
         cfg = replace(cfg, zero=self.dims.zero)
         self.batches = step_batches(dataset, cfg.batch_size, seed=cfg.seed, rank=self.dims.submesh_rank("dp"),
                                     world=self.dims.dp, workers=cfg.data_workers)
@@ -246,15 +246,28 @@ class ModuleTrainer:
         if self.world > 1:
             dist.barrier()
 
-    def _mean(self, value: torch.Tensor) -> float:
+    def _settle(self, records: list[dict], metrics: MetricsLog | None) -> None:
+        """The pending ``records``' losses (this rank's, as tensors) replaced by their means over the data-parallel
+        ranks, in one all-reduce for all of them; then each is logged. Called every ``log_every`` steps, on eval and
+        checkpoint steps and at the end, so a step runs no collective beyond its gradients' (the values are the
+        ones a per-step all-reduce gives, bit for bit)."""
+        if not records:
+            return
+        losses = torch.stack([r["loss"] for r in records])
         if self.dims.dp > 1:
-            dist.all_reduce(value, group=self.dims.submesh_group("dp"))
-            value = value / self.dims.dp
-        return float(value)
+            dist.all_reduce(losses, group=self.dims.submesh_group("dp"))
+            losses = losses / self.dims.dp
+        for record, value in zip(records, losses.tolist()):
+            record["loss"] = value
+            self.losses.append(value)
+            self._log(record, metrics)
+        self.record = records[-1]
+        records.clear()
 
     def train_step(self, step: int, batch=None) -> dict:
         """One optimizer step (0-based ``step``) on ``batch`` (the step's (input, target), already on the device;
-        read here when None); returns its record for metrics.jsonl."""
+        read here when None); returns its record for metrics.jsonl, whose ``loss`` is this rank's loss as a
+        tensor until :meth:`_settle` averages it over the ranks."""
         cfg, t0 = self.cfg, time.perf_counter()
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         for group in self.optimizer.param_groups:
@@ -266,14 +279,12 @@ class ModuleTrainer:
                                    self.dims.submesh_group("pp"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = self._mean(loss.detach().float())
         dt = time.perf_counter() - t0
         self.state["samples"] += cfg.batch_size
         self.state["tokens"] = self.state["samples"]  # the checkpoint's count of what was trained on
         self.state["elapsed_s"] += dt
-        self.losses.append(loss_value)
         done = step + 1
-        record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": done, "loss": loss.detach().float(), "lr": lr, "grad_norm": grad_norm,
                   "samples_per_s": cfg.batch_size / dt, "elapsed_s": self.state["elapsed_s"],
                   "samples": self.state["samples"]}
         if self.val_dataset is not None and (done % cfg.eval_every == 0 or done == self.stop):
@@ -302,13 +313,15 @@ class ModuleTrainer:
         metrics = MetricsLog(self.run.path, resume_step=self.start if self.run.resume_from else None) if self.main else None
         # the next steps' batches are read (and, on CUDA, copied on a side stream) while this step computes
         prefetch = Prefetcher(self.batches.batch, range(self.start, self.stop), device=self.device)
+        pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
         try:
             for step, batch in prefetch:
-                self.record = self.train_step(step, batch)
-                self._log(self.record, metrics)
-                done = step + 1
-                cfg = self.cfg
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps):
+                pending.append(self.train_step(step, batch))
+                done, cfg = step + 1, self.cfg
+                save = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps)
+                if save or done % cfg.log_every == 0 or done == self.stop or "val_loss" in pending[-1]:
+                    self._settle(pending, metrics)
+                if save:
                     self.checkpointer.save(done, [self.model], [self.optimizer], self.state)
         finally:
             prefetch.close()

@@ -122,7 +122,7 @@ def module_memory_plan(cfg, argv: list[str] | None = None) -> dict:
     if cfg.pp > 1:
         layout, zero, rows = f"pipeline, {cfg.pp} stages ({cfg.pp_schedule})", None, _pipeline_rows(module, cfg.pp_split)
     else:
-        zero = (3 if world > 1 else 0) if cfg.zero is None else cfg.zero
+        zero = cfg.zero_stage()
         layout = ("one process" if world == 1 else
                   {0: "DDP", 1: "DDP + ZeRO-1", 2: "FSDP2 (ZeRO-2)", 3: "FSDP2 (ZeRO-3)"}[zero])
         rows = _data_parallel_rows(module, world, zero)
