@@ -20,6 +20,7 @@ ratio to plain. Timings never fail the run; losses are printed as they are.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.speculative [--model DIR] [--draft DIR] [--draft-tokens 2,4]
         [--threads 1] [--rounds 2] [--no-ngram]
+        [--prompts repetitive,json,prose]
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--draft-tokens", default="4", help="draft tokens per step, one value or several: 2,4")
     ap.add_argument("--no-ngram", action="store_true", help="leave out prompt-lookup drafting")
+    ap.add_argument("--prompts", default="repetitive,json,prose", help="which prompts, of: repetitive, json, prose")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
@@ -114,7 +116,12 @@ def main() -> None:
     engines["draft alone"] = Engine.load(draft, **common)
     for k in ks:
         engines[f"draft k{k}"] = Engine.load(target, draft=draft, draft_tokens=k, **common)
-    prompts = {"repetitive code": REPETITIVE, "json source": inspect.getsource(json)[:1500], "prose": prose_prompt()}
+    known = {"repetitive": ("repetitive code", lambda: REPETITIVE), "json": ("json source", lambda: inspect.getsource(json)[:1500]),
+             "prose": ("prose", prose_prompt)}
+    chosen = args.prompts.split(",")
+    if not set(chosen) <= known.keys():
+        ap.error(f"--prompts {args.prompts}: choose from {', '.join(known)}")
+    prompts = {known[c][0]: known[c][1]() for c in chosen}
     print(machine_line())
     print(f"target: {what}\ndraft: {draft_what}\nbatch 1, greedy, {args.new_tokens} new tokens, draft tokens per step "
           f"{', '.join(map(str, ks))}, {args.threads} thread(s) per pass")
