@@ -5,9 +5,11 @@ are submitted at once to an Engine of ``--max-batch`` (8) rows, with and without
 emptied before each burst, so the first rows of a burst prefill the whole system prompt either way and the rest
 find it cached. Prints each engine's mean time to first token and wall time per burst (median and range over
 alternating rounds), the ratio, and the cache's counts. The model is SmolLM2-135M (``/tmp/smol/model-dir`` or
-``--model``), else a random model of its shape. Timings never fail the run.
+``--model``), else a random model of its shape, on the torch backend; ``--export DIR`` serves a genai export dir
+(e.g. ``/tmp/smol/int8-genai``) on the ONNX Runtime backend instead (``--native``: decode in prunus's own kernels).
+Timings never fail the run.
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.prefix_cache [--model DIR] [--threads 1] [--rounds 2]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.prefix_cache [--model DIR | --export DIR [--native]] [--threads 1]
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a prunus model dir (default: /tmp/smol/model-dir)")
+    ap.add_argument("--export", default=None, help="a genai export dir, served on the ONNX Runtime backend")
+    ap.add_argument("--native", action="store_true", help="with --export: decode in prunus's own kernels")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--max-batch", type=int, default=8)
@@ -51,9 +55,13 @@ def main() -> None:
     from benchmarks._smol_dir import smol_model_dir, text_ids
     from prunus.serve import Engine
 
-    path, what = smol_model_dir(args.model)
     common = dict(max_batch=args.max_batch, max_len=args.system_tokens + 64 + args.new_tokens, threads=args.threads,
                   compile=False)
+    if args.export:
+        path, what = args.export, f"{args.export} (ONNX Runtime genai{', native decoding' if args.native else ''})"
+        common["native"] = args.native
+    else:
+        path, what = smol_model_dir(args.model)
     plain = Engine.load(path, **common)
     cached = Engine.load(path, prefix_cache_mb=args.cache_mb, **common)
     system = text_ids(plain.tokenizer, args.system_tokens)

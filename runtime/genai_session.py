@@ -177,7 +177,8 @@ class GenaiSession:
             session = self.session
             if self.prompt_session is not None and len(piece) >= self.prompt_min_tokens:
                 session = self.prompt_session
-            session.run_with_iobinding(self._bind(np.asarray([piece], np.int64), start + i, session, out=i))
+            ids = np.asarray([piece], np.int64)  # bound by address: alive until the run returns
+            session.run_with_iobinding(self._bind(ids, start + i, session, out=i))
         return self.logits[:b]
 
     def decode(self, lengths: np.ndarray, tokens) -> np.ndarray:
