@@ -9,13 +9,20 @@ active rows packed in slots ``[0, n)``:
 
 * prefill: the joining rows take the slots after the block (a row the scheduler hands out again
   first leaves its old slot), their prompts right-padded into one pass;
+* extend (chunked prefill, ``capabilities.extend``): each row goes on after what it holds with its piece of a
+  prompt; the rows move to the block's last slots, so the native kernels take them all in one pass at their own
+  positions (ONNX Runtime's GroupQueryAttention takes a piece after a past at batch 1 only: one pass per row there);
 * release: the row has left; the block's last row moves into its slot (one copy of that row's keys
   and values, per leave, never per step);
-* decode: every held row in one pass over slots ``[0, n)``; ``input_ids`` follow slot order and the
-  logits come back in the scheduler's row order.
+* decode: the rows whose prompts are in, moved (where a row still prefilling holds one of them) into slots
+  ``[0, n)`` by exchanging two rows' keys and values, once per row that joins; one pass over slots ``[0, n)``,
+  ``input_ids`` in slot order and the logits back in the scheduler's row order;
+* restore_prefix / store_prefix (``prefix_cache_mb``): the prefix cache (:mod:`prunus.runtime.prefix_cache`) copies
+  cached blocks into a slot after the block, and a row's full blocks out, through tensors over the numpy buffers
+  (float32, or the native kernels' float16).
 
-A decode step therefore writes n token ids and n lengths into bound arrays and runs the graph; the
-binding of a batch size is built once and reused.
+A decode step of an unchanged block therefore writes n token ids and n lengths into bound arrays and runs the
+graph; the binding of a batch size is built once and reused.
 """
 
 from __future__ import annotations
@@ -39,6 +46,17 @@ from .registry import Loaded
 # the tokens/s of sleeping threads. On a busy machine it is the other way round (sleeping took 0.54x the step time
 # of spinning, int8): spinning threads take the cores other work needs. One thread has no pool to spin.
 SPINNING = True
+
+# Prompt tokens per row per pass of ``extend`` when the load leaves ``prefill_chunk`` at its default (the torch
+# backend's 256). SmolLM2-135M int8 genai, one 512-token prompt at 1 thread (EPYC, load average 3 to 7), best of 3:
+# whole 2.72-3.05 s; in chunks of 256 / 128 / 64: 3.15 / 2.96 / 2.66 s in all, its longest pass 1.62 / 0.80 / 0.35 s
+# (ONNX Runtime); with --native 2.61 s whole, 2.35 s in chunks of 64 (one native pass each), longest pass 0.34 s. A
+# prompt in chunks of 64 costs no more than whole (its attention over the cached part is a small share of a pass,
+# and MatMulNBits's per-row work does not shrink with more rows), while every decode step beside it waits one
+# chunk's pass instead of the whole prompt's: 64 tokens, the most an int8 export runs natively
+# (prunus.native.decoder.native_prompt_tokens). With --prompt-graph the chunk is the twin's threshold, so that a
+# row's chunk reaches the twin.
+PREFILL_CHUNK_GENAI = 64
 
 
 class GenaiBackend(BackendBase):
@@ -196,7 +214,10 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     if native:
         info["native_prompt_tokens"] = session.native_prompt_tokens
         info["kv_dtype"] = options.kv_dtype
-    backend = GenaiBackend(session, n_slots, max_len, prefill_chunk=options.prefill_chunk,
+    chunk = options.prefill_chunk
+    if chunk == PREFILL_CHUNK:  # the default, set for the torch backend: this backend's own (see above)
+        chunk = max(PREFILL_CHUNK_GENAI, session.prompt_min_tokens or 0)
+    backend = GenaiBackend(session, n_slots, max_len, prefill_chunk=chunk,
                            prefix_cache_mb=options.features.prefix_cache_mb)
     return Loaded(backend, tokenizer, info)
 
