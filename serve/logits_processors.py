@@ -74,23 +74,57 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+class SeenTokens:
+    """A request's token history as the penalties read it, kept up to date a token at a time instead of rebuilt
+    every step: which ids the prompt or the answer holds (``repetition_penalty``) and how often each id was
+    generated (presence and frequency penalties)."""
+
+    def __init__(self, prompt_ids: list[int], vocab: int, device):
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if prompt_ids:
+            self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.folded = 0  # generated tokens already counted
+
+    def update(self, generated: list[int]) -> "SeenTokens":
+        if len(generated) > self.folded:
+            new = torch.tensor(generated[self.folded:], dtype=torch.long, device=self.counts.device)
+            self.seen[new] = True
+            self.counts.index_add_(0, new, torch.ones(len(new), device=self.counts.device))
+            self.folded = len(generated)
+        return self
+
+
 def process_row(logits: torch.Tensor, settings: LogitsSettings, prompt_ids: list[int], generated: list[int],
-                stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
-    """One row of logits (vocab,) processed as the module docstring says; a new float32 tensor."""
+                stop_ids: tuple[int, ...] = (), history: SeenTokens | None = None) -> torch.Tensor:
+    """One row of logits (vocab,) processed as the module docstring says; a new float32 tensor. ``history``: the
+    request's :class:`SeenTokens` (built here from the lists when not given)."""
     out = logits.float().clone()
     if settings.logit_bias:
         ids = torch.tensor([t for t, _ in settings.logit_bias], device=out.device)
         out.index_add_(0, ids, torch.tensor([b for _, b in settings.logit_bias], device=out.device))
+    penalised = settings.repetition_penalty != 1.0 or settings.presence_penalty or settings.frequency_penalty
+    if penalised:
+        history = (history or SeenTokens(prompt_ids, out.numel(), out.device)).update(generated)
     if settings.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(generated)), dtype=torch.long, device=out.device)
-        score = out[seen]
-        out[seen] = torch.where(score < 0, score * settings.repetition_penalty, score / settings.repetition_penalty)
+        p = settings.repetition_penalty
+        out = torch.where(history.seen, torch.where(out < 0, out * p, out / p), out)
     if (settings.presence_penalty or settings.frequency_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated, device=out.device), minlength=out.numel())[:out.numel()]
+        counts = history.counts
         out -= settings.frequency_penalty * counts + settings.presence_penalty * (counts > 0)
     if len(generated) < settings.min_tokens and stop_ids:
         out[torch.tensor(stop_ids, device=out.device)] = -float("inf")
     return out
+
+
+def _history(request, settings: LogitsSettings, vocab: int, device) -> SeenTokens | None:
+    """The request's penalty state, made at its first step (None when no penalty asks for it)."""
+    if settings.repetition_penalty == 1.0 and not (settings.presence_penalty or settings.frequency_penalty):
+        return None
+    history = getattr(request, "seen_tokens", None)
+    if history is None:
+        history = request.seen_tokens = SeenTokens(request.prompt_ids, vocab, device)
+    return history
 
 
 def process(requests, logits: torch.Tensor) -> torch.Tensor:
@@ -98,8 +132,10 @@ def process(requests, logits: torch.Tensor) -> torch.Tensor:
     settings = [getattr(r.params, "logits", None) for r in requests]
     if not any(s is not None and s.changes_logits for s in settings):
         return logits
-    rows = [process_row(logits[i], s, r.prompt_ids, r.generated, r.stop_ids) if s is not None and s.changes_logits
-            else logits[i].float() for i, (r, s) in enumerate(zip(requests, settings))]
+    vocab = logits.shape[-1]
+    rows = [process_row(logits[i], s, r.prompt_ids, r.generated, r.stop_ids, _history(r, s, vocab, logits.device))
+            if s is not None and s.changes_logits else logits[i].float()
+            for i, (r, s) in enumerate(zip(requests, settings))]
     for row, r, s in zip(rows, requests, settings):
         if s is not None and s.grammar is not None:
             from .structured_output import mask_row

@@ -83,6 +83,7 @@ class Request:
     adapter: object = None  # a loaded LoRA adapter (prunus.runtime.lora_adapters.Adapter), None: the base
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     notify: object = None  # called after every event is put (an event loop's wake-up: prunus.serve.events)
+    seen_tokens: object = None  # the penalties' running history (prunus.serve.logits_processors.SeenTokens)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
     slot: int | None = None

@@ -10,7 +10,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset, load_model, save_model
 from prunus.serve import Engine
-from prunus.serve.logits_processors import LogitsSettings, process_row
+from prunus.serve.logits_processors import LogitsSettings, SeenTokens, process_row
 from prunus.serve.request import StreamToken
 
 transformers = pytest.importorskip("transformers")
@@ -61,6 +61,23 @@ def test_processing_equals_transformers(settings):
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite], want[finite], atol=1e-5), (got - want).abs().max()
     assert settings.min_tokens <= len(generated) or torch.isinf(got[list(stops)]).all()
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:3] + SETTINGS[-1:], ids=range(4))
+def test_running_history_equals_transformers_at_every_step(settings):
+    """The history a request keeps (one token folded in per step) gives the processors' logits at each step."""
+    g = torch.Generator().manual_seed(1)
+    prompt, stops = [1, 5, 5, 9, 2], (0, 2)
+    history, generated = SeenTokens(prompt, VOCAB, "cpu"), []
+    for token in [3, 3, 7, 11, 1, 3]:
+        logits = torch.randn(VOCAB, generator=g) * 3
+        got = process_row(logits, settings, prompt, generated, stops, history)
+        want = reference(logits, settings, prompt, generated, stops)
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        assert torch.allclose(got[finite], want[finite], atol=1e-5), (got - want).abs().max()
+        generated.append(token)
+    assert history.folded == len(generated) - 1
 
 
 def test_settings_out_of_range_are_one_line():
