@@ -279,6 +279,40 @@ static void tile_f32_pair(const GemmTask *g, int t, int m) {
     }
 }
 
+/* rows m, m + 1 and m + 2 against tile t (prompts): twelve accumulators, so that the FMAs' latency hides behind
+ * twelve independent chains where a pair has eight, each weight vector taken from L1 by the FMA itself (twelve
+ * accumulators and four weight registers would leave none for the row's eight inputs). Every output's sum runs
+ * in the same order as in tile_f32_row and tile_f32_pair, so the results are the same bits. */
+static void tile_f32_triple(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kk = L->k / 8;
+    const float *w = (const float *)L->w + (size_t)t * kk * 32;
+    const float *x0 = g->x + (size_t)m * L->k, *x1 = x0 + L->k, *x2 = x1 + L->k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    for (int j = 0; j < kk; j++) {
+        const float *wj = w + 32 * j;
+        const __m256 v0 = _mm256_loadu_ps(x0 + 8 * j);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wj), v0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 8), v0, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 16), v0, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 24), v0, a3);
+        const __m256 v1 = _mm256_loadu_ps(x1 + 8 * j);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(wj), v1, b0);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 8), v1, b1);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 16), v1, b2);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 24), v1, b3);
+        const __m256 v2 = _mm256_loadu_ps(x2 + 8 * j);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(wj), v2, c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 8), v2, c1);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 16), v2, c2);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(wj + 24), v2, c3);
+    }
+    store4(g, m, t, hsum4x8(a0, a1, a2, a3));
+    store4(g, m + 1, t, hsum4x8(b0, b1, b2, b3));
+    store4(g, m + 2, t, hsum4x8(c0, c1, c2, c3));
+}
+
 /* the 32 nibbles of a q4 weight block as 32 bytes 0..15, in element order */
 static inline __m256i unpack_q4(const uint8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -332,16 +366,17 @@ typedef void (*tile_fn)(const GemmTask *g, int t, int m);
 typedef struct {
     const char *name;
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
+    tile_fn f32_triple; /* three rows at once for the row blocks of prompts; NULL: pairs */
     int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
 } Kernels;
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, 1},
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, 0},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, 0},
-    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, 0},
-    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, 0},
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, 1},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, 0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, 0},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, 0},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, 0},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -398,6 +433,20 @@ int prunus_set_isa(const char *name) {
     return 0;
 }
 
+#define ROW_BLOCK_BYTES (192 << 10) /* activation rows a pass keeps in L2 while its tiles go over them */
+
+/* A pass of many rows (a prompt) goes over its tiles once per block of rows, an even count whose activations
+ * fit in ROW_BLOCK_BYTES: every tile then finds its rows in L2 instead of streaming all of them from L3 or
+ * memory (SmolLM2's 1536-input layer at 512 rows: 3 MB of fp32 rows). A tile is read once per block, from L2
+ * or L3: a few KB against the block's thousands of products. */
+#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch */
+
+static int row_block(const Linear *L) {
+    const size_t row = (size_t)L->k * (L->kind == KIND_F32 ? 4 : 1);
+    const size_t rows = ROW_BLOCK_BYTES / (row ? row : 1);
+    return rows < 8 ? 8 : (int)(rows & ~(size_t)1);
+}
+
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
     const Kernels *k = atomic_load(&kernels);
@@ -409,10 +458,17 @@ static void gemm_task(void *ctx, int ith, int nth) {
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;
     const tile_fn pair = f32 ? k->f32_pair : k->quant_pair, one = f32 ? k->f32_row : k->quant_row;
-    for (int t = t0; t < t1; t++) {
-        int m = 0;
-        for (; m + 2 <= g->m; m += 2) pair(g, t, m);
-        if (m < g->m) one(g, t, m);
+    const tile_fn triple = f32 && g->m >= TRIPLE_MIN_ROWS ? k->f32_triple : NULL;
+    const int rb = row_block(g->L);
+    for (int r0 = 0; r0 < g->m; r0 += rb) {
+        const int r1 = r0 + rb < g->m ? r0 + rb : g->m;
+        for (int t = t0; t < t1; t++) {
+            int m = r0;
+            if (triple)
+                for (; m + 3 <= r1; m += 3) triple(g, t, m);
+            for (; m + 2 <= r1; m += 2) pair(g, t, m);
+            if (m < r1) one(g, t, m);
+        }
     }
 }
 
@@ -516,15 +572,90 @@ static inline void store_kv(void *buf, size_t at, const float *x, int hd, int f1
     for (; e < hd; e++) h[e] = _cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* eight floats of a key or value at element e: loaded, or widened from halves (exact) */
+static inline __m256 kv8(const void *p, int e, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + e)))
+               : _mm256_loadu_ps((const float *)p + e);
+}
+
+/* the eight sums of a[0..7] as one vector */
+static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+/* sc[j] = q . K[j0 + j] x scale for j < n (hd a multiple of 8): eight keys at a time, eight accumulators, one
+ * transposing sum for the eight; returns the largest */
+static float scores(const float *q, const void *K, int f16, int j0, int n, int hd, float scale, float *sc) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    const __m256 vs = _mm256_set1_ps(scale);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+        const void *k[8];
+        for (int u = 0; u < 8; u++) {
+            a[u] = _mm256_setzero_ps();
+            k[u] = kv_at(K, (size_t)(j0 + j + u) * hd, f16);
+        }
+        for (int e = 0; e < hd; e += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + e);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, kv8(k[u], e, f16), a[u]);
+        }
+        const __m256 s = _mm256_mul_ps(hsum8x8(a), vs);
+        _mm256_storeu_ps(sc + j, s);
+        top = _mm256_max_ps(top, s);
+    }
+    float mx = -INFINITY;
+    float t[8];
+    _mm256_storeu_ps(t, top);
+    for (int u = 0; u < 8; u++) mx = t[u] > mx ? t[u] : mx;
+    for (; j < n; j++) {
+        sc[j] = dot_kv(q, kv_at(K, (size_t)(j0 + j) * hd, f16), hd, f16) * scale;
+        if (sc[j] > mx) mx = sc[j];
+    }
+    return mx;
+}
+
+/* o (hd, a multiple of 8) = sum over j < n of w[j] V[j0 + j]: 32 outputs at a time held in registers */
+static void weighted_values(const float *w, const void *V, int f16, int j0, int n, int hd, float *o) {
+    int e = 0;
+    for (; e + 32 <= hd; e += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < n; j++) {
+            const void *v = kv_at(V, (size_t)(j0 + j) * hd, f16);
+            const __m256 wj = _mm256_broadcast_ss(w + j);
+            a0 = _mm256_fmadd_ps(wj, kv8(v, e, f16), a0);
+            a1 = _mm256_fmadd_ps(wj, kv8(v, e + 8, f16), a1);
+            a2 = _mm256_fmadd_ps(wj, kv8(v, e + 16, f16), a2);
+            a3 = _mm256_fmadd_ps(wj, kv8(v, e + 24, f16), a3);
+        }
+        _mm256_storeu_ps(o + e, a0);
+        _mm256_storeu_ps(o + e + 8, a1);
+        _mm256_storeu_ps(o + e + 16, a2);
+        _mm256_storeu_ps(o + e + 24, a3);
+    }
+    for (; e < hd; e += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + j), kv8(kv_at(V, (size_t)(j0 + j) * hd, f16), e, f16), a);
+        _mm256_storeu_ps(o + e, a);
+    }
+}
+
 /* One query head over keys j0..j1-1 of K / V (the slot's KV head, floats or halves): o (hd) = sum of
  * e^(score - mx) v_j; returns the sum of e^(score - mx) and sets *mx (-inf and 0 for an empty range) */
 static float attend(const float *q, const void *K, const void *V, int f16, int j0, int j1, int hd, float scale,
                     float *sc, float *o, float *mx) {
     float top = -INFINITY;
-    const int n = j1 - j0;
-    for (int j = 0; j < n; j++) {
-        sc[j] = dot_kv(q, kv_at(K, (size_t)(j0 + j) * hd, f16), hd, f16) * scale;
-        if (sc[j] > top) top = sc[j];
+    const int n = j1 - j0, blocked = hd % 8 == 0;
+    if (blocked) {
+        top = n > 0 ? scores(q, K, f16, j0, n, hd, scale, sc) : -INFINITY;
+    } else {
+        for (int j = 0; j < n; j++) {
+            sc[j] = dot_kv(q, kv_at(K, (size_t)(j0 + j) * hd, f16), hd, f16) * scale;
+            if (sc[j] > top) top = sc[j];
+        }
     }
     __m256 vm = _mm256_set1_ps(top), vs = _mm256_setzero_ps();
     int j = 0;
@@ -535,8 +666,12 @@ static float attend(const float *q, const void *K, const void *V, int f16, int j
     }
     float sum = hsum8(vs);
     for (; j < n; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
-    memset(o, 0, hd * sizeof(float));
-    for (j = 0; j < n; j++) axpy_kv(o, sc[j], kv_at(V, (size_t)(j0 + j) * hd, f16), hd, f16);
+    if (blocked) {
+        weighted_values(sc, V, f16, j0, n, hd, o);
+    } else {
+        memset(o, 0, hd * sizeof(float));
+        for (j = 0; j < n; j++) axpy_kv(o, sc[j], kv_at(V, (size_t)(j0 + j) * hd, f16), hd, f16);
+    }
     *mx = top;
     return sum;
 }
