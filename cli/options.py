@@ -40,6 +40,11 @@ native_option = click.option(
     "--native", is_flag=True, default=False,
     help="Genai export: decode steps in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; compiled with "
          "the machine's C compiler on first use) instead of ONNX Runtime, over the same weights.")
+prepare_option = click.option(
+    "--prepare/--no-prepare", default=True, show_default=True,
+    help="A model dir on a CPU: serve its ONNX Runtime genai export, made once (parity-checked) and cached in "
+         "PRUNUS_CACHE_DIR (default ~/.cache/prunus), instead of the slower torch Engine; --no-prepare or "
+         "--backend torch keeps the torch Engine.")
 kv_dtype_option = click.option(
     "--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
     help="With --native: the KV cache's element type; f16 halves its memory and bandwidth at long contexts "

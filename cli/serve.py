@@ -8,7 +8,7 @@ import signal
 import click
 
 from .options import access_options, backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, \
-    prompt_graph_option, resolve_device, serving_feature_options
+    prepare_option, prompt_graph_option, resolve_device, serving_feature_options
 
 
 def _interrupt(signum, frame):
@@ -45,6 +45,7 @@ def _device_map(value: str | None):
 @prompt_graph_option
 @native_option
 @kv_dtype_option
+@prepare_option
 @click.option("--device-map", default=None,
               help="auto (with --max-memory), or a JSON object {module: device}: the model's blocks placed across "
                    "GPUs, the CPU and the disk (streamed from the memory-mapped weights).")
@@ -63,8 +64,8 @@ def _device_map(value: str | None):
 @serving_feature_options
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, kv_dtype, trust_factory, max_delay_ms, served_model_names, prefix_cache_mb,
-            draft, draft_tokens, lora=(), **access):
+            max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, served_model_names,
+            prefix_cache_mb, draft, draft_tokens, lora=(), **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
     (FastAPI on uvicorn) until Ctrl-C;
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
@@ -88,14 +89,14 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
                features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens,
                          **({"lora": adapters} if adapters else {})},
-               kv_dtype=kv_dtype)
+               kv_dtype=kv_dtype, prepare=prepare)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=False, access=None, predict=None, served_model_names=None,
-           kv_dtype="f32", features=None):
+           kv_dtype="f32", features=None, prepare=False):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
@@ -104,7 +105,7 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
                      max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
-                     **(predict or {}), **(features or {})) as engine:
+                     prepare=prepare, **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None)
@@ -116,7 +117,10 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
         what = (f"max batch {info['max_batch']}, max delay {info['max_delay_ms']:g} ms, POST /v2/models/"
                 f"{server.model_name}/infer" if predicts else
                 f"tp={info['tp']}, max batch {info['max_batch']}, context {info['max_len']}")
-        click.echo(f"prunus serve: {info['path']} on {info['backend']} ({what}) listening on {server.url}", err=True)
+        prepared = info.get("prepared") or {}
+        how = (f", its export cached in {prepared['export']}" if "export" in prepared else
+               f", not prepared: {prepared['skipped']}" if "skipped" in prepared else "")
+        click.echo(f"prunus serve: {info['path']} on {info['backend']} ({what}{how}) listening on {server.url}", err=True)
         try:
             server.serve_forever(poll_interval=0.2)  # uvicorn: SIGINT / SIGTERM end it after the answers in progress
         except KeyboardInterrupt:

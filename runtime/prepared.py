@@ -1,0 +1,135 @@
+"""A model dir served on a CPU by the faster runtime: its ONNX Runtime genai export, prepared once and cached.
+
+``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: on SmolLM2-135M the genai
+graph in ONNX Runtime decodes 1.75-2.05x the torch Engine's tokens/s (docs/results.md). So the first time a model
+dir is served, :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
+export's parity check against PyTorch: a graph that fails it is not served) into a cache dir, and every later
+serve of the same dir loads the cached export at once.
+
+The cache is ``$PRUNUS_CACHE_DIR/prepared`` (default ``~/.cache/prunus/prepared``), one export dir per model dir,
+named by a hash of what the export is made from: the bytes of the dir's config, manifest, tokenizer and
+generation files, the name, size and modification time of every other file in it (the weights), and prunus's and
+ONNX Runtime's versions. A changed model dir gets a new export; the model dir itself is never written to. Two
+servers preparing the same dir at once take turns on a lock file, and the second loads what the first wrote.
+
+The torch Engine stays a choice (``--backend torch``, or ``--no-prepare``), and is what serves whatever the export
+cannot: a GPU, tensor parallelism, a device map, a dtype override, ``compile``, LoRA adapters, speculative decoding,
+or a model the genai graph does not support (the reason is the info's ``prepared.skipped``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from prunus.artifacts.errors import PrunusError
+
+from .load_options import LoadOptions
+
+HASHED = ("config.json", "prunus.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+          "special_tokens_map.json", "chat_template.jinja")  # small files whose bytes name the export
+MAX_HASHED_BYTES = 64 << 20  # a larger "small" file is named by its size and time, as the weights are
+FORMAT = b"prunus-prepared-1"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PRUNUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prunus")
+    return Path(base) / "prepared"
+
+
+def cache_key(model_dir: Path) -> str:
+    """The hash of what an export of ``model_dir`` is made from (the module docstring)."""
+    import onnxruntime
+
+    import prunus
+
+    h = hashlib.sha256(FORMAT + f"|{prunus.__version__}|{onnxruntime.__version__}".encode())
+    for entry in sorted(os.scandir(model_dir), key=lambda e: e.name):
+        if not entry.is_file():  # follows links (a hub snapshot's files are links to its blobs)
+            continue
+        st = entry.stat()
+        h.update(f"|{entry.name}|{st.st_size}".encode())
+        if entry.name in HASHED and st.st_size <= MAX_HASHED_BYTES:
+            h.update(Path(entry.path).read_bytes())
+        else:
+            h.update(f"|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def skipped(backend: str | None, config: dict, options: LoadOptions, lora: bool) -> str | None:
+    """Why a model dir is served by the torch Engine rather than a prepared export (None: it may be prepared)."""
+    reasons = ((backend is not None, f"--backend {backend} was asked for"),
+               (options.device != "cpu", f"it runs on {options.device}"),
+               (options.tp > 1, f"tp={options.tp}"),
+               (options.device_map is not None, "a device map places it"),
+               (options.dtype is not None, f"dtype={options.dtype}"),
+               (options.compile is True, "compile=True"),
+               (lora, "LoRA adapters are served by the torch backend"),
+               (options.features.draft is not None, "speculative decoding runs on the torch backend"))
+    return next((why for hit, why in reasons if hit), None)
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare(model_dir: Path, progress: bool = True) -> tuple[Path, bool]:
+    """The cached genai export of ``model_dir``, written first when there is none: (its path, whether it was
+    already there). Raises PrunusError when the export cannot be made (unsupported model, parity failed, no
+    space)."""
+    from prunus.export import export_model
+
+    root = cache_root()
+    out = root / f"{model_dir.resolve().name[:60]}-{cache_key(model_dir)}"
+    if (out / "config.json").is_file():
+        return out, True
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrunusError(f"{root}: cannot be created ({e.strerror}); set PRUNUS_CACHE_DIR to a writable dir") from None
+    with _locked(root / f".{out.name}.lock"):
+        if (out / "config.json").is_file():  # another server prepared it while this one waited
+            return out, True
+        if progress:
+            print(f"prunus: preparing {model_dir} for ONNX Runtime, once (cached in {out})", file=sys.stderr, flush=True)
+        export_model(model_dir, out, format="onnx", graph="genai", progress=progress,
+                     command=f"prunus serve {model_dir} (prepared)")
+    return out, False
+
+
+def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, lora: bool,
+                  progress: bool = True) -> tuple[Path, dict | None]:
+    """What to load for ``path``: its prepared export where a transformer model dir may be served from one, else
+    ``path`` itself; and the info's ``prepared`` entry (None: not a model dir this applies to)."""
+    from prunus.models.model_dir import read_config_json
+
+    from .artifact import resolve_backend
+
+    path = Path(path)
+    try:
+        config = read_config_json(path)
+    except PrunusError:
+        return path, None  # not a model dir: the load names what is wrong
+    if "export" in config or config.get("kind") == "module":
+        return path, None
+    options.check(resolve_backend(path, backend)[0])  # a bad option is one line before minutes of export
+    why = skipped(backend, config, options, lora)
+    if why is not None:
+        return path, {"skipped": why}
+    try:
+        out, cached = prepare(path, progress)
+    except PrunusError as e:  # served as it is, by the torch Engine: the reason is kept
+        if progress:
+            print(f"prunus: serving {path} on the torch backend: {str(e)[:300]}", file=sys.stderr, flush=True)
+        return path, {"skipped": str(e)[:300]}
+    return out, {"from": str(path), "export": str(out), "cached": cached}

@@ -1,0 +1,106 @@
+"""A model dir served from its prepared ONNX Runtime export (prunus.runtime.prepared): the same greedy tokens as
+the torch Engine, made once and cached by what the dir holds, the torch Engine kept where an option needs it or
+the export cannot be made, and ``prunus serve``'s default."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from prunus.artifacts.errors import PrunusError
+from prunus.cli.main import cli
+from prunus.models import Transformer, get_preset, save_model
+from prunus.runtime import prepared
+from prunus.serve import Engine
+from prunus.serve.http_server import CompletionServer
+
+PROMPTS = ["The cat sat", "def f(x):"]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRUNUS_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "prepared"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny"))
+    model.init_weights()
+    return save_model(model.eval(), tmp_path_factory.mktemp("prepared") / "model", stage="test")
+
+
+def _tokens(engine) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=12)]
+
+
+def test_served_from_a_cached_export_with_the_torch_engines_tokens(model_dir, cache, monkeypatch):
+    with Engine.load(model_dir, threads=1) as plain:
+        want = _tokens(plain)
+    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+        info = engine.info
+        assert info["runtime"] == "ort_genai" and info["path"] == str(model_dir)
+        assert info["prepared"]["cached"] is False and info["prepared"]["export"].startswith(str(cache))
+        assert _tokens(engine) == want
+    monkeypatch.setattr("prunus.export.export_model", lambda *a, **k: pytest.fail("exported twice"))
+    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+        assert engine.info["prepared"]["cached"] is True and _tokens(engine) == want
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [
+        os.path.basename(info["prepared"]["export"])]
+
+
+def test_the_key_follows_what_the_dir_holds(model_dir, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "model", symlinks=False)
+    key = prepared.cache_key(copy)
+    assert prepared.cache_key(copy) == key
+    weights = copy / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten weights
+    assert prepared.cache_key(copy) != key
+    key = prepared.cache_key(copy)
+    (copy / "generation_config.json").write_text('{"temperature": 0.5}')
+    assert prepared.cache_key(copy) != key
+
+
+@pytest.mark.parametrize("kwargs, reason", [({"backend": "torch"}, "--backend torch"),
+                                            ({"dtype": "bfloat16"}, "dtype=bfloat16"),
+                                            ({"draft": "ngram"}, "speculative decoding")])
+def test_options_that_need_torch_keep_it_and_say_why(model_dir, cache, kwargs, reason):
+    with Engine.load(model_dir, threads=1, prepare=True, **kwargs) as engine:
+        assert engine.info["runtime"] == "torch" and reason in engine.info["prepared"]["skipped"]
+    assert not cache.exists()
+
+
+def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, monkeypatch, capsys):
+    def refuse(*a, **k):
+        raise PrunusError("the genai graph does not support this model")
+    monkeypatch.setattr("prunus.export.export_model", refuse)
+    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+        assert engine.info["runtime"] == "torch"
+        assert "does not support" in engine.info["prepared"]["skipped"]
+    assert "serving" in capsys.readouterr().err  # one line says so
+
+
+def test_a_bad_option_is_refused_before_any_export(model_dir, cache):
+    with pytest.raises(PrunusError, match="max_batch"):
+        Engine.load(model_dir, prepare=True, max_batch=0)
+    assert not cache.exists()
+
+
+def test_serve_prepares_by_default_and_no_prepare_keeps_torch(model_dir, cache, monkeypatch):
+    seen = []
+
+    def record(self, poll_interval=0.5):  # the engine the command built, then Ctrl-C
+        seen.append((self.engine.info["runtime"], self.model_name))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(CompletionServer, "serve_forever", record)
+    for extra in ([], ["--no-prepare"]):
+        r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--max-batch", "1", *extra])
+        assert r.exit_code == 0, r.output
+    assert seen == [("ort_genai", model_dir.name), ("torch", model_dir.name)]
