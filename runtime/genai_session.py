@@ -26,6 +26,11 @@ ONNX Runtime's session is not loaded.
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
 
+:meth:`GenaiSession.extend` runs pieces of prompts after what their slots hold (chunked prefill, the rest of a
+prompt after a cached prefix): one native pass for all rows where the native kernels take it, else one ONNX Runtime
+pass per row (GroupQueryAttention takes several new tokens after a past at batch 1 only); the logits equal a whole
+prompt's (tests/test_genai_extend.py).
+
 The parity check's view of the same graph (every position's logits, greedy generation through a session) is
 :class:`prunus.export.genai_parity.GenaiGraphs`.
 """
