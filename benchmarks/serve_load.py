@@ -5,7 +5,8 @@ of a genai export dir on ONNX Runtime, the same with ``--native``, the same dir 
 an earlier commit (``--old-ref``, run from a git worktree with this venv), and llama.cpp through
 llama-cpp-python's server (``--llamacpp-python``, an interpreter with ``llama-cpp-python[server]``) on GGUF files
 of the same weights (``--gguf LABEL=FILE``; prunus writes them: ``prunus convert --to-gguf DIR --type q8_0``).
-``--fp32 DIR`` adds ``prunus serve`` of a float32 model dir (torch backend). Once a server answers its health
+``--fp32 DIR`` adds ``prunus serve`` of a float32 model dir, as it serves by default (its prepared genai export,
+made before the timing starts) and on the torch backend (``--no-prepare``). Once a server answers its health
 route, 1, 8, 32, ... threads (``--clients``) each send streamed ``POST /v1/completions`` back to back: code
 prompts of about 50-200 tokens cut from the standard library's source, ``--tokens`` new tokens, greedy. A
 server that takes ``min_tokens`` (vLLM's name) gets it equal to ``max_tokens`` so every answer runs to its
@@ -326,8 +327,9 @@ def contenders(args, tmp: Path) -> list[Contender]:
     if args.old_ref:
         out.append(prunus_serve(f"prunus stdlib {args.old_ref}", args.dir, args,
                                 env={"PYTHONPATH": str(old_tree(args.old_ref, tmp))}, new=False))
-    if args.fp32:
-        out.append(prunus_serve("prunus fp32 torch", args.fp32, args))
+    if args.fp32:  # the model dir as `prunus serve` serves it by default (its prepared genai export), and on torch
+        out += [prunus_serve("prunus fp32 prepared", args.fp32, args),
+                prunus_serve("prunus fp32 torch", args.fp32, args, "--no-prepare")]
     if args.llamacpp_python:
         out += [llamacpp(f"llama.cpp {label}", path, args) for label, path in (g.split("=", 1) for g in args.gguf)]
     if not args.no_native:
@@ -425,7 +427,7 @@ def _cut_short(*_) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, required=True, help="a genai export dir (served on ONNX Runtime and --native)")
-    p.add_argument("--fp32", type=Path, default=None, help="also a float32 model dir (torch backend)")
+    p.add_argument("--fp32", type=Path, default=None, help="also a float32 model dir (prepared, and on the torch backend)")
     p.add_argument("--old-ref", default=None, help="an earlier commit whose server also serves --dir")
     p.add_argument("--llamacpp-python", default=None, help="an interpreter with llama-cpp-python[server]")
     p.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE")
