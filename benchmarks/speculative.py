@@ -6,11 +6,11 @@ prompt, in alternating rounds:
 
 * ``plain``: one decode pass per token;
 * ``ngram``: prompt-lookup drafting (``draft="ngram"``), the first of ``--draft-tokens`` per step;
-* ``draft kK``: a draft model dir, ``--draft DIR`` (e.g. a student ``prunus compress --distill depth:N`` made from
+* ``D kK``: a draft model dir D, ``--draft DIR[,DIR...]`` (e.g. a student ``prunus compress --distill depth:N`` made from
   the target; its lineage is printed from its manifest), or by default a stand-in made here: the target's first
   ``--draft-layers`` blocks with its final norm and head (no training: a truncated copy, not a distilled student);
-  one contender per K of ``--draft-tokens 2,4``;
-* ``draft alone``: the draft model decoding by itself, plain: its cost per token beside the target's.
+  one contender per draft and K of ``--draft-tokens 2,4``, named by the dir's last part;
+* ``D alone``: the draft model decoding by itself, plain: its cost per token beside the target's.
 
 Prompts: a repetitive code-like one (a table of similar functions), a piece of Python's own ``json`` source and
 English prose (the first held-out topic of ``pydoc_data.topics``, ``data/prose.py``'s split: text a draft distilled
@@ -18,7 +18,7 @@ on ``benchmarks/draft_corpus.py`` never saw, as it never saw ``json``). Prints e
 (median and range), its acceptance rate and tokens per step, whether its tokens equal plain decoding's, and the
 ratio to plain. Timings never fail the run; losses are printed as they are.
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.speculative [--model DIR] [--draft DIR] [--draft-tokens 2,4]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.speculative [--model DIR] [--draft DIR[,DIR]] [--draft-tokens 2,4]
         [--threads 1] [--rounds 2] [--no-ngram]
         [--prompts repetitive,json,prose]
 """
@@ -95,7 +95,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a prunus model dir (default: /tmp/smol/model-dir)")
-    ap.add_argument("--draft", default=None, help="a draft model dir (default: a truncated copy of the target)")
+    ap.add_argument("--draft", default=None, help="draft model dirs, comma-separated (default: a truncated copy of the target)")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--draft-tokens", default="4", help="draft tokens per step, one value or several: 2,4")
     ap.add_argument("--no-ngram", action="store_true", help="leave out prompt-lookup drafting")
@@ -106,16 +106,20 @@ def main() -> None:
     args = ap.parse_args()
 
     target, what = smol_model_dir(args.model)
-    draft = Path(args.draft) if args.draft else truncated_draft(target, args.draft_layers)
-    draft_what = lineage(draft) if args.draft else f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)"
+    drafts = [Path(d) for d in args.draft.split(",")] if args.draft else [truncated_draft(target, args.draft_layers)]
+    draft_what = ("\n  ".join(lineage(d) for d in drafts) if args.draft
+                  else f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)")
     ks = [int(k) for k in str(args.draft_tokens).split(",")]
     common = dict(max_batch=1, max_len=2048, threads=args.threads, compile=False)
     engines = {"plain": Engine.load(target, **common)}
     if not args.no_ngram:
         engines["ngram"] = Engine.load(target, draft="ngram", draft_tokens=ks[0], **common)
-    engines["draft alone"] = Engine.load(draft, **common)
-    for k in ks:
-        engines[f"draft k{k}"] = Engine.load(target, draft=draft, draft_tokens=k, **common)
+    for draft in drafts:
+        name = draft.name if args.draft else "draft"
+        engines[f"{name} alone"] = Engine.load(draft, **common)
+        for k in ks:
+            engines[f"{name} k{k}"] = Engine.load(target, draft=draft, draft_tokens=k, **common)
+    width = max(map(len, engines))
     known = {"repetitive": ("repetitive code", lambda: REPETITIVE), "json": ("json source", lambda: inspect.getsource(json)[:1500]),
              "prose": ("prose", prose_prompt)}
     chosen = args.prompts.split(",")
@@ -139,8 +143,8 @@ def main() -> None:
         got = alternating_rounds({k: contender(k) for k in engines}, args.rounds)
         print(f"\nprompt: {label} ({len(engines['plain'].encode(prompt))} tokens)")
         for name, speeds in got.items():
-            line = f"  {name:11s} {median_range(speeds, '.1f')} tokens/s"
-            if name == "draft alone":
+            line = f"  {name:{width}s} {median_range(speeds, '.1f')} tokens/s"
+            if name.endswith(" alone"):
                 line += f", cost per token {median_ratio(got['plain'], speeds, '.2f')} of the target's"
             elif name != "plain":
                 s, b = engines[name].info["speculative"], before[name]
