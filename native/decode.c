@@ -508,6 +508,7 @@ typedef struct {
     float *out;    /* chunks == 1: (T, H * hd) */
     float *part;   /* chunks > 1: (T, H, chunks, 2 + hd): a chunk's max score, sum of exponentials, unscaled output */
     float *scores; /* per thread ATTN_CHUNK floats */
+    atomic_int next; /* the next item a thread takes */
 } AttnTask;
 
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *y) {
@@ -684,9 +685,13 @@ static void attn_task(void *ctx, int ith, int nth) {
     const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd, per = H / G, C = a->chunks;
     const int window = m->layers[a->layer].window;
     float *sc = a->scores + (size_t)ith * ATTN_CHUNK;
-    int i0, i1;
-    split(a->T * G * C, ith, nth, &i0, &i1);
-    for (int it = i0; it < i1; it++) {
+    const int items = a->T * G * C;
+    (void)nth;
+    /* Items are taken one at a time from a shared counter: a prompt's late tokens see more keys than its early ones
+     * (equal ranges gave the thread with the prompt's second half three times the first's work at 512 tokens).
+     * Each item writes its own outputs, so the results do not depend on who takes it. */
+    for (int it = atomic_fetch_add_explicit((atomic_int *)&a->next, 1, memory_order_relaxed); it < items;
+         it = atomic_fetch_add_explicit((atomic_int *)&a->next, 1, memory_order_relaxed)) {
         const int t = it / (G * C), g = it / C % G, c = it % C, pos = a->pos[t];
         const size_t base = ((size_t)a->slot[t] * G + g) * m->max_len * hd;
         const int f16 = m->kv_f16;
@@ -859,7 +864,7 @@ static void attention_block(const Model *m, Pool *p, const Scratch *s, int li, i
     run_linear(p, s, &L->v, T, s->x, s->qkv + (H + G) * hd, width);
     RowJob r = {m, s, ROW_ROPE, li, NULL, slot, pos, NULL, 0};
     rows(p, &r, T);
-    AttnTask a = {m, T, li, s->chunks, slot, pos, s->qkv, s->att, s->part, s->scores};
+    AttnTask a = {m, T, li, s->chunks, slot, pos, s->qkv, s->att, s->part, s->scores, 0};
     pool_run(p, attn_task, &a);
     RowJob q = {m, s, s->chunks > 1 ? ROW_MERGE : ROW_NONE, li, NULL, NULL, NULL, quant_for(quantized(&L->o), s->att), H * hd};
     rows(p, &q, T);
