@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from family_variants import family_model
 from prunus.export import export_model
@@ -21,8 +20,8 @@ from prunus.serve import Engine
 
 NATIVE_WHY = unavailable()
 # (native, kv_dtype): ONNX Runtime alone, the native kernels beside it, the native kernels' float16 cache
-MODES = [(False, "f32"), pytest.param(True, "f32", marks=pytest.mark.skipif(NATIVE_WHY is not None, reason=str(NATIVE_WHY))),
-         pytest.param(True, "f16", marks=pytest.mark.skipif(NATIVE_WHY is not None, reason=str(NATIVE_WHY)))]
+NEEDS_NATIVE = pytest.mark.skipif(NATIVE_WHY is not None, reason=f"native kernels unavailable: {NATIVE_WHY}")
+MODES = [(False, "f32"), pytest.param(True, "f32", marks=NEEDS_NATIVE), pytest.param(True, "f16", marks=NEEDS_NATIVE)]
 # float32 logits of the same sums in another order (ONNX Runtime's per-row pass, native's tiles); float16 keys and
 # values rounded at other positions than a whole prompt's pass rounds them: a tolerance relative to the largest logit
 TOLERANCE = {"f32": 1e-4, "f16": 2e-2}
@@ -116,9 +115,13 @@ def test_a_hit_runs_only_the_tokens_after_the_cached_blocks(export_dir):
     backend.prefill([0], [first])
     backend.store_prefix(0, first)
     want = _backend(export_dir, False, "f32").prefill([0], [second]).numpy()
-    ran = []
-    extend = backend.session.extend
-    backend.session.extend = lambda start, held, pieces: ran.append(sum(map(len, pieces))) or extend(start, held, pieces)
+    ran, extend = [], backend.session.extend
+
+    def counted(start, held, pieces):  # the tokens each pass runs
+        ran.append(sum(map(len, pieces)))
+        return extend(start, held, pieces)
+
+    backend.session.extend = counted
     held = backend.restore_prefix(1, second)
     assert held == 3 * BLOCK and backend.prefix.stats["reused_tokens"] == held
     got = backend.extend([1], [second[held:]]).numpy()
@@ -132,7 +135,8 @@ def test_speculative_decoding_is_still_refused_on_a_genai_export(export_dir):
     """Prefix caching is accepted on a genai export; speculative decoding is not: one line naming its flag."""
     from prunus.artifacts.errors import PrunusError
 
-    with pytest.raises(PrunusError, match=r"draft applies to the torch backend.*not onnxruntime.*\(--speculative\)") as e:
+    refusal = r"draft applies to the torch backend.*not onnxruntime.*\(--speculative\)"
+    with pytest.raises(PrunusError, match=refusal) as e:
         Engine.load(export_dir, max_batch=1, max_len=96, threads=1, prefix_cache_mb=1, draft="ngram")
     assert "\n" not in str(e.value)
 
