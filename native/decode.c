@@ -320,13 +320,24 @@ static inline __m256i unpack_q4(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
+/* [sum of a's lanes 0-3, of a's 4-7, of b's 0-3, of b's 4-7]: four outputs held two to an accumulator */
+static inline __m128 sum_halves(__m256 a, __m256 b) {
+    const __m128 x = _mm_hadd_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 y = _mm_hadd_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    return _mm_hadd_ps(x, y);
+}
+
 /* The integer kernels, one instance per ISA from the templates (their comments give the math). The library is
  * built for AVX2 + FMA; the other ISAs' functions carry target attributes and run only when prunus_set_isa
  * chose them on a CPU that has them. */
 #define KERNEL(name) name##_avx2
 #define KERNEL_TARGET
 #define DOT_BUS(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+/* u0 s0 + u1 s1 in four-product 32-bit sums, for small unsigned u (q4: the 16-bit sums cannot overflow) */
+#define DOT_BUS2(u0, s0, u1, s1) \
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)), _mm256_set1_epi16(1))
 #include "tile_quant256.h"
+#undef DOT_BUS2
 #undef KERNEL
 #undef KERNEL_TARGET
 #undef DOT_BUS
@@ -334,7 +345,9 @@ static inline __m256i unpack_q4(const uint8_t *p) {
 #define KERNEL(name) name##_avxvnni
 #define KERNEL_TARGET __attribute__((target("avxvnni")))
 #define DOT_BUS(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define DOT_BUS2(u0, s0, u1, s1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1)
 #include "tile_quant256.h"
+#undef DOT_BUS2
 #undef KERNEL
 #undef KERNEL_TARGET
 #undef DOT_BUS
@@ -367,16 +380,17 @@ typedef struct {
     const char *name;
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
     tile_fn f32_triple; /* three rows at once for the row blocks of prompts; NULL: pairs */
+    tile_fn q4_many; /* q4 pairs of rows for prompts; NULL: quant_pair */
     int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
 } Kernels;
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, 1},
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, 0},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, 0},
-    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, 0},
-    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, 0},
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, 1},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, 0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, 0},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q4_many_avxvnni, 0},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q4_many_avx2, 0},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -439,7 +453,8 @@ int prunus_set_isa(const char *name) {
  * fit in ROW_BLOCK_BYTES: every tile then finds its rows in L2 instead of streaming all of them from L3 or
  * memory (SmolLM2's 1536-input layer at 512 rows: 3 MB of fp32 rows). A tile is read once per block, from L2
  * or L3: a few KB against the block's thousands of products. */
-#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch */
+#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch (and q4 their
+                            * order of float sums) */
 
 static int row_block(const Linear *L) {
     const size_t row = (size_t)L->k * (L->kind == KIND_F32 ? 4 : 1);
@@ -457,8 +472,11 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int t0, t1;
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;
-    const tile_fn pair = f32 ? k->f32_pair : k->quant_pair, one = f32 ? k->f32_row : k->quant_row;
-    const tile_fn triple = f32 && g->m >= TRIPLE_MIN_ROWS ? k->f32_triple : NULL;
+    const int many = g->m >= TRIPLE_MIN_ROWS;
+    const tile_fn pair = f32 ? k->f32_pair
+                         : many && g->L->kind == KIND_Q4 && k->q4_many ? k->q4_many : k->quant_pair;
+    const tile_fn one = f32 ? k->f32_row : k->quant_row;
+    const tile_fn triple = f32 && many ? k->f32_triple : NULL;
     const int rb = row_block(g->L);
     for (int r0 = 0; r0 < g->m; r0 += rb) {
         const int r1 = r0 + rb < g->m ? r0 + rb : g->m;

@@ -100,3 +100,46 @@ static KERNEL_TARGET void KERNEL(quant_pair)(const GemmTask *g, int t, int m) {
     store4(g, m, t, _mm_sub_ps(hsum4x8(a[0][0], a[0][1], a[0][2], a[0][3]), z0));
     store4(g, m1, t, _mm_sub_ps(hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]), z1));
 }
+
+/* rows m and m + 1 of a q4 layer against tile t, for prompts (passes of MANY_ROWS rows or more). Two outputs'
+ * 16 bytes are one 256-bit load: their low nibbles (elements 0-15) against the activation block's first half in
+ * both 128-bit lanes, their high nibbles (16-31) against its second half; the two products' 16-bit sums add
+ * without overflow (at most 4 x 15 x 127 per lane), so one DOT_BUS2 widening serves 32 products of two outputs.
+ * Each accumulator holds two outputs, four lanes each; the float sums run in another order than quant_pair's. */
+static KERNEL_TARGET void KERNEL(q4_many)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32, m1 = m + 1;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
+    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    const int8_t *xq0 = g->xq + (size_t)m * L->k, *xq1 = g->xq + (size_t)m1 * L->k;
+    const float *xd0 = g->xd + (size_t)m * kb, *xd1 = g->xd + (size_t)m1 * kb;
+    const float *xds0 = g->xds + (size_t)m * kb, *xds1 = g->xds + (size_t)m1 * kb;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), second = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01;
+    __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        const __m256i v01 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64));
+        const __m256i v23 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64 + 32));
+        const __m256i lo01 = _mm256_and_si256(v01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), low);
+        const __m256i lo23 = _mm256_and_si256(v23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), low);
+        const __m256 sb = _mm256_castps128_ps256(_mm_loadu_ps(s + 4 * b));
+        const __m256 s01 = _mm256_permutevar8x32_ps(sb, first), s23 = _mm256_permutevar8x32_ps(sb, second);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
+        const __m256i x0l = _mm256_permute4x64_epi64(x0, 0x44), x0h = _mm256_permute4x64_epi64(x0, 0xEE);
+        const __m256i x1l = _mm256_permute4x64_epi64(x1, 0x44), x1h = _mm256_permute4x64_epi64(x1, 0xEE);
+        const __m256 d0 = _mm256_broadcast_ss(xd0 + b), d1 = _mm256_broadcast_ss(xd1 + b);
+        a01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo01, x0l, hi01, x0h)), _mm256_mul_ps(s01, d0), a01);
+        a23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo23, x0l, hi23, x0h)), _mm256_mul_ps(s23, d0), a23);
+        b01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo01, x1l, hi01, x1h)), _mm256_mul_ps(s01, d1), b01);
+        b23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo23, x1l, hi23, x1h)), _mm256_mul_ps(s23, d1), b23);
+        if (sz) {
+            __m128 zb = _mm_loadu_ps(sz + 4 * b);
+            z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds0 + b), z0);
+            z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds1 + b), z1);
+        }
+    }
+    store4(g, m, t, _mm_sub_ps(sum_halves(a01, a23), z0));
+    store4(g, m1, t, _mm_sub_ps(sum_halves(b01, b23), z1));
+}
