@@ -94,6 +94,12 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
         signal.signal(signal.SIGTERM, previous)
 
 
+def _prepare_step():
+    from prunus.export import prepared_path
+
+    return prepared_path
+
+
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=False, access=None, predict=None, served_model_names=None,
            kv_dtype="f32", features=None, prepare=False):
@@ -105,7 +111,7 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
                      max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
-                     prepare=prepare, **(predict or {}), **(features or {})) as engine:
+                     prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None)

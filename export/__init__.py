@@ -10,7 +10,7 @@ _EXPORTS = {
     "EXPORT_GRAPHS": "export_dir", "FORMATS": "formats", "PRECISIONS": "formats", "ExportResult": "export_dir",
     "export_model": "export_dir", "load_export": "export_dir", "OrtGraphs": "ort_graphs", "TOLERANCES": "parity",
     "ParityFailed": "parity", "check_parity": "parity", "GRAPHS": "formats", "GenaiGraphs": "genai_parity",
-    "GENAI_GRAPH": "genai_graph",
+    "GENAI_GRAPH": "genai_graph", "prepared_path": "prepared",
 }
 __all__ = list(_EXPORTS)
 lazy_package(__name__, _EXPORTS)

@@ -12,8 +12,9 @@ generation files, the name, size and modification time of every other file in it
 ONNX Runtime's versions. A changed model dir gets a new export; the model dir itself is never written to. Two
 servers preparing the same dir at once take turns on a lock file, and the second loads what the first wrote.
 
-The torch Engine stays a choice (``--backend torch``, or ``--no-prepare``), and is what serves whatever the export
-cannot: a GPU, tensor parallelism, a device map, a dtype override, ``compile``, LoRA adapters, speculative decoding,
+Serving takes it as a step before the load: ``Engine.load(MODEL_DIR, prepare=prepared_path)`` (what ``prunus serve``
+does; the serve stage never imports the export stage itself). The torch Engine stays a choice (``--backend torch``,
+or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a dtype override, ``compile``, LoRA adapters, speculative decoding,
 or a model the genai graph does not support (the reason is the info's ``prepared.skipped``).
 """
 
@@ -27,8 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prunus.artifacts.errors import PrunusError
-
-from .load_options import LoadOptions
+from prunus.runtime.load_options import LoadOptions
 
 HASHED = ("config.json", "prunus.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
           "special_tokens_map.json", "chat_template.jinja")  # small files whose bytes name the export
@@ -87,7 +87,7 @@ def prepare(model_dir: Path, progress: bool = True) -> tuple[Path, bool]:
     """The cached genai export of ``model_dir``, written first when there is none: (its path, whether it was
     already there). Raises PrunusError when the export cannot be made (unsupported model, parity failed, no
     space)."""
-    from prunus.export import export_model
+    from .export_dir import export_model
 
     root = cache_root()
     out = root / f"{model_dir.resolve().name[:60]}-{cache_key(model_dir)}"
@@ -112,8 +112,7 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     """What to load for ``path``: its prepared export where a transformer model dir may be served from one, else
     ``path`` itself; and the info's ``prepared`` entry (None: not a model dir this applies to)."""
     from prunus.models.model_dir import read_config_json
-
-    from .artifact import resolve_backend
+    from prunus.runtime.artifact import resolve_backend
 
     path = Path(path)
     try:

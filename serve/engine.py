@@ -78,7 +78,7 @@ class Engine:
              prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
              prompt_graph: bool = False, native: bool = False, kv_dtype: str = "f32", trust_factory=None,
              max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
-             draft_tokens: int = 4, lora: dict | None = None, prepare: bool = False) -> "Engine":
+             draft_tokens: int = 4, lora: dict | None = None, prepare=None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
         runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
 
@@ -107,18 +107,17 @@ class Engine:
         speculates, several decode plainly together. The info's ``prefix_cache`` and ``speculative`` count reuse
         and acceptance. ``lora``: {name: PEFT adapter dir}, LoRA adapters served over the base per row
         (:mod:`prunus.runtime.lora_adapters`; the torch backend in one process); a request picks one by name.
-        ``prepare``: a transformer model dir on a CPU is served from its ONNX Runtime genai export, made once and
-        cached (:mod:`prunus.runtime.prepared`; ``prunus serve`` does this by default), unless an option needs the
-        torch backend; the info's ``prepared`` says which, and why."""
+        ``prepare``: a step run before the load, ``prepare(path, backend, options, has_lora) -> (path, info)``;
+        :func:`prunus.export.prepared_path` serves a transformer model dir on a CPU from its ONNX Runtime genai
+        export, made once and cached (``prunus serve`` passes it by default), unless an option needs the torch
+        backend; the info's ``prepared`` says which, and why."""
         options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
                               compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
                               max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
                               trust_factory=trust_factory, features=ServingFeatures(prefix_cache_mb, draft, draft_tokens))
         prepared = None
-        if prepare:
-            from prunus.runtime.prepared import prepared_path
-
-            path, prepared = prepared_path(path, backend, options, bool(lora))
+        if prepare is not None:
+            path, prepared = prepare(path, backend, options, bool(lora))
         loaded = load_runtime(path, backend, options)
         if prepared is not None:  # the info names the dir asked for; its prepared export is the entry's
             loaded.info.update(path=prepared.get("from", loaded.info["path"]), prepared=prepared)

@@ -12,7 +12,7 @@ import pytest
 
 # Passive OpenMP waiting, as `make test` and every prunus command set it; it must precede torch's import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# `prunus serve` prepares model dirs into a cache (prunus.runtime.prepared): the tests' own, never the user's.
+# `prunus serve` prepares model dirs into a cache (prunus.export.prepared): the tests' own, never the user's.
 _CACHE = __import__("tempfile").mkdtemp(prefix="prunus-test-cache-")
 os.environ["PRUNUS_CACHE_DIR"] = _CACHE
 __import__("atexit").register(__import__("shutil").rmtree, _CACHE, True)

@@ -1,4 +1,4 @@
-"""A model dir served from its prepared ONNX Runtime export (prunus.runtime.prepared): the same greedy tokens as
+"""A model dir served from its prepared ONNX Runtime export (prunus.export.prepared): the same greedy tokens as
 the torch Engine, made once and cached by what the dir holds, the torch Engine kept where an option needs it or
 the export cannot be made, and ``prunus serve``'s default."""
 
@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from prunus.artifacts.errors import PrunusError
 from prunus.cli.main import cli
 from prunus.models import Transformer, get_preset, save_model
-from prunus.runtime import prepared
+from prunus.export import prepared
+from prunus.export.prepared import prepared_path
 from prunus.serve import Engine
 from prunus.serve.http_server import CompletionServer
 
@@ -41,13 +42,13 @@ def _tokens(engine) -> list[list[int]]:
 def test_served_from_a_cached_export_with_the_torch_engines_tokens(model_dir, cache, monkeypatch):
     with Engine.load(model_dir, threads=1) as plain:
         want = _tokens(plain)
-    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
         info = engine.info
         assert info["runtime"] == "ort_genai" and info["path"] == str(model_dir)
         assert info["prepared"]["cached"] is False and info["prepared"]["export"].startswith(str(cache))
         assert _tokens(engine) == want
-    monkeypatch.setattr("prunus.export.export_model", lambda *a, **k: pytest.fail("exported twice"))
-    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+    monkeypatch.setattr("prunus.export.export_dir.export_model", lambda *a, **k: pytest.fail("exported twice"))
+    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
         assert engine.info["prepared"]["cached"] is True and _tokens(engine) == want
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [
         os.path.basename(info["prepared"]["export"])]
@@ -72,7 +73,7 @@ def test_the_key_follows_what_the_dir_holds(model_dir, tmp_path):
                                             ({"dtype": "bfloat16"}, "dtype=bfloat16"),
                                             ({"draft": "ngram"}, "speculative decoding")])
 def test_options_that_need_torch_keep_it_and_say_why(model_dir, cache, kwargs, reason):
-    with Engine.load(model_dir, threads=1, prepare=True, **kwargs) as engine:
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, **kwargs) as engine:
         assert engine.info["runtime"] == "torch" and reason in engine.info["prepared"]["skipped"]
     assert not cache.exists()
 
@@ -80,8 +81,8 @@ def test_options_that_need_torch_keep_it_and_say_why(model_dir, cache, kwargs, r
 def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, monkeypatch, capsys):
     def refuse(*a, **k):
         raise PrunusError("the genai graph does not support this model")
-    monkeypatch.setattr("prunus.export.export_model", refuse)
-    with Engine.load(model_dir, threads=1, prepare=True) as engine:
+    monkeypatch.setattr("prunus.export.export_dir.export_model", refuse)
+    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
         assert engine.info["runtime"] == "torch"
         assert "does not support" in engine.info["prepared"]["skipped"]
     assert "serving" in capsys.readouterr().err  # one line says so
@@ -89,7 +90,7 @@ def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, mon
 
 def test_a_bad_option_is_refused_before_any_export(model_dir, cache):
     with pytest.raises(PrunusError, match="max_batch"):
-        Engine.load(model_dir, prepare=True, max_batch=0)
+        Engine.load(model_dir, prepare=prepared_path, max_batch=0)
     assert not cache.exists()
 
 
