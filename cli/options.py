@@ -50,9 +50,9 @@ kv_dtype_option = click.option(
     help="With --native: the KV cache's element type; f16 halves its memory and bandwidth at long contexts "
          "(every pass then runs in the native kernels).")
 prefill_chunk_option = click.option(
-    "--prefill-chunk", type=click.IntRange(min=0), default=256, show_default=True,  # runtime.torch.PREFILL_CHUNK
-    help="Prompt tokens per row per prefill pass (torch backend); longer prompts go through the cache in chunks, "
-         "between other requests' decode steps. 0: whole prompts.")
+    "--prefill-chunk", type=click.IntRange(min=0), default=None,
+    help="Prompt tokens per row per prefill pass; longer prompts go through the cache in chunks, between other "
+         "requests' decode steps. 0: whole prompts. Default: 256 on the torch backend, 64 on a genai export.")
 
 
 def access_options(command):

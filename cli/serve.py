@@ -109,7 +109,7 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
 
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
-                     prefill_chunk=prefill_chunk or None, device_map=_device_map(device_map),
+                     prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None), device_map=_device_map(device_map),
                      max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
                      prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol

@@ -8,6 +8,7 @@ from pathlib import PurePath
 from prunus.artifacts.errors import PrunusError
 
 PREFILL_CHUNK = 256  # tokens per row per prefill pass of the torch backend; see prunus.serve.engine.Engine.load
+PREFILL_AUTO = "auto"  # prefill_chunk left to the backend: PREFILL_CHUNK on torch, its own on a genai export
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -72,7 +73,7 @@ class LoadOptions:
     dtype: str | None = None
     threads: int | None = None
     compile: bool | str = "auto"
-    prefill_chunk: int | None = PREFILL_CHUNK
+    prefill_chunk: int | str | None = PREFILL_AUTO  # "auto": the backend's own (chunk_for)
     device_map: object = None
     max_memory: object = None
     prompt_graph: bool = False
@@ -104,6 +105,9 @@ class LoadOptions:
         if self.kv_dtype == "f16" and self.prompt_graph:
             raise PrunusError("prompt_graph runs prompts in ONNX Runtime, which cannot read the f16 KV cache "
                               "(kv_dtype='f16' runs every pass natively); drop one of them (--prompt-graph, --kv-dtype)")
+        chunk = self.prefill_chunk
+        if chunk not in (None, PREFILL_AUTO) and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise PrunusError(f"prefill_chunk={chunk!r} must be a positive integer, 'auto' or None (whole prompts)")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise PrunusError(f"max_batch={self.max_batch!r} must be a positive integer")
         threads = self.threads
@@ -112,6 +116,10 @@ class LoadOptions:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise PrunusError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         self.features.check(backend, tp, self.device_map)
+
+    def chunk_for(self, default: int | None) -> int | None:
+        """``prefill_chunk`` with "auto" resolved to the backend's ``default``."""
+        return default if self.prefill_chunk == PREFILL_AUTO else self.prefill_chunk
 
     def check_placement(self, backend: str) -> None:
         """``device_map`` / ``max_memory``: a model dir's modules placed for the torch backend in one process."""

@@ -37,7 +37,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_dims, export_tokenizer
 from .backend import BackendBase, Capabilities
-from .load_options import PREFILL_CHUNK, LoadOptions
+from .load_options import LoadOptions
 from .registry import Loaded
 
 
@@ -47,8 +47,8 @@ from .registry import Loaded
 # of spinning, int8): spinning threads take the cores other work needs. One thread has no pool to spin.
 SPINNING = True
 
-# Prompt tokens per row per pass of ``extend`` when the load leaves ``prefill_chunk`` at its default (the torch
-# backend's 256). SmolLM2-135M int8 genai, one 512-token prompt at 1 thread (EPYC, load average 3 to 7), best of 3:
+# Prompt tokens per row per pass of ``extend`` when the load leaves ``prefill_chunk`` at "auto" (the torch backend
+# takes 256). SmolLM2-135M int8 genai, one 512-token prompt at 1 thread (EPYC, load average 3 to 7), best of 3:
 # whole 2.72-3.05 s; in chunks of 256 / 128 / 64: 3.15 / 2.96 / 2.66 s in all, its longest pass 1.62 / 0.80 / 0.35 s
 # (ONNX Runtime); with --native 2.61 s whole, 2.35 s in chunks of 64 (one native pass each), longest pass 0.34 s. A
 # prompt in chunks of 64 costs no more than whole (its attention over the cached part is a small share of a pass,
@@ -62,7 +62,7 @@ PREFILL_CHUNK_GENAI = 64
 class GenaiBackend(BackendBase):
     name = "onnxruntime"
 
-    def __init__(self, session, n_slots: int, max_len: int, prefill_chunk: int | None = PREFILL_CHUNK,
+    def __init__(self, session, n_slots: int, max_len: int, prefill_chunk: int | None = PREFILL_CHUNK_GENAI,
                  prefix_cache_mb: float | None = None):
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
@@ -214,9 +214,7 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     if native:
         info["native_prompt_tokens"] = session.native_prompt_tokens
         info["kv_dtype"] = options.kv_dtype
-    chunk = options.prefill_chunk
-    if chunk == PREFILL_CHUNK:  # the default, set for the torch backend: this backend's own (see above)
-        chunk = max(PREFILL_CHUNK_GENAI, session.prompt_min_tokens or 0)
+    chunk = options.chunk_for(max(PREFILL_CHUNK_GENAI, session.prompt_min_tokens or 0))  # "auto": its own (above)
     backend = GenaiBackend(session, n_slots, max_len, prefill_chunk=chunk,
                            prefix_cache_mb=options.features.prefix_cache_mb)
     return Loaded(backend, tokenizer, info)

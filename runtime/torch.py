@@ -201,7 +201,7 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
         from .device_map import load_dispatched, place_cache
 
         model, placed = load_dispatched(path, options.device_map, options.max_memory, dtype=dtype)
-        backend = TorchBackend(model, options.max_batch, options.max_len, prefill_chunk=options.prefill_chunk)
+        backend = TorchBackend(model, options.max_batch, options.max_len, prefill_chunk=options.chunk_for(PREFILL_CHUNK))
         place_cache(backend.cache, model)
         info["device_map"] = {k: str(v) for k, v in placed.items()}
     else:
@@ -210,5 +210,6 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
         model = load_model(path, device=options.device, dtype=dtype)
         info["compile"] = compile = choose_compile(options.compile, model)
         backend = TorchBackend(model, options.max_batch, options.max_len, compile=compile,
-                               prefill_chunk=options.prefill_chunk, prefix_cache_mb=options.features.prefix_cache_mb)
+                               prefill_chunk=options.chunk_for(PREFILL_CHUNK),
+                               prefix_cache_mb=options.features.prefix_cache_mb)
     return Loaded(backend, load_model_tokenizer(path), info)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.runtime.load_options import PREFILL_CHUNK, LoadOptions, ServingFeatures
+from prunus.runtime.load_options import PREFILL_AUTO, LoadOptions, ServingFeatures
 from prunus.runtime.registry import load_runtime
 
 from . import events
@@ -75,7 +75,7 @@ class Engine:
     def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
-             prefill_chunk: int | None = PREFILL_CHUNK, device_map=None, max_memory=None,
+             prefill_chunk: int | str | None = PREFILL_AUTO, device_map=None, max_memory=None,
              prompt_graph: bool = False, native: bool = False, kv_dtype: str = "f32", trust_factory=None,
              max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
              draft_tokens: int = 4, lora: dict | None = None, prepare=None) -> "Engine":
@@ -88,8 +88,8 @@ class Engine:
         (:mod:`prunus.runtime.compiled_decode`, the torch backend in one process): True, False, or "auto",
         which compiles where torch.compile runs here and its rule (:func:`prunus.runtime.compiled_decode.choose_compile`) says it pays;
         where it cannot run, decoding stays eager with a one-line warning. ``prefill_chunk``: prompt tokens per
-        row per prefill pass of the torch backend (None: whole prompts); a longer prompt goes through the cache
-        in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
+        row per prefill pass (None: whole prompts; "auto": 256 on the torch backend, 64 on a genai export); a
+        longer prompt goes through the cache in chunks, between other requests' decode steps. ``device_map``: "auto" (with ``max_memory``, e.g. {0: "10GiB", "cpu": "30GiB"}) or
         {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.runtime.device_map`).
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
         (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
@@ -101,7 +101,7 @@ class Engine:
         ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
         concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others.
         ``prefix_cache_mb``: MiB of KV blocks kept for prompts that start like earlier ones (automatic prefix
-        caching, :mod:`prunus.runtime.prefix_cache`; the torch backend in one process). ``draft``: speculative
+        caching, :mod:`prunus.runtime.prefix_cache`; the torch backend in one process, or a genai export). ``draft``: speculative
         decoding (:mod:`prunus.runtime.speculative`) with a draft model dir of the same tokenizer, or "ngram" (prompt
         lookup, :mod:`prunus.runtime.prompt_lookup`), ``draft_tokens`` drafted per step; a lone decoding request
         speculates, several decode plainly together. The info's ``prefix_cache`` and ``speculative`` count reuse

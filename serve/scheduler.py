@@ -3,7 +3,7 @@
 Each step the scheduler (1) admits waiting requests into free cache rows and runs
 their prefill together in one pass, sampling each one's first token, then (2) runs
 one decode pass over every active row. With a backend that prefills in chunks
-(``capabilities.extend`` and ``prefill_chunk``, the torch backend) step (1) takes at most one chunk
+(``capabilities.extend`` and ``prefill_chunk``: the torch and genai backends) step (1) takes at most one chunk
 of each prompt; a longer prompt's next chunk comes in the next step, after the decode
 pass, so a long prompt delays the running requests' tokens by a chunk's pass per step
 instead of stalling them for its whole prefill. A request that finishes (its length, end of

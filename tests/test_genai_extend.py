@@ -141,10 +141,11 @@ def test_speculative_decoding_is_still_refused_on_a_genai_export(export_dir):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("given, chunk", [({}, 64), ({"prefill_chunk": 24}, 24), ({"prefill_chunk": None}, None)])
+@pytest.mark.parametrize("given, chunk", [({}, 64), ({"prefill_chunk": 24}, 24), ({"prefill_chunk": 256}, 256),
+                                          ({"prefill_chunk": None}, None)])
 def test_the_prefill_chunk_is_the_backends_own_unless_given(export_dir, given, chunk):
-    """The default (the torch backend's 256) becomes the genai backend's measured 64; a chunk given is kept, and
-    None prefills whole prompts through ``extend`` still (a prefix cache's rest of a prompt)."""
+    """The default, "auto" (256 on the torch backend), is the genai backend's measured 64; a chunk given is kept
+    (256 too), and None prefills whole prompts through ``extend`` still (a prefix cache's rest of a prompt)."""
     with Engine.load(export_dir, max_batch=1, max_len=96, threads=1, **given) as engine:
         caps = engine.backend.capabilities
         assert caps.extend and caps.prefill_chunk == chunk

@@ -215,5 +215,5 @@ def test_generate_flags_reach_the_engine(model_dir, monkeypatch):
                                                               ["--prefill-chunk", "0"])]
     assert all(r.exit_code == 0 for r in outs), [r.output for r in outs]
     assert outs[0].stdout == outs[1].stdout == outs[2].stdout
-    assert seen == [{"compile": "auto", "prefill_chunk": PREFILL_CHUNK}, {"compile": False, "prefill_chunk": 3},
+    assert seen == [{"compile": "auto", "prefill_chunk": "auto"}, {"compile": False, "prefill_chunk": 3},
                     {"compile": "auto", "prefill_chunk": None}]
