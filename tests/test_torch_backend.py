@@ -12,7 +12,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset, save_model
 from prunus.serve import Engine
-from prunus.runtime.torch import PREFILL_CHUNK, TorchBackend
+from prunus.runtime.torch import TorchBackend
 
 
 def tiny(**changes) -> Transformer:
