@@ -129,12 +129,14 @@ class NativeDecoder:
 def native_prompt_tokens(packed: PackedModel) -> int:
     """The most prompt tokens (all rows together) a pass runs natively rather than in ONNX Runtime.
 
-    Native kernels are built for few rows. SmolLM2-135M, one prompt of 16 to 64 tokens, best of 3, native time over
-    the genai graph's in ONNX Runtime at 1 / 2 threads: int8 0.95-0.97x / 0.89-0.94x (0.98x / 1.02x at 128 tokens,
-    1.5x at 512), int4 1.43-1.51x / 1.11-1.41x, fp32 1.51-1.73x / 1.40-1.77x. So int8 graphs take prompts of up to
-    64 tokens natively, the others none; decode steps always run natively."""
+    Measured by ``benchmarks/native_prefill.py`` on SmolLM2-135M (AMD EPYC, AVX2, shared with other work), native
+    time over the genai graph's in ONNX Runtime at 1 / 2 threads, median of 3 to 5 alternating rounds: int8
+    0.93x / 0.98x at 512 tokens, 0.83x at 64 (one thread); fp32 1.25x / 1.44x at 512, 1.16x / 1.14x at 64 (ONNX
+    Runtime's SGEMM is the faster); int4 1.08x / 0.97x at 64 tokens (1.33x at 512 before its prompt kernel, q4_many). So int8 graphs take prompts of up to 512 tokens
+    natively (the longest measured), the others none; decode steps always run natively. llama.cpp on the same weights:
+    docs/results.md (native decoder, prompts)."""
     kinds = {lin.kind for layer in packed.layers for lin in layer.values() if isinstance(lin, PackedLinear)}
-    return 64 if kinds == {"q8"} else 0
+    return 512 if kinds == {"q8"} else 0
 
 
 def check_native(where: str) -> None:
