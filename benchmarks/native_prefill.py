@@ -55,7 +55,8 @@ def _dims(export: Path) -> tuple[Path, dict]:
 
     config = json.loads((export / "config.json").read_text())["export"]
     dims = export_dims(export, config)
-    return export / config["graphs"]["model"], {k: dims[k] for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    keys = ("n_layers", "n_kv_heads", "head_dim", "vocab_size")
+    return export / config["graphs"]["model"], {k: dims[k] for k in keys}
 
 
 def native_runner(export: Path, tokens: int, threads: int):
@@ -141,8 +142,8 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(100, 20000, args.tokens).astype(np.int64)
     print(f"first token of a {args.tokens}-token prompt, batch 1, median (range) of {args.rounds} alternating rounds")
     print(f"CPU: {cpu_model()}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    head = f"{'precision':9s} {'threads':>7s} {'native':>24s} {'onnxruntime':>24s} {'llama.cpp':>24s}  native/ort  native/llama.cpp"
-    print(head)
+    print(f"{'precision':9s} {'threads':>7s} {'native':>24s} {'onnxruntime':>24s} {'llama.cpp':>24s}  "
+          "native/ort  native/llama.cpp")
     try:
         for precision, export in exports.items():
             for threads in args.threads:
@@ -151,7 +152,8 @@ def main() -> None:
                 if not args.no_onnxruntime:
                     makers["onnxruntime"] = lambda: ort_runner(export, args.tokens, threads)
                 if peer is not None and precision in ggufs:
-                    makers["llama.cpp"] = lambda: llamacpp_runner(peer, ggufs[precision], precision, args.tokens, threads)
+                    makers["llama.cpp"] = lambda: llamacpp_runner(peer, ggufs[precision], precision, args.tokens,
+                                                                  threads)
                 for name, make in makers.items():
                     runners[name], close = make()
                     closers.append(close)
