@@ -106,8 +106,8 @@ static void pool_run(Pool *p, task_fn fn, void *ctx) {
     pthread_mutex_unlock(&p->mu);
     fn(ctx, 0, p->n);
     /* spin, then yield: on a CPU shared with other processes a worker may have lost its core, and spinning on
-     * would keep it from getting one back for a whole time slice (a 64-token int8 prompt at 2 threads beside
-     * another process: 0.5 s alone, 1.7 s with such waits) */
+     * can keep it from getting one back for a whole time slice (with a pure spin, a 64-token int8 prompt at 2
+     * threads beside other work took 0.48 to 1.78 s over five rounds) */
     for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < p->n - 1;)
         if (++spins < WAIT_SPINS) _mm_pause(); else sched_yield();
 }
