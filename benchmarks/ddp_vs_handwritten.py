@@ -8,7 +8,8 @@ torchrun (``--standalone``, 2 ranks, one thread each). Throughput is the global 
 ``--warmup`` over the wall time between the end of the warm-up and the end of the last step, data waits
 included. prunus uses its defaults (DDP, AdamW, gradient clipping at 1.0, a metrics record per step, the losses
 averaged over the ranks every ``log_every`` steps); the hand-written loop uses SGD and records nothing: that
-work is part of what is compared. ``--zero3`` adds prunus with ``zero=3`` (FSDP2, the whole module one unit),
+work is part of what is compared. A third row runs the hand-written loop with prunus's optimizer (AdamW, clipping
+at 1.0), so what is left between it and prunus is the trainer's own work. ``--zero3`` adds prunus with ``zero=3`` (FSDP2, the whole module one unit),
 the layout prunus chose by default before DDP, for the record.
 
 Data readers: an image folder of 32 x 32 PNGs and the same samples as tar shards (``write_shards``), read in
@@ -82,8 +83,20 @@ def run_prunus(model: str, steps: int, batch: int, out: Path, zero: int | None =
     return ends
 
 
-def run_handwritten(model: str, steps: int, batch: int) -> list[float]:
-    """The textbook loop: DistributedSampler, DataLoader, DistributedDataParallel, SGD."""
+def _optimizer(net, like_prunus: bool):
+    """SGD with momentum (the textbook's), or prunus's defaults: AdamW (2e-3, betas 0.9 / 0.95, weight decay 0.1 on
+    parameters of 2 or more dimensions) with the gradients' global norm clipped at 1.0 (no schedule: a scalar)."""
+    if not like_prunus:
+        return torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
+    params = [p for p in net.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=2e-3, betas=(0.9, 0.95))
+
+
+def run_handwritten(model: str, steps: int, batch: int, like_prunus: bool = False) -> list[float]:
+    """The textbook loop: DistributedSampler, DataLoader, DistributedDataParallel, SGD (``like_prunus``: AdamW and
+    gradient clipping as prunus runs them, so the difference left is the trainer's own work)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
@@ -96,7 +109,7 @@ def run_handwritten(model: str, steps: int, batch: int) -> list[float]:
     spec, data = MODELS[model]
     dataset = synthetic_datasets(data)[0]
     net = DistributedDataParallel(build_module(spec, {}))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
+    opt = _optimizer(net, like_prunus)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=batch // dist.get_world_size(), sampler=sampler, drop_last=True)
     ends, epoch = [], 0
@@ -106,6 +119,8 @@ def run_handwritten(model: str, steps: int, batch: int) -> list[float]:
             loss = nn.functional.cross_entropy(net(x), y)
             opt.zero_grad()
             loss.backward()
+            if like_prunus:
+                nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
             ends.append(time.perf_counter())
             if len(ends) == steps:
@@ -116,8 +131,8 @@ def run_handwritten(model: str, steps: int, batch: int) -> list[float]:
 
 
 def worker(mode: str, model: str, steps: int, batch: int, out: str) -> None:
-    if mode == "handwritten":
-        ends = run_handwritten(model, steps, batch)
+    if mode.startswith("handwritten"):
+        ends = run_handwritten(model, steps, batch, like_prunus=mode == "handwritten-adamw")
     else:
         ends = run_prunus(model, steps, batch, Path(out).with_suffix(".run"), 3 if mode == "prunus-zero3" else None)
     if os.environ.get("RANK", "0") == "0":
@@ -193,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="prunus-ddp-") as tmp:
         tmp = Path(tmp)
         for model in MODELS:
-            labels = {"prunus": "prunus DDP x2", "handwritten": "hand-written DDP x2"}
+            labels = {"prunus": "prunus DDP x2", "handwritten": "hand-written DDP x2",
+                      "handwritten-adamw": "hand-written DDP x2, AdamW + clipping"}
             if args.zero3:
                 labels["prunus-zero3"] = "prunus FSDP2 (zero=3) x2"
             got = {label: [] for label in labels.values()}
@@ -217,13 +233,14 @@ def report(results: dict, args) -> None:
     rows = []
     for model in MODELS:
         got = results[model]
-        a, b, *z3 = (statistics.median(v) for v in got.values())
-        rows.append([model] + [" / ".join(f"{x:,.0f}" for x in v) for v in got.values()] + [f"{a / b:.3f}"]
-                    + [f"{z / b:.3f}" for z in z3])
+        a, b, c, *z3 = (statistics.median(v) for v in got.values())
+        rows.append([model] + [" / ".join(f"{x:,.0f}" for x in v) for v in got.values()]
+                    + [f"{a / b:.3f}", f"{a / c:.3f}"] + [f"{z / b:.3f}" for z in z3])
     labels = list(results[next(iter(MODELS))])
     show(f"samples/s, global batch {args.batch}, 2 ranks x 1 thread, gloo ({args.rounds} runs each of "
-         f"{args.steps} steps, first {args.warmup} left out)", ["model", *labels, "ratio prunus DDP / hand-written"]
-         + (["ratio FSDP2 / hand-written"] if len(labels) > 2 else []), rows, width=140)
+         f"{args.steps} steps, first {args.warmup} left out)",
+         ["model", *labels, "prunus DDP / hand-written SGD", "prunus DDP / hand-written AdamW + clipping"]
+         + (["FSDP2 / hand-written SGD"] if len(labels) > 3 else []), rows, width=160)
     cnn = statistics.median(results["small_cnn"]["prunus DDP x2"])
     show(f"data readers, images/s (batch {args.batch}, one process) beside the small CNN's training step",
          ["reader", "images/s", "reader / CNN step"],
