@@ -53,8 +53,8 @@ SPINNING = True
 # (ONNX Runtime); with --native 2.61 s whole, 2.35 s in chunks of 64 (one native pass each), longest pass 0.34 s. A
 # prompt in chunks of 64 costs no more than whole (its attention over the cached part is a small share of a pass,
 # and MatMulNBits's per-row work does not shrink with more rows), while every decode step beside it waits one
-# chunk's pass instead of the whole prompt's: 64 tokens, the most an int8 export runs natively
-# (prunus.native.decoder.native_prompt_tokens). With --prompt-graph the chunk is the twin's threshold, so that a
+# chunk's pass instead of the whole prompt's: 64 tokens (an int8 export runs its chunks natively, up to 512 prompt
+# tokens a pass: prunus.native.decoder.native_prompt_tokens). With --prompt-graph the chunk is the twin's threshold, so that a
 # row's chunk reaches the twin.
 PREFILL_CHUNK_GENAI = 64
 
