@@ -2,8 +2,8 @@
 same batch on a model with one adapter merged into its weights (what serving one fine-tune costs) and on the base.
 
 ``--adapters`` (4) random PEFT-format adapters of rank ``--rank`` (8) on every projection of SmolLM2-135M
-(``/tmp/smol/model-dir`` or ``--model``; else a random model of the ``base`` preset) are written to a temp dir. ``--requests``
-(8) requests, spread round-robin over the adapters, run together on an Engine of that many rows serving all the
+(``/tmp/smol/model-dir`` or ``--model``; else a random model of the ``base`` preset) are written to a temp dir.
+``--requests`` (8) requests, spread round-robin over the adapters, run together on an Engine of that many rows serving all the
 adapters (per-row deltas, no merging); the same requests run on an Engine over the model with adapter 0 merged in
 (prunus's own weights, W + scale B A) and on the base. Prints output tokens/s of each (median and range over
 alternating rounds), the ratios, and checks that the merged model's greedy tokens equal the adapter rows' for

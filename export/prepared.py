@@ -14,8 +14,9 @@ servers preparing the same dir at once take turns on a lock file, and the second
 
 Serving takes it as a step before the load: ``Engine.load(MODEL_DIR, prepare=prepared_path)`` (what ``prunus serve``
 does; the serve stage never imports the export stage itself). The torch Engine stays a choice (``--backend torch``,
-or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a dtype override, ``compile``, LoRA adapters, speculative decoding,
-or a model the genai graph does not support (the reason is the info's ``prepared.skipped``).
+or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a
+dtype override, ``compile``, LoRA adapters, speculative decoding, or a model the genai graph does not support (the
+reason is the info's ``prepared.skipped``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def prepare(model_dir: Path, progress: bool = True) -> tuple[Path, bool]:
         if (out / "config.json").is_file():  # another server prepared it while this one waited
             return out, True
         if progress:
-            print(f"prunus: preparing {model_dir} for ONNX Runtime, once (cached in {out})", file=sys.stderr, flush=True)
+            print(f"prunus: preparing {model_dir} for ONNX Runtime, once (cached in {out})", file=sys.stderr,
+                  flush=True)
         export_model(model_dir, out, format="onnx", graph="genai", progress=progress,
                      command=f"prunus serve {model_dir} (prepared)")
     return out, False
