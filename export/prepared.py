@@ -127,9 +127,11 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     why = skipped(backend, config, options, lora)
     if why is not None:
         return path, {"skipped": why}
+    from .parity import ParityFailed
+
     try:
         out, cached = prepare(path, progress)
-    except PrunusError as e:  # served as it is, by the torch Engine: the reason is kept
+    except (PrunusError, ParityFailed) as e:  # served as it is, by the torch Engine: the reason is kept
         if progress:
             print(f"prunus: serving {path} on the torch backend: {str(e)[:300]}", file=sys.stderr, flush=True)
         return path, {"skipped": str(e)[:300]}

@@ -14,6 +14,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.cli.main import cli
 from prunus.models import Transformer, get_preset, save_model
 from prunus.export import prepared
+from prunus.export.parity import ParityFailed
 from prunus.export.prepared import prepared_path
 from prunus.serve import Engine
 from prunus.serve.http_server import CompletionServer
@@ -78,13 +79,17 @@ def test_options_that_need_torch_keep_it_and_say_why(model_dir, cache, kwargs, r
     assert not cache.exists()
 
 
-def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, monkeypatch, capsys):
+@pytest.mark.parametrize("error, words", [
+    (PrunusError("the genai graph does not support this model"), "does not support"),
+    (ParityFailed({"failed": ["max_abs_logits"], "max_abs_logits": 0.5, "tolerances": {"max_abs_logits": 1e-3}}),
+     "parity check failed")])
+def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, monkeypatch, capsys, error, words):
     def refuse(*a, **k):
-        raise PrunusError("the genai graph does not support this model")
+        raise error
     monkeypatch.setattr("prunus.export.export_dir.export_model", refuse)
     with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
         assert engine.info["runtime"] == "torch"
-        assert "does not support" in engine.info["prepared"]["skipped"]
+        assert words in engine.info["prepared"]["skipped"]
     assert "serving" in capsys.readouterr().err  # one line says so
 
 
