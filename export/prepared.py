@@ -61,7 +61,7 @@ def cache_key(model_dir: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def skipped(backend: str | None, config: dict, options: LoadOptions, lora: bool) -> str | None:
+def skipped(backend: str | None, options: LoadOptions, lora: bool) -> str | None:
     """Why a model dir is served by the torch Engine rather than a prepared export (None: it may be prepared)."""
     reasons = ((backend is not None, f"--backend {backend} was asked for"),
                (options.device != "cpu", f"it runs on {options.device}"),
@@ -124,7 +124,7 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     if "export" in config or config.get("kind") == "module":
         return path, None
     options.check(resolve_backend(path, backend)[0])  # a bad option is one line before minutes of export
-    why = skipped(backend, config, options, lora)
+    why = skipped(backend, options, lora)
     if why is not None:
         return path, {"skipped": why}
     from .parity import ParityFailed
