@@ -57,7 +57,8 @@ def command(model_dir, prompt, chat, system, max_new_tokens, temperature, top_k,
 
     with Engine.load(model_dir, backend, tp=tp, max_batch=1, device=resolve_device(device),
                      compile="auto" if compile_ is None else compile_,
-                     prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None), prompt_graph=prompt_graph, native=native,
+                     prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None), prompt_graph=prompt_graph,
+                     native="auto" if native is None else native,
                      kv_dtype=kv_dtype, prefix_cache_mb=prefix_cache_mb, draft=draft,
                      draft_tokens=draft_tokens) as engine:
         text = prompt

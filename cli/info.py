@@ -80,7 +80,8 @@ def module_tables(path: Path) -> list:
 
 
 def native_tables(path: Path) -> list:
-    """For an export dir with native weights: the kernel path ``--native`` runs on this CPU, or why it cannot."""
+    """For an export dir with native weights: the kernel path it runs on by default on this CPU, or why it cannot
+    (it then runs in ONNX Runtime)."""
     from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 
     if not (path / NATIVE_WEIGHTS).is_file():
@@ -90,7 +91,7 @@ def native_tables(path: Path) -> list:
     why = unavailable()
     rows = {"kernel path": why} if why else {"kernel path": isa(), "paths this CPU runs": ", ".join(supported_isas()),
                                              "override": f"{ISA_ENV}=<path>"}
-    return [_table("native decoding (--native) on this machine", rows)]
+    return [_table("native decoding on this machine (default)", rows)]
 
 
 def checkpoint_steps(steps: list[int]) -> str:

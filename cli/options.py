@@ -37,9 +37,10 @@ prompt_graph_option = click.option(
     help="Genai export of int8 / int4 weights: long prompts through a twin graph with float activations "
          "(faster first token, a second copy of the weights in memory).")
 native_option = click.option(
-    "--native", is_flag=True, default=False,
-    help="Genai export: decode steps in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; compiled with "
-         "the machine's C compiler on first use) instead of ONNX Runtime, over the same weights.")
+    "--native/--no-native", default=None,
+    help="Genai export: run it in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; compiled with "
+         "the machine's C compiler on first use), or in ONNX Runtime. Default: the kernels wherever they run "
+         "(x86-64 with AVX2), else ONNX Runtime; `prunus info EXPORT_DIR` says which.")
 prepare_option = click.option(
     "--prepare/--no-prepare", default=True, show_default=True,
     help="A model dir on a CPU: serve its ONNX Runtime genai export, made once (parity-checked) and cached in "
@@ -47,8 +48,8 @@ prepare_option = click.option(
          "--backend torch keeps the torch Engine.")
 kv_dtype_option = click.option(
     "--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-    help="With --native: the KV cache's element type; f16 halves its memory and bandwidth at long contexts "
-         "(every pass then runs in the native kernels).")
+    help="The native kernels' KV cache element type (a genai export); f16 halves its memory and bandwidth at long "
+         "contexts.")
 prefill_chunk_option = click.option(
     "--prefill-chunk", type=click.IntRange(min=0), default=None,
     help="Prompt tokens per row per prefill pass; longer prompts go through the cache in chunks, between other "

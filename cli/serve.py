@@ -101,7 +101,7 @@ def _prepare_step():
 
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-           max_memory, prompt_graph=False, native=False, access=None, predict=None, served_model_names=None,
+           max_memory, prompt_graph=False, native=None, access=None, predict=None, served_model_names=None,
            kv_dtype="f32", features=None, prepare=False):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
@@ -110,8 +110,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
     with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
                      max_queue=max_queue, compile="auto" if compile_ is None else compile_,
                      prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None), device_map=_device_map(device_map),
-                     max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
-                     prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
+                     max_memory=max_memory, prompt_graph=prompt_graph, native="auto" if native is None else native,
+                     kv_dtype=kv_dtype, prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None)

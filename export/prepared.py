@@ -1,8 +1,9 @@
-"""A model dir served on a CPU by the faster runtime: its ONNX Runtime genai export, prepared once and cached.
+"""A model dir served on a CPU by the fastest runtime: its genai export, prepared once and cached, decoded by prunus's
+native kernels (or ONNX Runtime where they cannot run, :mod:`prunus.runtime.native_choice`).
 
 ``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: on SmolLM2-135M the genai
-graph in ONNX Runtime decodes 1.75-2.05x the torch Engine's tokens/s (docs/results.md). So the first time a model
-dir is served, :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
+export decodes 1.75-2.05x the torch Engine's tokens/s in ONNX Runtime, and more in the native kernels
+(docs/results.md). So the first time a model dir is served, :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
 export's parity check against PyTorch: a graph that fails it is not served) into a cache dir, and every later
 serve of the same dir loads the cached export at once.
 
@@ -102,7 +103,7 @@ def prepare(model_dir: Path, progress: bool = True) -> tuple[Path, bool]:
         if (out / "config.json").is_file():  # another server prepared it while this one waited
             return out, True
         if progress:
-            print(f"prunus: preparing {model_dir} for ONNX Runtime, once (cached in {out})", file=sys.stderr,
+            print(f"prunus: preparing {model_dir}'s genai export, once (cached in {out})", file=sys.stderr,
                   flush=True)
         export_model(model_dir, out, format="onnx", graph="genai", progress=progress,
                      command=f"prunus serve {model_dir} (prepared)")
@@ -123,8 +124,9 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
         return path, None  # not a model dir: the load names what is wrong
     if "export" in config or config.get("kind") == "module":
         return path, None
-    options.check(resolve_backend(path, backend)[0])  # a bad option is one line before minutes of export
     why = skipped(backend, options, lora)
+    # a bad option is one line before minutes of export, checked against the backend that will serve the dir
+    options.check(resolve_backend(path, backend)[0] if why is not None else "onnxruntime")
     if why is not None:
         return path, {"skipped": why}
     from .parity import ParityFailed
@@ -132,6 +134,9 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     try:
         out, cached = prepare(path, progress)
     except (PrunusError, ParityFailed) as e:  # served as it is, by the torch Engine: the reason is kept
+        if options.native is True or options.kv_dtype == "f16":
+            raise PrunusError(f"{path}: --native serves its genai export, which could not be made ({str(e)[:300]}); "
+                              "drop --native / --kv-dtype to serve it on the torch backend") from None
         if progress:
             print(f"prunus: serving {path} on the torch backend: {str(e)[:300]}", file=sys.stderr, flush=True)
         return path, {"skipped": str(e)[:300]}

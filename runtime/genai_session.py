@@ -15,13 +15,14 @@ buffers. A prompt pass of at least its token threshold (rows x padded width) run
 every decode step run in the graph itself. The twin holds its own copy of the weights (about as much memory
 again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`).
 
-``native=True`` runs decode steps, and prompt passes of at most ``native_prompt_tokens`` tokens, in prunus's own
-kernels (:mod:`prunus.native.decoder`) over the same weights and the same KV buffers: keys are rotated and laid out
-as GroupQueryAttention lays them, so either may run any pass. Longer prompts still run in ONNX Runtime (its GEMMs,
-or the twin's, are the faster ones for many rows), whose threads then sleep between runs instead of spinning
-beside the native pool's. ``kv_dtype="f16"`` (with ``native=True``) keeps the cache in float16 buffers that only the
-native kernels read and write (:mod:`prunus.native.decoder`): every pass, prompts included, runs natively, and
-ONNX Runtime's session is not loaded.
+``native=True`` runs every pass, prompts included, in prunus's own kernels (:mod:`prunus.native.decoder`) over the
+export's native weights, and ONNX Runtime's session is not loaded: the weights are in memory once (the native
+runtime's default, :mod:`prunus.runtime.native_choice`). ``kv_dtype="f16"`` keeps the cache in float16 buffers
+(:mod:`prunus.native.decoder`). With ``prompt_twin=True`` as well, ONNX Runtime's session and the twin are loaded
+beside the kernels over the same float32 KV buffers (keys are rotated and laid out as GroupQueryAttention lays them,
+so either may run any pass): decode steps and prompt passes of at most ``native_prompt_tokens`` tokens run natively,
+longer prompts in the twin or the graph, whose threads then sleep between runs instead of spinning beside the
+native pool's.
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
@@ -77,13 +78,13 @@ class GenaiSession:
             from .native import pack_export
 
             packed = pack_export(path_or_bytes, dims)
-        native_only = native and kv_dtype == "f16"  # buffers ONNX Runtime cannot bind: every pass native
+        native_only = native and (kv_dtype == "f16" or twin is None)  # every pass native: no ONNX Runtime session
         self.session = None if native_only else ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
-        dtype = np.float16 if native_only else np.float32
+        dtype = np.float16 if native and kv_dtype == "f16" else np.float32
         self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.logits = np.zeros((n_slots, vocab_size), np.float32)

@@ -64,7 +64,7 @@ RUNTIMES = (
     Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",
             lambda c, o: "export" not in c),
     Runtime("native", "onnxruntime", "native", "an ONNX genai export dir, native=True (decode in prunus's kernels)",
-            lambda c, o: _genai(c) and o.native),
+            lambda c, o: _genai(c) and o.native is True),
     Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
             lambda c, o: _genai(c)),
     Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
@@ -91,7 +91,9 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     options.check(backend)
     options = replace(options, max_len=options.max_len_for(config))
     options.check_placement(backend)
-    runtime = find_runtime(backend, config, options)
+    from .native_choice import load_chosen, resolve_native
+
+    runtime = find_runtime(backend, config, resolve_native(path, backend, config, options)[0])
     features = options.features
     if (features.prefix_cache_mb and runtime.name not in PREFIX_CACHE_RUNTIMES) or (
             features.draft is not None and runtime.name != "torch"):
@@ -102,7 +104,9 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
                               f"{runtime.loads}; drop --speculative")
         raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
                           f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
-    loaded = runtime.load(path, config, options)
+    runtime, loaded, native = load_chosen(path, backend, config, options, lambda o: find_runtime(backend, config, o))
+    if native is not None:
+        loaded.info["native"] = native
     loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
                    "device": options.device, "max_batch": options.max_batch, "max_len": options.max_len,
                    "compile": options.compile is True, **loaded.info}

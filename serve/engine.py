@@ -76,7 +76,7 @@ class Engine:
              max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
              dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
              prefill_chunk: int | str | None = PREFILL_AUTO, device_map=None, max_memory=None,
-             prompt_graph: bool = False, native: bool = False, kv_dtype: str = "f32", trust_factory=None,
+             prompt_graph: bool = False, native: bool | str = "auto", kv_dtype: str = "f32", trust_factory=None,
              max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
              draft_tokens: int = 4, lora: dict | None = None, prepare=None) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
@@ -93,10 +93,11 @@ class Engine:
         {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.runtime.device_map`).
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
         (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
-        ``native``: for a genai export, decode steps (and int8 prompts of up to 64 tokens) in prunus's own CPU kernels
-        (:mod:`prunus.runtime.native`, compiled on first use; the CPU's kernel path is the info's ``native_isa``) over
-        the same weights and KV buffers; ``kv_dtype="f16"`` keeps its KV cache in float16 (half the memory and
-        bandwidth at long contexts; every pass then runs natively).
+        ``native``: for a genai export, every pass in prunus's own CPU kernels (:mod:`prunus.runtime.native`, compiled
+        on first use; the CPU's kernel path is the info's ``native_isa``) with no ONNX Runtime session in memory:
+        "auto" (the default) wherever they run, else ONNX Runtime with the reason in the info's ``native``
+        (:mod:`prunus.runtime.native_choice`); True asks for them, False keeps ONNX Runtime. ``kv_dtype="f16"`` keeps
+        the native KV cache in float16 (half the memory and bandwidth at long contexts).
         A generic model dir (any ``nn.Module``; its factory imported only when ``trust_factory`` trusts it) or its
         ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
         concurrent callers per pass, the first waiting up to ``max_delay_ms`` for others.

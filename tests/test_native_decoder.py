@@ -215,7 +215,8 @@ def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(kernel_path, tr
     err_ort = np.abs(ort.prefill(0, PROMPTS) - ref).max()
     err_native = np.abs(_native_prefill(nat, PROMPTS) - ref).max()
     assert 0 < err_native <= 1.5 * err_ort
-    assert nat.native_prompt_tokens == (512 if precision == "int8" else 0)
+    assert nat.native_prompt_tokens == len(PROMPTS) * 48  # every prompt native: no ONNX Runtime session
+    assert nat.session is None
 
 
 def test_stored_int4_with_zero_points_runs_natively(kernel_path, trained_run, tmp_path):
@@ -249,9 +250,11 @@ def test_engine_serves_natively_with_joins_and_leaves(export_dir):
     prompts = [[5, 6, 7], [9, 10, 11, 12], [40], [3, 1, 4, 1, 5], [8, 8]]
     lengths = [12, 3, 9, 5, 7]
     with Engine.load(root / "export", max_batch=3, max_len=64, native=True, threads=2) as engine:
-        assert engine.info["native_prompt_tokens"] == 0
+        assert engine.info["native_prompt_tokens"] == 3 * 64  # every pass native: prompts too
         assert engine.info["native_isa"] == isa() == supported_isas()[0]  # the CPU's preferred path
+        assert engine.info["native"] == "on" and engine.info["runtime"] == "native"
         assert engine.backend.session.native is not None
+        assert engine.backend.session.session is None  # no ONNX Runtime session: the weights are in memory once
         requests = [engine.submit(p, n, temperature=0.0, ignore_eos=True) for p, n in zip(prompts, lengths)]
         results = [engine.wait(r) for r in requests]
     with torch.no_grad():
@@ -263,7 +266,7 @@ def test_info_names_the_kernel_path_of_an_export(export_dir):
     root, _ = export_dir
     r = CliRunner().invoke(cli, ["info", str(root / "export")], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert "native decoding (--native) on this machine" in r.output
+    assert "native decoding on this machine" in r.output
     assert isa() in next(line for line in r.output.splitlines() if "kernel path" in line)
 
 
@@ -433,10 +436,14 @@ def test_the_engine_serves_with_a_half_precision_kv_cache(export_dir, assert_use
     with torch.no_grad():
         for p, r in zip(prompts, results):
             assert r.token_ids == generate(model, torch.tensor([p]), n)[0, len(p):].tolist()
-    with pytest.raises(PrunusError, match="kv_dtype='f16' is the native decoder's KV cache; add native=True"):
-        Engine.load(root / "export", kv_dtype="f16")
+    with Engine.load(root / "export", max_batch=1, max_len=16, kv_dtype="f16") as engine:  # native by default
+        assert engine.info["native"] == "on" and engine.backend.session.k[0].dtype == np.float16
+    with pytest.raises(PrunusError, match="kv_dtype='f16' is the native decoder's KV cache; drop native=False"):
+        Engine.load(root / "export", native=False, kv_dtype="f16")
     with pytest.raises(PrunusError, match="kv_dtype='f8': choose 'f32' or 'f16'"):
         Engine.load(root / "export", native=True, kv_dtype="f8")
-    cli_run = CliRunner().invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--kv-dtype", "f16"])
-    assert_user_error(cli_run,
-                      "kv_dtype='f16' is the native decoder's KV cache")
+    cli_run = CliRunner().invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--kv-dtype", "f16",
+                                       "--no-native"])
+    assert_user_error(cli_run, "kv_dtype='f16' is the native decoder's KV cache")
+    cli_run = CliRunner().invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--kv-dtype", "f16"])
+    assert_user_error(cli_run, "kv_dtype='f16' is the native decoder's KV cache (a genai export), not the torch")

@@ -1,5 +1,5 @@
-"""A model dir served from its prepared ONNX Runtime export (prunus.export.prepared): the same greedy tokens as
-the torch Engine, made once and cached by what the dir holds, the torch Engine kept where an option needs it or
+"""A model dir served from its prepared genai export (prunus.export.prepared), in the native kernels where they run
+(else ONNX Runtime): the same greedy tokens as the torch Engine, made once and cached by what the dir holds, the torch Engine kept where an option needs it or
 the export cannot be made, and ``prunus serve``'s default."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from prunus.artifacts.errors import PrunusError
 from prunus.cli.main import cli
 from prunus.models import Transformer, get_preset, save_model
+from prunus.native.build import cpu_supported, unavailable
 from prunus.export import prepared
 from prunus.export.parity import ParityFailed
 from prunus.export.prepared import prepared_path
@@ -20,6 +21,8 @@ from prunus.serve import Engine
 from prunus.serve.http_server import CompletionServer
 
 PROMPTS = ["The cat sat", "def f(x):"]
+NATIVE_WHY = cpu_supported()
+FASTEST = "native" if unavailable() is None else "ort_genai"  # the runtime a prepared export loads on by default
 
 
 @pytest.fixture()
@@ -45,7 +48,8 @@ def test_served_from_a_cached_export_with_the_torch_engines_tokens(model_dir, ca
         want = _tokens(plain)
     with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
         info = engine.info
-        assert info["runtime"] == "ort_genai" and info["path"] == str(model_dir)
+        assert info["runtime"] == FASTEST and info["path"] == str(model_dir)
+        assert info["native"] == ("on" if NATIVE_WHY is None else f"off: the native kernels need {NATIVE_WHY}")
         assert info["prepared"]["cached"] is False and info["prepared"]["export"].startswith(str(cache))
         assert _tokens(engine) == want
     monkeypatch.setattr("prunus.export.export_dir.export_model", lambda *a, **k: pytest.fail("exported twice"))
@@ -109,4 +113,26 @@ def test_serve_prepares_by_default_and_no_prepare_keeps_torch(model_dir, cache, 
     for extra in ([], ["--no-prepare"]):
         r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--max-batch", "1", *extra])
         assert r.exit_code == 0, r.output
-    assert seen == [("ort_genai", model_dir.name), ("torch", model_dir.name)]
+    assert seen == [(FASTEST, model_dir.name), ("torch", model_dir.name)]
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"native kernels unavailable: {unavailable()}")
+def test_native_flags_apply_to_the_prepared_export(model_dir, cache, monkeypatch):
+    """--native / --no-native on a model dir choose the runtime of its prepared export (checked against that
+    backend, not the torch one); --native where the export cannot be made is one line, not a torch fallback."""
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, native=True) as engine:
+        assert engine.info["runtime"] == "native" and engine.backend.session.session is None
+        want = _tokens(engine)
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, native=False) as engine:
+        assert engine.info["runtime"] == "ort_genai" and engine.info["native"] == "off: native=False (--no-native)"
+        assert _tokens(engine) == want
+    with pytest.raises(PrunusError, match="native applies to an ONNX Runtime export dir"):
+        Engine.load(model_dir, threads=1, prepare=prepared_path, native=True, backend="torch")
+
+    def refuse(*a, **k):
+        raise PrunusError("the genai graph does not support this model")
+    monkeypatch.setattr(prepared, "cache_key", lambda d: "other")  # not the cached export: it must be made
+    monkeypatch.setattr("prunus.export.export_dir.export_model", refuse)
+    r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--native"])
+    last = r.stderr.strip().splitlines()[-1]  # after the line saying the export is being made
+    assert r.exit_code == 2 and last.startswith("Error: ") and "--native serves its genai export, which could not" in last
