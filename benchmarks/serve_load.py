@@ -1,12 +1,12 @@
 """Streaming load on ``prunus serve`` beside llama.cpp's server, one client script driving both.
 
 Each contender is an OpenAI-compatible server started as a process of its own on a free port: ``prunus serve``
-of a genai export dir on ONNX Runtime, the same with ``--native``, the same dir under the stdlib HTTP server of
+of a genai export dir on ONNX Runtime (``--no-native``), the same in the native kernels (``--native``, the default), the same dir under the stdlib HTTP server of
 an earlier commit (``--old-ref``, run from a git worktree with this venv), and llama.cpp through
 llama-cpp-python's server (``--llamacpp-python``, an interpreter with ``llama-cpp-python[server]``) on GGUF files
 of the same weights (``--gguf LABEL=FILE``; prunus writes them: ``prunus convert --to-gguf DIR --type q8_0``).
-``--fp32 DIR`` adds ``prunus serve`` of a float32 model dir, as it serves by default (its prepared genai export,
-made before the timing starts) and on the torch backend (``--no-prepare``). Once a server answers its health
+``--fp32 DIR`` adds ``prunus serve`` of a float32 model dir, as it serves by default (its prepared genai export in
+the native kernels, made before the timing starts) and on the torch backend (``--no-prepare``). Once a server answers its health
 route, 1, 8, 32, ... threads (``--clients``) each send streamed ``POST /v1/completions`` back to back: code
 prompts of about 50-200 tokens cut from the standard library's source, ``--tokens`` new tokens, greedy. A
 server that takes ``min_tokens`` (vLLM's name) gets it equal to ``max_tokens`` so every answer runs to its
@@ -323,11 +323,12 @@ def llamacpp(label: str, gguf: str, args) -> Contender:
 
 def contenders(args, tmp: Path) -> list[Contender]:
     """The order they run in: the slowest (native kernels on a busy machine) last."""
-    out = [prunus_serve("prunus ORT", args.dir, args, engine=(args.dir, False))]
+    out = [prunus_serve("prunus ORT", args.dir, args, "--no-native", engine=(args.dir, False))]
     if args.old_ref:
         out.append(prunus_serve(f"prunus stdlib {args.old_ref}", args.dir, args,
                                 env={"PYTHONPATH": str(old_tree(args.old_ref, tmp))}, new=False))
-    if args.fp32:  # the model dir as `prunus serve` serves it by default (its prepared genai export), and on torch
+    if args.fp32:  # the model dir as `prunus serve` serves it by default (its prepared genai export in the native
+        # kernels), and on torch
         out += [prunus_serve("prunus fp32 prepared", args.fp32, args),
                 prunus_serve("prunus fp32 torch", args.fp32, args, "--no-prepare")]
     if args.llamacpp_python:
