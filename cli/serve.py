@@ -126,13 +126,22 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
         prepared = info.get("prepared") or {}
         how = (f", its export cached in {prepared['export']}" if "export" in prepared else
                f", not prepared: {prepared['skipped']}" if "skipped" in prepared else "")
-        click.echo(f"prunus serve: {info['path']} on {info['backend']} ({what}{how}) listening on {server.url}", err=True)
+        click.echo(f"prunus serve: {info['path']} on {_runtime_words(info)} ({what}{how}) listening on {server.url}",
+                   err=True)
         try:
             server.serve_forever(poll_interval=0.2)  # uvicorn: SIGINT / SIGTERM end it after the answers in progress
         except KeyboardInterrupt:
             click.echo("prunus serve: shutting down", err=True)
         finally:
             server.server_close()
+
+
+def _runtime_words(info: dict) -> str:
+    """What runs the model, for the startup line: the backend, or the native kernels' path; why not native."""
+    if info.get("runtime") == "native":
+        return f"prunus's native kernels ({info.get('native_isa')})"
+    native = info.get("native", "")
+    return info["backend"] + (f" (native {native})" if native.startswith("off") else "")
 
 
 def _lora(values) -> dict:

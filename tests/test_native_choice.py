@@ -115,3 +115,19 @@ def test_native_takes_true_false_or_auto_and_the_cli_flags(export_dir, assert_us
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(cli, ["info", str(path)], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "native decoding on this machine" in r.output
+
+
+@needs_kernels
+def test_serve_says_which_runtime_serves(export_dir, monkeypatch):
+    from prunus.native.build import isa
+    from prunus.serve.http_server import CompletionServer
+
+    path, _ = export_dir
+
+    def stop(self, poll_interval=0.5):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(CompletionServer, "serve_forever", stop)
+    for flags, words in (([], f"on prunus's native kernels ({isa()})"),
+                         (["--no-native"], "on onnxruntime (native off: native=False (--no-native))")):
+        r = CliRunner().invoke(cli, ["serve", str(path), "--port", "0", "--max-batch", "1", *flags])
+        assert r.exit_code == 0 and words in r.stderr, r.stderr
