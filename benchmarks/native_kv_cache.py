@@ -6,7 +6,13 @@ widened from halves by F16C as attention reads them). The cache holds random key
 (the step's work does not depend on them; filling 2000 positions by a real prompt would only take longer). Each
 figure is the median step of ``--steps`` steps; rounds alternate the two caches. Timings never fail the run.
 
-    python -m benchmarks.native_kv_cache EXPORT_DIR [--position 2000] [--threads 2] [--batch 1] [--rounds 6]
+    python -m benchmarks.native_kv_cache EXPORT_DIR [--position 2000] [--threads 2] [--batch 1] [--rounds 6] \
+        [--gguf Q8_0.gguf --llamacpp-python PYTHON]
+
+``--gguf``: llama.cpp beside them on a GGUF file of the same weights (its own float16 cache), in its own process
+through its C API (``_llamacpp_worker.py``, its default thread policy): a prompt of ``position`` token ids in one
+batch, then ``--steps`` greedy steps at batch 1; its step time is the steps' time after the first token over their
+count (the steps run from the position on, as the native ones do).
 
 ``--random-smollm2`` in place of EXPORT_DIR: random int8 weights of SmolLM2-135M's shapes (30 layers, 576 wide,
 9 query and 3 KV heads of 64, feed-forward 1536, 49152 tokens, the tied head in fp32), packed in memory by numpy
@@ -86,6 +92,35 @@ def step_ms(dec, dims, batch: int, position: int, steps: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+def llamacpp_step_ms(peer, position: int, steps: int, threads: int, vocab: int) -> float:
+    """llama.cpp's mean decode step (ms) after a prompt of ``position`` ids, over ``steps`` steps."""
+    prompt = [(7 * i) % (vocab - 10) + 5 for i in range(position)]
+    r = peer.generate("peer", [prompt], steps + 1, threads, 1)
+    return 1e3 * (r["seconds"] - r["ttft"]) / steps
+
+
+def _contenders(args, decoders: dict, peer, vocab: int, position: int) -> dict:
+    fns = {dt: (lambda d=d: step_ms(*d, args.batch, position, args.steps)) for dt, d in decoders.items()}
+    if peer is not None:
+        fns["llama.cpp"] = lambda: llamacpp_step_ms(peer, position, args.steps, args.threads, vocab)
+    return fns
+
+
+def _peer(args, max_len: int):
+    """The llama.cpp worker with ``--gguf`` loaded, or None (without --gguf, or with the reason printed)."""
+    if args.gguf is None:
+        return None
+    from benchmarks._llamacpp_peer import LlamaCppPeer, peer_python
+
+    python, why = peer_python(args.llamacpp_python)
+    if python is None:
+        print(f"llama.cpp skipped: {why}")
+        return None
+    peer = LlamaCppPeer(python)
+    peer.load("peer", args.gguf, max_len + 8)
+    return peer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export", type=Path, nargs="?", help="a genai export dir (with native_weights.safetensors)")
@@ -95,6 +130,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--gguf", type=Path, default=None, help="llama.cpp beside them on this GGUF file")
+    ap.add_argument("--llamacpp-python", default=None, help="an interpreter that imports llama_cpp")
     args = ap.parse_args()
     if (args.export is None) == (not args.random_smollm2):
         ap.error("give an export dir or --random-smollm2 (one of them)")
@@ -106,14 +143,23 @@ def main() -> None:
     print(f"{args.export or 'random SmolLM2-135M-shaped int8'}: kernel path {isa()}, {args.threads} threads, "
           f"batch {args.batch}, median step of "
           f"{args.steps}, {args.rounds} alternating rounds")
-    for position in (16, args.position):
-        got = alternating_rounds({dt: (lambda d=d: step_ms(*d, args.batch, position, args.steps))
-                                  for dt, d in decoders.items()}, args.rounds)
-        print(f"position {position}: f32 cache {median_range(got['f32'], '.2f')} ms, "
-              f"f16 cache {median_range(got['f16'], '.2f')} ms")
-        print(f"  ratio f16 / f32: {median_ratio(got['f16'], got['f32'])}")
-    for dec, _ in decoders.values():
-        dec.close()
+    peer = _peer(args, max_len)
+    if peer is not None and args.batch != 1:
+        ap.error("llama.cpp is timed at batch 1: drop --batch or --gguf")
+    vocab = decoders["f32"][1]["vocab_size"]
+    try:
+        for position in (16, args.position):
+            got = alternating_rounds(_contenders(args, decoders, peer, vocab, position), args.rounds)
+            print(f"position {position}: f32 cache {median_range(got['f32'], '.2f')} ms, "
+                  f"f16 cache {median_range(got['f16'], '.2f')} ms"
+                  + (f", llama.cpp {median_range(got['llama.cpp'], '.2f')} ms" if peer is not None else ""))
+            print(f"  ratio f16 / f32: {median_ratio(got['f16'], got['f32'])}"
+                  + (f"; native f16 / llama.cpp: {median_ratio(got['f16'], got['llama.cpp'])}" if peer else ""))
+    finally:
+        for dec, _ in decoders.values():
+            dec.close()
+        if peer is not None:
+            peer.close()
 
 
 if __name__ == "__main__":
