@@ -94,7 +94,7 @@ class LoadOptions:
             raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
         if tp > 1 and backend != "torch":
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
-        if self.native not in (True, False, NATIVE_AUTO):
+        if not (isinstance(self.native, bool) or self.native == NATIVE_AUTO):
             raise PrunusError(f"native={self.native!r}: choose True, False or 'auto' (--native / --no-native)")
         for wanted, name in ((self.prompt_graph, "prompt_graph"), (self.native is True, "native")):
             if wanted and backend != "onnxruntime":

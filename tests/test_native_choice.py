@@ -110,6 +110,8 @@ def test_native_takes_true_false_or_auto_and_the_cli_flags(export_dir, assert_us
     path, want = export_dir
     with pytest.raises(PrunusError, match="native='yes': choose True, False or 'auto'"):
         LoadOptions(native="yes").check("onnxruntime")
+    with pytest.raises(PrunusError, match="native=1: choose True, False or 'auto'"):
+        LoadOptions(native=1).check("onnxruntime")
     LoadOptions().check("torch")  # auto on a model dir: nothing to refuse
     r = CliRunner().invoke(cli, ["generate", str(path), "--prompt", "ab", "--max-new-tokens", "2", "--no-native"])
     assert r.exit_code == 0, r.output
