@@ -9,7 +9,11 @@ for all (prunus's tokenizer; llama.cpp and Hugging Face take the ids), greedy, p
   in one context, one ``llama_batch`` of B tokens a step) and Hugging Face ``generate()``
   (left-padded), plotted against the batch size;
 * ratios prunus / llama.cpp per precision (fp32 / F32, int8 / Q8_0, int4 / Q4_0), and greedy
-  token agreement of llama.cpp F32 with the prunus fp32 contenders.
+  token agreement of llama.cpp F32 with the prunus fp32 contenders;
+* with og contenders (``_ort_genai_peer.OgContender``): onnxruntime-genai's own runtime on each, timed the same
+  way in a process of its own, and ratios prunus / onnxruntime-genai: a prunus contender against og on the same
+  export dir, and every prunus contender of a precision against og on a model dir prunus did not write (the
+  model builder's).
 
 A contender is a label, a dir ``Engine.load`` takes and a precision (``_llamacpp_peer.Contender``),
 so a new backend or export joins by adding one to the list. Each prunus contender runs in a process
@@ -34,6 +38,7 @@ import torch
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks._llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
+from benchmarks._ort_genai_peer import OgContender, OrtGenaiWorker
 from benchmarks.harness import WorkerProcess
 
 BATCHES = (1, 2, 4, 8)
@@ -50,9 +55,10 @@ class Runner:
     """One contender as this section drives it: ``run(prompts, n_new)`` -> {"seconds", "tokens"}."""
 
     label: str
-    kind: str  # "prunus", "llama.cpp" or "hf"
+    kind: str  # "prunus", "llama.cpp", "ort-genai" or "hf"
     precision: str
     run: Callable[[list[list[int]], int], dict]
+    path: Path | None = None  # the dir a prunus or onnxruntime-genai contender loads
     tps: dict = field(default_factory=dict)  # {(threads, batch): [tokens/s per round]}
     ttft: dict = field(default_factory=dict)  # {threads: [seconds per round]}
     tokens: dict = field(default_factory=dict)  # {batch: greedy tokens of the first round}
@@ -111,15 +117,20 @@ def long_prompt(tokenizer, n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def runners(contenders: list[Contender], peer: LlamaCppPeer, hf, threads: int, max_batch: int, max_len: int):
+def runners(contenders: list[Contender], peer: LlamaCppPeer, hf, threads: int, max_batch: int, max_len: int,
+            og: list[OgContender] = ()):
     """Every contender loaded at ``threads`` for batches up to ``max_batch``: prunus Engines (a process each),
-    llama.cpp per precision, Hugging Face (in this process, alone with the bookkeeping)."""
+    llama.cpp per precision, onnxruntime-genai on each of ``og`` (a process each), Hugging Face (in this process,
+    alone with the bookkeeping)."""
     with contextlib.ExitStack() as stack:
         out = [Runner(c.label, "prunus", c.precision,
-                      stack.enter_context(PrunusWorker(c)).load(threads, max_batch, max_len)) for c in contenders]
+                      stack.enter_context(PrunusWorker(c)).load(threads, max_batch, max_len), path=c.path)
+               for c in contenders]
         for precision in sorted({c.precision for c in contenders}, key=list(GGUF_TYPES).index):
             name = GGUF_TYPES[precision][0]
             out.append(Runner(f"llama.cpp {name}", "llama.cpp", precision, llama_run(peer, name, threads, max_batch)))
+        out += [Runner(c.label, "ort-genai", c.precision, stack.enter_context(OrtGenaiWorker(c)).load(threads),
+                       path=c.path) for c in og]
         if hf is not None:
             out.append(Runner("HF generate()", "hf", "fp32", hf_run(hf, threads)))
         yield out
@@ -193,9 +204,21 @@ def report_batch1(rs: list[Runner], threads: list[int], n: int, long_n: int) -> 
             tps, ttft = med(r.tps[(k, 1)]) / med(p.tps[(k, 1)]), med(p.ttft[k]) / med(r.ttft[k])
             lines.append(f"     ratio {r.label} / {p.label}: decode {tps:5.2f}x, first token {ttft:5.2f}x "
                          f"(>= 1: prunus at least as fast){'' if tps >= 1 else '   BEHIND'}")
+        for r, p in og_pairs(rs):
+            tps, ttft = med(r.tps[(k, 1)]) / med(p.tps[(k, 1)]), med(p.ttft[k]) / med(r.ttft[k])
+            lines.append(f"     ratio {r.label} / {p.label}: decode {tps:5.2f}x, first token {ttft:5.2f}x"
+                         f"{'' if tps >= 1 else '   BEHIND'}")
     for line in lines:
         print(line)
     return lines
+
+
+def og_pairs(rs: list[Runner]) -> list[tuple[Runner, Runner]]:
+    """(prunus, onnxruntime-genai) pairs of one precision: og on the same dir as the prunus contender, or og on a
+    dir no prunus contender loads (the model builder's), beside every prunus contender of its precision."""
+    ours = {r.path for r in rs if r.kind == "prunus"}
+    return [(r, p) for p in rs if p.kind == "ort-genai" for r in rs
+            if r.kind == "prunus" and r.precision == p.precision and (r.path == p.path or p.path not in ours)]
 
 
 def report_sweep(rs: list[Runner], k: int, n: int) -> None:
@@ -208,27 +231,34 @@ def report_sweep(rs: list[Runner], k: int, n: int) -> None:
         if r.kind == "prunus" and p is not None:
             print(f"     ratio {r.label} / {p.label}: " + "  ".join(
                 f"b{b} {med(r.tps[(k, b)]) / med(p.tps[(k, b)]):5.2f}x" for b in BATCHES))
+    for r, p in og_pairs(rs):
+        print(f"     ratio {r.label} / {p.label}: " + "  ".join(
+            f"b{b} {med(r.tps.get((k, b), [])) / med(p.tps.get((k, b), [])):5.2f}x" for b in BATCHES))
 
 
 def report_agreement(rs: list[Runner], keys: list[tuple[int, int]]) -> None:
-    """Greedy tokens of each llama.cpp file against the prunus contenders of its precision."""
-    for p in (r for r in rs if r.kind == "llama.cpp"):
-        for r in (r for r in rs if r.kind == "prunus" and r.precision == p.precision):
-            for key in keys:
-                if key in p.tokens and key in r.tokens:
-                    print(f"     greedy, {p.label} vs {r.label}, {key[0]} thr batch {key[1]}: "
-                          f"{agreement(p.tokens[key], r.tokens[key])}")
+    """Greedy tokens of each llama.cpp file against the prunus contenders of its precision, and of
+    onnxruntime-genai against prunus on the same dir (its batches are left-padded)."""
+    pairs = [(p, r) for p in rs if p.kind == "llama.cpp"
+             for r in rs if r.kind == "prunus" and r.precision == p.precision]
+    pairs += [(p, r) for r, p in og_pairs(rs) if r.path == p.path]
+    for p, r in pairs:
+        for key in keys:
+            if key in p.tokens and key in r.tokens:
+                print(f"     greedy, {p.label} vs {r.label}, {key[0]} thr batch {key[1]}: "
+                      f"{agreement(p.tokens[key], r.tokens[key])}")
 
 
 def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> None:
-    """Tokens/s against batch size, one line per contender: prunus solid, llama.cpp dashed, HF dotted; one colour
-    family per precision (fp32 blue, int8 orange, int4 green), so each prunus line sits beside its llama.cpp peer."""
+    """Tokens/s against batch size, one line per contender: prunus solid, llama.cpp dashed, onnxruntime-genai
+    dash-dot, HF dotted; one colour family per precision (fp32 blue, int8 orange, int4 green), so each prunus line
+    sits beside its llama.cpp peer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"prunus": ("-", "o"), "llama.cpp": ("--", "s"), "hf": (":", "^")}
+    styles = {"prunus": ("-", "o"), "llama.cpp": ("--", "s"), "ort-genai": ("-.", "D"), "hf": (":", "^")}
     families = {"fp32": "Blues", "int8": "Oranges", "int4": "Greens"}
     colors = {}
     for precision, cmap in families.items():
@@ -260,7 +290,8 @@ def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> No
     ax.set_ylabel("generated tokens/s (all sequences)")
     ax.set_title(f"{title}: greedy decode, {n} new tokens per sequence, prefill included, {k} thread(s)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="solid prunus, dashed llama.cpp, dotted HF",
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+              title="solid prunus, dashed llama.cpp, dash-dot onnxruntime-genai, dotted HF",
               title_fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -269,7 +300,7 @@ def plot_batches(rs: list[Runner], k: int, n: int, title: str, path: Path) -> No
 
 def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppPeer, hf, tokenizer, prompts: list[str],
             *, max_seq_len: int, threads: list[int], sweep_threads: int, n: int, rounds: int, sweep_rounds: int,
-            title: str, plot: Path, figures: list) -> dict:
+            title: str, plot: Path, figures: list, og: list[OgContender] = ()) -> dict:
     """The whole comparison (see the module docstring); returns the medians (also written beside ``plot``).
     The first-token prompt is 512 tokens, or ``max_seq_len - 2`` for a model with a shorter context."""
     t0 = time.perf_counter()
@@ -291,7 +322,7 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
           f"at batch 1, {sweep_rounds} at batches {', '.join(map(str, BATCHES[1:]))}", flush=True)
     results: dict[str, Runner] = {}
     for k in sorted(set(threads) | {sweep_threads}):
-        with runners(contenders, peer, hf, k, 1, max_len) as rs:
+        with runners(contenders, peer, hf, k, 1, max_len, og) as rs:
             for r in rs:  # warm-up: first passes of a session grow its arena (prunus's prompt twin: 2.7 s then 1.0 s)
                 r.run([short], 4), r.run([long], 1), r.run([long], 1)
             rs = [_merge(results, r) for r in rs]
@@ -299,16 +330,12 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
                 batch1_round(rs, short, long, n, k, first=i == 0)
     rs = list(results.values())
     lines = report_batch1(rs, sorted(set(threads) | {sweep_threads}), n, len(long))
-    with runners(contenders, peer, hf, sweep_threads, BATCHES[-1], max_len) as fresh:
-        for r in fresh:
-            r.run([short] * 2, 4)  # warm-up
-        swept = [_merge(results, r) for r in fresh]
-        batches = {b: [tokenizer.encode(prompts[i % len(prompts)]) for i in range(b)] for b in BATCHES[1:]}
-        for i in range(sweep_rounds):
-            sweep_round(swept, batches, n, sweep_threads, first=i == 0)
-    report_sweep(rs, sweep_threads, n)
+    if sweep_rounds > 0:
+        sweep(contenders, og, peer, hf, results, tokenizer, prompts, short, sweep_threads, max_len, n, sweep_rounds)
+        report_sweep(rs, sweep_threads, n)
     report_agreement(rs, [(min(threads), 1), (sweep_threads, BATCHES[-1])])
-    plot_batches(rs, sweep_threads, n, title, plot)
+    if sweep_rounds > 0:
+        plot_batches(rs, sweep_threads, n, title, plot)
     for r in rs:
         figures += [(f"{title}: {r.label} ({r.precision}), {k} thr", med(v)) for (k, b), v in r.tps.items() if b == 1]
     summary = {r.label: {"kind": r.kind, "precision": r.precision,
@@ -317,6 +344,18 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
     plot.with_suffix(".json").write_text(json.dumps({"summary": summary, "batch1": lines}, indent=1))
     print(f"   plot: {plot} (figures: {plot.with_suffix('.json')}); section took {time.perf_counter() - t0:.0f} s")
     return summary
+
+
+def sweep(contenders, og, peer, hf, results: dict[str, Runner], tokenizer, prompts: list[str], short: list[int],
+          threads: int, max_len: int, n: int, rounds: int) -> None:
+    """The batch 2-8 rounds at ``threads``, every contender loaded again for batches up to 8."""
+    with runners(contenders, peer, hf, threads, BATCHES[-1], max_len, og) as fresh:
+        for r in fresh:
+            r.run([short] * 2, 4)  # warm-up
+        swept = [_merge(results, r) for r in fresh]
+        batches = {b: [tokenizer.encode(prompts[i % len(prompts)]) for i in range(b)] for b in BATCHES[1:]}
+        for i in range(rounds):
+            sweep_round(swept, batches, n, threads, first=i == 0)
 
 
 def _merge(results: dict[str, Runner], r: Runner) -> Runner:

@@ -63,7 +63,7 @@ from prunus.serve import Engine  # noqa: E402
 
 if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
     import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.real_model import add_cache_argument, load_hf_peer, model_name, resolve_model  # noqa: E402
+from benchmarks.real_model import add_cache_argument, hf_dir, load_hf_peer, model_name, resolve_model  # noqa: E402
 from benchmarks._llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
 from benchmarks.harness import alternating_rounds, machine_line  # noqa: E402
 
@@ -319,7 +319,8 @@ def side_by_side(spec: str, args, figures: list) -> None:
             engines = {"prunus torch Engine": stack.enter_context(Engine.load(model_dir, max_batch=1, max_len=max_len,
                                                                               threads=k))}
             for label, d in exports.items():
-                engines[label] = stack.enter_context(Engine.load(d, max_batch=1, max_len=max_len, threads=k))
+                engines[label] = stack.enter_context(Engine.load(d, max_batch=1, max_len=max_len, threads=k,
+                                                                 native=False))  # ONNX Runtime, as labelled
             fns = {"HF generate": hf_run, **{label: (lambda t, e=e: engine_tps(e, 1, t)) for label, e in engines.items()}}
             for fn in fns.values():
                 fn(8)  # warm-up
@@ -336,32 +337,36 @@ def side_by_side(spec: str, args, figures: list) -> None:
             figures.append((f"{name}: {label}, {k} thr", v))
 
 
-def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
-                        prompt_graph: bool = False, native: bool = False) -> tuple[list, Path]:
+def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"), prompt_graph: bool = False,
+                        native: bool = False, int4_models: list[Path] = ()) -> tuple[list, Path]:
     """The prunus side of ``--peer llamacpp`` as (label, dir, precision) Contenders, and the stored int4 dir
     its Q4_0 GGUF is written from: the torch Engine, and ONNX Runtime exports at fp32, int8
     (``--precision int8``) and stored int4 through each of ``graphs`` (genai, torch). Any dir ``Engine.load`` takes
     can be a contender: add one here (or pass ``--contender``) and it is timed, plotted and compared with
     llama.cpp at its precision. ``prompt_graph``: the int8 and int4 genai exports once more, served with their
     prompt twin (``Engine.load(prompt_graph=True)``). ``native``: every genai export once more, decoded in prunus's
-    own kernels (``Engine.load(native=True)``; with ``prompt_graph`` the quantized ones keep their twin too)."""
+    own kernels (``Engine.load(native=True)``; with ``prompt_graph`` the quantized ones keep their twin too).
+    ``int4_models``: more stored-int4 model dirs (``prunus compress --recipe int4-awq-gptq-g64``, say), exported and
+    timed as the int4 dir is, labelled by their dir's name."""
     from benchmarks._llamacpp_peer import Contender
 
     root, _ = _export_root(model_dir, cache)
     int4_dir = cached_int4(model_dir, cache)
     out = [Contender("prunus torch Engine", model_dir, "fp32")]
-    jobs = [("fp32", model_dir, "fp32", root / "onnx-fp32"), ("int8", model_dir, "int8", root / "onnx-int8"),
-            ("int4", int4_dir, None, None)]
+    jobs = [("fp32", "fp32", model_dir, "fp32", root / "onnx-fp32", "fp32"),
+            ("int8", "int8", model_dir, "int8", root / "onnx-int8", "int8"),
+            ("int4", "int4", int4_dir, None, None, "int4-rtn-g32-head8")]
+    jobs += [(f"int4 {d.name.removeprefix('int4-')}", "int4", d, None, None, d.name) for d in int4_models]
     for graph in graphs:
-        for precision, src, asked, reuse in jobs:
-            d = cached_onnx(src, root, f"{precision}-rtn-g32-head8" if precision == "int4" else precision, asked, graph, reuse)
+        for name, precision, src, asked, reuse, folder in jobs:
+            d = cached_onnx(src, root, folder, asked, graph, reuse)
             if d is not None:
-                out.append(Contender(f"prunus onnxruntime {graph} graph {precision}", d, precision))
+                out.append(Contender(f"prunus onnxruntime {graph} graph {name}", d, precision))
                 if prompt_graph and graph == "genai" and precision != "fp32":
-                    out.append(Contender(f"prunus onnxruntime genai {precision} + prompt graph", d, precision, True))
+                    out.append(Contender(f"prunus onnxruntime genai {name} + prompt graph", d, precision, True))
                 if native and graph == "genai":
                     twin = prompt_graph and precision != "fp32"
-                    out.append(Contender(f"prunus native {precision}" + (" + prompt graph" if twin else ""), d,
+                    out.append(Contender(f"prunus native {name}" + (" + prompt graph" if twin else ""), d,
                                          precision, twin, native=True))
     return out, int4_dir
 
@@ -380,15 +385,17 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
     model_dir, name = resolve_model(spec, args.cache), model_name(spec)
     print(f"\n   -- {name} ({model_dir}); llama.cpp worker in {python}", flush=True)
     contenders, int4_dir = llamacpp_contenders(model_dir, Path(args.cache), args.onnx_graphs, args.prompt_graph,
-                                                 args.native)
+                                                 args.native, [Path(d) for d in args.int4_model])
     contenders += args.contender
+    if args.native_only:
+        contenders = [c for c in contenders if c.native]
     for c in contenders:
         if c.native:
-            print(f"   {c.label:44s} {native_parity_line(c.path, int4_dir if c.precision == 'int4' else model_dir)[0]}",
-                  flush=True)
+            print(f"   {c.label:44s} {native_parity_line(c.path, export_parent(c.path, model_dir))[0]}", flush=True)
         elif (c.path / "parity.json").is_file():
             print(f"   {c.label:44s} {parity_line(c.path)[0]}")
     root, _ = _export_root(model_dir, Path(args.cache))
+    og = ort_genai_contenders(model_dir, root, contenders, args) if args.ort_genai else []
     ggufs = cached_ggufs({"fp32": model_dir, "int8": model_dir, "int4": int4_dir}, root / "gguf")
     hf = None if args.no_hf else load_hf_peer(model_dir, args.cache)
     plot_path = Path(args.plot).with_name(f"{Path(args.plot).stem}_llamacpp_{name.replace('/', '-')}.png")
@@ -397,7 +404,39 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
         compare(contenders, ggufs, peer, hf, load_model_tokenizer(model_dir), PROMPTS, max_seq_len=limit,
                 threads=args.threads,
                 sweep_threads=args.sweep_threads or max(args.threads), n=args.tokens, rounds=args.rounds,
-                sweep_rounds=args.sweep_rounds, title=name, plot=plot_path, figures=figures)
+                sweep_rounds=args.sweep_rounds, title=name, plot=plot_path, figures=figures, og=og)
+
+
+def export_parent(export: Path, default: Path) -> Path:
+    """The model dir an export was made from (its manifest's parent), else ``default``."""
+    parent = json.loads((export / "prunus.json").read_text()).get("parent") or {}
+    return Path(parent["path"]) if parent.get("path") and Path(parent["path"]).is_dir() else default
+
+
+def ort_genai_contenders(model_dir: Path, root: Path, contenders: list, args) -> list:
+    """``--ort-genai``: onnxruntime-genai's runtime on its model builder's int4 model of ``model_dir``'s weights (made
+    once under ``root``), and on each prunus genai export among ``contenders``; prints each one's settings."""
+    import onnxruntime_genai as og
+
+    from benchmarks._ort_genai_peer import OgContender, builder_command, builder_int4, graph_summary
+
+    hf = Path(args.ort_genai_hf) if args.ort_genai_hf else hf_dir(model_dir, args.cache)
+    built = builder_int4(hf, root / "ort-genai-builder-int4")
+    out = [OgContender("onnxruntime-genai, builder int4", built, "int4")]
+    seen = {built}
+    for c in contenders:
+        if (c.path / "genai_config.json").is_file() and c.path not in seen:
+            seen.add(c.path)
+            name = c.label.split(" graph ")[-1] if " graph " in c.label else c.label.removeprefix("prunus native ")
+            out.append(OgContender(f"onnxruntime-genai on prunus {name}", c.path, c.precision))
+    print(f"   onnxruntime-genai {og.__version__} (its own runtime, a process per model dir): og.Config(dir) with "
+          "the decoder's session_options.intra_op_num_threads set to the thread count (Config.overlay), all else "
+          "the dir's genai_config.json (ONNX Runtime's defaults: spinning thread pool); greedy, min_length = "
+          "max_length; batches left-padded with pad_token_id")
+    print(f"   builder int4: {' '.join(builder_command(hf, built, Path('CACHE'))[1:-2])} (no extra options)")
+    for c in out:
+        print(f"   {c.label:44s} {graph_summary(c.path)}")
+    return out
 
 
 def plot(rows: list[tuple[str, float]], path: Path) -> None:
@@ -488,7 +527,7 @@ def onnx_section(args, engine, figures: list) -> None:
     exports = [Path(e) for e in args.export] if args.export else find_exports(Path("runs"))
     print("\n2. ONNX Runtime backend vs torch backend" + ("" if exports else ": no export dir given or found, skipped"))
     for e in exports:
-        with Engine.load(e, max_batch=8) as ort:
+        with Engine.load(e, max_batch=8, native=False) as ort:
             engine_tps(ort, 1, 8)
             for b in (1, 8):
                 o, p = median_pair(lambda: engine_tps(ort, b, args.tokens), lambda: engine_tps(engine, b, args.tokens),
@@ -563,9 +602,22 @@ def main() -> None:
                     help="with --peer llamacpp: also time the int8 and int4 genai exports with their prompt twin")
     ap.add_argument("--native", action="store_true",
                     help="with --peer llamacpp: also time every genai export decoded in prunus's own kernels")
+    ap.add_argument("--native-only", action="store_true",
+                    help="with --native: of prunus's contenders, time only the native decoder (no torch Engine, no "
+                         "ONNX Runtime graphs)")
     ap.add_argument("--sweep-rounds", type=int, default=1,
-                    help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores)")
+                    help="with --peer llamacpp: rounds of the batch 2-8 sweep (each about 2 minutes on 2 idle cores; "
+                         "0 leaves the sweep out)")
     ap.add_argument("--no-hf", action="store_true", help="with --peer llamacpp: leave Hugging Face generate() out")
+    ap.add_argument("--ort-genai", action="store_true",
+                    help="with --peer llamacpp: also time onnxruntime-genai's own runtime on its model builder's int4 "
+                         "model (built once under --cache) and on each prunus genai export")
+    ap.add_argument("--ort-genai-hf", default=None, metavar="DIR",
+                    help="with --ort-genai: the Hugging Face dir the model builder reads (default: prunus's to_hf of "
+                         "the model dir, cached under --cache)")
+    ap.add_argument("--int4-model", action="append", default=[], metavar="DIR",
+                    help="with --peer llamacpp: one more stored-int4 model dir (e.g. prunus compress --recipe "
+                         "int4-awq-gptq-g64), exported once and timed as the int4 dir is (repeatable)")
     ap.add_argument("--onnx-graphs", default="genai,torch", type=lambda v: [g for g in v.split(",") if g],
                     help="with --peer llamacpp: the ONNX graphs whose fp32 / int8 / int4 exports are timed "
                          "(genai, torch; default both)")

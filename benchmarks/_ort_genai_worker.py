@@ -1,0 +1,68 @@
+"""onnxruntime-genai's own runtime in a process of its own, for ``serve_throughput.py --peer llamacpp --ort-genai``.
+
+Loads a genai model dir (the model builder's output, or a prunus genai export: both hold ``genai_config.json``)
+with ``og.Config`` and sets only the decoder session's ``intra_op_num_threads`` through ``Config.overlay``; every
+other setting is the dir's own (ONNX Runtime's spinning thread pool included). Greedy decode is og's own loop:
+``append_tokens`` (the prompt's pass) then ``generate_next_token`` per token; ``min_length`` = ``max_length`` so
+an end-of-sequence token does not stop a row early (as prunus's ``ignore_eos``). A batch of prompts of different
+lengths is left-padded with the config's ``pad_token_id`` into one 2-D array, the way og takes a batch.
+
+Protocol (``harness.serve``): {"op": "info"} -> {"version"}; {"op": "load", "path", "threads"} -> {"pad"};
+{"op": "generate", "prompts": [[ids]], "n_new"} -> {"seconds", "tokens"} (timed here, from the generator's
+creation to the last token); {"op": "quit"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime_genai as og
+
+if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
+    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
+from benchmarks.harness import serve  # noqa: E402
+
+STATE: dict = {}
+
+
+def info() -> dict:
+    return {"version": og.__version__}
+
+
+def load(path: str, threads: int) -> dict:
+    STATE.clear()
+    config = og.Config(path)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    STATE["model"] = og.Model(config)
+    genai = json.loads((Path(path) / "genai_config.json").read_text())["model"]
+    STATE["pad"] = int(genai.get("pad_token_id", genai.get("eos_token_id", 0)))
+    return {"pad": STATE["pad"], "threads_in_process": len(os.listdir("/proc/self/task"))}
+
+
+def generate(prompts: list[list[int]], n_new: int) -> dict:
+    model, pad = STATE["model"], STATE["pad"]
+    width = max(map(len, prompts))
+    ids = np.array([[pad] * (width - len(p)) + p for p in prompts], np.int32)
+    t = time.perf_counter()
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=width + n_new, min_length=width + n_new, do_sample=False,
+                              batch_size=len(prompts))
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    steps = []
+    for _ in range(n_new):
+        gen.generate_next_token()
+        steps.append(gen.get_next_tokens().tolist())
+    seconds = time.perf_counter() - t
+    del gen
+    return {"seconds": seconds, "tokens": [list(row) for row in zip(*steps)]}
+
+
+if __name__ == "__main__":
+    real_stdout, sys.stdout = sys.stdout, sys.stderr  # what og or its libraries print stays off the protocol
+    serve({"info": info, "load": load, "generate": generate}, sys.stdin, real_stdout)
