@@ -387,16 +387,20 @@ typedef struct {
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
     tile_fn f32_triple; /* three rows at once for the row blocks of prompts; NULL: pairs */
     tile_fn q4_many; /* q4 pairs of rows for prompts; NULL: quant_pair */
+    tile_fn q8_quad, q4_quad; /* four rows at once for the row blocks of prompts; NULL: pairs */
     int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
 } Kernels;
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, 1},
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, 0},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, 0},
-    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q4_many_avxvnni, 0},
-    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q4_many_avx2, 0},
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, NULL, 1},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, NULL,
+     0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, NULL, NULL, 0},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q4_many_avxvnni,
+     q8_quad_avxvnni, q4_quad_avxvnni, 0},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q4_many_avx2, q8_quad_avx2,
+     q4_quad_avx2, 0},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -459,8 +463,8 @@ int prunus_set_isa(const char *name) {
  * fit in ROW_BLOCK_BYTES: every tile then finds its rows in L2 instead of streaming all of them from L3 or
  * memory (SmolLM2's 1536-input layer at 512 rows: 3 MB of fp32 rows). A tile is read once per block, from L2
  * or L3: a few KB against the block's thousands of products. */
-#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch (and q4 their
-                            * order of float sums) */
+#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch (and int8 / int4
+                            * their order of float sums); more: fp32 three rows at a time, int8 / int4 four */
 
 static int row_block(const Linear *L) {
     const size_t row = (size_t)L->k * (L->kind == KIND_F32 ? 4 : 1);
@@ -482,14 +486,15 @@ static void gemm_task(void *ctx, int ith, int nth) {
     const tile_fn pair = f32 ? k->f32_pair
                          : many && g->L->kind == KIND_Q4 && k->q4_many ? k->q4_many : k->quant_pair;
     const tile_fn one = f32 ? k->f32_row : k->quant_row;
-    const tile_fn triple = f32 && many ? k->f32_triple : NULL;
+    const tile_fn wide = !many ? NULL : f32 ? k->f32_triple : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
+    const int width = f32 ? 3 : 4; /* rows wide takes at once */
     const int rb = row_block(g->L);
     for (int r0 = 0; r0 < g->m; r0 += rb) {
         const int r1 = r0 + rb < g->m ? r0 + rb : g->m;
         for (int t = t0; t < t1; t++) {
             int m = r0;
-            if (triple)
-                for (; m + 3 <= r1; m += 3) triple(g, t, m);
+            if (wide)
+                for (; m + width <= r1; m += width) wide(g, t, m);
             for (; m + 2 <= r1; m += 2) pair(g, t, m);
             if (m < r1) one(g, t, m);
         }

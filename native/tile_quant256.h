@@ -143,3 +143,131 @@ static KERNEL_TARGET void KERNEL(q4_many)(const GemmTask *g, int t, int m) {
     store4(g, m, t, _mm_sub_ps(sum_halves(a01, a23), z0));
     store4(g, m1, t, _mm_sub_ps(sum_halves(b01, b23), z1));
 }
+
+/* the zero-point terms of rows m .. m + 3 against tile t: sum over blocks of sz[b][i] dsum[r][b] (zero when the
+ * layer has none), kept out of the prompt kernels' loops so that their accumulators keep the registers; four
+ * independent sums in registers (through an array, gcc stored each step to memory: a fifth of an int4 pass) */
+static KERNEL_TARGET void KERNEL(zero_terms4)(const GemmTask *g, int t, int m, __m128 *z) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    __m128 z0 = _mm_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+    if (L->sz) {
+        const float *sz = L->sz + (size_t)t * kb * 4, *x0 = g->xds + (size_t)m * kb;
+        for (int b = 0; b < kb; b++) {
+            const __m128 zb = _mm_loadu_ps(sz + 4 * b);
+            z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + b), z0);
+            z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + kb + b), z1);
+            z2 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + 2 * kb + b), z2);
+            z3 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + 3 * kb + b), z3);
+        }
+    }
+    z[0] = z0; z[1] = z1; z[2] = z2; z[3] = z3;
+}
+
+/* row r's four outputs of q8 block b: one vector of integers (two horizontal adds put output i's partial sums in
+ * lane i of each 128-bit half), converted and scaled once into the row's accumulator. The weights are read again
+ * for each row's signs, through a pointer hidden from the compiler (an empty asm): kept in registers for the
+ * four rows, they pushed an accumulator onto the stack. */
+#define Q8_QUAD_ROW(r, acc)                                                                                       \
+    do {                                                                                                          \
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + (size_t)(r) * L->k + 32 * b));               \
+        const __m256i *wr = wb;                                                                                   \
+        __asm__ volatile("" : "+r"(wr));                                                                          \
+        const __m256i p0 = DOT_BUS(_mm256_setzero_si256(), u0, _mm256_sign_epi8(x, _mm256_loadu_si256(wr)));     \
+        const __m256i p1 = DOT_BUS(_mm256_setzero_si256(), u1, _mm256_sign_epi8(x, _mm256_loadu_si256(wr + 1))); \
+        const __m256i p2 = DOT_BUS(_mm256_setzero_si256(), u2, _mm256_sign_epi8(x, _mm256_loadu_si256(wr + 2))); \
+        const __m256i p3 = DOT_BUS(_mm256_setzero_si256(), u3, _mm256_sign_epi8(x, _mm256_loadu_si256(wr + 3))); \
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));              \
+        const __m256 sr = _mm256_mul_ps(sb, _mm256_broadcast_ss(d0 + (size_t)(r) * kb + b));                     \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sr, acc);                                                     \
+    } while (0)
+
+/* the block's four weight vectors' |w|, and its four weight scales in both halves */
+#define Q8_QUAD_BLOCK()                                                                                           \
+    const __m256i *wb = (const __m256i *)(w + (size_t)b * 128);                                                   \
+    const __m256i u0 = _mm256_abs_epi8(_mm256_loadu_si256(wb)), u1 = _mm256_abs_epi8(_mm256_loadu_si256(wb + 1)); \
+    const __m256i u2 = _mm256_abs_epi8(_mm256_loadu_si256(wb + 2)), u3 = _mm256_abs_epi8(_mm256_loadu_si256(wb + 3)); \
+    const __m256 sb = _mm256_broadcast_ps((const __m128 *)(s + 4 * b))
+
+/* rows m .. m + 3: the accumulators' halves added, the zero-point term subtracted, stored */
+static KERNEL_TARGET void KERNEL(q8_quad_store)(const GemmTask *g, int t, int m, const __m256 *acc) {
+    __m128 z[4];
+    KERNEL(zero_terms4)(g, t, m, z);
+    for (int r = 0; r < 4; r++)
+        store4(g, m + r, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), z[r]));
+}
+
+static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int b = 0; b < kb; b++) {
+        Q8_QUAD_BLOCK();
+        Q8_QUAD_ROW(0, a0);
+        Q8_QUAD_ROW(1, a1);
+        Q8_QUAD_ROW(2, a2);
+        Q8_QUAD_ROW(3, a3);
+    }
+    const __m256 acc[4] = {a0, a1, a2, a3};
+    KERNEL(q8_quad_store)(g, t, m, acc);
+}
+
+#undef Q8_QUAD_ROW
+#undef Q8_QUAD_BLOCK
+
+/* row r's four outputs of q4 block b: the activation block's halves broadcast to both 128-bit lanes (no permute),
+ * two outputs' low and high nibbles to one DOT_BUS2 each (as q4_many), the two results' lanes paired by one
+ * horizontal add ([o0 o0 o2 o2 | o1 o1 o3 o3]), converted and scaled once into the row's accumulator */
+#define Q4_QUAD_ROW(r, acc)                                                                                       \
+    do {                                                                                                          \
+        const int8_t *xr = x0 + (size_t)(r) * L->k + 32 * b;                                                      \
+        const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xr));                    \
+        const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xr + 16)));            \
+        const __m256i h = _mm256_hadd_epi32(DOT_BUS2(lo01, xl, hi01, xh), DOT_BUS2(lo23, xl, hi23, xh));        \
+        const __m256 sr = _mm256_mul_ps(sb, _mm256_broadcast_ss(d0 + (size_t)(r) * kb + b));                     \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sr, acc);                                                     \
+    } while (0)
+
+/* the block's four outputs' nibbles, and its four weight scales in the accumulators' lane order */
+#define Q4_QUAD_BLOCK()                                                                                           \
+    const __m256i v01 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64));                               \
+    const __m256i v23 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64 + 32));                          \
+    const __m256i lo01 = _mm256_and_si256(v01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), low);    \
+    const __m256i lo23 = _mm256_and_si256(v23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), low);    \
+    const __m256 sb = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * b)), order)
+
+/* rows m .. m + R - 1 of a q4 layer: each accumulator's lanes [o0 o0 o2 o2 | o1 o1 o3 o3] summed in output order,
+ * the zero-point term subtracted, stored */
+static KERNEL_TARGET void KERNEL(q4_quad_store)(const GemmTask *g, int t, int m, const __m256 *acc) {
+    __m128 z[4];
+    KERNEL(zero_terms4)(g, t, m, z);
+    for (int r = 0; r < 4; r++) {
+        const __m128 h = _mm_hadd_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        store4(g, m + r, t, _mm_sub_ps(_mm_shuffle_ps(h, h, _MM_SHUFFLE(3, 1, 2, 0)), z[r]));
+    }
+}
+
+static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int b = 0; b < kb; b++) {
+        Q4_QUAD_BLOCK();
+        Q4_QUAD_ROW(0, a0);
+        Q4_QUAD_ROW(1, a1);
+        Q4_QUAD_ROW(2, a2);
+        Q4_QUAD_ROW(3, a3);
+    }
+    const __m256 acc[4] = {a0, a1, a2, a3};
+    KERNEL(q4_quad_store)(g, t, m, acc);
+}
+
+#undef Q4_QUAD_ROW
+#undef Q4_QUAD_BLOCK

@@ -108,8 +108,8 @@ def test_float_kernel_equals_numpy(kernel_path, m):
 @pytest.mark.parametrize("kind", ["f32", "q8", "q4"])
 def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     """A prompt's pass goes over the tiles once per block of rows that fits L2 (here 4096 inputs: 12 fp32 rows,
-    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int4: the same
-    integers, summed as floats in another order), and numpy's."""
+    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int8 and int4
+    on AVX2 / AVX-VNNI, four rows at a time: the same integers, summed as floats in another order), and numpy's."""
     rng = np.random.default_rng(1)
     n, k, m = 13, 4096, 101 if kind == "f32" else 197
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -125,9 +125,35 @@ def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     got = _run_linear(packed, x, 2)  # numpy divides by the block's scale where the kernels multiply by its inverse:
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()  # a few integers one step apart over 4096 inputs
     alone = np.concatenate([_run_linear(packed, x[i:i + 1], 1) for i in range(m)])
-    if kind == "f32" or (kind == "q8" and kernel_path != "amx"):  # AMX sums each block before scaling it
+    if kind == "f32" or (kind == "q8" and kernel_path in ("avx512", "avx512vnni")):  # AMX sums each block first
         assert np.array_equal(got, alone)
-    else:  # q4 prompts on AVX2 / AVX-VNNI: two outputs per accumulator, the float sums in another order
+    else:  # integer prompts on AVX2 / AVX-VNNI: a row's four outputs per accumulator, the float sums in another order
+        assert np.abs(got - alone).max() <= 1e-6 * np.abs(alone).max()
+
+
+@pytest.mark.parametrize("bits,zero", [(8, None), (8, "uint8"), (4, None), (4, "uint8")])
+@pytest.mark.parametrize("m", [16, 23, 101])
+def test_integer_prompt_kernels_four_rows_at_a_time_equal_numpy(kernel_path, bits, zero, m):
+    """Passes of 16 rows or more take the prompt kernels (AVX2 / AVX-VNNI: four rows per pass over a tile, the rows
+    left over in pairs and one alone; 101 rows of 2048 inputs: row blocks of 94 and 7), with and without zero
+    points, one and two threads, 37 outputs (not a multiple of the tile's 4): within 1e-5 of numpy's largest
+    output, and within 1e-6 of the same rows run one at a time (the decode kernels)."""
+    rng = np.random.default_rng(bits * m)
+    n, k = 37, 2048 if m == 101 else 96
+    q = rng.integers(0, 2 ** bits, (n, k)).astype(np.uint8)
+    scale = rng.uniform(0.01, 0.1, (n, k // 32)).astype(np.float32)
+    z = None if zero is None else rng.integers(0, 2 ** bits, (n, k // 32)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[m - 1, 5] = 40.0  # an outlier in the last row, which a remainder kernel takes
+    mid = np.full((n, k // 32), 128 if bits == 8 else 8, np.float32) if z is None else z
+    w = (q.astype(np.float32) - np.repeat(mid, 32, axis=1)) * np.repeat(scale, 32, axis=1)
+    want = _quantized_activations(x) @ w.T + bias
+    packed = pack_blocks(q, scale, z, bits, bias)
+    alone = np.concatenate([_run_linear(packed, x[i:i + 1], 1) for i in range(m)])
+    for threads in (1, 2):
+        got = _run_linear(packed, x, threads)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() * (k / 96)  # numpy rounds a few blocks apart
         assert np.abs(got - alone).max() <= 1e-6 * np.abs(alone).max()
 
 
@@ -217,6 +243,25 @@ def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(kernel_path, tr
     assert 0 < err_native <= 1.5 * err_ort
     assert nat.native_prompt_tokens == len(PROMPTS) * 48  # every prompt native: no ONNX Runtime session
     assert nat.session is None
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_long_quantized_prompts_are_as_close_to_torch_as_onnx_runtimes(trained_run, tmp_path, precision):
+    """Prompts of 37 and 22 tokens in one pass (59 rows: the prompt kernels, four rows at a time, and their
+    remainders), on AVX2: the native logits' largest error against the fp32 PyTorch model within 1.5x ONNX
+    Runtime's, and the same next tokens as ONNX Runtime."""
+    model = load_model(trained_run / "model").eval()
+    export_model(trained_run / "model", tmp_path / "e", precision=precision, progress=False)
+    path = tmp_path / "e" / GENAI_GRAPH
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, model.config.vocab_size, n)) for n in (37, 22)]
+    ort, nat = (_session(model, path, len(prompts), 48, native) for native in (False, True))
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p]))[0, -1] for p in prompts]).numpy()
+    want = ort.prefill(0, prompts).copy()
+    got = _native_prefill(nat, prompts)
+    assert 0 < np.abs(got - ref).max() <= 1.5 * np.abs(want - ref).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_stored_int4_with_zero_points_runs_natively(kernel_path, trained_run, tmp_path):
