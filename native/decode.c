@@ -536,7 +536,7 @@ typedef struct {
     const float *qkv;
     float *out;    /* chunks == 1: (T, H * hd) */
     float *part;   /* chunks > 1: (T, H, chunks, 2 + hd): a chunk's max score, sum of exponentials, unscaled output */
-    float *scores; /* per thread ATTN_CHUNK floats */
+    float *scores; /* per thread ATTN_GROUP x ATTN_CHUNK floats */
     atomic_int next; /* the next item a thread takes */
 } AttnTask;
 
@@ -673,6 +673,106 @@ static void weighted_values(const float *w, const void *V, int f16, int j0, int 
     }
 }
 
+#define ATTN_GROUP 3 /* query heads of one KV head that attend_group takes together */
+
+/* sc[h][j] = q[h] . K[j0 + j] x scale for the G (2 or 3) query heads of one KV head, j < n, hd a multiple of 8:
+ * four keys at a time, each key's vectors loaded once for the G heads (one head at a time read each key from L2
+ * per head); top[h] = the largest score of head h */
+static inline __attribute__((always_inline)) void scores_group(const float *const *q, const int G, const void *K,
+                                                               int f16, int j0, int n, int hd, float scale,
+                                                               float *sc, float *top) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx[ATTN_GROUP];
+    for (int h = 0; h < G; h++) mx[h] = _mm_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256 a[ATTN_GROUP][4];
+        #pragma GCC unroll 3
+        for (int h = 0; h < G; h++) a[h][0] = a[h][1] = a[h][2] = a[h][3] = _mm256_setzero_ps();
+        const void *k = kv_at(K, (size_t)(j0 + j) * hd, f16);
+        for (int e = 0; e < hd; e += 8) {
+            #pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                const __m256 kv = kv8(k, u * hd + e, f16);
+                #pragma GCC unroll 3
+                for (int h = 0; h < G; h++) a[h][u] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q[h] + e), a[h][u]);
+            }
+        }
+        #pragma GCC unroll 3
+        for (int h = 0; h < G; h++) {
+            const __m128 s4 = _mm_mul_ps(hsum4x8(a[h][0], a[h][1], a[h][2], a[h][3]), vs);
+            _mm_storeu_ps(sc + h * ATTN_CHUNK + j, s4);
+            mx[h] = _mm_max_ps(mx[h], s4);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float t[4];
+        _mm_storeu_ps(t, mx[h]);
+        top[h] = fmaxf(fmaxf(t[0], t[1]), fmaxf(t[2], t[3]));
+        for (int i = j; i < n; i++) {
+            const float v = dot_kv(q[h], kv_at(K, (size_t)(j0 + i) * hd, f16), hd, f16) * scale;
+            sc[h * ATTN_CHUNK + i] = v;
+            top[h] = v > top[h] ? v : top[h];
+        }
+    }
+}
+
+/* o[h] (hd, a multiple of 16) = sum over j < n of w[h][j] V[j0 + j] for G (2 or 3) heads: 16 outputs of every
+ * head at a time, each value's vectors loaded once for the G heads */
+static inline __attribute__((always_inline)) void values_group(const float *w, const int G, const void *V, int f16,
+                                                               int j0, int n, int hd, float *const *o) {
+    for (int e = 0; e < hd; e += 16) {
+        __m256 a[ATTN_GROUP][2];
+        #pragma GCC unroll 3
+        for (int h = 0; h < G; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const void *v = kv_at(V, (size_t)(j0 + j) * hd, f16);
+            const __m256 v0 = kv8(v, e, f16), v1 = kv8(v, e + 8, f16);
+            #pragma GCC unroll 3
+            for (int h = 0; h < G; h++) {
+                const __m256 wj = _mm256_broadcast_ss(w + h * ATTN_CHUNK + j);
+                a[h][0] = _mm256_fmadd_ps(wj, v0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(wj, v1, a[h][1]);
+            }
+        }
+        #pragma GCC unroll 3
+        for (int h = 0; h < G; h++) {
+            _mm256_storeu_ps(o[h] + e, a[h][0]);
+            _mm256_storeu_ps(o[h] + e + 8, a[h][1]);
+        }
+    }
+}
+
+/* sc (n) = e^(sc - top), returns their sum */
+static float exp_shift(float *sc, int n, float top) {
+    __m256 vm = _mm256_set1_ps(top), vs = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vm));
+        _mm256_storeu_ps(sc + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum8(vs);
+    for (; j < n; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
+    return sum;
+}
+
+/* attend for G (2 or 3) query heads of one KV head at once (hd a multiple of 16): sum[h], mx[h] and o[h] as
+ * attend's, sc holding ATTN_CHUNK scores per head */
+static void attend_group(const float *const *q, int G, const void *K, const void *V, int f16, int j0, int j1, int hd,
+                         float scale, float *sc, float *const *o, float *mx, float *sum) {
+    const int n = j1 - j0;
+    if (n <= 0) {
+        for (int h = 0; h < G; h++) { mx[h] = -INFINITY; sum[h] = 0.f; memset(o[h], 0, hd * sizeof(float)); }
+        return;
+    }
+    if (G == 3) scores_group(q, 3, K, f16, j0, n, hd, scale, sc, mx);
+    else scores_group(q, 2, K, f16, j0, n, hd, scale, sc, mx);
+    for (int h = 0; h < G; h++) sum[h] = exp_shift(sc + h * ATTN_CHUNK, n, mx[h]);
+    if (G == 3) values_group(sc, 3, V, f16, j0, n, hd, o);
+    else values_group(sc, 2, V, f16, j0, n, hd, o);
+}
+
 /* One query head over keys j0..j1-1 of K / V (the slot's KV head, floats or halves): o (hd) = sum of
  * e^(score - mx) v_j; returns the sum of e^(score - mx) and sets *mx (-inf and 0 for an empty range) */
 static float attend(const float *q, const void *K, const void *V, int f16, int j0, int j1, int hd, float scale,
@@ -706,14 +806,43 @@ static float attend(const float *q, const void *K, const void *V, int f16, int j
     return sum;
 }
 
+/* query heads h .. h + n - 1 (at most ATTN_GROUP taken) of token t over chunk c (keys j0..j1-1 of K / V): the
+ * row's output (one chunk) or the chunk's partial results. A prompt's pass takes a KV head's query heads together
+ * (attend_group: each key read once for them; the same sums in the same order, so the same bits as attend). */
+static void attend_heads(const AttnTask *a, int t, int c, int h, int n, const void *K, const void *V, int j0, int j1,
+                         float *sc) {
+    const Model *m = a->m;
+    const int H = m->n_heads, hd = m->head_dim, width = (H + 2 * m->n_kv_heads) * hd, C = a->chunks;
+    const int G = n < ATTN_GROUP ? n : ATTN_GROUP;
+    const float *q[ATTN_GROUP];
+    float *o[ATTN_GROUP], mx[ATTN_GROUP], sum[ATTN_GROUP];
+    for (int i = 0; i < G; i++) {
+        q[i] = a->qkv + (size_t)t * width + (h + i) * hd;
+        o[i] = C == 1 ? a->out + ((size_t)t * H + h + i) * hd : a->part + (((size_t)t * H + h + i) * C + c) * (2 + hd) + 2;
+    }
+    if (G == 1)
+        sum[0] = attend(q[0], K, V, m->kv_f16, j0, j1 > j0 ? j1 : j0, hd, m->scale, sc, o[0], mx);
+    else
+        attend_group(q, G, K, V, m->kv_f16, j0, j1, hd, m->scale, sc, o, mx, sum);
+    for (int i = 0; i < G; i++) {
+        if (C == 1) {
+            const float r = 1.f / sum[i];
+            for (int e = 0; e < hd; e++) o[i][e] *= r;
+        } else {
+            o[i][-1] = sum[i];
+            o[i][-2] = mx[i];
+        }
+    }
+}
+
 /* Items are (token, KV head, chunk of positions): the KV head's query heads one after another, so its keys and
  * values are read from memory once and from cache for the others */
 static void attn_task(void *ctx, int ith, int nth) {
     const AttnTask *a = (const AttnTask *)ctx;
     const Model *m = a->m;
-    const int H = m->n_heads, G = m->n_kv_heads, hd = m->head_dim, width = (H + 2 * G) * hd, per = H / G, C = a->chunks;
+    const int G = m->n_kv_heads, hd = m->head_dim, per = m->n_heads / G, C = a->chunks;
     const int window = m->layers[a->layer].window;
-    float *sc = a->scores + (size_t)ith * ATTN_CHUNK;
+    float *sc = a->scores + (size_t)ith * ATTN_GROUP * ATTN_CHUNK;
     const int items = a->T * G * C;
     (void)nth;
     /* Items are taken one at a time from a shared counter: a prompt's late tokens see more keys than its early ones
@@ -728,19 +857,9 @@ static void attn_task(void *ctx, int ith, int nth) {
         const int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         const int j0 = first > c * ATTN_CHUNK ? first : c * ATTN_CHUNK;
         const int j1 = pos + 1 < (c + 1) * ATTN_CHUNK ? pos + 1 : (c + 1) * ATTN_CHUNK;
-        for (int h = g * per; h < (g + 1) * per; h++) {
-            const float *q = a->qkv + (size_t)t * width + h * hd;
-            float mx;
-            if (C == 1) {
-                float *o = a->out + ((size_t)t * H + h) * hd;
-                const float r = 1.f / attend(q, K, V, f16, j0, j1, hd, m->scale, sc, o, &mx);
-                for (int e = 0; e < hd; e++) o[e] *= r;
-            } else {
-                float *part = a->part + (((size_t)t * H + h) * C + c) * (2 + hd);
-                part[1] = attend(q, K, V, f16, j0, j1 > j0 ? j1 : j0, hd, m->scale, sc, part + 2, &mx);
-                part[0] = mx;
-            }
-        }
+        const int grouped = a->T >= TRIPLE_MIN_ROWS && hd % 16 == 0;
+        for (int h = g * per; h < (g + 1) * per; h += grouped ? ATTN_GROUP : 1)
+            attend_heads(a, t, c, h, grouped ? (g + 1) * per - h : 1, K, V, j0, j1, sc);
     }
 }
 
@@ -780,7 +899,7 @@ static int scratch_new(Pool *p, const Model *m, int T, int chunks, Scratch *s) {
     if (att > kmax) kmax = att;
     const size_t dim = m->dim, F = m->hidden, kb = kmax / 32 + 1;
     const size_t sizes[] = {T * dim * 4, T * dim * 4, T * width * 4, T * att * 4, T * 2 * F * 4, T * F * 4, T * kmax,
-                            T * kb * 4, T * kb * 4, (size_t)p->n * ATTN_CHUNK * 4, T * dim * 4,
+                            T * kb * 4, T * kb * 4, (size_t)p->n * ATTN_GROUP * ATTN_CHUNK * 4, T * dim * 4,
                             chunks > 1 ? T * att * chunks * 4 + T * m->n_heads * chunks * 8 : 0};
     void **slots[] = {(void **)&s->h, (void **)&s->x, (void **)&s->qkv, (void **)&s->att, (void **)&s->ff,
                       (void **)&s->act, (void **)&s->xq, (void **)&s->xd, (void **)&s->xds, (void **)&s->scores,
