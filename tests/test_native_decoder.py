@@ -36,7 +36,7 @@ from prunus.native.build import ISA_ENV, ISAS, isa, isa_missing, library, set_is
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
 
-from prunus.native.decoder import NativeDecoder, _linear  # noqa: E402
+from prunus.native.decoder import KV_DTYPES, NativeDecoder, _linear  # noqa: E402
 from prunus.export.export_dir import genai_dims  # noqa: E402
 from prunus.native.weights import pack_blocks, pack_f32, read_native_weights  # noqa: E402
 
@@ -243,6 +243,30 @@ def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(kernel_path, tr
     assert 0 < err_native <= 1.5 * err_ort
     assert nat.native_prompt_tokens == len(PROMPTS) * 48  # every prompt native: no ONNX Runtime session
     assert nat.session is None
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 2, 96), (8, 2, 128)])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_prompt_attention_by_groups_of_heads_equals_one_token_at_a_time(tmp_path, heads, kv_heads, dim, kv_dtype):
+    """A prompt's pass (37 tokens, two threads) attends with a KV head's query heads together, two or three at a
+    time (8 heads over 2 KV heads: a group of three and one head alone); fp32 prompts sum every product in the
+    order a decode step does, so every position's logits are the same bits as the same tokens fed one at a time."""
+    model = family_model("llama", dim=dim, n_heads=heads, n_kv_heads=kv_heads)
+    path = _graph(model, tmp_path)
+    dims = genai_dims(model)
+    packed = read_native_weights(path.parent / NATIVE_WEIGHTS, dims)
+    ids = np.random.default_rng(heads).integers(0, 320, 37)
+    shape = (1, kv_heads, 48, dim // heads)
+    got = []
+    for rows in (37, 1):
+        kv = [[np.zeros(shape, KV_DTYPES[kv_dtype]) for _ in range(dims["n_layers"])] for _ in range(2)]
+        dec = NativeDecoder(packed, kv[0], kv[1], 1, 48, threads=2)
+        out = np.zeros((37, 320), np.float32)
+        for s in range(0, 37, rows):
+            dec.forward(ids[None, s:s + rows], [s], [rows], 0, out[s:s + rows], every_position=True)
+        dec.close()
+        got.append(out)
+    assert np.array_equal(got[0], got[1])
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
