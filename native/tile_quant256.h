@@ -101,7 +101,8 @@ static KERNEL_TARGET void KERNEL(quant_pair)(const GemmTask *g, int t, int m) {
     store4(g, m1, t, _mm_sub_ps(hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]), z1));
 }
 
-/* rows m and m + 1 of a q4 layer against tile t, for prompts (passes of MANY_ROWS rows or more). Two outputs'
+/* rows m and m + 1 of a q4 layer against tile t, for prompts (passes of 16 rows or more: the pair a row block
+ * leaves after q4_quad's fours, or every pair where no q4_quad instance exists). Two outputs'
  * 16 bytes are one 256-bit load: their low nibbles (elements 0-15) against the activation block's first half in
  * both 128-bit lanes, their high nibbles (16-31) against its second half; the two products' 16-bit sums add
  * without overflow (at most 4 x 15 x 127 per lane), so one DOT_BUS2 widening serves 32 products of two outputs.
