@@ -133,3 +133,20 @@ def test_serve_says_which_runtime_serves(export_dir, monkeypatch):
                          (["--no-native"], "on onnxruntime (native off: native=False (--no-native))")):
         r = CliRunner().invoke(cli, ["serve", str(path), "--port", "0", "--max-batch", "1", *flags])
         assert r.exit_code == 0 and words in r.stderr, r.stderr
+
+
+@needs_kernels
+def test_native_with_the_prompt_twin_keeps_both_runtimes(tmp_path_factory):
+    """--native --prompt-graph on an int8 export: ONNX Runtime's graph and twin beside the kernels, over the same
+    float32 buffers; prompts of up to 512 tokens run natively."""
+    from prunus.native.decoder import native_prompt_tokens
+
+    root = tmp_path_factory.mktemp("twin")
+    save_model(family_model("llama"), root / "model", stage="train")
+    export_model(root / "model", root / "int8", precision="int8", progress=False)
+    with Engine.load(root / "int8", native=True, prompt_graph=True, max_batch=2, max_len=128, threads=1) as engine:
+        session = engine.backend.session
+        assert session.session is not None and session.prompt_session is not None and session.native is not None
+        assert engine.info["native_prompt_tokens"] == native_prompt_tokens(session.native.packed) == 512
+        tokens = engine.wait(engine.submit(PROMPT, N, temperature=0.0, ignore_eos=True)).token_ids
+    assert len(tokens) == N
