@@ -389,7 +389,7 @@ def llamacpp_section(spec: str, args, figures: list) -> None:
     contenders += args.contender
     if args.native_only:
         contenders = [c for c in contenders if c.native]
-    for c in contenders:
+    for c in [] if args.no_parity else contenders:
         if c.native:
             print(f"   {c.label:44s} {native_parity_line(c.path, export_parent(c.path, model_dir))[0]}", flush=True)
         elif (c.path / "parity.json").is_file():
@@ -602,6 +602,9 @@ def main() -> None:
                     help="with --peer llamacpp: also time the int8 and int4 genai exports with their prompt twin")
     ap.add_argument("--native", action="store_true",
                     help="with --peer llamacpp: also time every genai export decoded in prunus's own kernels")
+    ap.add_argument("--no-parity", action="store_true",
+                    help="with --peer llamacpp: leave out the parity lines printed before timing (through the native "
+                         "kernels each takes about a minute)")
     ap.add_argument("--native-only", action="store_true",
                     help="with --native: of prunus's contenders, time only the native decoder (no torch Engine, no "
                          "ONNX Runtime graphs)")
