@@ -30,13 +30,17 @@
    runs in a worker process (llama-cpp-python in this interpreter, or ``--llamacpp-python``);
    without it the section is skipped with a message. See ``_llamacpp_bench.py``. Run it on an
    idle machine: llama.cpp's thread pool spins, so anything else on the cores ruins its figures.
+   ``--ort-genai`` adds onnxruntime-genai's own runtime (``_ort_genai_peer.py``): on its model builder's int4
+   model of the same weights (built once under --cache) and on each prunus genai export, a process each, with
+   ratios prunus / onnxruntime-genai. ``--int4-model DIR`` adds one more stored-int4 dir (AWQ then GPTQ, say).
 
 Rounds alternate the contenders and the median is reported. Writes a PNG of the figures.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--demo-model runs/demo/model] [--export DIR ...]
         [--model smollm2 ...] [--cache runs/real-models] [--only-models]
     python benchmarks/serve_throughput.py --peer llamacpp --model smollm2 [--llamacpp-python /path/to/python]
-        [--contender "LABEL=EXPORT_DIR:fp32|int8|int4" ...]
+        [--contender "LABEL=EXPORT_DIR:fp32|int8|int4" ...] [--native [--native-only]] [--ort-genai]
+        [--int4-model DIR] [--no-parity] [--sweep-rounds 0]
 """
 
 from __future__ import annotations
