@@ -231,9 +231,11 @@ static void store4(const GemmTask *g, int m, int t, __m128 r) {
 /* A pass of several rows goes over each tile once per pair of rows. The first pass streams the tile from memory
  * and the others find it in cache, so each pass prefetches its share of the next tile, spread over its iterations
  * (every pass then reads memory at the same pace). NULL for passes of fewer than six rows. */
+#define NEXT_SHARE_ROWS 6 /* passes of fewer rows prefetch nothing */
+
 static inline const char *next_share(const GemmTask *g, int t, int m, size_t tile_bytes, size_t *step, int iters) {
     const int passes = g->m / 2;
-    if (passes < 3 || t + 1 >= g->L->tiles) return NULL; /* with two passes it cost more than it gave */
+    if (g->m < NEXT_SHARE_ROWS || t + 1 >= g->L->tiles) return NULL; /* with two passes it cost more than it gave */
     *step = tile_bytes / iters / passes;
     return (const char *)g->L->w + (t + 1) * tile_bytes + tile_bytes * (m / 2) / passes;
 }
@@ -463,8 +465,8 @@ int prunus_set_isa(const char *name) {
  * fit in ROW_BLOCK_BYTES: every tile then finds its rows in L2 instead of streaming all of them from L3 or
  * memory (SmolLM2's 1536-input layer at 512 rows: 3 MB of fp32 rows). A tile is read once per block, from L2
  * or L3: a few KB against the block's thousands of products. */
-#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch (and int8 / int4
-                            * their order of float sums); more: fp32 three rows at a time, int8 / int4 four */
+#define TRIPLE_MIN_ROWS 16 /* fewer rows (decode steps) keep the pair kernels and their prefetch (int8 / int4: but
+                            * for four or five rows); more: fp32 three rows at a time, int8 / int4 four */
 
 static int row_block(const Linear *L) {
     const size_t row = (size_t)L->k * (L->kind == KIND_F32 ? 4 : 1);
@@ -472,6 +474,10 @@ static int row_block(const Linear *L) {
     return rows < 8 ? 8 : (int)(rows & ~(size_t)1);
 }
 
+/* Decode steps of four or five int8 / int4 rows take the four-row kernels too (one pass over each tile instead of
+ * two: SmolLM2's layers, one thread, AMD EPYC: int8 4 rows 19.3 -> 15.3 ms, int4 12.2 -> 8.3 ms against the pairs);
+ * from NEXT_SHARE_ROWS rows up to TRIPLE_MIN_ROWS the pairs, which then prefetch each next tile (next_share), were
+ * as fast or faster (int8 6 rows 16.3 ms against 21.3 ms). */
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
     const Kernels *k = atomic_load(&kernels);
@@ -486,7 +492,9 @@ static void gemm_task(void *ctx, int ith, int nth) {
     const tile_fn pair = f32 ? k->f32_pair
                          : many && g->L->kind == KIND_Q4 && k->q4_many ? k->q4_many : k->quant_pair;
     const tile_fn one = f32 ? k->f32_row : k->quant_row;
-    const tile_fn wide = !many ? NULL : f32 ? k->f32_triple : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
+    const int quads = many || (g->m >= 4 && g->m < NEXT_SHARE_ROWS); /* int8 / int4: four rows at a time */
+    const tile_fn wide = f32 ? (many ? k->f32_triple : NULL)
+                         : !quads ? NULL : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
     const int width = f32 ? 3 : 4; /* rows wide takes at once */
     const int rb = row_block(g->L);
     for (int r0 = 0; r0 < g->m; r0 += rb) {

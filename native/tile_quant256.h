@@ -19,88 +19,6 @@
  * and keeps every integer product exact.)
  */
 
-/* one row m of the quantized activations against tile t */
-static KERNEL_TARGET void KERNEL(quant_row)(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
-    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    const int8_t *xq = g->xq + (size_t)m * L->k;
-    const float *xd = g->xd + (size_t)m * kb, *xds = g->xds + (size_t)m * kb;
-    const __m256i zero = _mm256_setzero_si256();
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 zacc = _mm_setzero_ps();
-    for (int b = 0; b < kb; b++) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-        __m256 d = _mm256_set1_ps(xd[b]);
-        const uint8_t *wb = w + (size_t)b * 4 * bytes;
-        const float *sb = s + 4 * b;
-        for (int i = 0; i < 4; i++) {
-            __m256i p;
-            if (q4) {
-                p = DOT_BUS(zero, unpack_q4(wb + 16 * i), xv);
-            } else { /* the sign trick: |w| unsigned, the weight's sign moved onto the activations */
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
-                p = DOT_BUS(zero, _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-            }
-            a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_broadcast_ss(sb + i)), a[i]);
-        }
-        if (sz) zacc = _mm_fmadd_ps(_mm_loadu_ps(sz + 4 * b), _mm_set1_ps(xds[b]), zacc);
-    }
-    store4(g, m, t, _mm_sub_ps(hsum4x8(a[0], a[1], a[2], a[3]), zacc));
-}
-
-/* rows m and m + 1 against tile t: each weight block loaded (and its |w| taken, or its nibbles unpacked) once for
- * both rows (SmolLM2's 576 x 1536 layer, 8 rows, one thread, AVX2: 8-22% faster than a row at a time). Written
- * out for two rows rather than looped over them: with arrays indexed by row, gcc kept the accumulators on the
- * stack (17-26% slower). */
-static KERNEL_TARGET void KERNEL(quant_pair)(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32, q4 = L->kind == KIND_Q4, bytes = q4 ? 16 : 32, m1 = m + 1;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 4 * bytes;
-    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    const int8_t *xq0 = g->xq + (size_t)m * L->k, *xq1 = g->xq + (size_t)m1 * L->k;
-    const float *xd0 = g->xd + (size_t)m * kb, *xd1 = g->xd + (size_t)m1 * kb;
-    const float *xds0 = g->xds + (size_t)m * kb, *xds1 = g->xds + (size_t)m1 * kb;
-    const __m256i zero = _mm256_setzero_si256();
-    __m256 a[2][4];
-    for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
-    __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
-    float scale[2][4]; /* the block's four weight scales times each row's activation scale */
-    size_t step = 0;
-    const char *next = next_share(g, t, m, (size_t)kb * 4 * bytes, &step, kb);
-    for (int b = 0; b < kb; b++) {
-        if (next) _mm_prefetch(next + step * b, _MM_HINT_T0);
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
-        const uint8_t *wb = w + (size_t)b * 4 * bytes;
-        const __m128 sb = _mm_loadu_ps(s + 4 * b);
-        _mm_storeu_ps(scale[0], _mm_mul_ps(sb, _mm_broadcast_ss(xd0 + b)));
-        _mm_storeu_ps(scale[1], _mm_mul_ps(sb, _mm_broadcast_ss(xd1 + b)));
-        for (int i = 0; i < 4; i++) {
-            __m256i p0, p1;
-            if (q4) {
-                __m256i wv = unpack_q4(wb + 16 * i);
-                p0 = DOT_BUS(zero, wv, x0);
-                p1 = DOT_BUS(zero, wv, x1);
-            } else {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + 32 * i)), aw = _mm256_abs_epi8(wv);
-                p0 = DOT_BUS(zero, aw, _mm256_sign_epi8(x0, wv));
-                p1 = DOT_BUS(zero, aw, _mm256_sign_epi8(x1, wv));
-            }
-            a[0][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(scale[0] + i), a[0][i]);
-            a[1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(scale[1] + i), a[1][i]);
-        }
-        if (sz) {
-            __m128 zb = _mm_loadu_ps(sz + 4 * b);
-            z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds0 + b), z0);
-            z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds1 + b), z1);
-        }
-    }
-    store4(g, m, t, _mm_sub_ps(hsum4x8(a[0][0], a[0][1], a[0][2], a[0][3]), z0));
-    store4(g, m1, t, _mm_sub_ps(hsum4x8(a[1][0], a[1][1], a[1][2], a[1][3]), z1));
-}
-
 /* rows m and m + 1 of a q4 layer against tile t, for prompts (passes of 16 rows or more: the pair a row block
  * leaves after q4_quad's fours, or every pair where no q4_quad instance exists). Two outputs'
  * 16 bytes are one 256-bit load: their low nibbles (elements 0-15) against the activation block's first half in
@@ -216,9 +134,6 @@ static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
     KERNEL(q8_quad_store)(g, t, m, acc);
 }
 
-#undef Q8_QUAD_ROW
-#undef Q8_QUAD_BLOCK
-
 /* row r's four outputs of q4 block b: the activation block's halves broadcast to both 128-bit lanes (no permute),
  * two outputs' low and high nibbles to one DOT_BUS2 each (as q4_many), the two results' lanes paired by one
  * horizontal add ([o0 o0 o2 o2 | o1 o1 o3 o3]), converted and scaled once into the row's accumulator */
@@ -260,6 +175,7 @@ static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
     const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int b = 0; b < kb; b++) {
+        _mm_prefetch((const char *)w + (size_t)b * 64 + 2048, _MM_HINT_T0);
         Q4_QUAD_BLOCK();
         Q4_QUAD_ROW(0, a0);
         Q4_QUAD_ROW(1, a1);
@@ -270,5 +186,125 @@ static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
     KERNEL(q4_quad_store)(g, t, m, acc);
 }
 
+/* Decode steps (passes of fewer than 16 rows) run the four-row kernels' block math one or two rows at a time, so a
+ * row's float sums run in the same order as in a prompt: a row's four outputs summed in integers first, then one
+ * convert, one multiply and one FMA per block (the kernels before this gave each output its own). The zero-point
+ * term runs in the loop, in zero_terms4's order. Pairs share each block's |w| (q8) or nibbles (q4) between their
+ * rows and prefetch their share of the next tile (next_share) when a pass has six rows or more. */
+
+/* row m's zero-point sum for tile t's block b, or nothing for a layer without zero points */
+#define ZERO_TERM(z, r) \
+    if (sz) z = _mm_fmadd_ps(_mm_loadu_ps(sz + 4 * b), _mm_broadcast_ss(g->xds + (size_t)(m + (r)) * kb + b), z)
+
+static KERNEL_TARGET void KERNEL(q8_one)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const float *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    __m256 a0 = _mm256_setzero_ps();
+    __m128 z0 = _mm_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
+        Q8_QUAD_BLOCK();
+        Q8_QUAD_ROW(0, a0);
+        ZERO_TERM(z0, 0);
+    }
+    store4(g, m, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)), z0));
+}
+
+static KERNEL_TARGET void KERNEL(q8_two)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const float *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    __m128 z0 = _mm_setzero_ps(), z1 = z0;
+    size_t step = 0;
+    const char *next = next_share(g, t, m, (size_t)kb * 128, &step, kb);
+    for (int b = 0; b < kb; b++) {
+        if (next) _mm_prefetch(next + step * b, _MM_HINT_T0);
+        else {
+            _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
+        }
+        Q8_QUAD_BLOCK();
+        Q8_QUAD_ROW(0, a0);
+        Q8_QUAD_ROW(1, a1);
+        ZERO_TERM(z0, 0);
+        ZERO_TERM(z1, 1);
+    }
+    store4(g, m, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)), z0));
+    store4(g, m + 1, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1)), z1));
+}
+
+/* a q4 accumulator's lanes [o0 o0 o2 o2 | o1 o1 o3 o3] summed in output order, less the zero-point term */
+static inline KERNEL_TARGET __m128 KERNEL(q4_finish)(__m256 acc, __m128 z) {
+    const __m128 h = _mm_hadd_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    return _mm_sub_ps(_mm_shuffle_ps(h, h, _MM_SHUFFLE(3, 1, 2, 0)), z);
+}
+
+static KERNEL_TARGET void KERNEL(q4_one)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const float *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+    __m256 a0 = _mm256_setzero_ps();
+    __m128 z0 = _mm_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        _mm_prefetch((const char *)w + (size_t)b * 64 + 2048, _MM_HINT_T0);
+        Q4_QUAD_BLOCK();
+        Q4_QUAD_ROW(0, a0);
+        ZERO_TERM(z0, 0);
+    }
+    store4(g, m, t, KERNEL(q4_finish)(a0, z0));
+}
+
+static KERNEL_TARGET void KERNEL(q4_two)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const float *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    __m128 z0 = _mm_setzero_ps(), z1 = z0;
+    size_t step = 0;
+    const char *next = next_share(g, t, m, (size_t)kb * 64, &step, kb);
+    for (int b = 0; b < kb; b++) {
+        _mm_prefetch(next ? next + step * b : (const char *)w + (size_t)b * 64 + 2048, _MM_HINT_T0);
+        Q4_QUAD_BLOCK();
+        Q4_QUAD_ROW(0, a0);
+        Q4_QUAD_ROW(1, a1);
+        ZERO_TERM(z0, 0);
+        ZERO_TERM(z1, 1);
+    }
+    store4(g, m, t, KERNEL(q4_finish)(a0, z0));
+    store4(g, m + 1, t, KERNEL(q4_finish)(a1, z1));
+}
+
+/* one row m of the quantized activations against tile t (decode steps, and a pass's last odd row) */
+static KERNEL_TARGET void KERNEL(quant_row)(const GemmTask *g, int t, int m) {
+    if (g->L->kind == KIND_Q4) KERNEL(q4_one)(g, t, m);
+    else KERNEL(q8_one)(g, t, m);
+}
+
+/* rows m and m + 1 against tile t (decode steps, and the pairs the four-row kernels leave) */
+static KERNEL_TARGET void KERNEL(quant_pair)(const GemmTask *g, int t, int m) {
+    if (g->L->kind == KIND_Q4) KERNEL(q4_two)(g, t, m);
+    else KERNEL(q8_two)(g, t, m);
+}
+
+#undef ZERO_TERM
+#undef Q8_QUAD_ROW
+#undef Q8_QUAD_BLOCK
 #undef Q4_QUAD_ROW
 #undef Q4_QUAD_BLOCK
