@@ -108,8 +108,9 @@ def test_float_kernel_equals_numpy(kernel_path, m):
 @pytest.mark.parametrize("kind", ["f32", "q8", "q4"])
 def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     """A prompt's pass goes over the tiles once per block of rows that fits L2 (here 4096 inputs: 12 fp32 rows,
-    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int8 and int4
-    on AVX2 / AVX-VNNI, four rows at a time: the same integers, summed as floats in another order), and numpy's."""
+    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int8 on AVX2 /
+    AVX-VNNI too, four rows at a time with the decode kernels' block math; int4's pairs, q4_many, sum the same
+    integers as floats in another order), and numpy's."""
     rng = np.random.default_rng(1)
     n, k, m = 13, 4096, 101 if kind == "f32" else 197
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -125,9 +126,9 @@ def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     got = _run_linear(packed, x, 2)  # numpy divides by the block's scale where the kernels multiply by its inverse:
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()  # a few integers one step apart over 4096 inputs
     alone = np.concatenate([_run_linear(packed, x[i:i + 1], 1) for i in range(m)])
-    if kind == "f32" or (kind == "q8" and kernel_path in ("avx512", "avx512vnni")):  # AMX sums each block first
+    if kind == "f32" or (kind == "q8" and kernel_path != "amx"):  # AMX sums each block first
         assert np.array_equal(got, alone)
-    else:  # integer prompts on AVX2 / AVX-VNNI: a row's four outputs per accumulator, the float sums in another order
+    else:  # int4 prompts on AVX2 / AVX-VNNI: q4_many's pairs sum their floats in another order; AMX sums each block
         assert np.abs(got - alone).max() <= 1e-6 * np.abs(alone).max()
 
 
