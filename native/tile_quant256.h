@@ -215,6 +215,20 @@ static KERNEL_TARGET void KERNEL(q8_one)(const GemmTask *g, int t, int m) {
     store4(g, m, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)), z0));
 }
 
+/* Q8_QUAD_ROW with the block's weights w0 .. w3 kept in registers for their signs (two rows leave room for them:
+ * 5-10% faster than reading them again at 6 and 8 rows, one thread; the same bits) */
+#define Q8_PAIR_ROW(r, acc)                                                                                       \
+    do {                                                                                                          \
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + (size_t)(r) * L->k + 32 * b));               \
+        const __m256i p0 = DOT_BUS(_mm256_setzero_si256(), u0, _mm256_sign_epi8(x, w0));                         \
+        const __m256i p1 = DOT_BUS(_mm256_setzero_si256(), u1, _mm256_sign_epi8(x, w1));                         \
+        const __m256i p2 = DOT_BUS(_mm256_setzero_si256(), u2, _mm256_sign_epi8(x, w2));                         \
+        const __m256i p3 = DOT_BUS(_mm256_setzero_si256(), u3, _mm256_sign_epi8(x, w3));                         \
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));              \
+        const __m256 sr = _mm256_mul_ps(sb, _mm256_broadcast_ss(d0 + (size_t)(r) * kb + b));                     \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sr, acc);                                                     \
+    } while (0)
+
 static KERNEL_TARGET void KERNEL(q8_two)(const GemmTask *g, int t, int m) {
     const Linear *L = g->L;
     const int kb = L->k / 32;
@@ -232,9 +246,14 @@ static KERNEL_TARGET void KERNEL(q8_two)(const GemmTask *g, int t, int m) {
             _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
             _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
         }
-        Q8_QUAD_BLOCK();
-        Q8_QUAD_ROW(0, a0);
-        Q8_QUAD_ROW(1, a1);
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * 128);
+        const __m256i w0 = _mm256_loadu_si256(wb), w1 = _mm256_loadu_si256(wb + 1);
+        const __m256i w2 = _mm256_loadu_si256(wb + 2), w3 = _mm256_loadu_si256(wb + 3);
+        const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+        const __m256i u2 = _mm256_abs_epi8(w2), u3 = _mm256_abs_epi8(w3);
+        const __m256 sb = _mm256_broadcast_ps((const __m128 *)(s + 4 * b));
+        Q8_PAIR_ROW(0, a0);
+        Q8_PAIR_ROW(1, a1);
         ZERO_TERM(z0, 0);
         ZERO_TERM(z1, 1);
     }
@@ -304,6 +323,7 @@ static KERNEL_TARGET void KERNEL(quant_pair)(const GemmTask *g, int t, int m) {
 }
 
 #undef ZERO_TERM
+#undef Q8_PAIR_ROW
 #undef Q8_QUAD_ROW
 #undef Q8_QUAD_BLOCK
 #undef Q4_QUAD_ROW
