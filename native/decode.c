@@ -795,20 +795,12 @@ static float attend(const float *q, const void *K, const void *V, int f16, int j
             if (sc[j] > top) top = sc[j];
         }
     }
-    __m256 vm = _mm256_set1_ps(top), vs = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vm));
-        _mm256_storeu_ps(sc + j, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    float sum = hsum8(vs);
-    for (; j < n; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
+    const float sum = exp_shift(sc, n, top);
     if (blocked) {
         weighted_values(sc, V, f16, j0, n, hd, o);
     } else {
         memset(o, 0, hd * sizeof(float));
-        for (j = 0; j < n; j++) axpy_kv(o, sc[j], kv_at(V, (size_t)(j0 + j) * hd, f16), hd, f16);
+        for (int j = 0; j < n; j++) axpy_kv(o, sc[j], kv_at(V, (size_t)(j0 + j) * hd, f16), hd, f16);
     }
     *mx = top;
     return sum;
