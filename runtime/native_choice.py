@@ -60,12 +60,13 @@ def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions)
     return replace(options, native=False), why
 
 
-def load_chosen(path: Path, backend: str, config: dict, options: LoadOptions, find):
-    """(the runtime row, the Loaded, the info's ``native`` entry) for ``path`` under ``options``; ``find(options)``
-    gives the registry's row. Under native="auto" a native load refused in one line (no compiler, weights the
-    kernels do not take) loads on ONNX Runtime instead, the reason kept; an explicit native=True never falls back."""
+def load_chosen(path: Path, config: dict, options: LoadOptions, resolved: tuple[LoadOptions, str | None], find):
+    """(the runtime row, the Loaded, the info's ``native`` entry) for ``path`` under ``options``, ``resolved`` being
+    :func:`resolve_native`'s answer for them; ``find(options)`` gives the registry's row. Under native="auto" a
+    native load refused in one line (no compiler, weights the kernels do not take) loads on ONNX Runtime instead,
+    the reason kept; an explicit native=True never falls back."""
     auto = options.native == NATIVE_AUTO
-    chosen, why = resolve_native(path, backend, config, options)
+    chosen, why = resolved
     runtime = find(chosen)
     try:
         loaded = runtime.load(path, config, chosen)
@@ -76,6 +77,6 @@ def load_chosen(path: Path, backend: str, config: dict, options: LoadOptions, fi
         runtime = find(chosen)
         loaded = runtime.load(path, config, chosen)
     note = None
-    if is_genai(config) and backend == "onnxruntime":
+    if is_genai(config) and runtime.backend == "onnxruntime":
         note = "on" if chosen.native is True else f"off: {why}" if why else "off: native=False (--no-native)"
     return runtime, loaded, note

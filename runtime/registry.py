@@ -93,7 +93,8 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     options.check_placement(backend)
     from .native_choice import load_chosen, resolve_native
 
-    runtime = find_runtime(backend, config, resolve_native(path, backend, config, options)[0])
+    chosen = resolve_native(path, backend, config, options)  # native="auto" settled, with why it is off
+    runtime = find_runtime(backend, config, chosen[0])
     features = options.features
     if (features.prefix_cache_mb and runtime.name not in PREFIX_CACHE_RUNTIMES) or (
             features.draft is not None and runtime.name != "torch"):
@@ -104,7 +105,7 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
                               f"{runtime.loads}; drop --speculative")
         raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
                           f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
-    runtime, loaded, native = load_chosen(path, backend, config, options, lambda o: find_runtime(backend, config, o))
+    runtime, loaded, native = load_chosen(path, config, options, chosen, lambda o: find_runtime(backend, config, o))
     if native is not None:
         loaded.info["native"] = native
     loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
