@@ -59,7 +59,7 @@ def model_tables(path: Path) -> list:
              "command": manifest.get("command"), **manifest.get("versions", {})}
     files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
     return [_table(f"model {path}", model_rows), _table("manifest", about), _table("metrics", manifest.get("metrics", {})),
-            _table("files (sha256)", files), *native_tables(path)]
+            _table("files (sha256)", files), *parity_tables(path), *native_tables(path)]
 
 
 def module_tables(path: Path) -> list:
@@ -77,6 +77,35 @@ def module_tables(path: Path) -> list:
     files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
     return [_table(f"module {path}", model_rows), _table("lineage (newest first)", lineage),
             _table("metrics", manifest.get("metrics", {})), _table("files (sha256)", files)]
+
+
+PARITY_ROWS = (("top-1 agreement", "top1_agreement", ".4f"), ("decode agreement", "decode_agreement", ".4f"),
+               ("greedy agreement", "greedy_agreement", ".4f"), ("bits/byte increase", "bpb_increase", "+.5f"),
+               ("max |Δlogits|", "max_abs_logits", ".3g"))
+
+
+def parity_tables(path: Path) -> list:
+    """For an export dir: each runtime that may serve it beside the PyTorch model (its parity.json), one column a
+    runtime, with the kernel path and activation handling the native kernels were checked with."""
+    from rich.table import Table
+
+    from prunus.runtime.native_parity import runtime_parity
+
+    runtimes = runtime_parity(path)
+    if not runtimes:
+        return []
+    table = Table(title="parity against PyTorch, per runtime (parity.json)", title_justify="left")
+    table.add_column("")
+    for name in runtimes:
+        table.add_column(name)
+    cells = lambda f: [f(r) if r.get("checked") else "-" for r in runtimes.values()]  # noqa: E731
+    for label, key, spec in PARITY_ROWS:
+        table.add_row(label, *cells(lambda r: "n/a" if r.get(key) is None else format(r[key], spec)))
+    table.add_row("kernel path", *cells(lambda r: r.get("isa", "-")))
+    table.add_row("activations", *cells(lambda r: r.get("activations", "-")))
+    table.add_row("verdict", *[("passed" if r.get("passed") else "FAILED: " + ", ".join(r.get("failed") or []))
+                               if r.get("checked") else f"not checked: {r.get('why')}" for r in runtimes.values()])
+    return [table]
 
 
 def native_tables(path: Path) -> list:

@@ -44,7 +44,8 @@ from .genai_compat import write_genai_compat
 from .genai_parity import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
 from .ort_graphs import OrtGraphs
-from .parity import ParityFailed, check_parity
+from .parity import ParityFailed, compare, torch_reference
+from .served_parity import native_parity, ort_record
 from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
 
 FORMAT = "prunus-export/1"
@@ -200,7 +201,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     with atomic_dir(out, overwrite=overwrite) as tmp:
         with console.status("") as status:
             graphs = GRAPH_WRITERS[plan.graph](model, plan, tmp, status)
-            status.update("parity: ONNX Runtime against PyTorch on held-out text")
+            status.update("parity: ONNX Runtime (and the native kernels) against PyTorch on held-out text")
             report = _parity(model, graphs, tokenizer, model.config, plan.precision, data, eval_tokens, fmt.name)
         if not report["passed"] and verify:
             raise ParityFailed(report)
@@ -299,8 +300,14 @@ def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_toke
         ort = GenaiGraphs(graphs["model"], genai_dims(model), threads=os.cpu_count())
     else:
         ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count(), config=config)
-    report = check_parity(model, ort, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=eval_tokens)
+    token_bytes = tokenizer.token_bytes()
+    ref = torch_reference(model, corpus.val, token_bytes, eval_tokens=eval_tokens)
+    report = compare(ref, ort, corpus.val, token_bytes, precision)
     report["corpus"] = corpus.name
+    report["runtimes"] = {"onnxruntime": ort_record(report, precision)}
+    if "model" in graphs:  # served by the native kernels where they run: checked on this CPU's path too
+        report["runtimes"]["native"] = native_parity(model, graphs["model"], genai_dims(model), ref, corpus.val,
+                                                     token_bytes, precision)
     return report
 
 

@@ -78,28 +78,46 @@ def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tenso
     ``model``; a JSON-able report.
 
     ``eval_tokens`` / ``seq_len``: default to the slice every scorer uses (``prunus.data.evaluate``)."""
+    ref = torch_reference(model, val_tokens, token_bytes, eval_tokens=eval_tokens, seq_len=seq_len,
+                          new_tokens=new_tokens, n_prompts=n_prompts, prompt_len=prompt_len)
+    return compare(ref, graphs, val_tokens, token_bytes, precision)
+
+
+def torch_reference(model, val_tokens: np.ndarray, token_bytes: torch.Tensor, *, eval_tokens: int | None = None,
+                    seq_len: int | None = None, new_tokens: int = 64, n_prompts: int = 4, prompt_len: int = 32) -> dict:
+    """What every runtime is compared with: the PyTorch model's probe logits, bits per byte and greedy tokens (made
+    once, however many runtimes are checked against it)."""
     limit = model.config.max_seq_len
     eval_tokens = eval_tokens or DEFAULT_EVAL_TOKENS
     seq_len = min(seq_len or default_seq_len(limit), len(val_tokens) - 1)
     probe_len = min(PROBE_LEN, seq_len, (len(val_tokens) - 1) // PROBE_ROWS)
-    tol = TOLERANCES[precision]
     with torch.inference_mode():
         x = torch.from_numpy(np.asarray(val_tokens[: PROBE_ROWS * probe_len], dtype=np.int64)).reshape(PROBE_ROWS, probe_len)
-        ref, got = model(x).float(), graphs(x)
-        max_abs = (ref - got).abs().max().item()
-        top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-        del ref, got
+        logits = model(x).float()
         torch_eval = evaluate(model, val_tokens, token_bytes, seq_len=seq_len, max_tokens=eval_tokens)
-        ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=seq_len, max_tokens=eval_tokens,
-                            score=_nll_score(graphs, len(token_bytes)))
         prompt_len = min(prompt_len, limit - new_tokens)
         starts = np.linspace(0, len(val_tokens) - prompt_len - 1, n_prompts).astype(np.int64)
         prompts = torch.stack([torch.from_numpy(np.asarray(val_tokens[s: s + prompt_len], dtype=np.int64)) for s in starts])
         want = generate(model, prompts, new_tokens)[:, prompt_len:]
-        have = graphs.greedy(prompts, new_tokens)
+    return {"probe": x, "logits": logits, "eval": torch_eval, "prompts": prompts, "greedy": want,
+            "eval_tokens": eval_tokens, "seq_len": seq_len}
+
+
+def compare(ref: dict, graphs, val_tokens: np.ndarray, token_bytes: torch.Tensor, precision: str) -> dict:
+    """``graphs`` against :func:`torch_reference`'s ``ref``, judged by ``precision``'s limits: a JSON-able report."""
+    tol = TOLERANCES[precision]
+    want, new_tokens = ref["greedy"], ref["greedy"].shape[1]
+    with torch.inference_mode():
+        got = graphs(ref["probe"])
+        max_abs = (ref["logits"] - got).abs().max().item()
+        top1 = (ref["logits"].argmax(-1) == got.argmax(-1)).float().mean().item()
+        del got
+        ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=ref["seq_len"], max_tokens=ref["eval_tokens"],
+                            score=_nll_score(graphs, len(token_bytes)))
+        have = graphs.greedy(ref["prompts"], new_tokens)
         # teacher-forced along PyTorch's tokens; where the free-running tokens already are those, the same run
-        forced = have if torch.equal(want, have) else graphs.greedy(prompts, new_tokens, follow=want)
-    agree = (want == have).float().mean().item()
+        forced = have if torch.equal(want, have) else graphs.greedy(ref["prompts"], new_tokens, follow=want)
+    torch_eval = ref["eval"]
     report = {
         "precision": precision,
         "max_abs_logits": max_abs,
@@ -107,14 +125,21 @@ def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tenso
         "bpb_torch": torch_eval["val_bpb"],
         "bpb_onnx": ort_eval["val_bpb"],
         "bpb_increase": ort_eval["val_bpb"] - torch_eval["val_bpb"],
-        "greedy_agreement": agree,
+        "greedy_agreement": (want == have).float().mean().item(),
         "decode_agreement": (want == forced).float().mean().item(),
         "greedy_tokens": int(want.numel()),
         "greedy_identical_rows": int((want == have).all(dim=1).sum()),
         "eval_tokens": torch_eval["val_tokens"],
-        "seq_len": seq_len,
+        "seq_len": ref["seq_len"],
         "tolerances": tol,
     }
+    report["failed"] = _failed(report, tol)
+    report["passed"] = not report["failed"]
+    return report
+
+
+def _failed(report: dict, tol: dict) -> list[str]:
+    """The figures of ``report`` outside their limits (a NaN is outside any limit)."""
     failed = []
     for key, lim in tol.items():
         if lim is None:
@@ -123,6 +148,4 @@ def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tenso
         bad = value < lim if key in MINIMUMS else value > lim
         if bad or math.isnan(value):
             failed.append(key)
-    report["failed"] = failed
-    report["passed"] = not failed
-    return report
+    return failed

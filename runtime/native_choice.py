@@ -21,6 +21,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 
 from .load_options import NATIVE_AUTO, LoadOptions
+from .native_parity import native_parity_line, recorded_native_off
 
 
 def is_genai(config: dict) -> bool:
@@ -43,7 +44,7 @@ def native_off(path: Path, options: LoadOptions) -> str | None:
         return f"the native kernels need {cpu}"
     if not (path / NATIVE_WEIGHTS).is_file():
         return f"the export has no {NATIVE_WEIGHTS} (an export of an older prunus; re-export to decode natively)"
-    return None
+    return recorded_native_off(path)  # kernels whose parity check failed are not what serves
 
 
 def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions) -> tuple[LoadOptions, str | None]:
@@ -79,4 +80,5 @@ def load_chosen(path: Path, config: dict, options: LoadOptions, resolved: tuple[
     note = None
     if is_genai(config) and runtime.backend == "onnxruntime":
         note = "on" if chosen.native is True else f"off: {why}" if why else "off: native=False (--no-native)"
+        loaded.info["native_parity"] = native_parity_line(path)
     return runtime, loaded, note
