@@ -388,21 +388,22 @@ typedef struct {
     const char *name;
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
     tile_fn f32_triple; /* three rows at once for the row blocks of prompts; NULL: pairs */
-    tile_fn q4_many; /* q4 pairs of rows for prompts; NULL: quant_pair */
     tile_fn q8_quad, q4_quad; /* four rows at once for the row blocks of prompts; NULL: pairs */
     int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
+    int invariant; /* 1: every kernel of the path sums a row in the same order, so a row's outputs are the same
+                    * bits whatever rows share its pass (its row, pair and four-row kernels share their block math) */
 } Kernels;
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, NULL, 1},
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, NULL,
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, 1, 0},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, 0,
      0},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, NULL, NULL, 0},
-    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q4_many_avxvnni,
-     q8_quad_avxvnni, q4_quad_avxvnni, 0},
-    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q4_many_avx2, q8_quad_avx2,
-     q4_quad_avx2, 0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, NULL, 0, 0},
+    {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q8_quad_avxvnni,
+     q4_quad_avxvnni, 0, 1},
+    {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q8_quad_avx2,
+     q4_quad_avx2, 0, 1},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -442,10 +443,18 @@ int prunus_isa_supported(const char *name) {
 /* the path the linear layers run now */
 const char *prunus_isa(void) { return atomic_load(&kernels)->name; }
 
-/* the first path this CPU runs, in order of preference */
+/* 1 when the named path is batch invariant (a row's outputs the same bits at every row count), 0 when not, -1 for
+ * a name that is no path */
+int prunus_isa_invariant(const char *name) {
+    const int i = kernels_index(name);
+    return i < 0 ? -1 : KERNELS[i].invariant;
+}
+
+/* the default path: the first batch-invariant one this CPU runs, in order of preference (a request's answer must
+ * not depend on its neighbours; the 512-bit and AMX paths are chosen only by name) */
 const char *prunus_best_isa(void) {
     for (int i = 0; i < N_KERNELS; i++)
-        if (kernels_run_here(i)) return KERNELS[i].name;
+        if (KERNELS[i].invariant && kernels_run_here(i)) return KERNELS[i].name;
     return KERNELS[N_KERNELS - 1].name;
 }
 
@@ -489,8 +498,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;
     const int many = g->m >= TRIPLE_MIN_ROWS;
-    const tile_fn pair = f32 ? k->f32_pair
-                         : many && g->L->kind == KIND_Q4 && k->q4_many ? k->q4_many : k->quant_pair;
+    const tile_fn pair = f32 ? k->f32_pair : k->quant_pair;
     const tile_fn one = f32 ? k->f32_row : k->quant_row;
     const int quads = many || (g->m >= 4 && g->m < NEXT_SHARE_ROWS); /* int8 / int4: four rows at a time */
     const tile_fn wide = f32 ? (many ? k->f32_triple : NULL)
@@ -1101,4 +1109,4 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 4; }
+int prunus_abi(void) { return 5; }

@@ -19,50 +19,6 @@
  * and keeps every integer product exact.)
  */
 
-/* rows m and m + 1 of a q4 layer against tile t, for prompts (passes of 16 rows or more: the pair a row block
- * leaves after q4_quad's fours, or every pair where no q4_quad instance exists). Two outputs'
- * 16 bytes are one 256-bit load: their low nibbles (elements 0-15) against the activation block's first half in
- * both 128-bit lanes, their high nibbles (16-31) against its second half; the two products' 16-bit sums add
- * without overflow (at most 4 x 15 x 127 per lane), so one DOT_BUS2 widening serves 32 products of two outputs.
- * Each accumulator holds two outputs, four lanes each; the float sums run in another order than quant_pair's. */
-static KERNEL_TARGET void KERNEL(q4_many)(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32, m1 = m + 1;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
-    const float *s = L->s + (size_t)t * kb * 4, *sz = L->sz ? L->sz + (size_t)t * kb * 4 : NULL;
-    const int8_t *xq0 = g->xq + (size_t)m * L->k, *xq1 = g->xq + (size_t)m1 * L->k;
-    const float *xd0 = g->xd + (size_t)m * kb, *xd1 = g->xd + (size_t)m1 * kb;
-    const float *xds0 = g->xds + (size_t)m * kb, *xds1 = g->xds + (size_t)m1 * kb;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), second = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01;
-    __m128 z0 = _mm_setzero_ps(), z1 = _mm_setzero_ps();
-    for (int b = 0; b < kb; b++) {
-        const __m256i v01 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64));
-        const __m256i v23 = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * 64 + 32));
-        const __m256i lo01 = _mm256_and_si256(v01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), low);
-        const __m256i lo23 = _mm256_and_si256(v23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), low);
-        const __m256 sb = _mm256_castps128_ps256(_mm_loadu_ps(s + 4 * b));
-        const __m256 s01 = _mm256_permutevar8x32_ps(sb, first), s23 = _mm256_permutevar8x32_ps(sb, second);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq0 + 32 * b));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq1 + 32 * b));
-        const __m256i x0l = _mm256_permute4x64_epi64(x0, 0x44), x0h = _mm256_permute4x64_epi64(x0, 0xEE);
-        const __m256i x1l = _mm256_permute4x64_epi64(x1, 0x44), x1h = _mm256_permute4x64_epi64(x1, 0xEE);
-        const __m256 d0 = _mm256_broadcast_ss(xd0 + b), d1 = _mm256_broadcast_ss(xd1 + b);
-        a01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo01, x0l, hi01, x0h)), _mm256_mul_ps(s01, d0), a01);
-        a23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo23, x0l, hi23, x0h)), _mm256_mul_ps(s23, d0), a23);
-        b01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo01, x1l, hi01, x1h)), _mm256_mul_ps(s01, d1), b01);
-        b23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_BUS2(lo23, x1l, hi23, x1h)), _mm256_mul_ps(s23, d1), b23);
-        if (sz) {
-            __m128 zb = _mm_loadu_ps(sz + 4 * b);
-            z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds0 + b), z0);
-            z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(xds1 + b), z1);
-        }
-    }
-    store4(g, m, t, _mm_sub_ps(sum_halves(a01, a23), z0));
-    store4(g, m1, t, _mm_sub_ps(sum_halves(b01, b23), z1));
-}
-
 /* the zero-point terms of rows m .. m + 3 against tile t: sum over blocks of sz[b][i] dsum[r][b] (zero when the
  * layer has none), kept out of the prompt kernels' loops so that their accumulators keep the registers; four
  * independent sums in registers (through an array, gcc stored each step to memory: a fifth of an int4 pass) */
@@ -135,7 +91,7 @@ static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
 }
 
 /* row r's four outputs of q4 block b: the activation block's halves broadcast to both 128-bit lanes (no permute),
- * two outputs' low and high nibbles to one DOT_BUS2 each (as q4_many), the two results' lanes paired by one
+ * two outputs' low and high nibbles to one DOT_BUS2 each, the two results' lanes paired by one
  * horizontal add ([o0 o0 o2 o2 | o1 o1 o3 o3]), converted and scaled once into the row's accumulator */
 #define Q4_QUAD_ROW(r, acc)                                                                                       \
     do {                                                                                                          \

@@ -31,7 +31,8 @@ from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
 from prunus.runtime.ort_genai import GenaiBackend
 
-from prunus.native.build import ISA_ENV, ISAS, isa, isa_missing, library, set_isa, supported_isas, unavailable
+from prunus.native.build import (ISA_ENV, ISAS, batch_invariant, default_isa, isa, isa_missing, library, set_isa,
+                                 supported_isas, unavailable)
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavailable: {WHY}")
@@ -108,9 +109,9 @@ def test_float_kernel_equals_numpy(kernel_path, m):
 @pytest.mark.parametrize("kind", ["f32", "q8", "q4"])
 def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     """A prompt's pass goes over the tiles once per block of rows that fits L2 (here 4096 inputs: 12 fp32 rows,
-    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int8 on AVX2 /
-    AVX-VNNI too, four rows at a time with the decode kernels' block math; int4's pairs, q4_many, sum the same
-    integers as floats in another order), and numpy's."""
+    48 int8 ones per block), fp32 three rows at a time: every row the same bits as that row alone (int8 and int4 on
+    AVX2 / AVX-VNNI too, four rows at a time with the decode kernels' block math, the pairs left with the decode
+    kernels), and numpy's."""
     rng = np.random.default_rng(1)
     n, k, m = 13, 4096, 101 if kind == "f32" else 197
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -126,9 +127,9 @@ def test_prompt_sized_passes_equal_their_rows_one_at_a_time(kernel_path, kind):
     got = _run_linear(packed, x, 2)  # numpy divides by the block's scale where the kernels multiply by its inverse:
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()  # a few integers one step apart over 4096 inputs
     alone = np.concatenate([_run_linear(packed, x[i:i + 1], 1) for i in range(m)])
-    if kind == "f32" or (kind == "q8" and kernel_path != "amx"):  # AMX sums each block first
-        assert np.array_equal(got, alone)
-    else:  # int4 prompts on AVX2 / AVX-VNNI: q4_many's pairs sum their floats in another order; AMX sums each block
+    if kind == "f32" or (kind == "q8" and kernel_path != "amx") or batch_invariant(kernel_path):
+        assert np.array_equal(got, alone)  # AVX2 / AVX-VNNI: every row kernel shares the four-row kernels' block math
+    else:  # int4 prompts on the 512-bit paths: pairs sum their floats in another order; AMX sums each block first
         assert np.abs(got - alone).max() <= 1e-6 * np.abs(alone).max()
 
 
@@ -350,7 +351,7 @@ def test_engine_serves_natively_with_joins_and_leaves(export_dir):
     lengths = [12, 3, 9, 5, 7]
     with Engine.load(root / "export", max_batch=3, max_len=64, native=True, threads=2) as engine:
         assert engine.info["native_prompt_tokens"] == 3 * 64  # every pass native: prompts too
-        assert engine.info["native_isa"] == isa() == supported_isas()[0]  # the CPU's preferred path
+        assert engine.info["native_isa"] == isa() == default_isa()  # the CPU's default path
         assert engine.info["native"] == "on" and engine.info["runtime"] == "native"
         assert engine.backend.session.native is not None
         assert engine.backend.session.session is None  # no ONNX Runtime session: the weights are in memory once
@@ -451,7 +452,9 @@ def test_the_kernel_path_is_chosen_from_the_cpu_or_forced_by_the_environment(mon
     library.cache_clear()
     try:
         here = supported_isas()
-        assert isa() == here[0] and "avx2" in here
+        assert isa() == default_isa() and "avx2" in here
+        # the default is the first batch-invariant path this CPU has: AVX-VNNI or AVX2, never a 512-bit / AMX one
+        assert default_isa() == next(n for n in here if batch_invariant(n)) and default_isa() in ("avxvnni", "avx2")
         monkeypatch.setenv(ISA_ENV, "avx2")
         library.cache_clear()
         assert isa() == "avx2"
@@ -469,7 +472,7 @@ def test_the_kernel_path_is_chosen_from_the_cpu_or_forced_by_the_environment(mon
     finally:
         monkeypatch.delenv(ISA_ENV)
         library.cache_clear()
-    assert isa() == supported_isas()[0]
+    assert isa() == default_isa()
 
 
 def test_the_isa_check_runs_every_path_this_cpu_has(capsys):
