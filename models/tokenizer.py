@@ -65,6 +65,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special ones included (``decode`` drops end-of-text)."""
+        return "<|endoftext|>" if int(token_id) == self.eos_id else self.decode([token_id])
+
     def token_bytes(self) -> torch.Tensor:
         lengths = torch.zeros(self.n_vocab, dtype=torch.int64)
         lengths[:256] = 1
@@ -152,6 +156,12 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special ones included (``decode`` drops them: an end-of-turn token would read as
+        an empty string in log-probabilities)."""
+        text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        return text or (self._tok.id_to_token(int(token_id)) or "")
 
     def token_bytes(self) -> torch.Tensor:
         return torch.tensor(

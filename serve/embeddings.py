@@ -29,6 +29,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .http_guard import BadRequest
 from .openai_schema import Strict
+from .runtime_words import runtime_words
 
 PATH = "/v1/embeddings"
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -71,9 +72,8 @@ def _torch_backend(engine):
 
     backend = engine.backend
     if not isinstance(backend, TorchBackend):
-        raise PrunusError(f"embeddings need the torch backend in one process; this engine runs "
-                          f"{getattr(backend, 'name', type(backend).__name__)}{' with tp' if engine.info.get('tp', 1) > 1 else ''}"
-                          "; serve the model dir with --backend torch and no --tp")
+        raise PrunusError(f"embeddings need the torch backend in one process; this engine runs on "
+                          f"{runtime_words(engine.info)}; serve the model dir with --backend torch and no --tp")
     if getattr(backend, "_capture", None) is None:
         backend._capture = HiddenCapture(backend.model)
     return backend

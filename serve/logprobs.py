@@ -7,7 +7,7 @@ before temperature, top-k and top-p).
 * chat (``logprobs: true, top_logprobs: k``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}``.
 
-A token's text is the decode of that one id; in the completions shape, alternatives that decode alike share one
+A token's text is the decode of that one id, special tokens (end of turn) as their own text; in the completions shape, alternatives that decode alike share one
 key, holding the likelier one's value (a piece of a multi-byte character may decode to U+FFFD; its
 ``bytes`` in chat are those of the decoded text).
 """
@@ -18,7 +18,8 @@ from .logits_processors import TokenLogprob
 
 
 def _text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """The token's own text, a special token's included (an end-of-turn token reads as itself, never as "")."""
+    return tokenizer.token_text(token_id)
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob | None],

@@ -13,15 +13,16 @@ import torch
 
 from .http_guard import BadRequest
 from .logits_processors import TokenLogprob
+from .runtime_words import runtime_words
 
 
 def prompt_logprobs(engine, ids: list[int], top: int) -> list[TokenLogprob | None]:
     """One entry per prompt token (None for the first)."""
     model = getattr(engine.backend, "model", None)
     if not isinstance(model, torch.nn.Module):
-        raise BadRequest(400, f"'echo' with 'logprobs' needs the prompt's log-probabilities, which the "
-                              f"{engine.info.get('backend', 'loaded')} backend does not compute here; serve a model "
-                              "dir on the torch backend without --tp, or leave out one of them", param="echo")
+        raise BadRequest(400, f"'echo' with 'logprobs' needs the prompt's log-probabilities, which "
+                              f"{runtime_words(engine.info)} does not compute here; serve a model dir on the torch "
+                              "backend without --tp, or leave out one of them", param="echo")
     device = next(model.parameters()).device
     with torch.inference_mode():
         logits = model(torch.tensor([ids], device=device))[0, :-1].float()

@@ -114,6 +114,8 @@ def test_other_backends_refuse_embeddings(engine, monkeypatch):
         name = "onnxruntime"
 
     monkeypatch.setattr(engine, "backend", Graph())
+    monkeypatch.setattr(engine, "info", {**engine.info, "runtime": "native", "native_isa": "avx2"})
     with pytest.raises(PrunusError) as e:
         engine.embed(["x"])
-    assert "embeddings need the torch backend in one process; this engine runs onnxruntime" in str(e.value)
+    # the refusal names the runtime that serves (here the native kernels), not the backend family
+    assert "this engine runs on prunus's native kernels (avx2); serve the model dir with --backend torch" in str(e.value)

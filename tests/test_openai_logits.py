@@ -155,7 +155,8 @@ def test_prompt_logprobs_need_the_model_in_this_process():
     from prunus.serve.http_guard import BadRequest
     from prunus.serve.prompt_logprobs import prompt_logprobs
 
-    engine = SimpleNamespace(backend=SimpleNamespace(), info={"backend": "onnxruntime"})
-    with pytest.raises(BadRequest, match="the onnxruntime backend does not compute here") as e:
+    engine = SimpleNamespace(backend=SimpleNamespace(), info={"backend": "onnxruntime", "runtime": "native",
+                                                              "native_isa": "avx2"})
+    with pytest.raises(BadRequest, match=r"which prunus's native kernels \(avx2\) does not compute here") as e:
         prompt_logprobs(engine, [1, 2, 3], 1)
     assert e.value.status == 400 and e.value.param == "echo"
