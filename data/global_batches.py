@@ -4,6 +4,7 @@ Step ``s`` takes samples ``s * B .. s * B + B - 1`` of an endless stream that vi
 epoch in an order seeded by (seed, epoch); data-parallel rank ``r`` of ``R`` takes its ``B / R`` consecutive
 samples of that global batch. Every layout therefore sees the same global batch at every step (the
 equivalence the engine's tests check), a resumed run continues the same stream, and no sampler state is saved.
+A batch holding a NaN or infinity is refused in one line naming its sample (:mod:`.finite`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from torch.utils.data import default_collate
 
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import short
+
+from .finite import check_samples_finite
 
 
 def check_pair(dataset, source: str = "dataset") -> None:
@@ -55,14 +58,20 @@ class GlobalBatches:
         return [int(self._order(p // self.n)[p % self.n]) for p in range(start, start + local)]
 
     def batch(self, step: int):
-        return default_collate([self.dataset[i] for i in self.indices(step)])
+        indices = self.indices(step)
+        batch = default_collate([self.dataset[i] for i in indices])
+        check_samples_finite(self.dataset, indices, batch)
+        return batch
 
 
 def eval_batches(dataset, batch_size: int, max_samples: int):
     """The first ``max_samples`` samples of ``dataset`` in order, collated ``batch_size`` at a time."""
     n = min(len(dataset), max_samples)
     for start in range(0, n, batch_size):
-        yield default_collate([dataset[i] for i in range(start, min(n, start + batch_size))])
+        indices = list(range(start, min(n, start + batch_size)))
+        batch = default_collate([dataset[i] for i in indices])
+        check_samples_finite(dataset, indices, batch)
+        yield batch
 
 
 def step_batches(dataset, batch_size: int, *, seed: int, rank: int = 0, world: int = 1, workers: int = 0):

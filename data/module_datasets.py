@@ -16,6 +16,7 @@ from pathlib import Path
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import short
 
+from .image_decode import sample_limit
 from .image_folder import image_folder_datasets
 from .synthetic import PREFIX, synthetic_datasets
 from .tar_shards import TRAIN_PATTERN, VAL_PATTERN, list_shards
@@ -23,7 +24,7 @@ from .tar_shards import TRAIN_PATTERN, VAL_PATTERN, list_shards
 EXAMPLE = "synthetic:classification?n=256&shape=3x32x32&classes=10"
 
 
-def shard_datasets(root: Path, buffer: int = 256):
+def shard_datasets(root: Path, buffer: int = 256, limit: int | None = None):
     """(the training stream, the held-out samples) of a shard dir; without ``val-*.tar``, the held-out split is
     the training shards' first samples (said in one line when there are none)."""
     from .shard_stream import TarShardStream
@@ -31,21 +32,24 @@ def shard_datasets(root: Path, buffer: int = 256):
 
     classes = read_classes(root)
     n = len(classes) if classes else None
-    train = TarShardStream([scan_shard(s, n) for s in list_shards(root, TRAIN_PATTERN)], classes, buffer=buffer)
+    train = TarShardStream([scan_shard(s, n) for s in list_shards(root, TRAIN_PATTERN)], classes, buffer=buffer,
+                           limit=limit)
     val = [s for shard in list_shards(root, VAL_PATTERN) for s in scan_shard(shard, n)]
-    return train, TarSampleDataset(val, classes) if val else train.index
+    return train, TarSampleDataset(val, classes, limit) if val else train.index
 
 
-def module_datasets(spec: str, val_fraction: float = 0.1, shuffle_buffer: int = 256):
-    """(train, held-out) datasets that ``spec`` names; one line for anything else."""
+def module_datasets(spec: str, val_fraction: float = 0.1, shuffle_buffer: int = 256, *,
+                    max_sample_bytes: int | None = None):
+    """(train, held-out) datasets that ``spec`` names; one line for anything else. ``max_sample_bytes``: the cap
+    on one decoded image (default ``PRUNUS_MAX_SAMPLE_MB`` MiB, 64; :mod:`.image_decode`)."""
     if not isinstance(spec, str) or not spec:
         raise PrunusError(f"--data {short(spec)}: give an ImageFolder directory or {EXAMPLE}")
     if spec.startswith(PREFIX):
         return synthetic_datasets(spec)
     path = Path(spec)
     if path.is_dir() and list_shards(path, TRAIN_PATTERN):
-        return shard_datasets(path, buffer=shuffle_buffer)
+        return shard_datasets(path, buffer=shuffle_buffer, limit=sample_limit(max_sample_bytes))
     if path.is_dir():
-        return image_folder_datasets(path, val_fraction)
+        return image_folder_datasets(path, val_fraction, max_sample_bytes=max_sample_bytes)
     what = "does not exist" if not path.exists() else "is a file, not an ImageFolder directory"
     raise PrunusError(f"--data {short(spec)}: {what}; give a directory of class folders of images, or {EXAMPLE}")

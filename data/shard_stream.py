@@ -25,14 +25,29 @@ from prunus.artifacts.errors import PrunusError
 from .tar_shards import TarSample, TarSampleDataset
 
 
+class Refused:
+    """A sample's one-line refusal raised in a DataLoader worker, carried to the rank as a batch (torch would
+    re-raise it wrapped in the worker's traceback); :meth:`ShardBatches.batch` raises it there."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 class TarShardStream(IterableDataset):
     """The training samples of a shard dir: iterated as the stream above, indexed for checks (``dataset[i]``)."""
 
-    def __init__(self, by_shard: list[list[TarSample]], classes: list[str] | None, *, buffer: int = 256):
+    finite_checked = True  # every float sample is checked at decode (image_decode.check_finite)
+
+    def __init__(self, by_shard: list[list[TarSample]], classes: list[str] | None, *, buffer: int = 256,
+                 limit: int | None = None):
         self.by_shard, self.buffer = [s for s in by_shard if s], buffer
-        self.index = TarSampleDataset([s for shard in self.by_shard for s in shard], classes)
+        self.index = TarSampleDataset([s for shard in self.by_shard for s in shard], classes, limit)
         self.classes, self.shape = classes, self.index.shape
         self.seed, self.rank, self.world, self.local_batch, self.start_step = 0, 0, 1, 1, 0
+
+    @property
+    def num_classes(self) -> int:
+        return self.index.num_classes
 
     def __len__(self) -> int:
         return len(self.index)
@@ -76,7 +91,12 @@ class TarShardStream(IterableDataset):
         order = self.order(self.rank * workers + part, readers)
         next(itertools.islice(order, done * self.local_batch, done * self.local_batch), None)  # skip, nothing read
         while True:
-            yield default_collate([self.index.load(s) for s in itertools.islice(order, self.local_batch)])
+            try:
+                batch = default_collate([self.index.load(s) for s in itertools.islice(order, self.local_batch)])
+            except PrunusError as e:
+                yield Refused(str(e))
+                return
+            yield batch
 
 
 class ShardBatches:
@@ -98,4 +118,8 @@ class ShardBatches:
             loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers)
             self._it = iter(loader)
         self._next = step + 1
-        return next(self._it)
+        batch = next(self._it)
+        if isinstance(batch, Refused):
+            self._it = None
+            raise PrunusError(batch.message)
+        return batch

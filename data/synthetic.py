@@ -32,11 +32,14 @@ _DEFAULTS = {"classification": {"n": "256", "shape": "3x32x32", "classes": "10",
 class SyntheticDataset(Dataset):
     """Samples ``offset .. offset + n - 1`` of one synthetic stream (see the module docstring)."""
 
+    finite_checked = True  # normal draws and their linear map: always finite
+
     def __init__(self, kind: str, n: int, shape: tuple[int, ...], width: int, seed: int = 0, offset: int = 0):
         self.kind, self.n, self.shape, self.width, self.seed, self.offset = kind, n, tuple(shape), width, seed, offset
         gen = torch.Generator().manual_seed(seed * 2 + 1)
         self.map = torch.randn(math.prod(self.shape), width, generator=gen) / math.sqrt(math.prod(self.shape))
         self.classes = width if kind == "classification" else None
+        self.num_classes = self.classes
 
     def __len__(self) -> int:
         return self.n

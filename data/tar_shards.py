@@ -8,26 +8,26 @@ reads the headers alone (plus the few bytes of each ``.cls``) and refuses, in on
 the member, anything but regular files with plain relative names (no absolute names, no ``..``, no links or
 devices), members above the size an image may hold, more than ``MAX_MEMBERS``, a sample without its image or
 its class, or a class outside ``0 .. classes - 1``. Each sample is then an offset and a length in its shard,
-read and decoded (Pillow, or ``numpy.load(allow_pickle=False)``) when it is used. The scanned index serves
-both the shuffled stream of :mod:`.shard_stream` and random access (checks, the held-out split).
+read and decoded when it is used, bounded and checked as :mod:`.image_decode` says (the cap on a decoded
+sample, 16-bit grey kept, NaN refused). The scanned index serves both the shuffled stream of
+:mod:`.shard_stream` and random access (checks, the held-out split).
 """
 
 from __future__ import annotations
 
-import io
 import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import read_json_object, short
 
-from .image_folder import MAX_FILE_BYTES, MAX_PIXELS, NPY_SUFFIX, PIL_SUFFIXES, has_pil
+from .image_decode import NPY_SUFFIX, PIL_SUFFIXES, decode_bytes, sample_limit, shown
+from .image_folder import MAX_FILE_BYTES, has_pil
 
 TRAIN_PATTERN, VAL_PATTERN, CLASSES_FILE = "shard-*.tar", "val-*.tar", "classes.json"
 IMAGE_SUFFIXES = (*PIL_SUFFIXES, NPY_SUFFIX)
@@ -113,39 +113,17 @@ def scan_shard(shard: Path, classes: int | None = None) -> list[TarSample]:
     return [TarSample(shard, k, s, off, size, labels[k]) for k, (s, off, size) in images.items()]
 
 
-def decode_sample(sample: TarSample) -> torch.Tensor:
-    """The sample's image as float32 C x H x W (8-bit values scaled to [0, 1]), read from its shard."""
+def decode_sample(sample: TarSample, limit: int | None = None) -> torch.Tensor:
+    """The sample's image as float32 C x H x W, read from its shard (``limit``: the cap on its decoded bytes)."""
+    where = f"{shown(sample.shard)}: {shown(sample.key)}{sample.suffix}"
+    if sample.size > MAX_FILE_BYTES:
+        raise PrunusError(f"{where}: {sample.size:,} bytes, above the {MAX_FILE_BYTES:,} an image may hold")
     with open(sample.shard, "rb") as f:
         f.seek(sample.offset)
         data = f.read(sample.size)
-    where = f"{sample.shard}: {sample.key}{sample.suffix}"
     if len(data) != sample.size:
         raise PrunusError(f"{where}: the shard ends inside the image; write the shard again")
-    try:
-        if sample.suffix == NPY_SUFFIX:
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-            if array.dtype.kind not in "biuf" or array.ndim not in (2, 3) or array.size > MAX_PIXELS * 4:
-                raise ValueError(f"a {array.dtype} array of shape {array.shape}")
-            array = array[None] if array.ndim == 2 else array
-        else:
-            array = _pil_array(data)
-    except PrunusError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any damage to the image: one line
-        raise PrunusError(f"{where}: cannot be decoded ({type(e).__name__}: {short(str(e), 80)}); write it again") from None
-    scale = 255.0 if array.dtype == np.uint8 else 1.0
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)) / scale
-
-
-def _pil_array(data: bytes) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        if im.width * im.height > MAX_PIXELS:
-            raise ValueError(f"{im.width} x {im.height} pixels, above {MAX_PIXELS:,}")
-        im = im if im.mode in ("L", "RGB") else im.convert("L" if im.mode in ("1", "I;16", "I", "F") else "RGB")
-        array = np.asarray(im)
-    return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+    return decode_bytes(data, sample.suffix, where, sample_limit() if limit is None else limit)
 
 
 def list_shards(root: Path, pattern: str) -> list[Path]:
@@ -174,22 +152,30 @@ def scan_shards(shards: list[Path], classes: int | None) -> list[TarSample]:
 
 
 class TarSampleDataset(Dataset):
-    """Random access to scanned samples: (image, class index); every image of the shape of the first."""
+    """Random access to scanned samples: (image, class index); every image of the shape of the first; ``limit``:
+    the cap on a decoded sample's bytes (default ``PRUNUS_MAX_SAMPLE_MB``)."""
 
-    def __init__(self, samples: list[TarSample], classes: list[str] | None):
+    finite_checked = True  # every float sample is checked at decode (image_decode.check_finite)
+
+    def __init__(self, samples: list[TarSample], classes: list[str] | None, limit: int | None = None):
         if not has_pil() and any(s.suffix != NPY_SUFFIX for s in samples[:1]):
-            raise PrunusError(f"{samples[0].shard}: Pillow is not installed, so only .npy images are read; pip "
+            raise PrunusError(f"{shown(samples[0].shard)}: Pillow is not installed, so only .npy images are read; pip "
                               "install pillow")
-        self.samples, self.classes = samples, classes
-        self.shape = tuple(decode_sample(samples[0]).shape)
+        self.samples, self.classes, self.limit = samples, classes, sample_limit() if limit is None else limit
+        self.shape = tuple(decode_sample(samples[0], self.limit).shape)
+
+    @property
+    def num_classes(self) -> int:
+        """The classes of classes.json, else the largest class index of the samples + 1."""
+        return len(self.classes) if self.classes else max(s.label for s in self.samples) + 1
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def load(self, sample: TarSample):
-        image = decode_sample(sample)
+        image = decode_sample(sample, self.limit)
         if tuple(image.shape) != self.shape:
-            raise PrunusError(f"{sample.shard}: {sample.key}{sample.suffix} decodes to {tuple(image.shape)}, not "
+            raise PrunusError(f"{shown(sample.shard)}: {shown(sample.key)}{sample.suffix} decodes to {tuple(image.shape)}, not "
                               f"{self.shape} as the first sample; resize the images to one size")
         return image, torch.tensor(sample.label)
 

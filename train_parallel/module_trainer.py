@@ -24,6 +24,7 @@ from prunus.artifacts.errors import PrunusError
 from torch.utils.data import default_collate
 
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
+from prunus.data.module_fit import check_fits
 from prunus.data.prefetch import Prefetcher
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
@@ -178,10 +179,12 @@ class ModuleTrainer:
         self.cfg, self.dataset, self.val_dataset = cfg, dataset, val_dataset
         self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
         self.run = check_module_run(cfg, resume=resume, overwrite=overwrite)
-        self._barrier()  # every rank has checked the run dir before rank 0 writes to it
+        module = module.to(self.device)
+        check_fits(module, dataset, self.task, _call, "--data " + cfg.data if cfg.data else "dataset")
+        self._barrier()  # every rank has checked the run dir and the data before rank 0 writes to it
         self.pipeline: ModulePipeline | None = None
         self.replicated: torch.nn.Module | None = None  # --dp-mode dataparallel: nn.DataParallel over the module
-        self.model = self._parallelize(module.to(self.device))
+        self.model = self._parallelize(module)
         self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
         self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
         self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
@@ -367,14 +370,16 @@ class ModuleTrainer:
 
 def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, overwrite: bool) -> None:
     """Every check the ranks of ``cfg.nproc`` would make first, here, before any starts: the run dir, the task,
-    the data's batch split, and the factory building its module."""
+    the data's batch split, the factory building its module, and the module fitting the data."""
     cfg.validate()
-    get_task(cfg.task)
+    task = get_task(cfg.task)
     check_pair(train_dataset, "--data")
     step_batches(train_dataset, cfg.batch_size, seed=cfg.seed, world=max(1, cfg.nproc // (cfg.pp * cfg.tp)),
                  workers=cfg.data_workers)
     check_module_run(cfg, resume=resume, overwrite=overwrite)
-    check_layout(build_module(cfg.model, cfg.model_args), cfg)
+    module = build_module(cfg.model, cfg.model_args)
+    check_layout(module, cfg)
+    check_fits(module, train_dataset, task, _call, f"--data {cfg.data}")
 
 
 @reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
