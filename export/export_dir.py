@@ -326,18 +326,41 @@ def _choose_graph(graph: str | None, format: str, cfg, modules: dict, precision:
 
 
 def _build_engines(tmp: Path, precision: str, cfg, n_layers: int, timing_cache, console) -> dict:
+    from . import tensorrt_timing as timing
     from .tensorrt_build import build_engine, profile_shapes
 
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    cache = Path(timing_cache) if timing_cache else cache_home / "prunus" / "tensorrt.timing"
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    work, entry = tmp / "tensorrt.timing", None  # the builds read and write the timings in the export dir
+    if timing_cache:
+        if Path(timing_cache).is_file():
+            shutil.copyfile(timing_cache, work)
+    else:
+        entry = _timing_entry(console)
+        work.write_bytes(b"" if entry is None else timing.cached_timings(entry))
     built = {}
     for kind in ("prefill", "decode"):
         console.print(f"tensorrt: building {ENGINE_GRAPHS[kind]} ({precision})")
         shapes = profile_shapes(kind, n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len)
-        built[kind] = build_engine(tmp / EXPORT_GRAPHS[kind], tmp / ENGINE_GRAPHS[kind], precision, shapes, cache)
-    shutil.copyfile(cache, tmp / "tensorrt.timing")
+        built[kind] = build_engine(tmp / EXPORT_GRAPHS[kind], tmp / ENGINE_GRAPHS[kind], precision, shapes, work)
+    if timing_cache:
+        Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(work, timing_cache)
+    elif entry is not None:
+        timing.store_timings(entry, work)
     return built
+
+
+def _timing_entry(console):
+    """The verified-cache entry of this TensorRT and GPU (prunus.export.tensorrt_timing), or None when the cache
+    dir cannot be used (the builds then measure afresh)."""
+    import tensorrt
+
+    from .tensorrt_timing import timing_entry
+
+    try:
+        return timing_entry(tensorrt.__version__, torch.cuda.get_device_name(0))
+    except PrunusError as e:
+        console.print(f"tensorrt: the timing cache is not used: {e}")
+        return None
 
 
 PARITY_METRICS = ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase", "greedy_agreement",

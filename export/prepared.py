@@ -13,6 +13,15 @@ generation files, the name, size and modification time of every other file in it
 ONNX Runtime's versions. A changed model dir gets a new export; the model dir itself is never written to. Two
 servers preparing the same dir at once take turns on a lock file, and the second loads what the first wrote.
 
+The name only finds an entry; what is served is decided by its content (:func:`entry_problem`). The model dir
+is verified against its own manifest first (as the torch backend does: a dir whose files fail it is refused in
+one line, whatever the cache holds). An entry is served only when it is a plain dir of this user's, its
+manifest names that dir's content hash as its parent, every file it lists has the hash listed, and its weights
+(the graphs' initializers, the native weights) are finite. Anything else (planted, a symlink, another dir's
+export, damaged, half-written) is prepared again in a temporary dir beside it and renamed over it, never
+followed; where that fails, the dir is served by the torch Engine with one line saying why. The cache dirs are
+``0o700``, its files and lock files ``0o600`` (:mod:`prunus.artifacts.cache_dir`).
+
 Serving takes it as a step before the load: ``Engine.load(MODEL_DIR, prepare=prepared_path)`` (what ``prunus serve``
 does; the serve stage never imports the export stage itself). The torch Engine stays a choice (``--backend torch``,
 or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a
@@ -22,13 +31,13 @@ reason is the info's ``prepared.skipped``).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
+from prunus.artifacts.cache_dir import entry_problem as plain_entry_problem
+from prunus.artifacts.cache_dir import safe_dir, verified_or_rebuilt
 from prunus.artifacts.errors import PrunusError
 from prunus.runtime.load_options import LoadOptions
 
@@ -36,11 +45,16 @@ HASHED = ("config.json", "prunus.json", "tokenizer.json", "tokenizer_config.json
           "special_tokens_map.json", "chat_template.jinja")  # small files whose bytes name the export
 MAX_HASHED_BYTES = 64 << 20  # a larger "small" file is named by its size and time, as the weights are
 FORMAT = b"prunus-prepared-1"
+FIX = "remove it, or set PRUNUS_CACHE_DIR to a dir of your own"
+
+
+def cache_base() -> Path:
+    """``$PRUNUS_CACHE_DIR``, else ``~/.cache/prunus``: the dir prunus's cache dirs are kept in."""
+    return Path(os.environ.get("PRUNUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prunus"))
 
 
 def cache_root() -> Path:
-    base = os.environ.get("PRUNUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prunus")
-    return Path(base) / "prepared"
+    return cache_base() / "prepared"
 
 
 def cache_key(model_dir: Path) -> str:
@@ -75,46 +89,63 @@ def skipped(backend: str | None, options: LoadOptions, lora: bool) -> str | None
     return next((why for hit, why in reasons if hit), None)
 
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def entry_problem(out: Path, parent_hash: str) -> str | None:
+    """Why the cache entry ``out`` may not be served for a model dir of content hash ``parent_hash`` (a phrase that
+    names no fix: the entry is prepared again), or None: it is a plain dir of this user's, its manifest names
+    that parent, its files have the hashes it lists, and its weights are finite."""
+    from prunus.artifacts.finite_weights import nonfinite_weights
+    from prunus.artifacts.manifest_schema import MANIFEST, check_manifest
+    from prunus.artifacts.validate import read_dir_json
+    from prunus.runtime.artifact import read_artifact_config, verify_export_dir
+
+    why = plain_entry_problem(out)
+    if why is not None:
+        return why
+    try:
+        manifest = check_manifest(read_dir_json(out, MANIFEST, no_dir="", no_file="no manifest", bad_json=""), out)
+        if (manifest.get("parent") or {}).get("hash") != parent_hash:
+            return "its manifest names another model dir as its parent"
+        verify_export_dir(out, read_artifact_config(out).get("export"))
+        bad = nonfinite_weights(out, manifest["files"])
+    except PrunusError as e:
+        return str(e).split("; ")[0]  # what is wrong, without the fix the export's reader would suggest
+    return None if bad is None else f"{bad} holds NaN or infinity"
 
 
-def prepare(model_dir: Path, progress: bool = True) -> tuple[Path, bool]:
-    """The cached genai export of ``model_dir``, written first when there is none: (its path, whether it was
-    already there). Raises PrunusError when the export cannot be made (unsupported model, parity failed, no
-    space)."""
+def prepare(model_dir: Path, progress: bool = True, parent_hash: str | None = None) -> tuple[Path, bool]:
+    """The cached genai export of ``model_dir``, verified (:func:`entry_problem`), or written first when there is
+    none that verifies: (its path, whether it was already there). ``parent_hash``: the model dir's content hash,
+    when the caller has verified it. Raises PrunusError when the export cannot be made (unsupported model, parity
+    failed, no space, an unusable cache dir)."""
+    from prunus.models.model_dir import dir_hash, verify_model_dir
+
     from .export_dir import export_model
 
-    root = cache_root()
+    if parent_hash is None:
+        parent_hash = dir_hash(verify_model_dir(model_dir)["files"])
+    root = safe_dir(cache_root(), cache_base(), FIX)
     out = root / f"{model_dir.resolve().name[:60]}-{cache_key(model_dir)}"
-    if (out / "config.json").is_file():
-        return out, True
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PrunusError(f"{root}: cannot be created ({e.strerror}); set PRUNUS_CACHE_DIR to a writable dir") from None
-    with _locked(root / f".{out.name}.lock"):
-        if (out / "config.json").is_file():  # another server prepared it while this one waited
-            return out, True
+
+    def announce(why: str) -> None:
         if progress:
-            print(f"prunus: preparing {model_dir}'s genai export, once (cached in {out})", file=sys.stderr,
+            again = "" if why == "missing" else f"; its cached export is not used ({why[:200]})"
+            print(f"prunus: preparing {model_dir}'s genai export, once (cached in {out}){again}", file=sys.stderr,
                   flush=True)
-        export_model(model_dir, out, format="onnx", graph="genai", progress=progress,
+
+    def build(tmp: Path) -> None:
+        export_model(model_dir, tmp, format="onnx", graph="genai", progress=progress,
                      command=f"prunus serve {model_dir} (prepared)")
-    return out, False
+
+    done = verified_or_rebuilt(out, lambda p: entry_problem(p, parent_hash), build, root / f".{out.name}.lock",
+                               FIX, announce)
+    return done.path, done.cached
 
 
 def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, lora: bool,
                   progress: bool = True) -> tuple[Path, dict | None]:
     """What to load for ``path``: its prepared export where a transformer model dir may be served from one, else
     ``path`` itself; and the info's ``prepared`` entry (None: not a model dir this applies to)."""
-    from prunus.models.model_dir import read_config_json
+    from prunus.models.model_dir import dir_hash, read_config_json, verify_model_dir
     from prunus.runtime.artifact import resolve_backend
 
     path = Path(path)
@@ -131,8 +162,9 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
         return path, {"skipped": why}
     from .parity import ParityFailed
 
+    parent_hash = dir_hash(verify_model_dir(path)["files"])  # a dir that fails its manifest: one line, no fallback
     try:
-        out, cached = prepare(path, progress)
+        out, cached = prepare(path, progress, parent_hash)
     except (PrunusError, ParityFailed) as e:  # served as it is, by the torch Engine: the reason is kept
         if options.native is True or options.kv_dtype == "f16":
             raise PrunusError(f"{path}: --native serves its genai export, which could not be made ({str(e)[:300]}); "

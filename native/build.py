@@ -27,7 +27,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from prunus.artifacts.cache_dir import entry_problem, safe_dir, verified_or_rebuilt
+from prunus.artifacts.cache_dir import entry_problem, safe_dir, verified_or_rebuilt, xdg_base
 from prunus.artifacts.errors import PrunusError
 
 SOURCE = Path(__file__).with_name("decode.c")
@@ -55,12 +55,8 @@ def cpu_supported() -> str | None:
     return f"a CPU with {', '.join(missing)} (this one lacks it)" if missing else None
 
 
-def _cache_base() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prunus"
-
-
 def _cache_dir() -> Path:
-    return _cache_base() / "native"
+    return xdg_base() / "native"
 
 
 def _compiler() -> list[str]:
@@ -79,6 +75,11 @@ def build_record(cc: list[str]) -> dict:
     st = os.stat(exe)
     return {"format": BUILD_FORMAT, "source": hashlib.sha256(source).hexdigest(),
             "compiler": [*cc, exe, st.st_size, st.st_mtime_ns], "flags": FLAGS}
+
+
+def build_dir(record: dict) -> Path:
+    """The build dir of ``record``: named by a hash of it."""
+    return _cache_dir() / f"prunus-decode-{hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]}"
 
 
 def build_problem(entry: Path, record: dict) -> str | None:
@@ -109,9 +110,8 @@ def library() -> ctypes.CDLL:
         raise PrunusError(f"the native decoder needs {why}; serve without --native")
     cc = _compiler()
     record = build_record(cc)
-    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
-    root = safe_dir(_cache_dir(), _cache_base(), FIX)
-    entry = root / f"prunus-decode-{key}"
+    entry = build_dir(record)
+    root = safe_dir(entry.parent, xdg_base(), FIX)
     verified_or_rebuilt(entry, lambda p: build_problem(p, record), lambda tmp: _build(cc, record, tmp),
                         root / f".{entry.name}.lock", FIX)
     lib = ctypes.CDLL(str(entry / LIB))  # verified just now, in a dir only this user writes
