@@ -13,10 +13,12 @@ from prunus.artifacts.errors import PrunusError
 @click.option("--from-gguf", "from_gguf_file", type=click.Path(), default=None,
               help="A llama.cpp GGUF file (Llama architecture) to read; quantized tensors are dequantized.")
 @click.option("--to-gguf", "to_gguf_dir", type=click.Path(), default=None,
-              help="A prunus model dir to write as a GGUF file (int8/fp8 weights are written dequantized).")
+              help="A prunus model dir to write as a GGUF file (stored int8 / int4 weights in the block type that "
+                   "holds them exactly, else F32).")
 @click.option("--out", required=True, type=click.Path(), help="The dir (or, with --to-gguf, the .gguf file) to write.")
 @click.option("--type", "gguf_type", type=click.Choice(["f32", "f16", "q8_0", "q4_0", "q4_1"]), default="f32", show_default=True,
-              help="With --to-gguf: how 2-D weights are stored (norms stay f32; with q4_0 / q4_1 the output head is q8_0).")
+              help="With --to-gguf: how a float model's 2-D weights are stored (norms stay f32; with q4_0 / q4_1 the "
+                   "output head is q8_0). A compressed dir keeps its stored weights exact and its float ones f32.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="With --from-gguf: the dtype of the weights written.")
 @click.option("--family", default=None,
@@ -55,4 +57,16 @@ def command(from_hf_dir, to_hf_dir, from_gguf_file, to_gguf_dir, out, gguf_type,
         from prunus.models.gguf_write import to_gguf
 
         path = to_gguf(to_gguf_dir, out, type=gguf_type, overwrite=overwrite)
+        click.echo(f"wrote {path}: tensors {tensor_types(path)}")
+        return
     click.echo(f"wrote {path}")
+
+
+def tensor_types(path) -> str:
+    """The written GGUF file's tensors counted by type, read back from it: "Q4_0 x 14, F32 x 7"."""
+    from collections import Counter
+
+    import gguf
+
+    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return ", ".join(f"{name} x {n}" for name, n in counts.most_common())

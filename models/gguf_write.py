@@ -7,7 +7,7 @@ SentencePiece scores), special token ids and chat template. For ``llama``, q and
 permuted into llama.cpp's rotary order; a tied output head is written once, as ``token_embd.weight``
 (llama.cpp uses it for the output when ``output.weight`` is absent).
 
-``--type`` sets the 2-D weights' storage: ``f32`` (a round trip back through ``from_gguf``
+For a float model dir ``--type`` sets the 2-D weights' storage: ``f32`` (a round trip back through ``from_gguf``
 is bit-exact), ``f16``, ``q8_0`` (blocks of 32 with one fp16 scale), ``q4_0`` (blocks of 32
 4-bit values q with one fp16 scale d: w = (q - 8) d) or ``q4_1`` (with an fp16 offset m too:
 w = q d + m). Blocks are made by ``gguf.quants.quantize``. A tensor whose rows do not split
@@ -17,14 +17,12 @@ written Q8_0, as ``llama-quantize`` does for a Q4 file whose head rows are not a
 256 (it takes Q6_K otherwise, which the ``gguf`` package cannot write). Norm weights are
 always F32.
 
-A compressed prunus dir is written from its dequantized weights (int8 / fp8 QuantizedLinear:
-GGUF has no int8-with-per-channel-scale type, and llama.cpp does not quantize activations the
-way w8a8 schemes do, so only the weights carry over), except stored int4 weights
-(:class:`prunus.models.quantized_int4.Int4Linear`) with groups of 32 under ``q4_0`` (symmetric
-ones, zero point 8) or ``q4_1`` (any zero point z: d = s, m = -z s): their 4-bit values are
-copied into the blocks as they are and only the scale (and offset) is rounded to fp16, so
-llama.cpp runs the same codes prunus stored. Other int4 layers (groups of 64 or 128, an
-asymmetric layer under q4_0) are dequantized and quantized again.
+A compressed prunus dir (stored int8 / int4 / fp8 weights) is written as the weights prunus runs, never quantized
+again: under ``q8_0`` / ``q4_0`` / ``q4_1`` each stored int8 or int4 tensor goes in the block type that holds its
+values exactly (Q8_0, Q4_0 or Q4_1, whatever ``--type`` names; :mod:`prunus.models.gguf_exact`), and every other
+tensor (the float embedding and head, fp8 layers, int8 / int4 values whose scales are not fp16 values) in F32, its
+dequantized values exactly. ``f32`` writes every tensor dequantized in F32 (exact); ``f16`` in F16, as asked.
+``general.size_label`` counts the model's parameters (an int4 weight's values, not its packed bytes).
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from .config import ModelConfig
 from prunus.artifacts.errors import PrunusError
 from .gguf_layout import PERMUTED, gguf_name, rotary_heads, to_gguf_rows
 from .gguf_tokenizer import add_tokenizer, byte_tokenizer_metadata, hf_tokenizer_metadata
+from .gguf_exact import exact_blocks, stored_codes
 from .gguf_general import add_general, general_metadata
 from .model_dir import load_model, load_model_tokenizer, read_manifest
 from prunus.artifacts.paths import check_output
@@ -116,41 +115,6 @@ def _storage(w: torch.Tensor, kind: str, head: bool = False):
     return gguf.quants.quantize(a, qtype), qtype
 
 
-def stored_int4(model, kind: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """{prunus weight name: (4-bit values (out, in), scales, zero points (out, in // 32))} of the Int4Linear
-    layers whose stored values go into ``kind``'s blocks as they are: groups of 32, and for q4_0 zero point
-    8 everywhere (symmetric), the only zero point Q4_0 has. Empty for the other types."""
-    from .quantized_int4 import Int4Linear
-
-    out = {}
-    for name, m in model.named_modules():
-        if kind not in Q4 or not isinstance(m, Int4Linear) or m.group_size != BLOCK:
-            continue
-        if kind == "q4_0" and not bool((m.weight_zero == 8).all()):
-            continue
-        s = m.weight_scale.float()
-        if not bool(torch.isfinite(s.half()).all() and torch.isfinite((m.weight_zero.float() * s).half()).all()):
-            continue  # a scale past fp16's range: requantized from the dequantized weight instead
-        out[f"{name}.weight"] = (m.unpacked(), s, m.weight_zero)
-    return out
-
-
-def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str):
-    """Stored int4 values as GGUF Q4_0 / Q4_1 rows (uint8, (out, in // 32 * block bytes)).
-
-    A block is fp16 d (Q4_1: then fp16 m), then 16 bytes, byte i holding value i in its low nibble and
-    value i + 16 in its high one. prunus's value (q - z) s is (q - 8) d with d = s for Q4_0 (z = 8),
-    and q d + m with d = s, m = -z s for Q4_1."""
-    import numpy as np
-
-    rows, groups = scale.shape
-    codes = q.to(torch.uint8).reshape(rows, groups, 2, BLOCK // 2)
-    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).numpy()
-    half = lambda t: t.float().numpy().astype(np.float16)[..., None].view(np.uint8)  # noqa: E731
-    parts = [half(scale)] + ([half(-zero.float() * scale.float())] if kind == "q4_1" else []) + [nibbles]
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
-
-
 def _add_config(writer, cfg: ModelConfig, general: dict, kind: str) -> None:
     """The ``general.*`` and ``<arch>.*`` keys llama.cpp's converter writes (``writer`` knows the arch)."""
     import gguf
@@ -222,8 +186,10 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
     tok_meta = (byte_tokenizer_metadata(cfg.vocab_size) if isinstance(tokenizer, ByteTokenizer)
                 else hf_tokenizer_metadata(model_dir, cfg.vocab_size))
     weights = float_weights(model, str(model_dir))
-    general = general_metadata(model_dir, read_manifest(model_dir), sum(p.numel() for p in model.parameters()))
-    codes = stored_int4(model, type)
+    # parameters as the model has them (an int4 weight's two values per byte count twice, its scales not at all)
+    general = general_metadata(model_dir, read_manifest(model_dir), sum(w.numel() for w in weights.values()))
+    compressed = any(callable(getattr(m, "dequantize", None)) for m in model.modules())
+    codes = stored_codes(model) if type not in ("f32", "f16") else {}
     del model
     head = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
     with _atomic_file(out, overwrite) as tmp:
@@ -232,11 +198,12 @@ def to_gguf(model_dir: str | Path, out: str | Path, *, type: str = "f32", overwr
         add_tokenizer(writer, tok_meta)
         for name, w in weights.items():
             heads = rotary_heads(name, cfg.n_heads, cfg.n_kv_heads) if arch in PERMUTED else None
-            if name in codes:  # stored int4 values, copied into Q4 blocks (rows permuted as the weight's)
-                q, scale, zero = (to_gguf_rows(t, heads) if heads is not None else t for t in codes[name])
-                data, qtype = q4_blocks(q, scale, zero, type), gguf.GGMLQuantizationType[type.upper()]
-            else:
-                data, qtype = _storage(to_gguf_rows(w, heads) if heads is not None else w, type, name == head)
+            rows = (lambda t: to_gguf_rows(t, heads)) if heads is not None else (lambda t: t)  # noqa: E731
+            exact = exact_blocks(codes[name].rows(rows)) if name in codes else None
+            if exact is not None:  # stored int8 / int4 values in the block type that holds them as they are
+                data, qtype = exact[1], gguf.GGMLQuantizationType[exact[0]]
+            else:  # a float tensor of a compressed dir, or stored values no block holds: F32, exact
+                data, qtype = _storage(rows(w), "f32" if compressed and type not in ("f16",) else type, name == head)
             writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)  # the shape follows from data and type
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

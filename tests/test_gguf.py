@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from prunus.cli.main import cli
 from prunus.models import ByteTokenizer, HFTokenizer, ModelConfig, Transformer, load_model, load_model_tokenizer, save_model
 from prunus.models.gguf_read import from_gguf
+from prunus.models.gguf_general import size_label
 from prunus.models.gguf_write import to_gguf
 
 CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -143,62 +144,89 @@ def test_q4_rows_not_in_blocks_of_32_fall_back_to_f16(tmp_path):
     assert types["blk.0.ffn_down.weight"] == "Q4_0"  # 128 columns
 
 
-def _int4_dir(src, out, *, symmetric: bool, group_size: int = 32):
-    """``src`` compressed to stored int4 (RTN), its scales rounded to fp16 values so GGUF holds them exactly."""
+def _int4_dir(src, out, *, symmetric: bool, group_size: int = 32, mantissa_bits: int = 10):
+    """``src`` compressed to stored int4 (RTN), its scales rounded to fp16 values so GGUF holds them exactly (to
+    ``mantissa_bits`` of fp16's 10: with 6, every offset -z s of a zero point below 16 is an fp16 value too)."""
     from prunus.compress.quantize import quantize_pass
 
     model = quantize_pass(load_model(src), None, scheme="int4-weight-only", group_size=group_size, symmetric=symmetric)
     for m in model.modules():
         if hasattr(m, "weight_scale") and m.weight_scale is not None and m.weight_scale.dtype == torch.float32:
-            m.weight_scale = m.weight_scale.half().float()
+            mant, exp = torch.frexp(m.weight_scale)
+            m.weight_scale = torch.ldexp(torch.round(mant * 2.0 ** (mantissa_bits + 1)) / 2.0 ** (mantissa_bits + 1),
+                                         exp).half().float()
     return save_model(model, out, tokenizer=load_model_tokenizer(src), stage="compress", parent=src)
 
 
-@pytest.mark.parametrize("kind,symmetric", [("q4_0", True), ("q4_1", False), ("q4_1", True)])
-def test_stored_int4_values_go_into_q4_blocks_as_they_are(tmp_path, kind, symmetric):
+def _types(path) -> dict:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("kind,symmetric,bits", [("q4_0", True, 10), ("q4_1", False, 6), ("q4_1", True, 10),
+                                                ("q4_0", False, 6), ("q4_1", False, 10)])
+@pytest.mark.parametrize("group", [32, 64])
+def test_stored_int4_values_are_written_exactly(tmp_path, kind, symmetric, bits, group):
+    """Stored int4 codes go into Q4_0 (symmetric) or Q4_1 blocks as they are, whatever --type names, groups of 64
+    as two blocks; a tensor whose offsets -z s are no fp16 values (scales of 10 mantissa bits) stays F32. Every
+    weight reads back exactly, and the file's model gives the dir's logits."""
     src = make_model_dir(tmp_path / "m", tie=True)
-    qdir = _int4_dir(src, tmp_path / "q", symmetric=symmetric)
+    qdir = _int4_dir(src, tmp_path / "q", symmetric=symmetric, group_size=group, mantissa_bits=bits)
     to_gguf(qdir, tmp_path / "q.gguf", type=kind)
-    back = weights(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
+    types = _types(tmp_path / "q.gguf")
+    back = load_model(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
     q = load_model(qdir)
     for i in range(2):
-        for name, m in [("attention.wq", q.layers[str(i)].attention.wq), ("attention.wk", q.layers[str(i)].attention.wk),
-                        ("feed_forward.w2", q.layers[str(i)].feed_forward.w2)]:
-            want = m.dequantize()
-            if kind == "q4_1" and not symmetric:  # the offset -z s is rounded to fp16 in its own right
-                assert (back[f"layers.{i}.{name}.weight"] - want).abs().max() <= m.weight_scale.max() * 15 * 2.0**-11
-            else:
-                assert torch.equal(back[f"layers.{i}.{name}.weight"], want), name
+        for name, gname in [("attention.wq", "attn_q"), ("attention.wk", "attn_k"), ("feed_forward.w2", "ffn_down")]:
+            m = q.get_submodule(f"layers.{i}.{name}")
+            assert torch.equal(back.state_dict()[f"layers.{i}.{name}.weight"], m.dequantize()), name
+            assert types[f"blk.{i}.{gname}.weight"] == ("Q4_0" if symmetric else "Q4_1" if bits == 6 else "F32")
+    assert types["token_embd.weight"] == "F32"  # the float (tied) embedding is not quantized again
+    tokens = torch.randint(0, GQA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).argmax(-1), q(tokens).argmax(-1))
+        assert (back(tokens) - q(tokens)).abs().max() < 1e-4
 
 
-def test_int4_groups_of_64_and_asymmetric_q4_0_are_requantized(tmp_path):
-    src = make_model_dir(tmp_path / "m", tie=True)
-    for group, symmetric in [(64, True), (32, False)]:
-        qdir = _int4_dir(src, tmp_path / f"q{group}{symmetric}", symmetric=symmetric, group_size=group)
-        path = to_gguf(qdir, tmp_path / f"q{group}{symmetric}.gguf", type="q4_0")
-        back = weights(from_gguf(path, tmp_path / f"back{group}{symmetric}"))
-        want = load_model(qdir).layers["0"].feed_forward.w2.dequantize()
-        amax = _blocks(want, lambda g: g.abs().amax(-1, keepdim=True))
-        err = (back["layers.0.feed_forward.w2.weight"] - want).abs()
-        assert (err <= amax / 8 + amax * 2.0**-11).all() and err.max() > 0
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_stored_int8_values_are_written_exactly(tmp_path, fp16_scales):
+    """int8 per-channel codes go into Q8_0 blocks when their scales are fp16 values, else F32 (exact either way);
+    the float head stays F32; the size label counts parameters."""
+    from prunus.compress.quantize import quantize_pass
+
+    src = make_model_dir(tmp_path / "m")
+    model = quantize_pass(load_model(src), None, scheme="int8-weight-only")
+    if fp16_scales:
+        for m in model.modules():
+            if getattr(m, "weight_scale", None) is not None:
+                m.weight_scale = m.weight_scale.half().float()
+    qdir = save_model(model, tmp_path / "q", tokenizer=load_model_tokenizer(src), stage="compress", parent=src)
+    to_gguf(qdir, tmp_path / "q.gguf", type="q4_0")
+    types = _types(tmp_path / "q.gguf")
+    assert types["blk.1.ffn_gate.weight"] == ("Q8_0" if fp16_scales else "F32")
+    assert types["output.weight"] == types["token_embd.weight"] == "F32"
+    back = load_model(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
+    q = load_model(qdir)
+    assert torch.equal(back.state_dict()["layers.1.feed_forward.w1.weight"], q.layers["1"].feed_forward.w1.dequantize())
+    tokens = torch.randint(0, GQA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).argmax(-1), q(tokens).argmax(-1))
+    reader = gguf.GGUFReader(tmp_path / "q.gguf")
+    label = bytes(reader.fields["general.size_label"].parts[-1]).decode()
+    n = sum(p.numel() for p in load_model(src).parameters())
+    assert label == size_label(n)
 
 
 @pytest.mark.parametrize("source", ["fp32", "int4"])
 def test_transformers_reads_our_q4_0_gguf_with_prunus_logits(tmp_path, source):
     """transformers dequantizes the Q4_0 blocks itself; its logits are prunus's on the dequantized weights.
-    For an int4 dir that is the dir's own int4 model (its fp16-exact scales go into Q4_0 as they are), with
-    the file's Q8_0 head (the tied embedding) in place of its float one."""
+    For an int4 dir that is the dir's own int4 model: its fp16-exact scales go into Q4_0 as they are, and its
+    float (tied) embedding stays F32."""
     transformers = pytest.importorskip("transformers")
     src = make_model_dir(tmp_path / "m", tie=True)
     qdir = _int4_dir(src, tmp_path / "q", symmetric=True) if source == "int4" else None
     to_gguf(qdir or src, tmp_path / "q4.gguf", type="q4_0")
     back = load_model(from_gguf(tmp_path / "q4.gguf", tmp_path / "back"))
-    ours = back
-    if qdir is not None:
-        ours = load_model(qdir)
-        assert not torch.equal(ours.tok_embeddings.weight, back.tok_embeddings.weight)
-        ours.tok_embeddings.weight = back.tok_embeddings.weight
-        ours.output.weight = ours.tok_embeddings.weight
+    ours = back if qdir is None else load_model(qdir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q4.gguf", dtype=torch.float32).eval()
     tokens = torch.randint(0, GQA["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -342,6 +370,7 @@ def test_cli_round_trip(tmp_path, good_gguf):
     for kind in ("q8_0", "q4_0"):
         r = runner.invoke(cli, ["convert", "--to-gguf", str(src), "--out", str(tmp_path / f"{kind}.gguf"), "--type", kind])
         assert r.exit_code == 0, r.output
+        assert f"tensors {kind.upper()} x " in r.output and "F32 x " in r.output  # the types written, counted
         r = runner.invoke(cli, ["convert", "--from-gguf", str(tmp_path / f"{kind}.gguf"), "--out", str(tmp_path / kind)])
         assert r.exit_code == 0 and "wrote" in r.output, r.output
         assert load_model(tmp_path / kind).config == load_model(src).config
