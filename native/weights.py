@@ -6,7 +6,11 @@ stored codes (:mod:`prunus.export.native_weights`): float weights, int8 / int4 c
 multiple of 32) and integer zero points, biases, norms, the embedding (the tied head read from it) and the rotary
 tables. Nothing here reads the graph. Everything is checked before a byte of data is read: the safetensors header
 against the file (:func:`prunus.artifacts.safetensors_header.read_layout`), every tensor's dtype and shape against
-the export's config and the file's metadata, no tensor left unread. Linear layers are repacked four output rows at
+the export's config and the file's metadata, no tensor left unread. Every float tensor is checked finite as it is
+read (one vectorised pass, :mod:`prunus.artifacts.finite_arrays`), and every int8 / int4 block scale small enough
+that its codes dequantize within float32, as the kernels compute ``(code - zero) * scale`` (``|scale|`` at most
+float32's largest value over 255, or over 15 for int4; a block scale may be zero or negative: the kernels need no
+sign). A damaged tensor is one line naming it and its first bad element. Linear layers are repacked four output rows at
 a time (the layouts are in ``decode.c``); a block larger than 32 repeats its scale over its 32-wide pieces. An
 export whose graph the kernels do not mirror records why in the file, and is refused in one line naming it.
 """
@@ -22,12 +26,15 @@ import numpy as np
 
 from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.finite_arrays import FLOAT32_MAX, check_finite
 from prunus.artifacts.native_layout import ATTENTION, FEED_FORWARD, KINDS as STORED, NATIVE_FORMAT, NATIVE_WEIGHTS
 from prunus.artifacts.safetensors_header import read_layout
 from prunus.artifacts.validate import short
 
 KINDS = {"f32": 0, "q4": 4, "q8": 8}
 FIX = "re-export the model dir with this prunus version (prunus export)"
+DAMAGED = "the export's weights are damaged; re-export it from a model dir whose weights are finite (prunus export)"
+CODE_SPAN = {"q8": 255, "q4": 15}  # the largest |code - zero point| of a block: a scale's factor at most
 MAX_HEADS = 1 << 16
 NUMPY = {"F32": np.dtype("<f4"), "U8": np.dtype("u1")}
 
@@ -197,7 +204,20 @@ class WeightsFile:
         a = np.fromfile(handle, NUMPY[e["dtype"]], count)
         if a.size != count:
             self.bad(f"ends inside {name} (the file changed while read)")
+        check_finite(a, f"{self.path}: tensor {short(name, 120)}", DAMAGED)
         return a.reshape(e["shape"]).astype(NUMPY[e["dtype"]].newbyteorder("="), copy=False)
+
+    def scales(self, prefix: str, kind: str, handle) -> np.ndarray:
+        """Linear layer ``prefix``'s block scales, each one whose codes dequantize within float32."""
+        scale = self.read(f"{prefix}.scale", handle)
+        limit = FLOAT32_MAX / CODE_SPAN[kind]
+        over = np.flatnonzero(np.abs(scale) > limit)
+        if over.size:
+            value, what = float(scale.reshape(-1)[over[0]]), "int8" if kind == "q8" else "int4"
+            raise PrunusError(f"{self.path}: tensor {short(prefix + '.scale', 120)} holds {value:.4g} at element "
+                              f"{int(over[0])}, beyond {limit:.4g}: its {what} codes would dequantize past float32's "
+                              f"range; {DAMAGED}")
+        return scale
 
     def linear(self, prefix: str) -> _Spec:
         """The header's linear layer ``prefix``, its tensors' dtypes and shapes consistent (not yet the config's)."""
@@ -272,7 +292,7 @@ def _load_linear(f: WeightsFile, spec: _Spec | None, handle) -> PackedLinear | N
     raw = f.read(f"{p}.{spec.kind}", handle)
     q = raw if spec.kind == "q8" else np.stack([raw & 15, raw >> 4], -1).reshape(spec.n, spec.k)
     per = spec.block // 32
-    scale = np.repeat(f.read(f"{p}.scale", handle), per, axis=1)
+    scale = np.repeat(f.scales(p, spec.kind, handle), per, axis=1)
     zero = np.repeat(f.read(f"{p}.zero", handle).astype(np.float32), per, axis=1) if spec.zero else None
     if zero is not None and spec.kind == "q4" and zero.max() > 15:
         f.bad(f"has int4 zero points above 15 in {p}.zero")

@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,100 @@ def test_native_reads_no_graph_and_imports_only_artifacts():
                 top = name.split(".")
                 assert top[0] not in ("onnx", "onnxruntime", "torch"), (path.name, name)
                 assert top[0] != "prunus" or top[1] == "artifacts", (path.name, name)
+
+
+# --- NaN, infinity and overflowing scales -------------------------------------------------------------------------
+
+def _file(tmp_path: Path, case: str):
+    """(dims, tensors, metadata) of the native weights of a tiny llama export: "fp32", "int8" / "int4" (ONNX
+    Runtime's codes of the float model), or "stored" (a compressed dir's int4 codes with zero points and int8 codes)."""
+    model = family_model("llama")
+    if case == "stored":
+        quantize_pass(model, None, scheme="int4-weight-only", algorithm="rtn", group_size=32, symmetric=False,
+                      int8=["layers.-1"])
+    _export(model, tmp_path, "int4" if case == "stored" else case)
+    with safe_open(tmp_path / NATIVE_WEIGHTS, "np") as f:
+        return genai_dims(model), {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _changed(tensors: dict, name: str, index: int, value) -> dict:
+    a = tensors[name].copy()
+    a.reshape(-1)[index] = value
+    return {**tensors, name: a}
+
+
+def _all_finite(packed) -> bool:
+    """Every float the kernels read from ``packed`` is finite, and every block's codes dequantize within float32."""
+    arrays = [packed.emb, packed.cos, packed.sin, packed.norm]
+    for lin in [packed.head, *(x for layer in packed.layers for x in layer.values())]:
+        if isinstance(lin, np.ndarray):
+            arrays.append(lin)
+        elif lin is not None and not isinstance(lin, int):
+            arrays += [a for a in (lin.s, lin.sz, lin.bias) if a is not None] + ([lin.w] if lin.kind == "f32" else [])
+            if lin.s is not None and np.abs(lin.s).max() * (255 if lin.kind == "q8" else 15) > np.finfo(np.float32).max:
+                return False
+    return all(np.isfinite(a).all() for a in arrays)
+
+
+@pytest.mark.parametrize("case", ["fp32", "int8", "int4"])
+def test_nonfinite_weights_and_overflowing_scales_are_one_line_naming_the_tensor(tmp_path, case):
+    """NaN or infinity in any float tensor (a weight, a bias, a norm, the embedding, a rotary table, a block scale),
+    and an int8 / int4 scale whose codes would dequantize past float32 (|scale| over 3.4e38 / 255, or / 15 for
+    int4): one line naming the tensor and the element. A zero or negative scale reads: the kernels need no sign."""
+    dims, tensors, meta = _file(tmp_path, case)
+    bad = tmp_path / "bad.safetensors"
+
+    def read(changed: dict):
+        save_file(changed, str(bad), metadata=meta)
+        return read_native_weights(bad, dims)
+
+    assert _all_finite(read(tensors))
+    floats = ["tok_embeddings.weight", "norm.weight", "rope.cos", "layers.1.ffn_norm.weight",
+              "layers.0.attention.wqkv.bias",
+              "layers.1.feed_forward.w2.weight" if case == "fp32" else "layers.1.feed_forward.w2.scale"]
+    for name, value, shown in zip(floats, [np.nan, np.inf, -np.inf, np.nan, np.inf, np.nan],
+                                  ["nan", "inf", "-inf", "nan", "inf", "nan"]):
+        _one_line(f"bad.safetensors: tensor '{name}' holds {shown} at element 3 of \\d+; the export's weights are "
+                  "damaged; re-export", read, _changed(tensors, name, 3, value))
+    if case == "fp32":
+        return
+    scale, span = "layers.0.feed_forward.w13.scale", 255 if case == "int8" else 15
+    limit = float(np.finfo(np.float32).max) / span
+    _one_line(f"tensor 'layers.0.feed_forward.w13.scale' holds .* at element 5, beyond .*: its {case} codes would "
+              "dequantize past float32's range", read, _changed(tensors, scale, 5, np.float32(limit * 1.01)))
+    for fine in (np.float32(limit * 0.99), 0.0, -0.5):  # at the limit, zero, negative: the kernels' sums stay finite
+        assert _all_finite(read(_changed(tensors, scale, 5, fine)))
+
+
+def test_fuzz_native_weights_reader(tmp_path):
+    """Seeded, time-bounded: random NaN / inf / huge / tiny / zero / negative floats in any float tensor (scales
+    included) and random bytes in the int8 / int4 codes and zero points of tiny fp32, int8 and stored int4-with-zero-
+    points exports' native weights. Each read is a packed model whose every float is finite and every block within
+    float32, or one PrunusError line; never anything else."""
+    rng = np.random.default_rng(20240611)
+    files = [_file(tmp_path / case, case) for case in ("fp32", "int8", "stored")]
+    specials = np.array([np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e37, 2.2e37, 1.3e36, 1e30, 65504.0, 1e-45, 0.0,
+                         -1.0], np.float32)
+    bad, deadline, outcomes = tmp_path / "fuzz.safetensors", time.monotonic() + 3.0, {"read": 0, "refused": 0}
+    for case in range(400):
+        if time.monotonic() > deadline:
+            break
+        dims, tensors, meta = files[case % len(files)]
+        changed = dict(tensors)
+        for _ in range(int(rng.integers(1, 4))):
+            name = list(tensors)[int(rng.integers(len(tensors)))]
+            a = changed[name].copy()
+            at = rng.integers(a.size, size=int(rng.integers(1, 4)))
+            a.reshape(-1)[at] = (rng.integers(0, 256, at.size) if a.dtype == np.uint8 else
+                                 rng.choice(specials, at.size))
+            changed[name] = a
+        save_file(changed, str(bad), metadata=meta)
+        try:
+            packed = read_native_weights(bad, dims)
+        except PrunusError as e:
+            assert "\n" not in str(e) and str(bad) in str(e), str(e)
+            outcomes["refused"] += 1
+            continue
+        assert _all_finite(packed), case
+        outcomes["read"] += 1
+    assert outcomes["read"] and outcomes["refused"], outcomes
