@@ -175,7 +175,8 @@ def header_shape(path: Path, where: str, size: int, limit: int) -> tuple[int, in
 def decode_bytes(data: bytes, suffix: str, where: str, limit: int) -> torch.Tensor:
     """The image in ``data`` (a file of type ``suffix``) as float32 C x H x W, checked as the module docstring says."""
     array, scale, is_float = (_npy_array if suffix.lower() == NPY_SUFFIX else _pil_array)(data, where, limit)
-    tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: ``data`` stays read-only
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes infinite, refused below
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: ``data`` stays read-only
     if scale != 1.0:
         tensor.div_(scale)
     if is_float:
