@@ -39,6 +39,14 @@ GREY16 = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # Pillow's modes of 16-bit gr
 _OPEN_LOCK = threading.Lock()  # warnings filters are process-wide: one header read at a time changes them
 
 
+def _fresh_lock() -> None:  # a DataLoader worker forked while another thread held the lock starts with it free
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
+
+
 def shown(path) -> str:
     """``path`` as text that prints anywhere (bytes of a name that is not UTF-8 as ``\\xNN``)."""
     return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
@@ -101,7 +109,11 @@ def _npy_array(data: bytes, where: str, limit: int) -> tuple[np.ndarray, float, 
 
 def _open(source, where: str):
     """The lazily opened image (its header read, no pixel decoded), or one line."""
-    from PIL import Image
+    try:
+        from PIL import Image
+    except ImportError:
+        raise PrunusError(f"{where}: Pillow is not installed, so only .npy images are read; pip install pillow, or "
+                          "store the images as .npy arrays") from None
 
     try:
         with _OPEN_LOCK, warnings.catch_warnings():

@@ -44,9 +44,10 @@ def _channel_hint(module: nn.Module, x) -> str | None:
             spatial = next(i + 1 for i, kind in enumerate(CONVS) if isinstance(layer, kind))
             have = x.shape[1] if x.ndim == spatial + 2 else None
             if have is not None and 0 < layer.in_channels != have:
-                return (f"its first convolution ({name or 'the module'}) takes {layer.in_channels} channel"
-                        f"{'s' if layer.in_channels > 1 else ''} and the images have {have}; build it with {have} "
-                        f"input channels (e.g. --model-args channels={have}) or give {layer.in_channels}-channel images")
+                want = layer.in_channels
+                return (f"its first convolution ({name or 'the module'}) takes {want} channel{'s' if want > 1 else ''} "
+                        f"and the images have {have}; build it with {have} input channels (e.g. --model-args "
+                        f"channels={have}) or give {want}-channel images")
             return None
     return None
 

@@ -175,8 +175,8 @@ class TarSampleDataset(Dataset):
     def load(self, sample: TarSample):
         image = decode_sample(sample, self.limit)
         if tuple(image.shape) != self.shape:
-            raise PrunusError(f"{shown(sample.shard)}: {shown(sample.key)}{sample.suffix} decodes to {tuple(image.shape)}, not "
-                              f"{self.shape} as the first sample; resize the images to one size")
+            raise PrunusError(f"{shown(sample.shard)}: {shown(sample.key)}{sample.suffix} decodes to "
+                              f"{tuple(image.shape)}, not {self.shape} as the first sample; resize the images to one size")
         return image, torch.tensor(sample.label)
 
     def __getitem__(self, i: int):

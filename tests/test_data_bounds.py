@@ -376,7 +376,8 @@ def test_fuzzed_images_give_a_sample_or_one_line(tmp_path):
             except PrunusError as e:
                 assert "\n" not in str(e), str(e)
         cases += 1
-    assert cases >= 2 * len(bases) and outcomes["sample"] > len(bases) // 2 and outcomes["refused"] > cases // 4, outcomes
+    assert cases >= 2 * len(bases), cases
+    assert outcomes["sample"] > len(bases) // 2 and outcomes["refused"] > cases // 4, outcomes
 
 
 # --- data that does not fit the module, through the CLI ----------------------------------------------------------
@@ -399,11 +400,11 @@ def test_cli_data_that_does_not_fit_the_module_is_one_line_before_training(tmp_p
         result = _train(tmp_path, rgb, *extra)
         assert_user_error(result, f"--data {rgb}: {needle}")
         assert not (tmp_path / "run").exists()
-    shards = tmp_path / "shards"  # no classes.json: the classes are the largest index + 1
-    shards.mkdir()
+    shards, png = tmp_path / "shards", (tmp_path / "rgb" / "c0" / "0.png").read_bytes()
+    shards.mkdir()  # no classes.json: the classes are the largest index + 1
     with tarfile.open(shards / "shard-000000.tar", "w") as tar:
         for i in range(4):
-            for name, data in ((f"k{i}.png", (tmp_path / "rgb" / "c0" / "0.png").read_bytes()), (f"k{i}.cls", b"%d" % i)):
+            for name, data in ((f"k{i}.png", png), (f"k{i}.cls", b"%d" % i)):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -417,7 +418,10 @@ def test_cli_bombs_nan_and_non_utf8_class_names_are_one_line(tmp_path, assert_us
         (folder / "c0" / f"bomb{i}.png").write_bytes(bomb)
     assert_user_error(_train(tmp_path, folder), "bomb0.png: 3 x 4096 x 4096 (C x H x W) decodes to 201,326,592")
     odd = _rgb_folder(tmp_path / "u")
-    os.rename(odd / "c1", os.fsencode(odd) + b"/caf\xe9")
+    os.rename(odd / "c1" / "0.png", os.fsencode(odd) + b"/c1/\xff.png")  # a file's name may be any bytes
+    train, val = image_folder_datasets(odd)
+    assert len(train) + len(val) == 8 and all(x.shape == (3, 8, 8) for x, _ in (*train, *val))
+    os.rename(odd / "c1", os.fsencode(odd) + b"/caf\xe9")  # a class folder's is recorded as text: UTF-8
     assert_user_error(_train(tmp_path, odd), "the class folder b'caf\\xe9' has a name that is not UTF-8; rename it")
     nan = _folder(tmp_path / "n", {f"c{c}/{i}.npy": _npy(np.full((3, 8, 8), 0.5, np.float32)) for c in range(2)
                                    for i in range(6)})
