@@ -1,9 +1,12 @@
 """A generic module's ONNX export dir (:mod:`prunus.export.module_export`: one graph with a dynamic batch axis)
-served by ONNX Runtime: ``predict(batch)`` is one ``session.run``. No factory is imported."""
+served by ONNX Runtime: ``predict(batch)`` is one ``session.run``. No factory is imported. A graph ONNX Runtime
+cannot read, or whose initializers hold NaN or infinity (:mod:`prunus.runtime.onnx_initializers`), is one line."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_graph_paths
 from .ort_session import ort_session
@@ -16,7 +19,14 @@ class OrtModuleBackend(PredictBackend):
 
     def __init__(self, path, config: dict, options):
         graph = export_graph_paths(path, config["export"], names=("model",))["model"]
-        self.session = ort_session(graph, options.threads)
+        try:
+            self.session = ort_session(graph, options.threads)
+        except PrunusError:
+            raise
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types for unreadable / invalid graphs
+            raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); re-create the export dir with "
+                              "prunus export") from None
         self._input = self.session.get_inputs()[0].name
         super().__init__(path, config, options.max_batch)
 

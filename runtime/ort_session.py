@@ -1,4 +1,9 @@
-"""ONNX Runtime sessions as prunus opens them: thread counts, spinning, lean arenas, and variants of a graph."""
+"""ONNX Runtime sessions as prunus opens them: thread counts, spinning, lean arenas, and variants of a graph.
+
+Every graph ONNX Runtime loads is checked before its session is handed out: its float initializers finite, its
+quantization scales finite (and positive where divided by), one line naming the first damaged one
+(:mod:`prunus.runtime.onnx_initializers`). ONNX Runtime reads it first, so a file that is no graph, or external data
+outside its dir, is ONNX Runtime's own refusal, as before."""
 
 from __future__ import annotations
 
@@ -12,8 +17,12 @@ def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: 
     would otherwise take each other's cores.
     ``config``: extra session config entries (key -> value strings). ``lean``: no CPU memory arena and no
     memory pattern, so each pass allocates and frees its own buffers (the prompt twin's dequantized weights:
-    SmolLM2 int8 with its twin grew the process by 1,462 MB with both and 603 MB without, passes as fast)."""
+    SmolLM2 int8 with its twin grew the process by 1,462 MB with both and 603 MB without, passes as fast).
+    The graph's initializers are checked once ONNX Runtime has read it
+    (:func:`~prunus.runtime.onnx_initializers.check_initializers`)."""
     import onnxruntime as ort
+
+    from .onnx_initializers import check_initializers
 
     opts = ort.SessionOptions()
     if threads:
@@ -27,7 +36,10 @@ def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: 
         opts.enable_cpu_mem_arena = False
         opts.enable_mem_pattern = False
     opts.log_severity_level = 3
-    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), opts,
+                                   providers=["CPUExecutionProvider"])
+    check_initializers(path)
+    return session
 
 
 def variant_session(source, variant, tag: str, threads: int | None = None, spinning: bool = True,
