@@ -4,11 +4,13 @@
   ``apply_chat_template(messages, tools=...)`` passes them (the OpenAI objects as given); a template that never
   reads ``tools`` cannot show them to the model, so the request is refused (400 naming ``tools``).
 * History: assistant messages with ``tool_calls`` (``content`` may be null) and ``tool`` messages are taken;
-  a call's ``arguments`` JSON string is handed to the template as the object it holds, as templates expect.
+  a call's ``arguments`` JSON string is handed to the template as the object it holds, as templates expect
+  (parsed within :mod:`prunus.serve.bounded_json`'s depth and size bounds, else one 400 naming ``messages``).
 * The answer is parsed for Hermes / Qwen-style calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   (one or more); when they parse, they become ``tool_calls`` (``id``, ``type`` "function", ``function.name``,
   ``function.arguments`` as a JSON string), the text around them the ``content`` (null when empty), and
-  ``finish_reason`` "tool_calls".
+  ``finish_reason`` "tool_calls". A call that does not parse (not JSON, deeper or longer than
+  :mod:`prunus.serve.bounded_json` allows, no ``name``) leaves the whole answer as plain ``content``.
 * ``tool_choice``: "auto" (the default with tools) lets the model choose; "none" shows the tools but parses
   nothing; "required" or ``{"type": "function", "function": {"name": ...}}`` forces one call by the
   structured-output mask (:mod:`prunus.serve.structured_output`): the answer is ``<tool_call>\\n`` + a JSON
@@ -22,6 +24,7 @@ import json
 import re
 import uuid
 
+from .bounded_json import MAX_DEPTH, loads_bounded
 from .http_guard import BadRequest
 
 MAX_TOOLS = 128
@@ -82,10 +85,10 @@ def _arguments(value, i: int):
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
-    except ValueError:
-        _refuse(f"messages[{i}].tool_calls: 'arguments' is not JSON; give the call's arguments as a JSON "
-                "object string", "messages")
+        return loads_bounded(value)
+    except ValueError as e:
+        _refuse(f"messages[{i}].tool_calls: 'arguments' must be a JSON object string of at most {MAX_DEPTH} levels "
+                f"({str(e)[:80]})", "messages")
 
 
 def call_schema(tools: list[dict], choice: str) -> dict:
@@ -102,7 +105,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
     calls = []
     for body in CALL.findall(text):
         try:
-            call = json.loads(body)
+            call = loads_bounded(body)
         except ValueError:
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):

@@ -174,3 +174,22 @@ def test_auto_parses_what_the_model_writes(served):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
         ("now", "{}")]
+
+
+def test_an_answer_too_deep_to_parse_comes_back_as_content(served):
+    """A call nested deeper than the parser's bound (a regex makes the model write one) is the answer's text,
+    never a 500 after generation; the same call in the history is one 400 naming messages."""
+    _, _, server = served
+    deep = "<tool_call>\n" + "[" * 40
+    status, body = call(server, "POST", "/v1/chat/completions", {
+        "messages": HISTORY, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0, "seed": 1,
+        "guided_regex": r"<tool_call>\n\[{40}"})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": deep} and choice["finish_reason"] == "stop", choice
+    assert parse_tool_calls("<tool_call>" + "[" * 1200) is None  # json.loads alone would raise RecursionError
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "[" * 100_000}}]}
+    status, body = call(server, "POST", "/v1/chat/completions", {"messages": [*HISTORY[:2], turn], "tools": TOOLS,
+                                                                 "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages" and "deeper than 32" in body["error"]["message"]
