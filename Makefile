@@ -65,7 +65,7 @@ demo: $(STAMP)
 	@$(BIN)/prunus serve $(DEMO)/onnx-int8 --port $(SERVE_PORT) & pid=$$!; \
 	for i in $$(seq 1 240); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 0.5; done; \
 	curl -sf http://127.0.0.1:$(SERVE_PORT)/v1/completions -H 'Content-Type: application/json' \
-		-d '{"prompt": "def read_config(path):", "max_tokens": 160, "temperature": 0.6, "seed": 0}' \
+		-d '{"model": "onnx-int8", "prompt": "def read_config(path):", "max_tokens": 160, "temperature": 0.6, "seed": 0}' \
 		| $(BIN)/python -c 'import json, sys; r = json.load(sys.stdin); print("def read_config(path):" + r["choices"][0]["text"]); print(r["usage"])'; \
 	rc=$$?; kill $$pid; wait $$pid; exit $$rc
 	@echo

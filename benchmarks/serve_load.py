@@ -308,7 +308,8 @@ def prunus_serve(label: str, path: Path, args, *flags: str, env: dict | None = N
                  engine: tuple | None = None) -> Contender:
     argv = [sys.executable, "-m", "prunus.cli.main", "serve", str(path), "--port", "{port}", "--max-batch",
             str(args.max_batch), "--max-queue", str(args.max_queue), *flags]
-    extra = {"min_tokens": args.tokens} if new else {}  # the stdlib server refuses fields it does not know
+    # 'model' is required: the served dir's name; the stdlib server refuses fields it does not know
+    extra = {"model": Path(path).name, "min_tokens": args.tokens} if new else {}
     return Contender(label, argv, "/health", extra, {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}, engine=engine)
 
 

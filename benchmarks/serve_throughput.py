@@ -135,7 +135,8 @@ def http_load(model: str, clients: int, per_client: int, n: int) -> dict:
 
         def client(i):
             for j in range(per_client):
-                body = json.dumps({"prompt": PROMPTS[(i + j) % len(PROMPTS)], "max_tokens": n, "temperature": 0}).encode()
+                body = json.dumps({"model": Path(model).name,  # the served dir's name ('model' is required)
+                                   "prompt": PROMPTS[(i + j) % len(PROMPTS)], "max_tokens": n, "temperature": 0}).encode()
                 req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
                 t = time.perf_counter()
                 try:

@@ -14,7 +14,10 @@ model's end-of-turn / end-of-text tokens, ``stop`` strings, ``stop_token_ids`` o
   then pieces of content; the last names the ``finish_reason``; with ``stream_options.include_usage`` one more
   chunk holds ``usage`` and no choices; then ``data: [DONE]``.
 
-Malformed messages, no chat template, or a template that fails to render: 400, one line.
+Malformed messages, a role outside OpenAI's (system, developer, user, assistant, tool, function), no chat
+template, or a template that fails to render: 400, one line. The fields OpenAI's clients may send by default
+(``store``, ``metadata``, ``service_tier``, ...) are taken where their value asks for nothing prunus cannot do,
+else one 400 naming the field (:data:`prunus.serve.openai_schema.SDK_FIELDS`).
 
 ``tools`` / ``tool_choice``: :mod:`prunus.serve.tool_calls` (not streamed: ``stream`` with tools is one 400).
 Structured outputs (``response_format``, ``guided_json``, ``guided_regex``): :mod:`prunus.serve.structured_output`.
@@ -23,6 +26,7 @@ Structured outputs (``response_format``, ``guided_json``, ``guided_regex``): :mo
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -34,7 +38,7 @@ from .http_guard import BadRequest
 from .logprobs import chat_logprobs
 from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
     constraint, engine_kwargs, sse, submit, usage
-from .openai_schema import ChatCompletionRequest
+from .openai_schema import OPENAI_ROLES, SDK_FIELDS, ChatCompletionRequest
 from .tool_calls import call_schema, check_tools, parse_tool_calls, template_messages
 from .request import StreamToken
 
@@ -54,6 +58,27 @@ def _top_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.stream_options is not None and not req.stream:
         raise BadRequest(400, "'stream_options' needs 'stream': true", param="stream_options")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _sdk_fields(req: ChatCompletionRequest) -> None:
+    """The OpenAI client's fields whose value prunus cannot honour: one 400 each, never accepted and ignored."""
+    for name, (taken, what_to_do) in SDK_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None and value not in taken:
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise BadRequest(400, f"'{name}': {shown} is not supported: {what_to_do}", param=name)
+
+
+def _messages(req: ChatCompletionRequest) -> list:
+    """The messages as the chat template reads them, each role one of OpenAI's."""
+    for i, m in enumerate(req.messages):
+        role = m.get("role")
+        if role not in OPENAI_ROLES:
+            shown = repr(role if not isinstance(role, str) or len(role) <= 24 else role[:24] + "...")
+            raise BadRequest(400, f"messages[{i}].role {shown} is not a role; give one of {', '.join(OPENAI_ROLES)}",
+                             param="messages")
+    return template_messages(req.messages)
 
 
 def _tools(req: ChatCompletionRequest) -> tuple[list[dict], str, tuple | None]:
@@ -84,9 +109,10 @@ def _prompt(engine, messages: list, tools: list[dict]) -> str:
 async def chat(server, req: ChatCompletionRequest, request: Request):
     engine = server.engine
     name = check_model(server, req.model)
+    _sdk_fields(req)
     max_tokens, top = _max_tokens(req), _top_logprobs(req)
     tools, choice, asked = _tools(req)
-    messages = template_messages(req.messages)
+    messages = _messages(req)
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(server.pool, lambda: engine.encode(_prompt(engine, messages, tools)))
     field = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
@@ -96,7 +122,8 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
             check_context(engine, len(ids), 1, field)
     check_context(engine, len(ids), max_tokens, field)
     grammar = await compile_grammar(server, asked)
-    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar), req.n)
+    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar,
+                                                       engine.backend.vocab_size), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

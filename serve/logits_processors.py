@@ -29,6 +29,7 @@ from prunus.artifacts.errors import PrunusError
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+REPETITION_PENALTY = (0.01, 100.0)  # a tiny penalty divides a seen logit past float range (1e-300: inf); vLLM: > 0
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class LogitsSettings:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise PrunusError(f"{name}={getattr(self, name)!r} must be a number from -2 to 2")
-        if not 0 < self.repetition_penalty <= 100:
-            raise PrunusError(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 100]")
+        low, high = REPETITION_PENALTY
+        if not low <= self.repetition_penalty <= high:
+            raise PrunusError(f"repetition_penalty={self.repetition_penalty!r} must be a number from {low} to {high:g}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise PrunusError(f"logit_bias holds {len(self.logit_bias)} tokens; give at most {MAX_LOGIT_BIAS}")
         for token, bias in self.logit_bias:

@@ -119,7 +119,7 @@ async def complete(server, req: CompletionRequest, request: Request):
     for ids in prompts:
         check_context(engine, len(ids), max_tokens, "max_tokens")
     grammar = await compile_grammar(server, constraint(req))
-    kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs, grammar)
+    kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs, grammar, engine.backend.vocab_size)
     echoed = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given] if req.echo else None
     echo_logprobs = None
     if req.echo and req.logprobs is not None:  # the prompts' own, by a teacher-forced pass (off the event loop)

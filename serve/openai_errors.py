@@ -46,10 +46,11 @@ def validation_error(errors) -> BadRequest:
         name = ".".join(map(str, loc))
         return BadRequest(400, f"unknown field '{name}': prunus serve does not support it; leave it out",
                           param=field, code="unknown_field")
-    if field is None or e.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+    if field is None:  # the body itself (a list, a string, ...)
         return BadRequest(400, "the request body must be a JSON object")
     if e.get("type") == "missing":
-        return BadRequest(400, f"'{field}': a required field is missing", param=field)
+        need = "give one of the names GET /v1/models lists" if loc == ["model"] else "add it"
+        return BadRequest(400, f"'{'.'.join(map(str, loc))}' is required; {need}", param=field)
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:] if not _is_type_name(p))
     return BadRequest(400, f"'{field}{where}': {e.get('msg', 'invalid value')} (got {field}{where}="
                            f"{_short(e.get('input'))})", param=field)

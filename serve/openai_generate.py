@@ -20,7 +20,8 @@ from prunus.artifacts.errors import PrunusError
 from .asgi_guard import ClientGone, log_client
 from .events import async_events
 from .http_guard import BadRequest
-from .logits_processors import LogitsSettings, TokenLogprob
+from .integer_keys import token_id
+from .logits_processors import MAX_LOGIT_BIAS, LogitsSettings, TokenLogprob
 from .openai_schema import Sampling
 from .request import GenerationResult, Request, StreamToken
 
@@ -64,13 +65,19 @@ def check_context(engine, n_prompt: int, max_tokens: int, field_name: str) -> No
                          param=field_name, code="context_length_exceeded")
 
 
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: keys by :func:`prunus.serve.integer_keys.token_id`, biases
+    from -100 to 100 (OpenAI's range)."""
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(400, f"'logit_bias' holds {len(bias)} tokens; give at most {MAX_LOGIT_BIAS}",
+                         param="logit_bias")
     out = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():
-            raise BadRequest(400, f"'logit_bias' key {key[:40]!r} is not a token id; give token ids as strings",
+        token = token_id(key, "logit_bias", vocab_size)
+        if not -100 <= value <= 100:
+            raise BadRequest(400, f"'logit_bias' of token {token} is {value!r}; give a number from -100 to 100",
                              param="logit_bias")
-        out.append((int(key), float(value)))
+        out.append((token, float(value)))
     return tuple(out)
 
 
@@ -114,18 +121,26 @@ async def compile_grammar(server, asked: tuple[str, object, str] | None):
         raise BadRequest(400, str(e), param=field_name) from None
 
 
-def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None) -> dict:
-    """Engine.submit's settings for one sample of ``req``; fields it leaves out take ``defaults``."""
+def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None,
+                  vocab_size: int | None = None) -> dict:
+    """Engine.submit's settings for one sample of ``req``; fields it leaves out take ``defaults``.
+    ``vocab_size``: the model's, which ``logit_bias`` keys must lie below."""
     def pick(name, fallback=None):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
+    if req.min_tokens > max_tokens:
+        raise BadRequest(400, f"'min_tokens' ({req.min_tokens}) exceeds the tokens asked for ({max_tokens}); lower "
+                              "it", param="min_tokens")
     logits = LogitsSettings(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=_logit_bias(req.logit_bias),
+                            repetition_penalty=pick("repetition_penalty", 1.0),
+                            logit_bias=_logit_bias(req.logit_bias, vocab_size),
                             min_tokens=req.min_tokens, logprobs=logprobs, grammar=grammar)
     uses = logits.changes_logits or logprobs is not None
+    top_k = pick("top_k")
     return {"max_new_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p"),
-            "top_k": pick("top_k"), "seed": req.seed, "stop": req.stop, "logits": logits if uses else None,
-            "stop_token_ids": tuple(req.stop_token_ids or ()), "model": getattr(req, "model", None)}
+            "top_k": 0 if top_k == -1 else top_k, "seed": req.seed, "stop": req.stop,
+            "logits": logits if uses else None, "stop_token_ids": tuple(req.stop_token_ids or ()),
+            "model": getattr(req, "model", None)}
 
 
 def submit(engine, prompts: list[list[int]], kwargs: dict, n: int) -> list[Request]:

@@ -330,6 +330,9 @@ def chat_server(chat_model):
 
 
 def post(url: str, path: str, body) -> tuple[int, str, http.client.HTTPResponse]:
+    """One POST; a JSON body names the served model, the dir's name (``model`` is required), unless it names one."""
+    if isinstance(body, dict) and "model" not in body:
+        body = {"model": "model", **body}
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", path, body if isinstance(body, bytes) else json.dumps(body), {"Content-Type": "application/json"})
@@ -390,7 +393,7 @@ def test_chat_completions_bad_input_is_400(chat_server, tmp_path, chat_model):
         server = CompletionServer(engine, port=0)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         try:
-            status, r = chat(server.url, {"messages": CHATS[0]})
+            status, r = chat(server.url, {"model": "plain", "messages": CHATS[0]})
             assert status == 400 and "no chat template" in r["error"]["message"]
         finally:
             server.shutdown()
@@ -472,10 +475,11 @@ def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model, m
                                  ("date", "strftime_now"), ("recurse", "RecursionError")]:
                 _deadline_for(monkeypatch, words)
                 t0 = time.monotonic()
-                status, r = chat(server.url, {"messages": [{"role": "user", "content": asked}], "max_tokens": 1})
+                status, r = chat(server.url, {"model": "hostile", "messages": [{"role": "user", "content": asked}],
+                                              "max_tokens": 1})
                 assert status == 400 and r["error"]["type"] == "invalid_request_error", (asked, r)
                 assert words in r["error"]["message"] and time.monotonic() - t0 < 8, (asked, r)
-            status, r = chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            status, r = chat(server.url, {"model": "hostile", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert status == 200 and r["choices"][0]["finish_reason"] in ("length", "stop")
         finally:
             server.shutdown()

@@ -147,7 +147,7 @@ def test_http_error_names_the_request_field(tmp_path):
         thread.start()
         try:
             request = urllib.request.Request(server.url + "/v1/completions", method="POST",
-                                             data=json.dumps({"prompt": "x", "max_tokens": 0}).encode(),
+                                             data=json.dumps({"model": "model", "prompt": "x", "max_tokens": 0}).encode(),
                                              headers={"Content-Type": "application/json"})
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(request, timeout=60)

@@ -49,7 +49,14 @@ def server(engine):
     server.server_close()
 
 
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
 def call(server, method: str, path: str, body=None) -> tuple[int, dict | str]:
+    """(status, JSON or text) of one request; a body POSTed to the completion routes names the served model
+    (``model`` is required) unless it names one itself."""
+    if path in OPENAI_ROUTES and isinstance(body, dict) and "model" not in body:
+        body = {"model": server.model_name, **body}
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
     conn.request(method, path, None if body is None else json.dumps(body),
                  {"Content-Type": "application/json"} if body is not None else {})
@@ -87,7 +94,7 @@ def test_models_and_aliases(server):
     ("/v1/completions", {"prompt": "x", "bogus": 1}, "bogus"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}, "stream": True},
      "stream_options.extra"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_grammar": "x"}, "guided_grammar"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object", "extra": 1}}, "response_format.extra"),
 ])

@@ -81,6 +81,10 @@ def exchange(server, raw: bytes, *, chunks: list[tuple[float, bytes]] = (), time
 
 
 def post(path: str, body: bytes, extra: str = "") -> bytes:
+    """A raw POST; a JSON object body names the served model, the dir's name (``model`` is required), unless it
+    names one."""
+    if body.startswith(b'{"') and b'"model"' not in body:
+        body = b'{"model": "model", ' + body[1:]
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             f"{extra}\r\n").encode() + body
 
@@ -150,7 +154,8 @@ def _client(server, results: list, i: int, n: int) -> None:
     for j in range(n):
         conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
         try:
-            conn.request("POST", "/v1/completions", json.dumps({"prompt": f"{i} {j}", "max_tokens": 2, "temperature": 0}),
+            conn.request("POST", "/v1/completions", json.dumps({"model": "model", "prompt": f"{i} {j}", "max_tokens": 2,
+                                                                 "temperature": 0}),
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
             results.append(resp.status if json.loads(resp.read()).get("choices") else -resp.status)
@@ -221,7 +226,7 @@ def test_a_client_that_resets_is_one_log_line(server, engine, capfd):
 
 
 def test_extreme_sampling_numbers_never_give_500(server):
-    """A temperature or top_p of 1e-300 is greedy (no inf / NaN probabilities); 1e300 is a 400."""
+    """A temperature or top_p of 1e-300 is greedy (no inf / NaN probabilities); past OpenAI's range is a 400."""
     def complete(**fields) -> tuple[int, dict]:
         body = json.dumps({"prompt": "def f(x):", "max_tokens": 6, "seed": 1, **fields}).encode()
         got, _, answer, _ = exchange(server, post("/v1/completions", body))
@@ -234,10 +239,10 @@ def test_extreme_sampling_numbers_never_give_500(server):
         got, answer = complete(**fields)
         assert got == 200 and answer["choices"][0]["text"] == greedy[1]["choices"][0]["text"], (fields, answer)
     for fields, words in (({"temperature": 1e300}, "temperature"), ({"top_p": 1e300}, "top_p"),
-                          ({"temperature": -1e-300}, "temperature")):
+                          ({"temperature": -1e-300}, "temperature"), ({"temperature": 1e5}, "temperature")):
         got, answer = complete(**fields)
         assert got == 400 and words in answer["error"]["message"], (fields, answer)
-    got, answer = complete(temperature=1e5)  # hot, but a distribution: any token, no NaN
+    got, answer = complete(temperature=2)  # OpenAI's hottest: a distribution, any token, no NaN
     assert got == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
 
 

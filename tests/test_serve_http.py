@@ -82,7 +82,13 @@ def server(model_dir, server_tmp):
         proc.wait(30)
 
 
+MODEL = "model"  # the served dir's name: what a request's required 'model' gives
+
+
 def call(url: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict | str]:
+    """(status, JSON or text); a JSON ``body`` names :data:`MODEL` unless it names a model itself."""
+    if isinstance(body, dict) and "model" not in body:
+        body = {"model": MODEL, **body}
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -113,7 +119,8 @@ def start_clients(url: str, bodies: list[dict]) -> tuple[list[threading.Thread],
 def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, **body, "stream": True}),
+                 {"Content-Type": "application/json"})
     return conn, conn.getresponse()
 
 
@@ -167,16 +174,19 @@ def test_streaming_matches_the_plain_answer(server):
 
 def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
     _, url = server
+
+    def named(body: dict) -> bytes:
+        return json.dumps({"model": MODEL, **body}).encode()
     cases = [
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "JSON object"),
-        (json.dumps({"max_tokens": 4}).encode(), "'prompt'"),
-        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens=-1"),  # the request's field, not the API's
-        (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "exceeds the context"),
-        (json.dumps({"prompt": "x" * 2000, "max_tokens": 1}).encode(), "exceeds the context"),
-        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature"),
-        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "'stream'"),
-        (json.dumps({"prompt": "x", "bogus": 1}).encode(), "unknown field"),
+        (named({"max_tokens": 4}), "'prompt'"),
+        (named({"prompt": "x", "max_tokens": -1}), "max_tokens=-1"),  # the request's field, not the API's
+        (named({"prompt": "x", "max_tokens": 10**9}), "exceeds the context"),
+        (named({"prompt": "x" * 2000, "max_tokens": 1}), "exceeds the context"),
+        (named({"prompt": "x", "temperature": "hot"}), "temperature"),
+        (named({"prompt": "x", "stream": "yes"}), "'stream'"),
+        (named({"prompt": "x", "bogus": 1}), "unknown field"),
     ]
     for raw, needle in cases:
         status, body = call(url, "/v1/completions", raw=raw)
@@ -223,7 +233,8 @@ def test_a_client_leaving_a_plain_request_frees_its_slot(server):
     host, port = url.removeprefix("http://").split(":")
     before = metric(r"^prunus_tokens_generated_total (\S+)$", call(url, "/metrics")[1])
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0}),
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1000,
+                                                         "temperature": 0}),
                  {"Content-Type": "application/json"})
     deadline = time.monotonic() + 30
     while call(url, "/health")[1]["active"] < 1 and time.monotonic() < deadline:

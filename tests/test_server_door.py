@@ -24,7 +24,7 @@ from prunus.serve import http_access
 from prunus.serve.http_access import ServeAccess
 from prunus.serve.http_server import CompletionServer
 
-BODY = json.dumps({"prompt": "x", "max_tokens": 1, "temperature": 0})
+BODY = json.dumps({"model": "model", "prompt": "x", "max_tokens": 1, "temperature": 0})  # the served dir's name
 JSON = {"Content-Type": "application/json"}
 
 
