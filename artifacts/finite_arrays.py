@@ -1,7 +1,7 @@
 """NaN and infinity in the float arrays read from an artifact: found in one vectorised pass per tensor, at load.
 
 A weight read from disk is checked once, where it is read (:mod:`prunus.native.weights`, the ONNX initializers of
-:mod:`prunus.runtime.onnx_initializers`), and a tensor holding a NaN or an infinity is one PrunusError line naming
+:mod:`prunus.artifacts.onnx_initializers`), and a tensor holding a NaN or an infinity is one PrunusError line naming
 it, the first such element and where it lies. numpy float arrays are tested with ``np.isfinite``; a float type numpy
 lacks (bfloat16, float8) is tested on its raw bits as unsigned integers: a value is NaN or infinite when every bit
 of ``mask`` is set (its exponent all ones; :data:`RAW_MASKS`). The pass runs in chunks of :data:`CHUNK` elements,

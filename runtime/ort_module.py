@@ -1,6 +1,6 @@
 """A generic module's ONNX export dir (:mod:`prunus.export.module_export`: one graph with a dynamic batch axis)
 served by ONNX Runtime: ``predict(batch)`` is one ``session.run``. No factory is imported. A graph ONNX Runtime
-cannot read, or whose initializers hold NaN or infinity (:mod:`prunus.runtime.onnx_initializers`), is one line."""
+cannot read, or whose initializers hold NaN or infinity (:mod:`prunus.artifacts.onnx_initializers`), is one line."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every graph ONNX Runtime loads is checked before its session is handed out: its float initializers finite, its
 quantization scales finite (and positive where divided by), one line naming the first damaged one
-(:mod:`prunus.runtime.onnx_initializers`). ONNX Runtime reads it first, so a file that is no graph, or external data
+(:mod:`prunus.artifacts.onnx_initializers`). ONNX Runtime reads it first, so a file that is no graph, or external data
 outside its dir, is ONNX Runtime's own refusal, as before."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: 
     memory pattern, so each pass allocates and frees its own buffers (the prompt twin's dequantized weights:
     SmolLM2 int8 with its twin grew the process by 1,462 MB with both and 603 MB without, passes as fast).
     The graph's initializers are checked once ONNX Runtime has read it
-    (:func:`~prunus.runtime.onnx_initializers.check_initializers`)."""
+    (:func:`~prunus.artifacts.onnx_initializers.check_initializers`)."""
     import onnxruntime as ort
 
-    from .onnx_initializers import check_initializers
+    from prunus.artifacts.onnx_initializers import check_initializers
 
     opts = ort.SessionOptions()
     if threads:

@@ -1,8 +1,8 @@
-"""An ONNX graph's initializers are checked at load (prunus.runtime.onnx_initializers): NaN or infinity in a weight,
+"""An ONNX graph's initializers are checked at load (prunus.artifacts.onnx_initializers): NaN or infinity in a weight,
 a bias, a table or a quantization scale, and a scale an operator divides by that is not positive, are one line
 naming the graph, the initializer and the element, wherever the numbers are stored (raw bytes, typed fields,
 external data, float16 / bfloat16, a subgraph); a rank-0 constant of the graph's arithmetic (torch.onnx.export's
-``masked_fill(-inf)`` fill value) loads. The file is read in place (prunus.runtime.onnx_wire), which finds exactly
+``masked_fill(-inf)`` fill value) loads. The file is read in place (prunus.artifacts.onnx_wire), which finds exactly
 what ``onnx.load`` finds. Served end to end: an export dir whose graph or native weights hold NaN is refused at
 load, ``prunus generate`` exits 2 with one line."""
 
@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.native_layout import NATIVE_WEIGHTS
-from prunus.runtime.onnx_initializers import check_initializers
-from prunus.runtime.onnx_wire import graphs
+from prunus.artifacts.onnx_initializers import check_initializers
+from prunus.artifacts.onnx_wire import graphs
 from prunus.runtime.ort_session import ort_session
 
 NAN, INF = float("nan"), float("inf")

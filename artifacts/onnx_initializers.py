@@ -1,7 +1,7 @@
 """An ONNX graph's initializers checked before ONNX Runtime loads it: no NaN or infinity in its weights.
 
 Every float initializer (float32, float16, float64, bfloat16, float8) is read in place, inline in the graph's file or
-in its external data file (both memory-mapped, found by :mod:`prunus.runtime.onnx_wire`; an external name resolved
+in its external data file (both memory-mapped, found by :mod:`prunus.artifacts.onnx_wire`; an external name resolved
 inside the graph's dir, its byte range checked against the file), in one vectorised pass
 (:mod:`prunus.artifacts.finite_arrays`):
 
@@ -22,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from prunus.artifacts.contained import inside
-from prunus.artifacts.errors import PrunusError
-from prunus.artifacts.finite_arrays import RAW_MASKS, check_finite
-from prunus.artifacts.validate import short
-
+from .contained import inside
+from .errors import PrunusError
+from .finite_arrays import RAW_MASKS, check_finite
 from .onnx_wire import Tensor, WireError, graphs
+from .validate import short
 
 EXTERNAL = 1  # TensorProto.data_location
 FIX = "the graph's weights are damaged; re-export it from a model dir whose weights are finite (prunus export)"
@@ -125,7 +124,7 @@ def _check_tensor(buf, t: Tensor, where: str, divided: bool | None, external: _E
 
 def check_initializers(path: str | Path | bytes) -> None:
     """Every initializer of the graph at ``path`` (a file, or a serialized graph's bytes), and of its subgraphs,
-    against the rules of the module docstring, read in place (:mod:`prunus.runtime.onnx_wire`)."""
+    against the rules of the module docstring, read in place (:mod:`prunus.artifacts.onnx_wire`)."""
     file = None if isinstance(path, bytes) else Path(path)
     name = "the ONNX graph" if file is None else str(file)
     buf = np.frombuffer(path, np.uint8) if file is None else _map(file)
