@@ -156,6 +156,56 @@ def test_weights_outside_the_dir_and_missing_dirs_are_refused(setup, tmp_path):
     one_line(e, "adapter name 'bad name!'")
 
 
+@pytest.mark.parametrize("side, value, needles", [
+    ("A", float("nan"), ["q_proj.lora_A.weight' holds nan at element 3 of 256", "the adapter is damaged"]),
+    ("B", float("-inf"), ["q_proj.lora_B.weight' holds -inf at element 3 of 256", "the adapter is damaged"]),
+    ("A", 1e30, ["the lora_A's output of layers.0.attention.wq can reach 1e+30 on an input of entries in [-1, 1], "
+                 "beyond 1.84e+19 for a float32 base", "the adapter's weights are absurd"]),
+    ("B", 1e30, ["the lora_B @ lora_A x 2 output of layers.0.attention.wq can reach", "beyond 1.84e+19"]),
+])
+def test_nonfinite_or_absurd_adapter_weights_are_one_line(setup, tmp_path, side, value, needles):
+    """NaN or infinity in lora_A / lora_B, and finite weights so large that the update's bound for inputs in [-1, 1]
+    passes what the next norm can square in float32: refused at load and while serving, naming the tensor or the
+    module; the engine keeps serving without it."""
+    from safetensors.torch import load_file
+
+    tmp, base, _ = setup
+    write_adapter(load_model(base), tmp_path / "x", 4, 8.0, ("attention.wq",), 5)
+    weights = tmp_path / "x" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    tensors[f"base_model.model.model.layers.0.self_attn.q_proj.lora_{side}.weight"].view(-1)[3] = value
+    save_file(tensors, weights)
+    with pytest.raises(PrunusError) as e:
+        Engine.load(base, compile=False, lora={"x": tmp_path / "x"})
+    one_line(e, str(weights), *needles)
+    with Engine.load(base, max_batch=2, compile=False, lora={"a": tmp / "a"}) as engine:
+        with pytest.raises(PrunusError) as e:
+            engine.load_adapter("x", tmp_path / "x")
+        one_line(e, *needles)
+        assert engine.adapter_names() == ["a"]
+        assert len(engine.generate([5, 6, 7], max_new_tokens=3, temperature=0.0, adapter="a").token_ids) == 3
+
+
+def test_the_update_bound_follows_the_base_dtype():
+    """The bound is float32's square root under a float32 or bfloat16 base, float16's range under a float16 one; a
+    trained-size adapter (rank 16, every entry 0.1, 4096 inputs, scale 2) passes under all three, and each weight
+    must fit the base's dtype once cast."""
+    from pathlib import Path
+
+    from prunus.runtime.lora_adapters import check_update, update_limit
+
+    assert update_limit(torch.float32) == update_limit(torch.bfloat16) == pytest.approx(1.8446742e19, rel=1e-6)
+    assert update_limit(torch.float16) == 65504.0
+    keys = {"A": "a.lora_A.weight", "B": "a.lora_B.weight"}
+    A, B = torch.full((16, 4096), 0.1), torch.full((4096, 16), 0.1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        check_update(Path("x"), "m", keys, A, B, 2.0, dtype)
+    with pytest.raises(PrunusError, match=r"the lora_B @ lora_A x 2 output of m can reach 1.31e\+05 on an input of "
+                                          r"entries in \[-1, 1\], beyond 6.55e\+04 for a float16 base"):
+        check_update(Path("x"), "m", keys, A, B * 100, 2.0, torch.float16)
+    check_update(Path("x"), "m", keys, A, B * 100, 2.0, torch.bfloat16)
+
+
 def test_backends_without_lora_refuse_in_one_line():
     from prunus.serve.engine import _attach_lora
 
