@@ -52,7 +52,8 @@ def _refusal(st: os.stat_result) -> str | None:
 def safe_dir(path: Path, base: Path, fix: str) -> Path:
     """``path`` (``base`` or a dir under it) as a dir of this user's, mode ``0o700`` below ``base``; created where
     missing. ``base`` itself may not be writable by others (it is narrowed only when prunus creates it). One
-    PrunusError line naming the dir and ``fix`` otherwise."""
+    PrunusError line naming the dir otherwise, ending "remove it, {fix}" (``fix``: the other way out, "or set
+    ENV to a dir of your own")."""
     path, base = Path(path), Path(base)
     d = base
     for i, part in enumerate(("", *_below(path, base))):
@@ -60,7 +61,8 @@ def safe_dir(path: Path, base: Path, fix: str) -> Path:
         try:
             _one_dir(d, own=i > 0, fix=fix)
         except OSError as e:
-            raise PrunusError(f"{d}: cannot be written as a cache dir ({e.strerror or e}); {fix}") from None
+            raise PrunusError(f"{d}: cannot be written as a cache dir ({e.strerror or e}); fix its permissions, "
+                              f"{fix}") from None
     return path
 
 
@@ -73,10 +75,10 @@ def _one_dir(d: Path, own: bool, fix: str) -> None:
         os.mkdir(d, DIR_MODE)
         st, own = os.lstat(d), True
     why = _refusal(st)
-    if why is None and not own and st.st_mode & 0o022:
-        why = "is writable by other users"
     if why is not None:
-        raise PrunusError(f"{d}: {why}; prunus keeps a cache only in a dir of its own, {fix}")
+        raise PrunusError(f"{d}: {why}; remove it, {fix}")
+    if not own and st.st_mode & 0o022:
+        raise PrunusError(f"{d}: is writable by other users; chmod go-w it, {fix}")
     if own and stat.S_IMODE(st.st_mode) != DIR_MODE:
         os.chmod(d, DIR_MODE)
 
@@ -110,11 +112,11 @@ def locked(path: Path, fix: str):
     except OSError as e:
         what = ("is a symlink (a lock file is never created through one)" if os.path.islink(path) else
                 f"cannot be opened as a lock file ({e.strerror or e})")
-        raise PrunusError(f"{path}: {what}; {fix}") from None
+        raise PrunusError(f"{path}: {what}; remove it, {fix}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise PrunusError(f"{path}: is not a lock file of this user's; {fix}")
+            raise PrunusError(f"{path}: is not a lock file of this user's; remove it, {fix}")
         if stat.S_IMODE(st.st_mode) != FILE_MODE:
             os.fchmod(fd, FILE_MODE)
         fcntl.flock(fd, fcntl.LOCK_EX)

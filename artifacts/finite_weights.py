@@ -3,9 +3,8 @@ data) and safetensors tensors. A cache entry whose files hash as its manifest re
 NaN or an infinity (re-hashed after a change) is not served.
 
 Cheap: the bytes are read as memory maps (the OS's page cache, usually warm from the hash check just before),
-in chunks of :data:`CHUNK` words, and tested on their exponent bits (all ones: NaN or infinity) as unsigned
-integers, without a float conversion. float8 kinds are not tested (their NaN is one code and they have no
-infinity); integer codes are always finite.
+in chunks of :data:`CHUNK` values, with ``np.isfinite`` (bfloat16, which numpy lacks, on its exponent bits).
+float8 kinds are not tested (their NaN is one code and they have no infinity); integer codes are always finite.
 """
 
 from __future__ import annotations
@@ -20,21 +19,25 @@ from .contained import inside
 from .errors import PrunusError
 from .safetensors_header import read_layout
 
-CHUNK = 1 << 22  # words per test: 16 MiB of float32 at a time
-_ST_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
-            "BF16": (np.uint16, 0x7F80)}
+CHUNK = 1 << 22  # values per test: 16 MiB of float32 at a time
+_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # tested with np.isfinite
+_BITS = {"BF16": (np.uint16, 0x7F80)}  # no numpy type: NaN / infinity when the exponent bits are all ones
+_ST_KINDS = (*_FLOATS, *_BITS)
 _ONNX_KINDS = {1: "F32", 10: "F16", 11: "F64", 16: "BF16"}  # onnx.TensorProto data types
 
 
-def _finite_words(data, kind: str) -> bool:
-    """True when every ``kind`` value in ``data`` (bytes-like, or integers holding the bits) is finite."""
-    dtype, mask = _ST_BITS[kind]
-    words = np.frombuffer(data, dtype=dtype) if not isinstance(data, np.ndarray) else data.astype(dtype, copy=False)
-    mask = dtype(mask)
-    for i in range(0, words.size, CHUNK):
-        if np.any((words[i:i + CHUNK] & mask) == mask):
-            return False
-    return True
+def _finite_values(data, kind: str) -> bool:
+    """True when every ``kind`` value stored in ``data`` (bytes-like, or an array holding the values or, for a
+    16-bit kind, their bits) is finite."""
+    if kind in _BITS:
+        dtype, mask = _BITS[kind]
+        words = data.astype(dtype, copy=False) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype)
+        return not any(np.any((words[i:i + CHUNK] & dtype(mask)) == dtype(mask)) for i in range(0, words.size, CHUNK))
+    if isinstance(data, np.ndarray):
+        values = data.astype(np.uint16, copy=False).view(np.float16) if kind == "F16" else data
+    else:
+        values = np.frombuffer(data, _FLOATS[kind])
+    return all(np.isfinite(values[i:i + CHUNK]).all() for i in range(0, values.size, CHUNK))
 
 
 def _mapped(path: Path):
@@ -47,13 +50,13 @@ def _mapped(path: Path):
 def safetensors_nonfinite(path: Path) -> str | None:
     """The first float tensor of safetensors file ``path`` holding a NaN or an infinity, or None."""
     header, _, start = read_layout(path, fix="it is rebuilt")
-    floats = [(name, e) for name, e in header.items() if e["dtype"] in _ST_BITS]
+    floats = [(name, e) for name, e in header.items() if e["dtype"] in _ST_KINDS]
     if not floats:
         return None
     view = memoryview(_mapped(path))
     for name, entry in floats:
         a, b = entry["data_offsets"]
-        if not _finite_words(view[start + a:start + b], entry["dtype"]):
+        if not _finite_values(view[start + a:start + b], entry["dtype"]):
             return name
     return None
 
@@ -85,9 +88,9 @@ def _onnx_values(tensor, directory: Path, maps: dict):
         return tensor.raw_data
     kind = _ONNX_KINDS[tensor.data_type]
     if kind == "F32":
-        return np.asarray(tensor.float_data, dtype=np.float32).view(np.uint32)
+        return np.asarray(tensor.float_data, dtype=np.float32)
     if kind == "F64":
-        return np.asarray(tensor.double_data, dtype=np.float64).view(np.uint64)
+        return np.asarray(tensor.double_data, dtype=np.float64)
     return np.asarray(tensor.int32_data, dtype=np.uint32)  # float16 / bfloat16 bits in the low half
 
 
@@ -96,14 +99,16 @@ def onnx_nonfinite(path: Path) -> str | None:
     External data files are read only inside the graph's dir."""
     import onnx
 
+    data = _mapped(path)  # parsed from the map: no copy of the file read first (onnx.load reads it whole)
+    model = onnx.ModelProto()
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model.ParseFromString(memoryview(data) if data is not None else b"")
     except Exception as e:  # noqa: BLE001 - a file protobuf cannot parse
         raise PrunusError(f"{path}: not an ONNX graph ({str(e)[:80]}); it is rebuilt") from None
     maps: dict = {}
     for tensor in _tensors(model.graph):
         kind = _ONNX_KINDS.get(tensor.data_type)
-        if kind is not None and not _finite_words(_onnx_values(tensor, path.parent, maps), kind):
+        if kind is not None and not _finite_values(_onnx_values(tensor, path.parent, maps), kind):
             return tensor.name
     return None
 

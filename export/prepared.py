@@ -45,7 +45,7 @@ HASHED = ("config.json", "prunus.json", "tokenizer.json", "tokenizer_config.json
           "special_tokens_map.json", "chat_template.jinja")  # small files whose bytes name the export
 MAX_HASHED_BYTES = 64 << 20  # a larger "small" file is named by its size and time, as the weights are
 FORMAT = b"prunus-prepared-1"
-FIX = "remove it, or set PRUNUS_CACHE_DIR to a dir of your own"
+FIX = "or set PRUNUS_CACHE_DIR to a dir of your own"
 
 
 def cache_base() -> Path:

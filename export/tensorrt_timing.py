@@ -22,7 +22,7 @@ from prunus.artifacts.validate import read_json_object
 
 TIMING, RECORD = "tensorrt.timing", "timing.json"
 MAX_TIMING_BYTES = 1 << 30
-FIX = "remove it, or set XDG_CACHE_HOME to a dir of your own"
+FIX = "or set XDG_CACHE_HOME to a dir of your own"
 
 
 def timing_entry(tensorrt_version: str, device: str) -> Path:

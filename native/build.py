@@ -38,7 +38,7 @@ ISAS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, w
 ISA_ENV = "PRUNUS_NATIVE_ISA"
 LIB, RECORD = "decode.so", "build.json"
 BUILD_FORMAT = "prunus-native-build/1"
-FIX = "set XDG_CACHE_HOME to a writable dir of your own, or serve without --native"
+FIX = "or set XDG_CACHE_HOME to a dir of your own, or serve without --native"
 
 
 def cpu_supported() -> str | None:
@@ -79,7 +79,8 @@ def build_record(cc: list[str]) -> dict:
 
 def build_dir(record: dict) -> Path:
     """The build dir of ``record``: named by a hash of it."""
-    return _cache_dir() / f"prunus-decode-{hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]}"
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+    return _cache_dir() / f"prunus-decode-{key}"
 
 
 def build_problem(entry: Path, record: dict) -> str | None:
@@ -197,7 +198,7 @@ def _build(cc: list[str], record: dict, tmp: Path) -> None:
         tmp.mkdir(mode=0o700)
     except OSError as e:
         raise PrunusError(f"the native kernels are compiled into {tmp.parent}, which cannot be written "
-                          f"({e.strerror}); {FIX}") from None
+                          f"({e.strerror}); fix its permissions, {FIX}") from None
     done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(tmp / LIB), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         first = (done.stderr.strip().splitlines() or ["no output"])[0][:200]

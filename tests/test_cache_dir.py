@@ -19,7 +19,7 @@ from prunus.export import tensorrt_timing
 from prunus.native import build
 from prunus.native.build import unavailable
 
-FIX = "remove it"
+FIX = "or set THE_ENV to a dir of your own"
 
 
 def test_a_cache_dir_is_made_private_and_a_symlinked_one_refused(tmp_path):
@@ -31,7 +31,7 @@ def test_a_cache_dir_is_made_private_and_a_symlinked_one_refused(tmp_path):
     assert stat.S_IMODE(os.lstat(made).st_mode) == 0o700
     (tmp_path / "elsewhere").mkdir()
     (base / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    with pytest.raises(PrunusError, match=f"^{base / 'link'}: is a symlink .*, remove it$"):
+    with pytest.raises(PrunusError, match=f"^{base / 'link'}: is a symlink .*; remove it, {FIX}$"):
         cache_dir.safe_dir(base / "link" / "c", base, FIX)
     assert list((tmp_path / "elsewhere").iterdir()) == []
     os.chmod(base, 0o777)  # a base others may write to: refused, not narrowed behind the user's back
@@ -168,3 +168,45 @@ def test_tensorrt_timings_are_read_only_from_an_entry_that_verifies(tmp_path, mo
     tensorrt_timing.store_timings(entry, timings)  # ...and is replaced, its target untouched
     assert not entry.is_symlink() and tensorrt_timing.cached_timings(entry) == b"timings"
     assert (elsewhere / tensorrt_timing.TIMING).read_bytes() == b"planted"
+
+
+# --- finite weights (prunus.artifacts.finite_weights): what a re-hashed cache entry cannot hide ---------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_a_nan_or_infinity_is_found_in_safetensors_of_every_float_type(tmp_path, dtype):
+    import torch
+    from safetensors.torch import save_file
+
+    from prunus.artifacts.finite_weights import nonfinite_weights
+
+    good = torch.randn(3, 5).to(getattr(torch, dtype))
+    bad = good.clone()
+    bad[2, 4] = float("nan") if dtype != "float16" else float("inf")
+    save_file({"a": good, "codes": torch.arange(6, dtype=torch.uint8)}, tmp_path / "good.safetensors")
+    save_file({"a": good, "b": bad}, tmp_path / "bad.safetensors")
+    assert nonfinite_weights(tmp_path, ["good.safetensors", "notes.txt"]) is None
+    assert nonfinite_weights(tmp_path, ["good.safetensors", "bad.safetensors"]) == "bad.safetensors: b"
+
+
+@pytest.mark.parametrize("stored", ["raw", "typed field", "external data"])
+def test_a_nan_is_found_in_an_onnx_initializer_however_it_is_stored(tmp_path, stored):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from prunus.artifacts.finite_weights import nonfinite_weights
+
+    values = np.arange(2048, dtype=np.float32)
+    values[1000] = np.nan
+    if stored == "typed field":
+        weight = helper.make_tensor("w", onnx.TensorProto.FLOAT, [2048], values.tolist())
+    else:
+        weight = numpy_helper.from_array(values, "w")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2048])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2048])], [weight])
+    model = helper.make_model(graph)
+    external = {"save_as_external_data": True, "location": "g.onnx.data", "size_threshold": 0}
+    onnx.save_model(model, str(tmp_path / "g.onnx"), **(external if stored.startswith("ext") else {}))
+    assert (tmp_path / "g.onnx.data").exists() == stored.startswith("ext")
+    assert nonfinite_weights(tmp_path, ["g.onnx"]) == "g.onnx: w"
