@@ -128,9 +128,9 @@ def prepare(model_dir: Path, progress: bool = True, parent_hash: str | None = No
 
     def announce(why: str) -> None:
         if progress:
-            again = "" if why == "missing" else f"; its cached export is not used ({why[:200]})"
-            print(f"prunus: preparing {model_dir}'s genai export, once (cached in {out}){again}", file=sys.stderr,
-                  flush=True)
+            line = (f"once (cached in {out})" if why == "missing" else
+                    f"again: the one cached in {out} is not used ({why[:200]})")
+            print(f"prunus: preparing {model_dir}'s genai export, {line}", file=sys.stderr, flush=True)
 
     def build(tmp: Path) -> None:
         export_model(model_dir, tmp, format="onnx", graph="genai", progress=progress,

@@ -212,7 +212,7 @@ def test_a_planted_entry_is_prepared_again_not_served(model_dir, cache, good_ent
     assert out == entry and cached is False and exports == [entry.with_name(f".{entry.name}.tmp-{os.getpid()}")]
     assert prepared.entry_problem(entry, _parent_hash(model_dir)) is None
     err = capsys.readouterr().err
-    assert "its cached export is not used" in err and "re-create" not in err
+    assert f"export, again: the one cached in {entry} is not used (" in err and "re-create" not in err
 
 
 def test_a_symlinked_entry_is_replaced_never_followed(model_dir, cache, good_entry, exports, tmp_path):
