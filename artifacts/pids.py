@@ -1,5 +1,6 @@
 """Whether a process id still runs: for temp names of killed writers and for peers of a shared all-reduce;
-and the cleaning of temporaries named after a process that died without removing them.
+and the cleaning of temporaries named after a process that died without removing them (at the next start,
+or by the dead process's own helpers).
 
 It lives in ``artifacts/`` because atomic writes (:mod:`.atomic`) clean the temporaries of dead writers with
 :func:`pid_alive`, and ``artifacts/`` imports nothing above it; the runtime's tensor-parallel workers (temp
@@ -38,22 +39,30 @@ def pid_prefix(prefix: str) -> str:
 def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
     """Remove the entries of ``parent`` named ``{prefix}{PID}-...`` (see :func:`pid_prefix`) whose process no
     longer runs and that belong to this user (a process killed with SIGKILL cleans nothing up). Returns them."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
     try:
         names = os.listdir(parent)
     except OSError:
         return []
+    return remove_orphaned([Path(parent) / name for name in names], prefix)
+
+
+def remove_orphaned(entries, prefix: str) -> list[Path]:
+    """Remove each of ``entries`` named ``{prefix}{PID}-...`` whose process no longer runs and that belongs to this
+    user (a dir, never followed through a symlink, or a file); any other entry stays, above all one of a live
+    process. What a dead process's helpers (tensor-parallel workers) clean up for it. Returns those removed."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
     removed = []
-    for name in names:
-        m = pattern.match(name)
+    for entry in map(Path, entries):
+        m = pattern.match(entry.name)
         if not m or pid_alive(int(m.group(1))):
             continue
-        entry = Path(parent) / name
         try:
             if entry.lstat().st_uid != os.getuid():
                 continue
             if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
+                shutil.rmtree(entry, ignore_errors=True)  # past what another remover took meanwhile
+                if os.path.lexists(entry):
+                    continue
             else:
                 entry.unlink()
             removed.append(entry)

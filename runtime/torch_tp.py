@@ -10,9 +10,11 @@ samples, so rank 0 holds the only logits and the tokens every rank sees next ste
 from that one place. On a CPU host the all-reduces go through shared memory
 (:mod:`prunus.runtime.shm_all_reduce`; gloo's took milliseconds each), on GPUs through NCCL.
 
-No orphans: :meth:`TPBackend.close` stops the workers (a stop step), waits for them and
-kills any that linger; the workers themselves leave when this process dies
-(:mod:`prunus.runtime.tp_worker`).
+No orphans, no leftovers: :meth:`TPBackend.close` stops the workers (a stop step), waits for them, kills any
+that linger and removes the temp dir (socket, rendezvous file); the workers themselves leave when this process
+dies, SIGKILL included, and the first to notice removes that dir and the shared-memory file
+(:mod:`prunus.runtime.tp_worker`). Both are named after this process's pid (``prunus-tp-PID-...``), so what
+survives even that (the whole group killed at once) goes at the next start here, and never while PID runs.
 """
 
 from __future__ import annotations
@@ -42,10 +44,9 @@ from .registry import Loaded
 from .shm_all_reduce import shm_dir
 from .shm_all_reduce import supported as shm_supported
 from .tp_shard import check_tp
-from .tp_worker import OP_DECODE, OP_PREFILL, OP_STOP
+from .tp_worker import OP_DECODE, OP_PREFILL, OP_STOP, TEMP_PREFIX
 
 READY_TIMEOUT_S = 300.0
-TEMP_PREFIX = "prunus-tp-"  # socket dir and shared-memory file, prunus-tp-PID-...: the next start removes those of a dead PID
 
 
 class TPBackend(BackendBase):
@@ -72,7 +73,8 @@ class TPBackend(BackendBase):
         shm = str(shm_dir() / f"{pid_prefix(TEMP_PREFIX)}{secrets.token_hex(4)}") if shm_supported(device) else None
         self._shm = shm
         spec = json.dumps({"path": str(Path(path).resolve()), "n_slots": n_slots, "max_len": max_len,
-                           "device": device, "dtype": dtype, "shm": shm})
+                           "device": device, "dtype": dtype, "shm": shm, "owner": os.getpid(),
+                           "owned": [str(self._tmp)] + ([shm] if shm else [])})
         env = {**os.environ, "PRUNUS_TP_AUTHKEY": authkey.hex()}
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -11,9 +11,13 @@ on GPU, gloo on a CPU host with the shared-memory all-reduce of
 says ``ready``, then runs every step it receives: ``(op, rows, data)`` with ``op`` one of
 ``OP_PREFILL`` / ``OP_DECODE`` / ``OP_STOP``. Rank 0 answers with the logits (or one error line).
 
-No orphans: a worker ignores Ctrl-C (the serving process closes it), exits on ``OP_STOP``, and
-exits when the serving process dies: it waits on its connection and leaves on its end-of-file;
-on Linux the kernel also kills it with its parent (``PR_SET_PDEATHSIG``).
+No orphans, nothing left behind: a worker ignores Ctrl-C and SIGTERM while the serving process runs (that
+process stops it once its requests are done, even when a signal reached the whole process group), exits on
+``OP_STOP``, and exits when the serving process dies, however it died (SIGKILL included): the kernel tells it
+(``PR_SET_PDEATHSIG`` on Linux), a thread of its own checks its parent every :data:`WATCH_EVERY_S`, and the end of
+its connection says so too. A worker that finds the serving process gone first removes the temp dir and
+shared-memory file that process could not (``SPEC_JSON``'s ``owned``, named ``prunus-tp-PID-...`` after it,
+:func:`prunus.artifacts.pids.remove_orphaned`: never while that PID runs); the other workers are leaving too.
 """
 
 from __future__ import annotations
@@ -22,28 +26,64 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from multiprocessing.connection import Client
 
 import torch
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.pids import pid_alive, remove_orphaned
 
 OP_STOP, OP_PREFILL, OP_DECODE = 0, 1, 2  # the first item of every step the serving process sends
+TEMP_PREFIX = "prunus-tp-"  # the serving process's socket dir and shared-memory file: prunus-tp-PID-...
+WATCH_EVERY_S = 0.2  # how often a worker checks that the serving process still runs
+EXIT_WAIT_S = 2.0  # how long a worker that lost its connection waits for the serving process's exit to complete
 
 
-def _die_with_parent() -> None:
+def _owner_gone(owner: int, parent: int) -> bool:
+    """The serving process ``owner`` is gone, or going: this worker was handed to another parent (the kernel does
+    that as its parent exits), or ``owner`` no longer runs (a worker started through a wrapper: ``parent`` is
+    the wrapper)."""
+    return (parent == owner and os.getppid() != owner) or not pid_alive(owner)
+
+
+def _leave(owner: int, owned: list[str]) -> None:
+    """Exit; once ``owner``'s exit is complete (it no longer runs), remove the temp names it left first."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while pid_alive(owner) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    remove_orphaned(owned, TEMP_PREFIX)  # removes nothing of a process that still runs
+    os._exit(0)
+
+
+def _watch_owner(owner: int, owned: list[str]) -> None:
+    """Leave with the serving process (see the module docstring)."""
+    parent = os.getppid()
+
+    def gone_then_leave(*_) -> None:
+        if _owner_gone(owner, parent):
+            _leave(owner, owned)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the serving process, which closes us
+    signal.signal(signal.SIGTERM, gone_then_leave)  # so does a SIGTERM to the process group
     if sys.platform.startswith("linux"):
         try:
             import ctypes
 
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
 
+    def poll() -> None:  # also where the signal cannot run: the main thread inside a long C call
+        while True:
+            gone_then_leave()
+            time.sleep(WATCH_EVERY_S)
+    threading.Thread(target=poll, name="prunus-tp-owner", daemon=True).start()
+
 
 def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> None:
-    _die_with_parent()
+    owner, owned = spec.get("owner", os.getppid()), spec.get("owned", [])
+    _watch_owner(owner, owned)
     import torch.distributed as dist
 
     from prunus.models import load_model
@@ -82,7 +122,7 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
         try:
             op, rows, data = conn.recv()  # every rank gets the same step from the serving process
         except (EOFError, OSError):
-            os._exit(0)  # the serving process is gone
+            _leave(owner, owned)  # the serving process is gone, or going
         if op == OP_STOP:
             break
         try:
@@ -91,7 +131,10 @@ def worker_main(address: str, rank: int, world: int, store: str, spec: dict) -> 
         except PrunusError as e:  # raised the same way on every rank, before any collective
             reply = ("error", str(e))
         if rank == 0:
-            conn.send(reply)
+            try:
+                conn.send(reply)
+            except OSError:  # the serving process is gone, or going
+                _leave(owner, owned)
     if all_reduce is not None:
         all_reduce.close()
     dist.destroy_process_group()
