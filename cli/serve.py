@@ -7,6 +7,8 @@ import signal
 
 import click
 
+from prunus.serve.shutdown import SHUTDOWN_GRACE_S
+
 from .options import access_options, backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, \
     prepare_option, prompt_graph_option, resolve_device, serving_feature_options
 
@@ -61,13 +63,17 @@ def _device_map(value: str | None):
 @click.option("--lora", "lora", multiple=True, metavar="NAME=ADAPTER_DIR",
               help="Serve a PEFT LoRA adapter dir over the base under NAME (repeat for more; a request's 'model' picks "
                    "one; torch backend in one process).")
+@click.option("--shutdown-grace", type=click.FloatRange(min=0, max=3600), default=SHUTDOWN_GRACE_S, show_default=True,
+              metavar="SECONDS",
+              help="On SIGTERM or Ctrl-C: new requests get 503 at once, those in progress have this long to finish; "
+                   "then streams still open end with an error event and [DONE], other answers with 503.")
 @serving_feature_options
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
             max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, served_model_names,
-            prefix_cache_mb, draft, draft_tokens, lora=(), **access):
+            shutdown_grace, prefix_cache_mb, draft, draft_tokens, lora=(), **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
-    (FastAPI on uvicorn) until Ctrl-C;
+    (FastAPI on uvicorn) until Ctrl-C or SIGTERM (a drain of --shutdown-grace seconds);
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
     import os
     import sys
@@ -79,8 +85,9 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
 
     access = ServeAccess.from_options(**access)  # a bad key or list fails before the model loads
     adapters = _lora(lora)
-    # SIGTERM ends the server like Ctrl-C: the engine closes and its workers with it (the caller's handler is
-    # put back after, for a caller that runs this command in its own process)
+    # SIGTERM while the model loads ends the command like Ctrl-C: the engine closes and its workers with it (the
+    # caller's handler is put back after, for a caller that runs this command in its own process); once serving,
+    # the server drains on either (prunus.serve.shutdown)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
@@ -89,7 +96,7 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
                features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens,
                          **({"lora": adapters} if adapters else {})},
-               kv_dtype=kv_dtype, prepare=prepare)
+               kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -102,7 +109,7 @@ def _prepare_step():
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=None, access=None, predict=None, served_model_names=None,
-           kv_dtype="f32", features=None, prepare=False):
+           kv_dtype="f32", features=None, prepare=False, shutdown_grace=SHUTDOWN_GRACE_S):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
@@ -114,7 +121,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
                      kv_dtype=kv_dtype, prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
-                                                              served_model_names=served_model_names or None)
+                                                              served_model_names=served_model_names or None,
+                                                              shutdown_grace=shutdown_grace)
         info = engine.info
         if access is None or access.api_key is None:
             if not _loopback(server.server_address[0]):
@@ -129,8 +137,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
         click.echo(f"prunus serve: {info['path']} on {_runtime_words(info)} ({what}{how}) listening on {server.url}",
                    err=True)
         try:
-            server.serve_forever(poll_interval=0.2)  # uvicorn: SIGINT / SIGTERM end it after the answers in progress
-        except KeyboardInterrupt:
+            server.serve_forever(poll_interval=0.2)  # SIGINT / SIGTERM drain it, and it says so in one line
+        except KeyboardInterrupt:  # before the server took the signals over
             click.echo("prunus serve: shutting down", err=True)
         finally:
             server.server_close()

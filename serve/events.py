@@ -3,7 +3,9 @@
 
 Every reader of ``request.events`` goes through here: :meth:`prunus.serve.engine.Engine.generate` / ``stream``
 in threads, and the HTTP server's completions and chat completions on its event loop (:func:`async_events`:
-woken by the scheduler's thread, each wake taking every event that is ready at once).
+woken by the scheduler's thread, each wake taking every event that is ready at once). A server's shutdown
+ends a request its grace could not wait for with :func:`interrupt`, and finds the requests an HTTP request reads
+through :data:`watcher` (:mod:`prunus.serve.shutdown`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,25 @@ import asyncio
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
 
 from .request import GenerationResult, Request, StreamToken
 
 Event = StreamToken | GenerationResult | BaseException
+
+# Who watches the requests an asyncio task reads (its ``add(request)`` / ``discard(request)``): set by the server
+# for each HTTP request (prunus.serve.shutdown.Flight), inherited by the tasks it starts; None elsewhere.
+watcher: ContextVar = ContextVar("prunus_request_watcher", default=None)
+
+
+def interrupt(request: Request, error: BaseException) -> None:
+    """End ``request`` for its reader with ``error``, its last event (after those already put: a result put first
+    still ends it as it was); the scheduler frees its row at its next step, as for a client that left."""
+    request.cancelled.set()
+    request.events.put(error)
+    notify = request.notify
+    if notify is not None:
+        notify()
 
 
 def events(request: Request, check_every_s: float | None = None,
@@ -89,6 +106,9 @@ async def async_events(request: Request) -> AsyncIterator[Event]:
     reaches the loop in one hop, with no thread of a pool waiting in between."""
     ready = asyncio.Event()
     _wake_on_put(request, asyncio.get_running_loop(), ready)
+    watching = watcher.get()
+    if watching is not None:
+        watching.add(request)
     try:
         while True:
             ready.clear()  # before draining: an event put after the drain sets it again
@@ -101,3 +121,5 @@ async def async_events(request: Request) -> AsyncIterator[Event]:
                 await ready.wait()
     finally:
         request.notify = None
+        if watching is not None:
+            watching.discard(request)

@@ -5,6 +5,10 @@
     server.serve_forever()          # until Ctrl-C / SIGTERM, or server.shutdown() from another thread
     server.server_close()
 
+Ctrl-C / SIGTERM / ``shutdown()`` drain the server (:mod:`prunus.serve.shutdown`): new requests get 503 at once,
+those in progress have ``shutdown_grace`` seconds to finish, the rest are cut (a stream with an error event and
+``[DONE]``, a whole answer with 503), and one line says how many finished and were cut.
+
 The socket is bound when the server is made (``server_address`` and ``url`` are known at once; port 0 picks a
 free one) with a listen backlog of ``max_connections`` (default: twice the queue plus the batch, at least 64).
 The guards: the connection cap (429), the header deadline (408) and malformed HTTP (JSON 400 / 431) per
@@ -30,11 +34,11 @@ from .http_access import ServeAccess
 from .http_connection import ConnectionLimits, guarded_protocol
 from .metrics import CONTENT_TYPE, Metrics
 from .sampling_defaults import sampling_defaults
+from .shutdown import CUT_WAIT_S, SHUTDOWN_GRACE_S, Drain, install, log
 
 HEADER_TIMEOUT_S = 10.0  # request line + headers (and an idle kept-alive connection)
 BODY_TIMEOUT_S = 30.0  # the body, once the headers are in
 WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of a full write buffer
-SHUTDOWN_GRACE_S = 2.0  # answers in progress when the server stops
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -53,15 +57,35 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose SIGINT / SIGTERM begin the drain (a second one cuts at once) and whose loop stops once
+    the drain is over; the signal is handled here, not raised again after the server stops."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig, frame) -> None:
+        self.drain.request()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.step():
+            return True
+        return await super().on_tick(counter)
+
+
 class CompletionServer:
     """The OpenAI-compatible endpoint over a generative Engine (see the module docstring). ``served_model_names``:
-    the names clients may give as ``model`` (default: the served dir's name)."""
+    the names clients may give as ``model`` (default: the served dir's name). ``shutdown_grace``: seconds the
+    requests in progress have to finish once the server is asked to stop."""
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, max_connections: int | None = None,
                  header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
                  write_timeout: float = WRITE_TIMEOUT_S, access: ServeAccess | None = None,
-                 served_model_names: list[str] | tuple[str, ...] | None = None):
+                 served_model_names: list[str] | tuple[str, ...] | None = None,
+                 shutdown_grace: float = SHUTDOWN_GRACE_S):
         self.engine = engine
+        self.drain = Drain(shutdown_grace)
         self.access = access or ServeAccess()
         self.metrics, self.metrics_type = Metrics(engine.scheduler), CONTENT_TYPE
         default_name = Path(engine.info.get("path", "prunus")).name or "prunus"
@@ -77,11 +101,13 @@ class CompletionServer:
         self.server_address = self.socket.getsockname()[:2]
         self.pool = ThreadPoolExecutor(min(512, 2 * self.max_connections + 16), thread_name_prefix="prunus-http")
         limits = ConnectionLimits(self.max_connections, header_timeout, write_timeout, self.metrics.observe)
-        config = uvicorn.Config(self.build_app(), http=guarded_protocol(limits), ws="none", lifespan="off",
+        app = self.build_app()
+        install(app, self.drain, self.error_body)
+        config = uvicorn.Config(app, http=guarded_protocol(limits), ws="none", lifespan="off",
                                 loop="asyncio", log_config=None, log_level="error", access_log=False,
                                 timeout_keep_alive=max(int(header_timeout), 1), backlog=self.max_connections,
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, server_header=False)
-        self._uvicorn = uvicorn.Server(config)
+                                timeout_graceful_shutdown=CUT_WAIT_S, server_header=False)
+        self._uvicorn = DrainingServer(config, self.drain)
         self._stopped = threading.Event()
         self._stopped.set()  # not serving yet
 
@@ -103,15 +129,19 @@ class CompletionServer:
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Serve until :meth:`shutdown` (another thread), Ctrl-C or SIGTERM (in the main thread)."""
+        """Serve until :meth:`shutdown` (another thread), Ctrl-C or SIGTERM (in the main thread), then say in one
+        line how the requests in progress ended."""
         self._stopped.clear()
         try:
             self._uvicorn.run(sockets=[self.socket])
+            if self.drain.draining:
+                log(self.drain.summary())
         finally:
             self._stopped.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self._uvicorn.should_exit = True
+        """Drain and stop the server (see the module docstring); wait up to ``timeout`` seconds for it."""
+        self.drain.request()
         self._stopped.wait(timeout)
 
     def server_close(self) -> None:

@@ -257,8 +257,9 @@ async def sse_stream(server, requests: list[Request], base: dict, scope, *, head
         if usage_chunk is not None:
             yield usage_chunk(sum(made))
         finished = True
-    except (PrunusError, RuntimeError) as e:  # the engine failed mid-stream: the client learns it
-        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None, "code": None}})
+    except (PrunusError, RuntimeError) as e:  # an engine failure or a shutdown mid-stream: sent
+        yield sse({**base, "error": {"message": str(e)[:300], "type": "server_error", "param": None,
+                                   "code": getattr(e, "code", None)}})
         finished = True
     finally:
         for r in requests:
