@@ -111,3 +111,20 @@ def test_structured_output_and_embeddings_through_the_client(served):
     want = engine.embed(["Hello there", "What is 2 + 2?"])
     got = torch.tensor([v.embedding for v in vectors.data])
     assert torch.allclose(got, want, atol=1e-5) and vectors.usage.prompt_tokens > 0
+
+
+def test_the_clients_default_fields_are_taken_and_what_they_cannot_get_is_a_typed_400(served):
+    """What OpenAI's client sends for stored completions, tiers and caching is taken where it asks for nothing
+    prunus cannot do; out of range or unsupported values come back as BadRequestError naming the field."""
+    _, client = served
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, store=False,
+                                            metadata={"team": "search"}, service_tier="auto", user="u-1",
+                                            safety_identifier="h-1", prompt_cache_key="k", modalities=["text"])
+    assert answer.choices[0].message.content == client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0).choices[0].message.content
+    for fields, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                          ({"temperature": 3}, "temperature"), ({"logit_bias": {"²": 1}}, "logit_bias"),
+                          ({"messages": [{"role": "wizard", "content": "x"}]}, "messages")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": "tiny", "messages": MESSAGES, "max_tokens": 1, **fields})
+        assert e.value.param == param and "\n" not in e.value.message, (fields, e.value.message)
