@@ -10,13 +10,16 @@
 
 The completions server's guards (:mod:`prunus.serve.http_server`) hold: the door (API key, Host, Origin),
 deadlines, size limits, the connection cap, a full queue → 429. Errors are the protocol's
-``{"error": "one line"}``: a malformed tensor 400 naming it, an unknown model or route 404.
+``{"error": "one line"}``: a malformed tensor, or a value its datatype does not hold, 400 naming it; an unknown
+model or route 404; an output holding NaN or infinity (which JSON cannot carry) 500 naming it; any other failure
+of the server 500, one line to the client and the traceback to stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +30,7 @@ from prunus.artifacts.errors import PrunusError
 from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest, parse_json_body
 from .http_server import CompletionServer
-from .oip_tensors import parse_infer
+from .oip_tensors import output_tensor, parse_infer
 from .scheduler import QueueFull
 
 ROUTES = "GET /v2/health/live, /v2/health/ready, /v2/models/{name}[/ready], /metrics or POST /v2/models/{name}/infer"
@@ -61,6 +64,11 @@ def _install_errors(app: FastAPI) -> None:
         if exc.status_code == 405:
             return _error(405, f"method {request.method} is not allowed; use {ROUTES}", {"Allow": "GET, POST"})
         return _error(exc.status_code, f"no route {where}; use {ROUTES}")
+
+    @app.exception_handler(Exception)
+    async def ours(request: Request, exc: Exception):
+        traceback.print_exception(exc)
+        return _error(500, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
 
 
 def build_oip_app(server: "OIPServer") -> FastAPI:
@@ -135,10 +143,8 @@ async def _infer(server: "OIPServer", name: str, body: bytes, receive) -> dict:
         out = result.result()
     finally:
         gone.cancel()
-    spec = engine.backend.outputs[0]
     return {"model_name": name, **({"id": request_id} if request_id is not None else {}),
-            "outputs": [{"name": spec.name, "datatype": spec.datatype, "shape": list(out.shape),
-                         "data": out.reshape(-1).tolist()}]}
+            "outputs": [output_tensor(out, engine.backend.outputs[0])]}
 
 
 class OIPServer(CompletionServer):

@@ -3,8 +3,14 @@
 ``{"id"?, "parameters"?, "inputs": [{"name", "shape", "datatype", "data", "parameters"?}], "outputs"?: [...]}``:
 each input must name one of the model's inputs, once; its ``datatype`` must be the model's, its ``shape`` the
 model's with one or more rows, and ``data`` (flat in row-major order, or nested) must hold exactly as many
-elements of that type as the shape says. Anything else is a :class:`~prunus.serve.http_guard.BadRequest` (400)
-whose one line names the tensor.
+elements of that type as the shape says, each one the datatype holds: an integer within its range, a finite number
+that stays finite in FP16 / FP32 / FP64 (``1e39`` is no FP32 value: the cast would make it infinity; NaN and
+infinity are refused for every datatype). Anything else is a :class:`~prunus.serve.http_guard.BadRequest` (400)
+whose one line names the tensor and the element.
+
+:func:`output_tensor` writes a model's output as the protocol's JSON tensor; an output holding NaN or infinity, which
+JSON numbers cannot carry, is a one-line BadRequest(500) naming the output: the inputs were finite and representable,
+so it is the model's overflow, not the client's mistake.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 
 import numpy as np
 
+from prunus.artifacts.finite_arrays import describe, first_nonfinite
 from prunus.runtime.tensor_spec import TensorSpec
 
 from .http_guard import BadRequest
@@ -37,20 +44,34 @@ def _flat(data, where: str) -> list:
     return out
 
 
+def _is_value(v, spec: TensorSpec) -> bool:
+    if spec.datatype == "BOOL":
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    if spec.datatype.startswith(("INT", "UINT")):
+        return isinstance(v, int)
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
+
+
 def _values(flat: list, spec: TensorSpec, where: str) -> np.ndarray:
-    boolean = spec.datatype == "BOOL"
-    integer = spec.datatype.startswith(("INT", "UINT"))
-    for v in flat:
-        ok = isinstance(v, bool) if boolean else (isinstance(v, int) and not isinstance(v, bool)) if integer else (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-        if not ok:
-            raise BadRequest(400, f"{where}: element {str(v)[:40]!r} is not a {spec.datatype} value")
-    if integer and flat:
+    for i, v in enumerate(flat):
+        if not _is_value(v, spec):
+            shown = str(v)[:40] if isinstance(v, (int, float, str)) else type(v).__name__
+            finite = "finite " if isinstance(v, float) and not math.isfinite(v) else ""
+            raise BadRequest(400, f"{where}: element {i} {shown!r} is not a {finite}{spec.datatype} value")
+    if spec.datatype.startswith(("INT", "UINT")) and flat:
         info = np.iinfo(spec.dtype)
         if not info.min <= min(flat) <= max(flat) <= info.max:
             raise BadRequest(400, f"{where}: an element lies outside {spec.datatype}'s range [{info.min}, {info.max}]")
-    with np.errstate(over="ignore"):  # a float beyond FP16 / FP32 is infinity, as a cast would make it
-        return np.array(flat, dtype=spec.dtype)
+    with np.errstate(over="ignore"):  # a number beyond FP16 / FP32 becomes infinity in the cast: found below
+        array = np.array(flat, dtype=spec.dtype)
+    i = first_nonfinite(array)
+    if i is not None:
+        limit = float(np.finfo(spec.dtype).max)
+        raise BadRequest(400, f"{where}: element {i} ({str(flat[i])[:40]}) lies outside {spec.datatype}'s range "
+                              f"[{-limit:.6g}, {limit:.6g}]; send values the datatype holds")
+    return array
 
 
 def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
@@ -120,3 +141,13 @@ def _check_unused(req: dict, inputs: list, outputs: list[str]) -> None:
                                   f"{', '.join(outputs)}")
         if set(o) - {"name"}:
             raise BadRequest(400, f"output tensor {o['name'][:80]!r}: only 'name' is supported")
+
+
+def output_tensor(out: np.ndarray, spec: TensorSpec) -> dict:
+    """The protocol's JSON tensor of output ``spec`` holding ``out``; a NaN or an infinity in it is BadRequest(500)."""
+    i = first_nonfinite(out)
+    if i is not None:
+        raise BadRequest(500, f"output tensor {spec.name[:80]!r}: the model produced {describe(out.reshape(-1)[i])} at "
+                              f"element {i} of {out.size} from finite inputs (an overflow in the model), which JSON "
+                              "cannot carry; check the model's weights and the range of inputs it was trained on")
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(out.shape), "data": out.reshape(-1).tolist()}

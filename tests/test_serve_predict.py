@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import random
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -38,6 +41,21 @@ class Tiny(nn.Module):
 
 def tiny(d_in=6, out=3):
     return Tiny(d_in, out)
+
+
+class Exploding(nn.Module):
+    """exp of the square of a linear layer: infinity in float32 for inputs of a few hundred."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return torch.exp(self.fc(x) ** 2)
+
+
+def exploding():
+    return Exploding()
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +193,182 @@ def test_oip_bad_tensors_are_one_line_and_the_server_keeps_serving(oip, change, 
     got, answer = _call(server, "POST", path, _infer_body(x, **(change or {})))
     assert got == status and needle in answer["error"] and "\n" not in answer["error"]
     assert _call(server, "POST", f"/v2/models/{server.model_name}/infer", _infer_body(x))[0] == 200
+
+
+def _raw_call(server, path: str, text: str) -> tuple[int, dict | str]:
+    """POST ``text`` as it is (a JSON number such as 1e400 that json.dumps would not write)."""
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    conn.request("POST", path, text.encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, (json.loads(raw) if resp.getheader("Content-Type", "").startswith("application/json") else raw)
+
+
+def _body_text(elements: list[str], datatype: str = "FP32", shape=(2, 6)) -> str:
+    return (f'{{"inputs": [{{"name": "input", "shape": {list(shape)}, "datatype": "{datatype}", '
+            f'"data": [{", ".join(elements)}]}}]}}')
+
+
+@pytest.mark.parametrize("element, needle", [
+    ("1e39", "input tensor 'input': element 3 (1e+39) lies outside FP32's range [-3.40282e+38, 3.40282e+38]"),
+    ("-3.5e38", "input tensor 'input': element 3 (-3.5e+38) lies outside FP32's range"),
+    ("1e400", "input tensor 'input': element 3 'inf' is not a finite FP32 value"),
+    ("-1e400", "element 3 '-inf' is not a finite FP32 value"),
+    ("NaN", "the request body is not valid JSON (NaN is not a JSON number)"),
+    ("Infinity", "the request body is not valid JSON (Infinity is not a JSON number)"),
+    ("true", "element 3 'True' is not a FP32 value"),
+    ("null", "element 3 'NoneType' is not a FP32 value"),
+])
+def test_oip_a_value_the_datatype_cannot_hold_is_400_naming_the_tensor(oip, element, needle):
+    """1e39 is no FP32 value (the cast would make it infinity): 400 before the model runs, as NaN and infinity."""
+    server, engine = oip
+    passes = engine.scheduler.passes
+    elements = ["0.5"] * 12
+    elements[3] = element
+    status, answer = _raw_call(server, f"/v2/models/{server.model_name}/infer", _body_text(elements))
+    assert status == 400 and needle in answer["error"] and "\n" not in answer["error"], answer
+    assert engine.scheduler.passes == passes  # refused before any pass
+    status, _ = _raw_call(server, f"/v2/models/{server.model_name}/infer", _body_text(["3.4e38"] + ["0.5"] * 11))
+    assert status == 200  # the largest FP32 values are values
+
+
+def test_oip_an_output_overflowing_on_finite_input_is_a_json_500_naming_it(tmp_path):
+    """A model that overflows on a client's finite, representable input: one JSON line naming the output (the
+    server's problem, 500), never a plain-text 500 from the JSON encoder; the server keeps serving."""
+    from prunus.serve.oip_server import OIPServer
+
+    torch.manual_seed(0)
+    save_module(build_module("test_serve_predict:exploding", {}), tmp_path / "m", stage="test", task="regression",
+                input={"shape": [6], "dtype": "float32"})
+    with Engine.load(tmp_path / "m", trust_factory=True, max_batch=4, max_delay_ms=1, threads=1) as engine:
+        server = OIPServer(engine, "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            path = f"/v2/models/{server.model_name}/infer"
+            status, answer = _call(server, "POST", path, _infer_body(np.full((2, 6), 300.0, np.float32)))
+            assert status == 500 and "\n" not in answer["error"], answer
+            assert re.fullmatch(r"output tensor 'output': the model produced inf at element \d+ of 6 from finite "
+                                r"inputs \(an overflow in the model\), which JSON cannot carry; .*", answer["error"])
+            status, answer = _call(server, "POST", path, _infer_body(np.full((1, 6), 0.01, np.float32)))
+            assert status == 200 and np.isfinite(answer["outputs"][0]["data"]).all()
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+# --- fuzz: the Open Inference Protocol tensor reader ----------------------------------------------------------------
+
+# JSON numbers and values at and past every datatype's edges, and the JSON specials
+SPECIALS = ["NaN", "Infinity", "-Infinity", "1e39", "-1e39", "1e400", "-1e400", "1e-400", "-0.0", "3.4028235e38",
+            "3.4028236e38", "3.5e38", "65504", "65520", "70000", "-65536", "1.7976931348623157e308", "0", "1", "-1",
+            "127", "128", "-128", "-129", "255", "256", "32767", "32768", "2147483647", "2147483648",
+            "9223372036854775807", "9223372036854775808", "18446744073709551615", "18446744073709551616",
+            "-9223372036854775808", "-9223372036854775809", "true", "false", "null", '"7"', "0.5", "1.5", "-2.25"]
+
+
+def _holds(datatype: str, text: str) -> bool:
+    """The oracle: whether JSON ``text`` is one value of ``datatype`` (an integer within its range, a number that
+    stays finite when cast, a boolean; JSON's NaN / Infinity refused, integers beyond 64 bits refused)."""
+    from prunus.runtime.tensor_spec import DATATYPES
+
+    try:
+        v = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except ValueError:
+        return False
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1 << 64:
+        return False
+    if datatype == "BOOL":
+        return isinstance(v, bool)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    dtype = np.dtype(DATATYPES[datatype])
+    if dtype.kind in "iu":
+        return isinstance(v, int) and np.iinfo(dtype).min <= v <= np.iinfo(dtype).max
+    with np.errstate(over="ignore"):
+        return math.isfinite(v) and bool(np.isfinite(np.array(v, dtype)))
+
+
+def _random_tensor(rng: random.Random, datatype: str) -> tuple[list[str], bool]:
+    """(JSON texts of elements, whether all are values of ``datatype``) for 1-12 elements."""
+    n = rng.randint(1, 12)
+    texts = []
+    for _ in range(n):
+        if rng.random() < 0.3:
+            texts.append(rng.choice(SPECIALS))
+        elif datatype == "BOOL":
+            texts.append(rng.choice(["true", "false"]))
+        elif datatype.startswith(("INT", "UINT")):
+            texts.append(str(rng.randint(-200, 200)))
+        else:
+            texts.append(repr(rng.uniform(-1e3, 1e3)))
+    return texts, all(_holds(datatype, t) for t in texts)
+
+
+def test_fuzz_the_oip_tensor_reader():
+    """Seeded, time-bounded: random datatypes, shapes and elements (JSON specials, every datatype's edges), with
+    random structural damage (shape, datatype, name, count, nesting). A request is accepted exactly when every
+    element is a value of the model's datatype and the structure fits, and then its array has the model's dtype
+    and the request's shape, every float finite; anything else is one 400 line. Never another exception."""
+    from prunus.runtime.tensor_spec import DATATYPES, TensorSpec
+    from prunus.serve.http_guard import BadRequest, parse_json_body
+    from prunus.serve.oip_tensors import parse_infer
+
+    rng, deadline, seen = random.Random(4242), time.monotonic() + 3.0, {"accepted": 0, "refused": 0}
+    for case in range(20000):
+        if time.monotonic() > deadline:
+            break
+        datatype = rng.choice(list(DATATYPES))
+        texts, values = _random_tensor(rng, datatype)
+        spec = TensorSpec("input", datatype, (len(texts),))
+        shape, sent_type, name, data = [1, len(texts)], datatype, "input", f"[{', '.join(texts)}]"
+        damage = rng.randrange(8)
+        if damage == 0:
+            shape = rng.choice([[1], [2, len(texts)], [0, len(texts)], [1, len(texts) + 1], [-1, len(texts)], []])
+        elif damage == 1:
+            sent_type = rng.choice([*DATATYPES, "fp32", "BYTES", 7])
+        elif damage == 2:
+            name = rng.choice(["x", "", 7])
+        elif damage == 3:
+            data = rng.choice([f"[[{', '.join(texts)}]]", f"[{', '.join(texts[1:])}]", "3", "null", '"abc"', "{}"])
+        structure_ok = damage >= 4 or (damage == 1 and sent_type == datatype) or (damage == 3 and data.startswith("[["))
+        text = (f'{{"inputs": [{{"name": {json.dumps(name)}, "shape": {json.dumps(shape)}, '
+                f'"datatype": {json.dumps(sent_type)}, "data": {data}}}]}}')
+        try:
+            tensors, _ = parse_infer(parse_json_body(text.encode()), [spec], ["output"])
+        except BadRequest as e:
+            assert e.status == 400 and "\n" not in str(e) and not (structure_ok and values), (text, str(e))
+            seen["refused"] += 1
+            continue
+        a = tensors["input"]
+        assert structure_ok and values, text
+        assert a.dtype == spec.dtype and list(a.shape) == shape, text
+        assert a.dtype.kind != "f" or np.isfinite(a).all(), text
+        seen["accepted"] += 1
+    assert seen["accepted"] > 50 and seen["refused"] > 50, seen
+
+
+def test_fuzz_oip_requests_are_answered_200_or_400_in_json(oip):
+    """Seeded, time-bounded: random FP32 bodies (moderate values and the specials and edges above, broken
+    structure) through the running server: 200 with finite outputs, or one JSON 400 line; never a 500."""
+    server, _ = oip
+    rng, deadline, statuses = random.Random(99), time.monotonic() + 3.0, set()
+    path = f"/v2/models/{server.model_name}/infer"
+    huge_but_fp32 = {"3.4028235e38", "3.5e38", "1.7976931348623157e308", "3.4028236e38"}  # may overflow the model
+    for _ in range(60):
+        if time.monotonic() > deadline:
+            break
+        elements = [rng.choice([t for t in SPECIALS if t not in huge_but_fp32]) if rng.random() < 0.2 else
+                    repr(rng.uniform(-1e6, 1e6)) for _ in range(12)]
+        shape = (2, 6) if rng.random() < 0.8 else rng.choice([(3, 4), (2, 5), (12,)])
+        status, answer = _raw_call(server, path, _body_text(elements, shape=shape))
+        assert isinstance(answer, dict) and status in (200, 400), (status, answer)
+        if status == 200:
+            assert np.isfinite(answer["outputs"][0]["data"]).all()
+        else:
+            assert "\n" not in answer["error"]
+        statuses.add(status)
+    assert statuses == {200, 400}
 
 
 def test_oip_request_fields_are_honoured_or_refused(oip):
