@@ -109,7 +109,7 @@ def entry_problem(out: Path, parent_hash: str) -> str | None:
         bad = nonfinite_weights(out, manifest["files"])
     except PrunusError as e:
         return str(e).split("; ")[0]  # what is wrong, without the fix the export's reader would suggest
-    return None if bad is None else f"{bad} holds NaN or infinity"
+    return bad
 
 
 def prepare(model_dir: Path, progress: bool = True, parent_hash: str | None = None) -> tuple[Path, bool]:

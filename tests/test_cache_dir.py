@@ -172,7 +172,7 @@ def test_tensorrt_timings_are_read_only_from_an_entry_that_verifies(tmp_path, mo
 
 # --- finite weights (prunus.artifacts.finite_weights): what a re-hashed cache entry cannot hide ---------------------
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "float8_e4m3fn"])
 def test_a_nan_or_infinity_is_found_in_safetensors_of_every_float_type(tmp_path, dtype):
     import torch
     from safetensors.torch import save_file
@@ -181,11 +181,12 @@ def test_a_nan_or_infinity_is_found_in_safetensors_of_every_float_type(tmp_path,
 
     good = torch.randn(3, 5).to(getattr(torch, dtype))
     bad = good.clone()
-    bad[2, 4] = float("nan") if dtype != "float16" else float("inf")
+    bad[2, 4] = float("inf") if dtype == "float16" else float("nan")
     save_file({"a": good, "codes": torch.arange(6, dtype=torch.uint8)}, tmp_path / "good.safetensors")
     save_file({"a": good, "b": bad}, tmp_path / "bad.safetensors")
     assert nonfinite_weights(tmp_path, ["good.safetensors", "notes.txt"]) is None
-    assert nonfinite_weights(tmp_path, ["good.safetensors", "bad.safetensors"]) == "bad.safetensors: b"
+    found = nonfinite_weights(tmp_path, ["good.safetensors", "bad.safetensors"])
+    assert found == "bad.safetensors: b holds NaN or infinity"
 
 
 @pytest.mark.parametrize("stored", ["raw", "typed field", "external data"])
@@ -209,4 +210,4 @@ def test_a_nan_is_found_in_an_onnx_initializer_however_it_is_stored(tmp_path, st
     external = {"save_as_external_data": True, "location": "g.onnx.data", "size_threshold": 0}
     onnx.save_model(model, str(tmp_path / "g.onnx"), **(external if stored.startswith("ext") else {}))
     assert (tmp_path / "g.onnx.data").exists() == stored.startswith("ext")
-    assert nonfinite_weights(tmp_path, ["g.onnx"]) == "g.onnx: w"
+    assert nonfinite_weights(tmp_path, ["g.onnx"]) == "g.onnx: initializer 'w' holds nan at element 1000 of 2048"
