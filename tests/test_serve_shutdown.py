@@ -123,6 +123,22 @@ def test_a_grace_out_of_range_is_one_line():
             Drain(grace)
 
 
+def test_a_second_signal_cuts_at_once():
+    from prunus.serve.shutdown import Drain, Flight
+
+    drain, flight = Drain(60), Flight()
+    drain.flights.add(flight)
+    assert not drain.step() and not drain.refusing
+    drain.request()  # SIGTERM
+    assert not drain.step() and drain.refusing and drain.draining and not flight.cut_off  # the grace runs
+    drain.request()  # a second one
+    assert not drain.step() and flight.cut_off
+    drain.landed(flight)
+    assert drain.step()
+    assert drain.summary() == ("prunus serve: shut down: of 1 request in progress, 0 finished and 1 was cut at a "
+                               "second signal")
+
+
 RELEASE = threading.Event()
 
 
