@@ -479,7 +479,8 @@ def test_a_hostile_template_is_400_and_the_server_keeps_serving(hostile_model, m
                                               "max_tokens": 1})
                 assert status == 400 and r["error"]["type"] == "invalid_request_error", (asked, r)
                 assert words in r["error"]["message"] and time.monotonic() - t0 < 8, (asked, r)
-            status, r = chat(server.url, {"model": "hostile", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            status, r = chat(server.url, {"model": "hostile", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 2})
             assert status == 200 and r["choices"][0]["finish_reason"] in ("length", "stop")
         finally:
             server.shutdown()

@@ -94,7 +94,8 @@ def test_models_and_aliases(server):
     ("/v1/completions", {"prompt": "x", "bogus": 1}, "bogus"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}, "stream": True},
      "stream_options.extra"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_grammar": "x"}, "guided_grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_grammar": "x"},
+     "guided_grammar"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object", "extra": 1}}, "response_format.extra"),
 ])
