@@ -21,7 +21,9 @@ group's own min and max. ``group_size`` None takes, per layer, the largest of 12
 features; a given group size that does not divide a layer's width is refused naming the
 layer. ``int8`` lists modules or blocks (``layers.0``, ``layers.-1``, globs) that get
 int8 weight-only per-channel weights instead: mixed precision, recorded per module in
-config.json and listed in the report's notes.
+config.json and listed in the report's notes. ``exclude`` (modules left in float) defaults to the
+output head unless ``int8`` names it: ``int8: [output]`` alone puts the head at int8. A module
+named both in ``int8`` and in a given ``exclude`` is refused, not settled silently.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from prunus.models.quantized_int4 import Int4Linear
 
 from .int4_clip import CLIPS, grid_params
 from .options import INT4_ALGORITHMS as ALGORITHMS
+from .select import DEFAULT_EXCLUDE, check_named, exclude_list, float_linears, given_exclude, is_excluded, resolve_blocks
 
 CALIBRATED = ("gptq", "awq", "awq-gptq")
 
@@ -66,14 +69,25 @@ def check_args(model, algorithm: str, symmetric, act_order, damp, float_zero=Fal
 
 
 def choose_modules(model, exclude, int8) -> tuple[list[str], list[str], list[str]]:
-    """(int4 names, int8 names, names left in float)."""
-    from .quantize import linear_names
-
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude or ())
-    int8 = [int8] if isinstance(int8, str) else list(int8 or ())
-    chosen, skipped = linear_names(model, exclude)
-    int4_names = linear_names(model, exclude + int8)[0] if int8 else list(chosen)
-    int8_names = [n for n in chosen if n not in set(int4_names)]
+    """(int4 names, int8 names, names left in float). ``exclude`` None: :data:`DEFAULT_EXCLUDE` but what
+    ``int8`` names (``int8: [output]`` quantizes the head to int8 without ``exclude: []``); a module both in
+    ``int8`` and in a given ``exclude`` is refused, and so is a pattern that names no module."""
+    int8 = exclude_list(int8)
+    patterns = resolve_blocks(model, int8, "quantize")
+    linears = float_linears(model, (), "quantize")[0]
+    check_named(linears, int8, patterns, "int8", "quantize", what="float Linear module")
+    eight = [n for n in linears if is_excluded(n, patterns)]
+    if exclude is None:  # the default, but what int8 names
+        exclude = [p for p in DEFAULT_EXCLUDE if not any(is_excluded(n, [p]) for n in eight)]
+    else:
+        exclude = given_exclude(model, exclude, "quantize")
+    chosen, skipped = float_linears(model, exclude, "quantize")
+    both = [n for n in eight if n not in chosen]
+    if both:
+        raise PrunusError(f"quantize: {', '.join(_compact(both))} in both int8={int8} and exclude={exclude}; "
+                          "keep each module in one list (int8: quantized to int8, exclude: left in float)")
+    int8_names = [n for n in chosen if n in set(eight)]
+    int4_names = [n for n in chosen if n not in set(eight)]
     if not int4_names:
         raise PrunusError(f"quantize: exclude={exclude} and int8={int8} leave no Linear module for int4; list fewer")
     return int4_names, int8_names, skipped
@@ -93,7 +107,7 @@ def calibration(ctx, algorithm: str, n_calib) -> list[torch.Tensor]:
 
 def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = None, symmetric: bool = True,
               act_order: bool = False, damp: float = 0.01, int8: str | list | tuple = (),
-              exclude: str | list | tuple = ("output",), n_calib: int = 8, float_zero: bool = False, clip: str = "none"):
+              exclude: str | list | tuple | None = None, n_calib: int = 8, float_zero: bool = False, clip: str = "none"):
     """Quantize ``model`` in place as described in the module docstring; returns it."""
     check_args(model, algorithm, symmetric, act_order, damp, float_zero, clip)
     int4_names, int8_names, skipped = choose_modules(model, exclude, int8)

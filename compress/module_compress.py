@@ -131,10 +131,13 @@ def _load(model_dir: Path, data: str | None, trust_factory, seed: int) -> tuple[
 
 
 def check_module_passes(passes) -> None:
-    for i, (name, _) in enumerate(passes, 1):
+    from .recipe import check_pass
+
+    for i, (name, args) in enumerate(passes, 1):
         if name not in MODULE_PASSES:
             raise PrunusError(f"pass {i}: {name!r} does not apply to a generic module; its passes: "
                               f"{', '.join(MODULE_PASSES)}")
+        check_pass(name, args, where=f"pass {i}")
 
 
 def _run_passes(model, ctx, passes, rows, latency):

@@ -40,7 +40,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .calibrate import observe_inputs
 from .options import PRUNE_METHODS, PRUNE_SCOPES
-from .select import exclude_list, float_linears
+from .select import float_linears, given_exclude
 
 METHODS, SCOPES = PRUNE_METHODS, PRUNE_SCOPES  # prunus.compress.options
 
@@ -152,11 +152,11 @@ def _check_args(method, sparsity, scope, n_calib) -> None:
 
 
 def prune_pass(model: nn.Module, ctx, *, method: str, sparsity: float = 0.5, scope: str = "layer", n_calib: int = 8,
-               exclude: str | list | tuple = ("output",)) -> nn.Module:
+               exclude: str | list | tuple | None = None) -> nn.Module:
     """Zero the least important weights of every Linear not in ``exclude`` (the embedding is
     never a Linear); record it in the model's CompressionState (``sparsity``). Returns ``model``, pruned in place."""
     _check_args(method, sparsity, scope, n_calib)
-    exclude = exclude_list(exclude)
+    exclude = given_exclude(model, exclude, "prune")  # default: the output head
     linears = prunable_linears(model, exclude)
     if not linears:
         raise PrunusError("prune: the model has no float Linear weights left to prune "

@@ -7,7 +7,7 @@ scheme that does not take it is refused naming the scheme it is for.
   on calibration batches (``minmax`` or ``percentile``).
 * ``int4-weight-only``: :func:`prunus.compress.int4.int4_pass` (rtn, gptq, awq, hqq; int8 mixed in).
 
-The output head is excluded by default; a model with tied embeddings whose head is quantized is untied
+The output head is excluded by default (``exclude`` not given); a model with tied embeddings whose head is quantized is untied
 first (the embedding table stays in float), and the config records it. ``exclude`` takes module names,
 parents and globs; ``layers.-K`` names the K-th block from the end, so a recipe can keep the last block in
 float whatever the depth (the fp8 recipes do: on SmolLM2-135M the last block holds most of fp8's error).
@@ -31,7 +31,7 @@ from prunus.models.schemes import SCHEMES
 from .calibrate import input_absmax
 from .int4 import int4_pass
 from .options import check_calibration
-from .select import exclude_list, float_linears
+from .select import float_linears, given_exclude
 
 
 def linear_names(model: nn.Module, exclude=()) -> tuple[list[str], list[str]]:
@@ -48,13 +48,13 @@ def untie_output(model: nn.Module) -> None:
 
 def eight_bit_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                    calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8,
-                   exclude: str | list | tuple = ("output",)):
+                   exclude: str | list | tuple | None = None):
     """Replace every float Linear not in ``exclude`` by a QuantizedLinear of the int8 / float8 ``scheme``, in
     place; record the layout in the model's CompressionState (``quantization``). Returns ``model``."""
     scheme_handler = handler(scheme)
     scheme_handler.check(granularity, group_size)
     check_calibration(calibration, percentile)
-    exclude = exclude_list(exclude)
+    exclude = given_exclude(model, exclude, "quantize")
     names, skipped = linear_names(model, exclude)
     if not names:
         raise PrunusError(f"quantize: exclude={exclude} leaves no Linear module to quantize; exclude fewer")

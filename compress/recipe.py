@@ -8,7 +8,8 @@ A recipe is YAML::
 
 Each entry names a pass of the registry below (a bare name runs it with its
 defaults). A recipe is checked whole before any pass runs: an unknown pass, an
-unknown or missing argument or a bad value is one PrunusError naming the entry.
+unknown or missing argument, a bad value (``pass_arguments.py``: numbers finite and in range) or an
+argument that would change nothing is one PrunusError naming the entry.
 Recipes shipped with prunus live in ``compress/recipes/`` and can be named without
 a path (``--recipe int8-weight-only``). The CLI shortcuts (``--quantize``, ``--prune``,
 ``--distill``) build the same list.
@@ -19,17 +20,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import math
 from pathlib import Path
 
 import yaml
 
 from prunus.artifacts.errors import PrunusError
-from prunus.models.schemes import GRANULARITIES, SCHEMES
 from prunus.artifacts.validate import check_dataclass, check_size, parse_document, read_text, short
 
-from .options import (CALIBRATION_METHODS, INT4_ALGORITHMS, INT4_CLIPS, PRUNE_METHODS, PRUNE_SCOPES, STRUCTURED_TARGETS,
-                      accepts, check_calibration)
+from .options import STRUCTURED_TARGETS
+from .pass_arguments import APPLIES, VALUE_CHECKS, overlapping_lists
 
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -57,80 +56,6 @@ PASSES = {
 }
 
 
-def _fraction(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1
-
-
-def _positive_int(v):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _amount(v):  # a fraction, or for blocks an int count
-    return _fraction(v) or _positive_int(v)
-
-
-def _between(lo, hi, *, open_lo=False, open_hi=False):
-    def check(v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return False
-        return (lo < v if open_lo else lo <= v) and (v < hi if open_hi else v <= hi)
-    return check
-
-
-def _names(v):  # a module name or a list of them
-    return isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
-
-
-# (pass, argument) -> (check, what a good value is)
-VALUE_CHECKS = {
-    ("quantize", "scheme"): (lambda v: v in SCHEMES, f"one of {', '.join(SCHEMES)}"),
-    ("quantize", "granularity"): (lambda v: v in GRANULARITIES, f"one of {', '.join(GRANULARITIES)}"),
-    ("quantize", "group_size"): (lambda v: v is None or _positive_int(v), "a positive integer"),
-    ("quantize", "calibration"): (lambda v: accepts(check_calibration, v), " or ".join(CALIBRATION_METHODS)),
-    ("quantize", "percentile"): (lambda v: accepts(check_calibration, "minmax", v), "a number in (0, 100]"),
-    ("quantize", "exclude"): (_names, "a module name or a list of them"),
-    ("quantize", "int8"): (_names, "a module name or a list of them"),
-    ("quantize", "algorithm"): (lambda v: v in INT4_ALGORITHMS, f"one of {', '.join(INT4_ALGORITHMS)}"),
-    ("quantize", "clip"): (lambda v: v in INT4_CLIPS, f"one of {', '.join(INT4_CLIPS)}"),
-    ("quantize", "damp"): (_between(0, 1, open_lo=True, open_hi=True), "a number in (0, 1) (0.01 is usual)"),
-    ("smoothquant", "alpha"): (_between(0, 1), "a number in [0, 1]"),
-    ("prune", "method"): (lambda v: v in PRUNE_METHODS, f"one of {', '.join(PRUNE_METHODS)}"),
-    ("prune", "sparsity"): (_fraction, "a fraction in [0, 1)"),
-    ("prune", "scope"): (lambda v: v in PRUNE_SCOPES, f"one of {', '.join(PRUNE_SCOPES)}"),
-    ("prune", "exclude"): (_names, "a module name or a list of them"),
-    ("prune_structured", "target"): (lambda v: v in STRUCTURED_TARGETS, f"one of {', '.join(STRUCTURED_TARGETS)}"),
-    ("prune_structured", "amount"): (_amount, "a fraction in [0, 1) (or for blocks a count)"),
-    ("distill", "steps"): (_positive_int, "a positive integer"),
-    ("distill", "batch_size"): (_positive_int, "a positive integer"),
-    ("distill", "nproc"): (_positive_int, "a positive integer"),
-    ("distill", "seq_len"): (lambda v: v is None or _positive_int(v), "a positive integer"),
-    ("distill", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
-    ("distill", "temperature"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
-    ("distill", "kd_weight"): (_between(0, 1), "a number in [0, 1]"),
-    ("distill", "reverse_kl"): (_between(0, 1), "a number in [0, 1]"),
-    ("distill", "hidden_weight"): (_between(0, math.inf, open_hi=True), "a number of at least 0"),
-    ("distill", "seed"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
-    ("distill", "student"): (lambda v: v is None or isinstance(v, (str, dict)), "keep-every:K, depth:N, width:F, a preset name or a mapping of model fields"),
-}
-VALUE_CHECKS.update({
-    ("prune_channels", "amount"): (_fraction, "a fraction in [0, 1)"),
-    ("prune_channels", "by"): (lambda v: v in ("channels", "params", "flops"), "channels, params or flops"),
-    ("prune_channels", "importance"): (lambda v: v in ("magnitude", "group_norm"), "magnitude or group_norm"),
-    ("prune_channels", "finetune_steps"): (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                                           "an integer of at least 0"),
-    ("prune_channels", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
-    ("prune_channels", "batch_size"): (_positive_int, "a positive integer"),
-    ("distill_module", "student"): (lambda v: isinstance(v, str) and ":" in v, "a factory spec package.module:callable"),
-    ("distill_module", "steps"): (_positive_int, "a positive integer"),
-    ("distill_module", "batch_size"): (_positive_int, "a positive integer"),
-    ("distill_module", "lr"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
-    ("distill_module", "temperature"): (_between(0, math.inf, open_lo=True, open_hi=True), "a positive number"),
-    ("distill_module", "alpha"): (_between(0, 1), "a number in [0, 1]"),
-})
-for _p in ("quantize", "smoothquant", "prune", "prune_structured"):
-    VALUE_CHECKS[(_p, "n_calib")] = (_positive_int, "a positive integer")
-
-
 def get_pass(name: str, where: str = "recipe"):
     """The function registered as ``name``."""
     if name not in PASSES:
@@ -149,10 +74,12 @@ def pass_parameters(name: str, args: dict, where: str = "recipe") -> tuple[dict[
 
     A pass that dispatches on an argument declares how (``fn.dispatch(args)``: the function that takes the
     rest, or None while that argument is unknown): ``quantize`` takes ``scheme`` and the arguments of that
-    scheme's pass. Its own arguments are checked first, so a bad scheme is named before the rest."""
+    scheme's pass. Its own arguments are checked first, so a bad scheme is named before the rest. The
+    ``progress`` of a pass that draws its own is the runner's to give, never a recipe's."""
     fn = get_pass(name, where)
+    runner = {"progress"} if PASSES[name].shows_progress else set()
     params = {k: p for k, p in list(inspect.signature(fn).parameters.items())[2:]  # after (model, ctx)
-              if p.kind is not inspect.Parameter.VAR_KEYWORD}
+              if p.kind is not inspect.Parameter.VAR_KEYWORD and k not in runner}
     dispatch = getattr(fn, "dispatch", None)
     if dispatch is None:
         return params, ""
@@ -168,14 +95,35 @@ def _check_values(name: str, params: dict, args: dict, where: str) -> None:
         raise PrunusError(f"{where}: pass {name!r} needs {', '.join(missing)}")
     for key, value in args.items():
         check = VALUE_CHECKS.get((name, key))
-        if check is not None and not check[0](value):
-            raise PrunusError(f"{where}: {name}.{key}={short(value)} is not valid; use {check[1]}")
+        if check is None:
+            continue
+        try:
+            ok, why = check[0](value), f"; use {check[1]}"
+        except ValueError as e:  # the check says what is wrong
+            ok, why = False, f": {e}"
+        if not ok:
+            raise PrunusError(f"{where}: {name}.{key}={short(value)} is not valid{why}")
+
+
+def _check_applies(name: str, params: dict, args: dict, where: str) -> None:
+    """Refuse an argument given where it does nothing (:data:`APPLIES`), and a quantize module listed both in
+    ``int8`` and in ``exclude``."""
+    full = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty} | args
+    for key in args:
+        rule = APPLIES.get((name, key))
+        if rule is not None and not rule[0](full):
+            raise PrunusError(f"{where}: {name}.{key} acts only with {rule[1]}, so here it would change nothing; drop it")
+    both = overlapping_lists(name, args)
+    if both:
+        raise PrunusError(f"{where}: {name} lists {', '.join(both)} both in int8 and in exclude; keep each module in "
+                          "one list (int8: quantized to int8, exclude: left in float)")
 
 
 def check_pass(name: str, args: dict, where: str = "recipe") -> None:
-    """Raise a PrunusError for an unknown pass, an unknown or missing argument or a bad value: each argument
-    must fit the type the pass function declares for it (``int``, ``float | None``, ``str | list``, ...) and
-    the range :data:`VALUE_CHECKS` gives, so every recipe is checked whole before any pass runs."""
+    """Raise a PrunusError for an unknown pass, an unknown or missing argument, a bad value or an argument that
+    would change nothing: each argument must fit the type the pass function declares for it (``int``,
+    ``float | None``, ``str | list``, ...), the range :data:`VALUE_CHECKS` gives and the other arguments
+    (:data:`APPLIES`), so every recipe is checked whole before any pass runs."""
     if not isinstance(args, dict):
         raise PrunusError(f"{where}: the arguments of {name!r} must be a mapping (name: value), not {type(args).__name__}")
     params, picked = pass_parameters(name, args, where)
@@ -187,6 +135,7 @@ def check_pass(name: str, args: dict, where: str = "recipe") -> None:
     # every argument, checked or not above, against the type the pass declares for it
     typed = dataclasses.make_dataclass(f"{name}_arguments", [(k, params[k].annotation) for k in args])
     check_dataclass(typed(**args), f"{where}: {name}")
+    _check_applies(name, params, args, where)
 
 
 def parse_recipe(data, source: str = "recipe") -> list[tuple[str, dict]]:
@@ -260,7 +209,8 @@ def _prune_shortcut(spec: str) -> tuple[str, dict]:
         try:
             value = int(amount) if method == "blocks" else float(amount)
         except ValueError:
-            raise PrunusError(f"--prune {spec}: {amount!r} is not a number; write METHOD[:AMOUNT], e.g. wanda:0.5") from None
+            what = "a whole number of blocks" if method == "blocks" else "a number"
+            raise PrunusError(f"--prune {spec}: {amount!r} is not {what}; write METHOD[:AMOUNT], e.g. wanda:0.5") from None
     if method in STRUCTURED_TARGETS:
         if value is None:
             raise PrunusError(f"--prune {spec}: give how much to remove, e.g. {method}:{1 if method == 'blocks' else 0.25}")

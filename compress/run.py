@@ -10,6 +10,7 @@ that ran) and the report; the manifest's hashes cover them all.
 from __future__ import annotations
 
 import copy
+import math
 import shlex
 import sys
 import time
@@ -30,6 +31,7 @@ from prunus.artifacts.validate import check_int_range
 from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
 from .context import build_context
+from .pass_arguments import Span
 from .recipe import PASSES, check_pass, get_pass, recipe_yaml
 from .report import greedy, prompts_from, report_files, report_header, report_row
 
@@ -64,8 +66,8 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
         if name in ("prune_channels", "distill_module"):
             raise PrunusError(f"pass {i}: {name} applies to generic module dirs (kind module); for {model_dir} "
                               f"(a transformer) use {'prune_structured' if name == 'prune_channels' else 'distill'}")
-    if max_quality_drop is not None and (isinstance(max_quality_drop, bool) or not max_quality_drop >= 0):
-        raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
+    if max_quality_drop is not None and not Span(0, math.inf, open_hi=True)(max_quality_drop):
+        raise PrunusError(f"--max-quality-drop {max_quality_drop}: must be a finite fraction >= 0 (e.g. 0.02 for +2% bits per byte)")
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])  # prunus.artifacts.paths: never over an input

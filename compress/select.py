@@ -3,7 +3,9 @@
 A pattern excludes a module by its exact name (``"output"``), a parent's name
 (``"layers.0"``), a dotted suffix (``"w2"``: every block's ``feed_forward.w2``) or a glob
 (``"layers.*.attention.wq"``). ``layers.-K`` names the K-th block from the end, so a recipe
-can keep the last block in float whatever the depth (:func:`resolve_blocks`).
+can keep the last block in float whatever the depth (:func:`resolve_blocks`). Not given, ``exclude`` is
+the output head; a pattern given that names no module of the model is refused (a misspelt name would
+otherwise leave every module it meant to keep to the pass, without a word).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from prunus.artifacts.errors import PrunusError
+
+DEFAULT_EXCLUDE = ("output",)  # what quantize and prune leave alone when not told: the output head
 
 
 def exclude_list(exclude) -> list[str]:
@@ -42,11 +46,31 @@ def resolve_blocks(model: nn.Module, exclude, where: str = "exclude") -> list[st
     return out
 
 
+def check_named(names, patterns, resolved, label: str, where: str, what: str = "module") -> None:
+    """Refuse a pattern of ``patterns`` (as given; ``resolved``: after :func:`resolve_blocks`) that matches none
+    of ``names``: a misspelt name would leave the modules it meant untouched without a word."""
+    names = list(names)
+    for given, p in zip(exclude_list(patterns), resolved):
+        if not any(is_excluded(n, [p]) for n in names):
+            raise PrunusError(f"{where}: {label} {given!r} names no {what} of the model; give a module name "
+                              "(output), a block (layers.0, layers.-1), a suffix (w2) or a glob (layers.*.attention.wq)")
+
+
+def given_exclude(model: nn.Module, exclude, where: str) -> list[str]:
+    """A pass's ``exclude``: :data:`DEFAULT_EXCLUDE` when not given (None), else the patterns given, each of
+    which must name a module of the model (:func:`check_named`)."""
+    if exclude is None:
+        return list(DEFAULT_EXCLUDE)
+    names = [n for n, _ in model.named_modules() if n]
+    check_named(names, exclude, resolve_blocks(model, exclude, where), "exclude", where)
+    return exclude_list(exclude)
+
+
 def float_linears(model: nn.Module, exclude=(), where: str = "exclude") -> tuple[dict[str, nn.Linear], list[str]]:
     """({name: Linear} of every float ``nn.Linear`` a pass may change, [names of the float Linears it must not]).
 
-    Excluded: the names ``exclude`` matches, and a mixture of experts' router (its few weights
-    decide which experts every token goes to: rounding or zeroing them reroutes tokens)."""
+    Excluded: the names ``exclude`` matches, and a mixture of experts' router (its few weights decide which
+    experts every token goes to: rounding or zeroing them reroutes tokens)."""
     patterns = resolve_blocks(model, exclude, where)
     chosen, skipped = {}, []
     for name, module in model.named_modules():

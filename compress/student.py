@@ -32,6 +32,8 @@ from prunus.models.compression_state import compression_state
 from prunus.models.config import ModelConfig
 from prunus.artifacts.validate import check_known_fields
 
+from .student_spec import parse_student
+
 
 def _new(cfg: ModelConfig, seed: int, like: Transformer) -> Transformer:
     torch.manual_seed(seed)
@@ -162,47 +164,41 @@ def from_config(teacher: Transformer, cfg: ModelConfig, seed: int = 0) -> Transf
     return student
 
 
-def parse_factor(text: str, spec: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise PrunusError(f"distill: student {spec!r}: {text!r} is not a number") from None
+def depth(teacher: Transformer, n: int) -> Transformer:
+    """``n`` of the teacher's blocks spread from its first to its last (see :func:`spread_blocks`)."""
+    return keep_blocks(teacher, spread_blocks(teacher.config.n_layers, n))
+
+
+DERIVE = {"keep-every": keep_every, "depth": depth, "width": width}  # student_spec.DERIVATIONS, made
 
 
 def teacher_blocks(spec, n_layers: int) -> list[int] | None:
     """Which of the teacher's blocks a ``keep-every:K`` or ``depth:N`` student (made by
     :func:`make_student`, which has checked ``spec``) starts from; None for other students."""
-    if not isinstance(spec, str) or "," in spec:
+    derived = parse_student(spec)
+    if derived is None or len(derived) != 1:
         return None
-    kind, _, value = spec.partition(":")
+    kind, value = derived[0]
     if kind == "keep-every":
-        return list(range(n_layers))[::int(float(value))]
+        return list(range(n_layers))[::value]
     if kind == "depth":
-        return spread_blocks(n_layers, int(float(value)))
+        return spread_blocks(n_layers, value)
     return None
 
 
 def make_student(teacher: Transformer, spec, seed: int = 0) -> Transformer:
     """The student ``spec`` describes (see the module docstring), in train mode."""
     check_float(teacher)
-    if isinstance(spec, str) and "," in spec:  # several derivations, left to right
+    try:
+        derived = parse_student(spec)
+    except ValueError as e:
+        raise PrunusError(f"distill: student {spec!r}: {e}") from None
+    if derived is not None:  # keep-every:K, depth:N, width:F, several left to right
         student = teacher
-        for part in spec.split(","):
-            student = make_student(student, part.strip(), seed)
-        return student
-    if isinstance(spec, str) and spec.startswith("keep-every:"):
-        k = parse_factor(spec.split(":", 1)[1], spec)
-        if k != int(k):
-            raise PrunusError(f"distill: student {spec!r}: K must be a whole number of blocks")
-        student = keep_every(teacher, int(k))
-    elif isinstance(spec, str) and spec.startswith("depth:"):
-        n = parse_factor(spec.split(":", 1)[1], spec)
-        if n != int(n):
-            raise PrunusError(f"distill: student {spec!r}: N must be a whole number of blocks")
-        student = keep_blocks(teacher, spread_blocks(teacher.config.n_layers, int(n)))
-    elif isinstance(spec, str) and spec.startswith("width:"):
-        student = width(teacher, parse_factor(spec.split(":", 1)[1], spec))
-    elif isinstance(spec, str):
+        for kind, value in derived:
+            student = DERIVE[kind](student, value)
+        return student.train()
+    if isinstance(spec, str):
         try:
             cfg = get_preset(spec)
         except PrunusError:
