@@ -14,7 +14,16 @@ from prunus.train_parallel.config import TrainConfig
 
 _DEVICE = next(f for f in dataclasses.fields(TrainConfig) if f.name == "device")
 
-device_option = click.option("--device", default=_DEVICE.default, show_default=True, help=_DEVICE.metadata["help"])
+
+def _usable_device(ctx, param, value: str) -> str:
+    """--device checked as it is parsed: one line for a device torch cannot use here, before anything loads."""
+    from prunus.models.device import check_device
+
+    return check_device(value)
+
+
+device_option = click.option("--device", default=_DEVICE.default, show_default=True, help=_DEVICE.metadata["help"],
+                             callback=_usable_device)
 backend_option = click.option("--backend", type=click.Choice(BACKENDS), default=None,
                               help="Default: torch for a model dir, the export's runtime for an export dir.")
 

@@ -132,7 +132,11 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
     from .train_module import train_module_command, transformer_options
 
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    from prunus.models.device import check_device
+
     if options.get("module_spec") is not None:  # any nn.Module, built by the factory --model names
+        if not dry_run:  # a dry run plans for any machine
+            check_device(options["device"])
         refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,
                    "--world-size": world_size is not None, "--rank": plan_rank != 0}
         return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused,
@@ -158,6 +162,7 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
 
         click.echo(sbatch_script(cfg, nodes, gpus_per_node, command_line(ctx, given, config_file, resume, overwrite)), nl=False)
         return
+    check_device(cfg.device)  # one line for a device torch cannot use here (--print-slurm above plans for others)
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_local
