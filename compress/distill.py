@@ -59,8 +59,12 @@ MIN_STEPS, MAX_STEPS, MAX_ROWS = 20, 200, 16
 def default_schedule(student: Transformer, ctx, *, steps: int | None = None, batch_size: int | None = None,
                      seq_len: int | None = None, nproc: int = 1) -> tuple[int, int, int]:
     """(steps, batch_size, seq_len) for a distillation run: what was given, the rest scaled to the
-    model (see the module docstring). batch_size stays a multiple of nproc."""
+    model (see the module docstring). batch_size stays a multiple of nproc; a given seq_len above the window
+    the context and both models allow is refused."""
     limit = min(ctx.seq_len, student.config.max_seq_len, ctx.teacher.config.max_seq_len)
+    if seq_len is not None and seq_len > limit:  # given: taken as asked, or refused, never cut short quietly
+        raise PrunusError(f"distill: seq_len={seq_len} is above the longest window here, {limit} tokens (the "
+                          "evaluation window --seq-len and the models' max_seq_len); give at most that")
     seq_len = min(seq_len or DISTILL_WINDOW, limit)
     if batch_size is None:
         rows = LOGITS_MEMORY // (4 * 4 * student.config.vocab_size * seq_len)

@@ -299,6 +299,11 @@ def test_distill_nproc_runs_that_many_processes(ctx, monkeypatch):
     assert asked == [2] and distilled(out)["nproc"] == 2
 
 
+def test_a_distillation_window_longer_than_the_run_allows_is_refused_not_cut(ctx):
+    with pytest.raises(PrunusError, match="^distill: seq_len=64 is above the longest window here, 32 tokens"):
+        run((ctx.teacher, ctx), "distill", {**STUDENT, "seq_len": 64})  # the context's window is 32
+
+
 def test_smoothquant_keeps_the_float_model_equivalent(ctx):
     x = ctx.calibration(1, 2, 16)[0]
     for alpha in (0.2, 0.8):
