@@ -122,11 +122,12 @@ def _check_tensor(buf, t: Tensor, where: str, divided: bool | None, external: _E
                           f"must be positive; {FIX}")
 
 
-def check_initializers(path: str | Path | bytes) -> None:
+def check_initializers(path: str | Path | bytes, name: str | None = None) -> None:
     """Every initializer of the graph at ``path`` (a file, or a serialized graph's bytes), and of its subgraphs,
-    against the rules of the module docstring, read in place (:mod:`prunus.artifacts.onnx_wire`)."""
+    against the rules of the module docstring, read in place (:mod:`prunus.artifacts.onnx_wire`); ``name``: how
+    errors name the graph (default its path)."""
     file = None if isinstance(path, bytes) else Path(path)
-    name = "the ONNX graph" if file is None else str(file)
+    name = name or ("the ONNX graph" if file is None else str(file))
     buf = np.frombuffer(path, np.uint8) if file is None else _map(file)
     external = _External(file)
     try:

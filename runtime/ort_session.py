@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: bool = True,
-                config: dict | None = None, lean: bool = False):
+                config: dict | None = None, lean: bool = False, name: str | None = None):
     """``path``: a graph file, or a serialized graph's bytes. ``spinning=False`` lets the session's idle
     threads sleep at once: for processes holding many sessions that run in turn, whose spinning threads
     would otherwise take each other's cores.
@@ -19,7 +19,7 @@ def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: 
     memory pattern, so each pass allocates and frees its own buffers (the prompt twin's dequantized weights:
     SmolLM2 int8 with its twin grew the process by 1,462 MB with both and 603 MB without, passes as fast).
     The graph's initializers are checked once ONNX Runtime has read it
-    (:func:`~prunus.artifacts.onnx_initializers.check_initializers`)."""
+    (:func:`~prunus.artifacts.onnx_initializers.check_initializers`; ``name``: how an error names the graph)."""
     import onnxruntime as ort
 
     from prunus.artifacts.onnx_initializers import check_initializers
@@ -38,7 +38,7 @@ def ort_session(path: str | Path | bytes, threads: int | None = None, spinning: 
     opts.log_severity_level = 3
     session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), opts,
                                    providers=["CPUExecutionProvider"])
-    check_initializers(path)
+    check_initializers(path, name)
     return session
 
 
@@ -57,6 +57,7 @@ def variant_session(source, variant, tag: str, threads: int | None = None, spinn
         target = Path(source).with_name(f".{Path(source).stem}.{tag}.onnx") if external else Path(tmp) / f"{tag}.onnx"
         onnx.save_model(variant, str(target))
         try:
-            return ort_session(target, threads, spinning, config, lean)
+            label = f"{source if not isinstance(source, bytes) else 'the ONNX graph'} ({tag} variant)"
+            return ort_session(target, threads, spinning, config, lean, label)  # errors name the graph it copies
         finally:
             target.unlink()

@@ -87,6 +87,18 @@ def test_a_nonfinite_initializer_is_one_line_naming_it(tmp_path, kind, value, sh
         _one_line("the ONNX graph: initializer 'w' holds", check_initializers, path.read_bytes())
 
 
+def test_a_variant_of_a_graph_is_checked_and_named_by_its_source(tmp_path):
+    """variant_session (the prompt twin, the parity check's all-positions graph) loads a changed copy from a
+    temporary file: its errors name the graph it copies."""
+    from prunus.runtime.ort_session import variant_session
+
+    bad = np.arange(4, dtype=np.float32).reshape(2, 2)
+    bad[1, 1] = NAN
+    source = _save(_matmul(_stored("raw", bad)), tmp_path / "model.onnx")
+    _one_line(f"{tmp_path / 'model.onnx'} \\(twin variant\\): initializer 'w' holds nan at element 3 of 4",
+              variant_session, source, onnx.load(str(source)), "twin")
+
+
 def test_subgraphs_and_sparse_initializers_are_checked(tmp_path):
     w = numpy_helper.from_array(np.array([[1.0, NAN], [0.0, 1.0]], np.float32), "inner")
     branch = helper.make_graph([helper.make_node("MatMul", ["x", "inner"], ["z"])], "b", [],
