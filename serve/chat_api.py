@@ -121,7 +121,7 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
         if max_tokens < 1:
             check_context(engine, len(ids), 1, field)
     check_context(engine, len(ids), max_tokens, field)
-    grammar = await compile_grammar(server, asked)
+    grammar = await compile_grammar(server, asked, request.receive)
     requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar,
                                                        engine.backend.vocab_size), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}

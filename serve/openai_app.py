@@ -118,7 +118,7 @@ async def complete(server, req: CompletionRequest, request: Request):
     max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
     for ids in prompts:
         check_context(engine, len(ids), max_tokens, "max_tokens")
-    grammar = await compile_grammar(server, constraint(req))
+    grammar = await compile_grammar(server, constraint(req), request.receive)
     kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs, grammar, engine.backend.vocab_size)
     echoed = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given] if req.echo else None
     echo_logprobs = None

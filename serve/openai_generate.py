@@ -107,18 +107,20 @@ def constraint(req: Sampling) -> tuple[str, object, str] | None:
     return asked[0] if asked else None
 
 
-async def compile_grammar(server, asked: tuple[str, object, str] | None):
-    """The compiled grammar of :func:`constraint`'s answer (off the event loop; cached), or a 400 naming its field."""
+async def compile_grammar(server, asked: tuple[str, object, str] | None, receive=None):
+    """The compiled grammar of :func:`constraint`'s answer (bounded, in a worker process, cached; stopped when
+    ``receive`` reports the client gone), or one line naming its field: 400, 429 when the compile queue is full."""
     if asked is None:
         return None
-    from .structured_output import compile_constraint
+    from .structured_output import compile_request
     what, value, field_name = asked
     engine = server.engine
     try:
-        return await asyncio.get_running_loop().run_in_executor(server.pool, lambda: compile_constraint(
-            engine.tokenizer, engine.backend.vocab_size, what, value, field_name))
+        return await compile_request(engine.tokenizer, engine.backend.vocab_size, what, value, field_name, receive)
     except PrunusError as e:
-        raise BadRequest(400, str(e), param=field_name) from None
+        status = getattr(e, "status", 400)
+        kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "invalid_request_error")
+        raise BadRequest(status, str(e), kind, param=field_name, headers={"Retry-After": "1"} if status != 400 else None) from None
 
 
 def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None,

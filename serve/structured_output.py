@@ -1,28 +1,51 @@
 """Structured outputs: a JSON schema, any JSON object or a regular expression enforced token by token.
 
-A request's constraint is compiled once into an xgrammar grammar over the model's vocabulary (compiled grammars
-are cached by their text, per tokenizer); each row then holds a matcher. Every step, before sampling, the
-matcher advances over the tokens accepted since the last step and masks the row's logits to the tokens that
-keep the text inside the grammar (:func:`prunus.serve.logits_processors.process`); a stop token is allowed only
-once the grammar is complete. Nothing is retried: the first answer is valid (unless ``max_tokens`` cuts it).
+A request's constraint is compiled once into an xgrammar grammar over the model's vocabulary; each row then holds
+a matcher. Every step, before sampling, the matcher advances over the tokens accepted since the last step and
+masks the row's logits to the tokens that keep the text inside the grammar
+(:func:`prunus.serve.logits_processors.process`); a stop token is allowed only once the grammar is complete.
+Nothing is retried: the first answer is valid (unless ``max_tokens`` cuts it).
+
+Compiling is bounded, as a compile's time grows with what the grammar asks far faster than with its text:
+
+* a constraint past a cap of :class:`prunus.serve.grammar_limits.GrammarLimits` (string lengths, pattern sizes,
+  nesting, properties) is one 400 line at once (:mod:`prunus.serve.grammar_limits`);
+* the compile runs in a worker process of the model's :class:`prunus.serve.grammar_pool.GrammarPool` (one at a
+  time by default, a bounded queue: 429 past it), is stopped at the deadline (400 naming the field) or when its
+  client leaves, never on the event loop;
+* compiled grammars are cached by the SHA-256 of their kind and text, per tokenizer (an LRU bounded in entries
+  and bytes); a constraint refused, or stopped at the deadline, is remembered too, and refused at once.
 
 xgrammar is the optional extra ``prunus[structured]``; without it a constrained request is one 400 line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import hashlib
 import json
 import threading
+import weakref
+from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from prunus.artifacts.errors import PrunusError
 
+from .grammar_limits import GrammarLimits, check_regex, check_schema
+from .grammar_pool import GrammarPool, GrammarTimeout
+from .grammar_worker import Refused
+
 INSTALL = "install it with: pip install 'prunus[structured]'"
 MAX_CONSTRAINT_CHARS = 100_000
-_LOCK = threading.Lock()  # xgrammar's compiler is built once per tokenizer
+CACHE_ENTRIES = 256  # compiled grammars kept per tokenizer
+CACHE_BYTES = 256 << 20  # and their memory, per tokenizer
+REFUSALS_KEPT = 256  # constraints refused, per tokenizer
+CacheInfo = namedtuple("CacheInfo", "hits misses")
+_LOCK = threading.Lock()
+_STATS = {"hits": 0, "misses": 0}
 
 
 def _xgrammar():
@@ -62,46 +85,178 @@ def tokenizer_info(tokenizer, vocab_size: int):
     return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
 
 
-@lru_cache(maxsize=8)
-def _compiler(tokenizer, vocab_size: int):
-    return _xgrammar().GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
-
-
-@lru_cache(maxsize=256)
-def _compile(tokenizer, vocab_size: int, what: str, text: str) -> Grammar:
-    with _LOCK:
-        compiler = _compiler(tokenizer, vocab_size)
-    if what == "regex":
-        compiled = compiler.compile_regex(text)
-    elif what == "tool_call":  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (prunus.serve.tool_calls)
-        xgr = _xgrammar()
-        compiled = compiler.compile_grammar(xgr.Grammar.concat(
-            xgr.Grammar.from_regex(r"<tool_call>\n"), xgr.Grammar.from_json_schema(text, any_whitespace=False),
-            xgr.Grammar.from_regex(r"\n</tool_call>")))
-    else:  # json_object: any JSON object (OpenAI's JSON mode); whitespace as json.dumps writes it
-        compiled = compiler.compile_json_schema(text if what == "json_schema" else '{"type": "object"}',
-                                                any_whitespace=False)
-    return Grammar(compiled, vocab_size, what)
-
-
-def compile_constraint(tokenizer, vocab_size: int, what: str, value, field: str) -> Grammar:
-    """The grammar of ``value`` (a schema as a dict or JSON text, or a regex), or one PrunusError line naming
-    ``field``. Cached by its canonical text."""
-    if what in ("json_schema", "tool_call"):
-        text = value if isinstance(value, str) else json.dumps(value)  # key order kept: it orders the answer's keys
-    else:
-        text = value or ""
+def constraint_text(what: str, value, field: str, limits: GrammarLimits) -> str:
+    """The text xgrammar compiles for ``value`` (a schema as a dict or JSON text, or a regex), checked against
+    ``limits``; one PrunusError line naming ``field`` otherwise."""
+    if what == "json_object":
+        return ""
+    schema = what in ("json_schema", "tool_call")
+    try:
+        text = value if isinstance(value, str) or not schema else json.dumps(value)  # key order orders the answer
+    except (RecursionError, TypeError, ValueError):
+        raise PrunusError(f"'{field}' cannot be written as JSON; fix it") from None
+    text = text or ""
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise PrunusError(f"'{field}' holds {len(text)} characters; give at most {MAX_CONSTRAINT_CHARS}")
+    if not schema:
+        check_regex(text, limits, field)
+        return text
+    if isinstance(value, str):
+        try:
+            value = json.loads(text)
+        except (RecursionError, ValueError) as e:
+            raise PrunusError(f"'{field}' is not a JSON schema prunus can enforce (not JSON: "
+                              f"{str(e)[:80]}); fix it") from None
+    check_schema(value, limits, field)
+    return text
+
+
+def _refusal(what: str, field: str, message: str) -> str:
+    detail = " ".join(message.split()).split("] ", 1)[-1][:200]  # xgrammar's messages begin with a time and a source
+    noun = "regular expression" if what == "regex" else "JSON schema"
+    return f"'{field}' is not a {noun} prunus can enforce ({detail}); fix it"
+
+
+class _Model:
+    """What one tokenizer (at one vocabulary size) compiles with: xgrammar's tokenizer info, the compile pool,
+    the cache of compiled grammars and of refusals."""
+
+    def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None):
+        self.vocab_size = vocab_size
+        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.pool = GrammarPool(self.info.serialize_json, limits)
+        self.grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self.refused: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (kind, message without field)
+        self.lock = threading.Lock()
+
+    @property
+    def limits(self) -> GrammarLimits:
+        return self.pool.limits
+
+    def lookup(self, key: str, what: str, field: str):
+        """The cached grammar of ``key``, or None; its remembered refusal raised."""
+        with self.lock:
+            grammar, refused = self.grammars.get(key), self.refused.get(key)
+            if grammar is not None:
+                self.grammars.move_to_end(key)
+            _STATS["hits" if grammar is not None or refused else "misses"] += 1
+        if refused is not None:
+            kind, message = refused
+            raise PrunusError(_refusal(what, field, message) if kind == "refused" else f"'{field}' {message}")
+        return grammar
+
+    def refuse(self, key: str, kind: str, message: str) -> None:
+        with self.lock:
+            self.refused[key] = (kind, message)
+            while len(self.refused) > REFUSALS_KEPT:
+                self.refused.popitem(last=False)
+
+    def keep(self, key: str, what: str, serialized: str) -> "Grammar":
+        grammar = Grammar(_xgrammar().CompiledGrammar.deserialize_json(serialized, self.info), self.vocab_size, what)
+        with self.lock:
+            self.grammars[key] = grammar
+            while len(self.grammars) > CACHE_ENTRIES or (len(self.grammars) > 1 and sum(
+                    g.compiled.memory_size_bytes for g in self.grammars.values()) > CACHE_BYTES):
+                self.grammars.popitem(last=False)
+        return grammar
+
+
+_MODELS: "weakref.WeakKeyDictionary[object, dict[int, _Model]]" = weakref.WeakKeyDictionary()
+
+
+def _model(tokenizer, vocab_size: int) -> _Model:
+    with _LOCK:
+        per_vocab = _MODELS.setdefault(tokenizer, {})
+        model = per_vocab.get(vocab_size)
+        if model is None:
+            model = per_vocab[vocab_size] = _Model(tokenizer, vocab_size)
+            weakref.finalize(tokenizer, model.pool.close)
+        return model
+
+
+def set_limits(tokenizer, vocab_size: int, limits: GrammarLimits) -> None:
+    """Compile for ``tokenizer`` under ``limits`` from now on (a fresh pool and cache; the environment's otherwise)."""
+    _xgrammar()
+    with _LOCK:
+        per_vocab = _MODELS.setdefault(tokenizer, {})
+        old = per_vocab.get(vocab_size)
+        model = per_vocab[vocab_size] = _Model(tokenizer, vocab_size, limits)
+        weakref.finalize(tokenizer, model.pool.close)
+    if old is not None:
+        old.pool.close()
+
+
+def pool_of(tokenizer, vocab_size: int) -> GrammarPool:
+    """The compile pool of ``tokenizer`` (made on first use)."""
+    _xgrammar()
+    return _model(tokenizer, vocab_size).pool
+
+
+def _key(what: str, text: str) -> str:
+    return hashlib.sha256(f"{what}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _settle(model: _Model, key: str, what: str, field: str, outcome) -> "Grammar":
+    """The grammar from a compile's ``outcome`` (the serialized grammar, or what the pool raised), or a PrunusError
+    line naming ``field`` (a refusal or a deadline remembered for the next time)."""
+    if isinstance(outcome, str):
+        return model.keep(key, what, outcome)
+    if isinstance(outcome, Refused):
+        model.refuse(key, "refused", str(outcome))
+        raise PrunusError(_refusal(what, field, str(outcome))) from None
+    if isinstance(outcome, GrammarTimeout) and "cancelled" not in str(outcome):
+        model.refuse(key, "stopped", str(outcome))
+    if isinstance(outcome, PrunusError):
+        raise type(outcome)(f"'{field}' {outcome}") from None
+    raise outcome
+
+
+def compile_constraint(tokenizer, vocab_size: int, what: str, value, field: str) -> "Grammar":
+    """The grammar of ``value`` (a schema as a dict or JSON text, or a regex), compiled within the model's limits
+    (blocking), or one PrunusError line naming ``field``. Cached by its kind and text."""
+    _xgrammar()
+    model = _model(tokenizer, vocab_size)
+    text = constraint_text(what, value, field, model.limits)
+    key = _key(what, text)
+    grammar = model.lookup(key, what, field)
+    if grammar is not None:
+        return grammar
     try:
-        return _compile(tokenizer, vocab_size, what, text)
-    except PrunusError:
-        raise
-    except (RuntimeError, ValueError, TypeError) as e:
-        detail = " ".join(str(e).split())
-        detail = detail.split("] ", 1)[-1][:200]  # xgrammar's messages begin with a time and a source line
-        noun = "regular expression" if what == "regex" else "JSON schema"
-        raise PrunusError(f"'{field}' is not a {noun} prunus can enforce ({detail}); fix it") from None
+        model.pool.admit()
+        outcome = model.pool.run(what, text, threading.Event())
+    except (Refused, PrunusError) as e:
+        outcome = e
+    return _settle(model, key, what, field, outcome)
+
+
+async def compile_request(tokenizer, vocab_size: int, what: str, value, field: str, receive=None) -> "Grammar":
+    """:func:`compile_constraint` for the server: never blocking the event loop, stopped (ClientGone) when
+    ``receive`` reports the client gone. GrammarBusy (429) when the model's compile queue is full."""
+    loop = asyncio.get_running_loop()
+    _xgrammar()
+    model = await loop.run_in_executor(None, _model, tokenizer, vocab_size)  # tokenizer tables: seconds, once
+    text = constraint_text(what, value, field, model.limits)
+    key = _key(what, text)
+    grammar = model.lookup(key, what, field)
+    if grammar is not None:
+        return grammar
+    try:
+        outcome = await model.pool.compile(what, text, receive)
+    except (Refused, PrunusError) as e:
+        outcome = e
+    return await loop.run_in_executor(None, _settle, model, key, what, field, outcome)
+
+
+def cache_info() -> CacheInfo:
+    """Compiled-grammar cache hits (refusals remembered included) and misses, over every tokenizer."""
+    return CacheInfo(_STATS["hits"], _STATS["misses"])
+
+
+@atexit.register
+def _close_pools() -> None:
+    for per_vocab in list(_MODELS.values()):
+        for model in per_vocab.values():
+            model.pool.close()
 
 
 def mask_row(out: torch.Tensor, grammar: Grammar, request) -> None:

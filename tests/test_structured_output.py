@@ -15,7 +15,7 @@ pytest.importorskip("xgrammar")
 
 from prunus.models import Transformer, get_preset, save_model  # noqa: E402
 from prunus.serve import Engine  # noqa: E402
-from prunus.serve.structured_output import _compile  # noqa: E402
+from prunus.serve.structured_output import cache_info  # noqa: E402
 
 from test_openai_api import call, start  # noqa: E402
 
@@ -122,12 +122,12 @@ def test_bad_constraints_are_one_400_naming_the_field(server, fields, param, wor
 def test_grammar_is_compiled_once_per_schema_text(server):
     schema = {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"],
               "additionalProperties": False}
-    before = _compile.cache_info()
+    before = cache_info()
     for seed in range(2):
         status, body = call(server, "POST", "/v1/completions", {"prompt": "q", "max_tokens": 40, "seed": seed,
                                                                 "temperature": 1.0, "guided_json": schema})
         assert status == 200 and json.loads(body["choices"][0]["text"])["v"] in (True, False), body
-    after = _compile.cache_info()
+    after = cache_info()
     assert after.misses - before.misses == 1 and after.hits - before.hits == 1
 
 

@@ -1,0 +1,166 @@
+"""The grammar compiles of one served model: bounded in number, in waiting, in time, and cancelled with their client.
+
+:class:`GrammarPool` runs at most ``limits.workers`` compiles at once (default 1), each in a worker process
+(:mod:`prunus.serve.grammar_worker`), and lets at most ``limits.queue`` more wait for one; past that a compile is
+refused at once (:class:`GrammarBusy`, answered 429). A compile past ``limits.timeout_s`` is stopped (its process
+killed) and answered as :class:`GrammarTimeout`; one whose client leaves (``receive`` says ``http.disconnect``)
+is stopped the same way. Waiting happens in the pool's own threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from prunus.artifacts.errors import PrunusError
+
+from .asgi_guard import ClientGone
+from .grammar_limits import GrammarLimits
+from .grammar_worker import CompileWorker, Stopped
+
+WAIT_S = 0.05  # how often a compile waiting for a worker looks at its cancel flag
+
+
+class GrammarBusy(PrunusError):
+    """Every worker is busy and the queue is full (HTTP 429)."""
+
+    status = 429
+
+
+class GrammarTimeout(PrunusError):
+    """A compile ran past the deadline, or its worker stopped (HTTP 400: the constraint asked too much)."""
+
+
+class GrammarUnavailable(PrunusError):
+    """The compile worker did not start (HTTP 503)."""
+
+    status = 503
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class GrammarPool:
+    """Compiles for one tokenizer (one served model); ``tokenizer_json`` makes its serialized TokenizerInfo."""
+
+    def __init__(self, tokenizer_json, limits: GrammarLimits | None = None):
+        self.limits = limits or GrammarLimits.from_env()
+        self._tokenizer_json, self._json = tokenizer_json, None
+        self._idle: list[CompileWorker] = []
+        self._running: set[threading.Event] = set()  # the cancel flags of the compiles admitted
+        self._workers = self._admitted = 0
+        self._cond = threading.Condition()
+        self._threads = ThreadPoolExecutor(self.limits.workers + self.limits.queue,
+                                           thread_name_prefix="prunus-grammar")
+        self.closed = False
+
+    def admit(self) -> None:
+        """Take a place among the running and waiting compiles, or GrammarBusy."""
+        with self._cond:
+            if self.closed:
+                raise GrammarBusy("cannot be compiled: the server is shutting down; retry on another")
+            if self._admitted >= self.limits.workers + self.limits.queue:
+                raise GrammarBusy(f"cannot be compiled now: {self._admitted} grammar compiles are running or waiting, "
+                                  "the most this server takes (PRUNUS_GRAMMAR_WORKERS, PRUNUS_GRAMMAR_QUEUE); retry "
+                                  "shortly")
+            self._admitted += 1
+
+    def _take(self, cancelled: threading.Event) -> CompileWorker:
+        with self._cond:
+            while not self._idle and self._workers >= self.limits.workers:
+                if cancelled.is_set() or self.closed:
+                    raise Stopped("cancelled")
+                self._cond.wait(WAIT_S)
+            if self._idle:
+                return self._idle.pop()
+            self._workers += 1
+        try:
+            if self._json is None:
+                self._json = self._tokenizer_json()
+            return CompileWorker(self._json)
+        except BaseException:
+            with self._cond:
+                self._workers -= 1
+                self._cond.notify()
+            raise
+
+    def _give(self, worker: CompileWorker) -> None:
+        with self._cond:
+            if worker.alive and not self.closed:
+                self._idle.append(worker)
+            else:
+                self._workers -= 1
+                worker.kill()
+            self._cond.notify()
+
+    def run(self, what: str, text: str, cancelled: threading.Event) -> str:
+        """The serialized grammar (blocking; after :meth:`admit`, whose place it gives back); Refused (from
+        :mod:`prunus.serve.grammar_worker`) with xgrammar's message; GrammarTimeout."""
+        with self._cond:
+            self._running.add(cancelled)
+            if self.closed:
+                cancelled.set()
+        try:
+            worker = self._take(cancelled)
+            try:
+                return worker.compile(what, text, self.limits.timeout_s, cancelled)
+            finally:
+                self._give(worker)
+        except Stopped as e:
+            raise (GrammarUnavailable if e.reason == "startup" else GrammarTimeout)(self._why(e)) from None
+        finally:
+            with self._cond:
+                self._admitted -= 1
+                self._running.discard(cancelled)
+                self._cond.notify()
+
+    def _why(self, e: Stopped) -> str:
+        if e.reason == "deadline":
+            return (f"took longer than {self.limits.timeout_s:g} s to compile (PRUNUS_GRAMMAR_TIMEOUT_S); "
+                    "simplify it")
+        if e.reason == "cancelled":
+            return "was cancelled"
+        if e.reason == "startup":
+            return f"could not be compiled: the grammar compiler did not start ({e.detail}); retry later"
+        return f"stopped the grammar compiler ({e.detail}); simplify it"
+
+    async def compile(self, what: str, text: str, receive=None) -> str:
+        """:meth:`run` off the event loop; ClientGone (the compile stopped) when ``receive`` reports the client gone
+        first. The compile is stopped too when the awaiting task is cancelled."""
+        self.admit()
+        cancelled = threading.Event()
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._threads, self.run, what, text, cancelled)
+        except BaseException:
+            with self._cond:
+                self._admitted -= 1
+            raise
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # a stopped compile's error is not news
+        gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+        try:
+            if gone is None:
+                return await work
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            raise ClientGone
+        finally:
+            if not work.done():
+                cancelled.set()
+            if gone is not None:
+                gone.cancel()
+
+    def close(self) -> None:
+        """Stop every worker; compiles in progress end as cancelled."""
+        with self._cond:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            for cancelled in self._running:
+                cancelled.set()
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+        self._threads.shutdown(wait=False)
