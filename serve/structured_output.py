@@ -276,3 +276,8 @@ def mask_row(out: torch.Tensor, grammar: Grammar, request) -> None:
         return
     matcher.fill_next_token_bitmask(bitmask)
     xgr.apply_token_bitmask_inplace(out.view(1, -1), bitmask.to(out.device), vocab_size=grammar.vocab_size)
+    if request.stop_ids and not bool(torch.isfinite(out).any()):
+        # a constraint no text can go on from (a regex that matches nothing): the row ends at its stop token,
+        # rather than sampling from no token at all, which would fail every request of the batch
+        request.grammar_dead_end = True
+        out[list(request.stop_ids)] = 0.0

@@ -156,3 +156,19 @@ def test_chat_answers_follow_the_schema_with_a_bpe_tokenizer(tmp_path):
         finally:
             server.shutdown()
             server.server_close()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_regex_no_text_can_follow_ends_its_row_and_spares_its_neighbours(server, temperature):
+    """A regex that matches nothing leaves no token to sample: the row ends at its stop token (no 500), and a
+    plain request in the same batch is answered as usual."""
+    import concurrent.futures
+
+    dead = {"prompt": "a", "max_tokens": 8, "temperature": temperature, "seed": 0, "guided_regex": "a[^\\x00-\\U0010FFFF]"}
+    plain = {"prompt": "b", "max_tokens": 8, "temperature": 0.0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(call, server, "POST", "/v1/completions", body) for body in (dead, plain)]
+        (dead_status, dead_body), (plain_status, plain_body) = [f.result() for f in futures]
+    assert dead_status == 200 and dead_body["choices"][0]["finish_reason"] == "stop", dead_body
+    assert dead_body["choices"][0]["text"] in ("", "a")
+    assert plain_status == 200 and plain_body["choices"][0]["text"], plain_body
