@@ -63,13 +63,14 @@ def _check_classes(output, dataset, source: str) -> None:
                           f"{scores} classes")
 
 
-def _to(obj, device):
+def to_device(obj, device):
+    """A batch (a tensor, or lists / tuples / dicts of them) on ``device``; anything else as it is."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(o, device) for o in obj)
+        return type(obj)(to_device(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -78,7 +79,7 @@ def check_fits(module: nn.Module, dataset, task, call: Callable, source: str = "
     ``task``'s loss takes its output and target, with at least the data's classes for a classifier."""
     x, y = default_collate([dataset[0]])
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    x, y = _to(x, device), _to(y, device)
+    x, y = to_device(x, device), to_device(y, device)
     modes = {m: m.training for m in module.modules()}
     module.eval()
     try:

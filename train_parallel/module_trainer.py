@@ -24,7 +24,7 @@ from prunus.artifacts.errors import PrunusError
 from torch.utils.data import default_collate
 
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
-from prunus.data.module_fit import check_fits
+from prunus.data.module_fit import check_fits, to_device
 from prunus.data.prefetch import Prefetcher
 from prunus.models.module_dir import input_spec, save_module
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
@@ -68,16 +68,6 @@ def _optimizer(model: torch.nn.Module, cfg: ModuleTrainConfig, zero1_mesh) -> to
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_mesh.get_group(),
                                        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
-def _to(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _call(model, x):
@@ -149,7 +139,7 @@ def score_module(model: torch.nn.Module, task: Task, dataset, *, batch_size: int
     model.eval()
     loss_sum, count, correct = 0.0, 0, 0
     for x, y in eval_batches(dataset, batch_size, max_samples):
-        x, y = _to((x, y), device)
+        x, y = to_device((x, y), device)
         s, n, c = scorer(x, y) if scorer is not None else task.sums(_call(model, x), y)
         loss_sum, count, correct = loss_sum + s, count + n, correct + (c or 0)
     return task.summary(loss_sum, count, correct)
@@ -225,7 +215,7 @@ class ModuleTrainer:
 
     def _example(self, n: int):
         """The input of the dataset's first ``n`` samples, collated, on the device."""
-        return _to(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))])[0], self.device)
+        return to_device(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))])[0], self.device)
 
     def _forward_backward(self, x, y) -> torch.Tensor:
         """The step's loss (the mean over its micro-batches), gradients accumulated."""
@@ -275,7 +265,7 @@ class ModuleTrainer:
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = _to(self.batches.batch(step), self.device) if batch is None else batch
+        x, y = to_device(self.batches.batch(step), self.device) if batch is None else batch
         self.model.train()
         loss = self._forward_backward(x, y)
         grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
