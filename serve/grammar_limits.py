@@ -25,6 +25,8 @@ from prunus.artifacts.errors import PrunusError
 WIDE = 4  # weight of a regex atom that matches multi-byte UTF-8 ('.', [^...], \S, \p{..}): up to 4 bytes
 _QUANTIFIER = re.compile(r"\{(\d{1,9})(,(\d{0,9}))?\}")
 _LITERAL_KEYS = ("enum", "const")
+_DATA_KEYS = (*_LITERAL_KEYS, "default", "examples")  # keywords whose values are data, not schemas
+_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def _cap(env: str, text: str, default) -> object:
@@ -48,8 +50,10 @@ class GrammarLimits:
                           f"count {WIDE})", 2048)
     max_regexes: int = _cap("PRUNUS_GRAMMAR_MAX_REGEXES", "the sizes of all of a schema's patterns", 4096)
     max_optional: int = _cap("PRUNUS_GRAMMAR_MAX_OPTIONAL", "properties of one object that are not required", 256)
+    max_optionals: int = _cap("PRUNUS_GRAMMAR_MAX_OPTIONALS", "properties not required, in all of a schema's objects",
+                              1024)
     max_counted: int = _cap("PRUNUS_GRAMMAR_MAX_COUNTED",
-                            "properties of an object with minProperties or maxProperties", 64)
+                            "properties of all of a schema's objects with minProperties or maxProperties", 64)
 
     @classmethod
     def from_env(cls, environ=None) -> "GrammarLimits":
@@ -78,7 +82,7 @@ class _Tally:
 
     def __init__(self, limits: GrammarLimits, where: str, noun: str = "the schema"):
         self.limits, self.where, self.noun = limits, where, noun
-        self.strings = self.regexes = 0
+        self.strings = self.regexes = self.optionals = self.counted = 0
 
     def refuse(self, what: str, cap: str) -> None:
         env = next(f.metadata["env"] for f in fields(GrammarLimits) if f.name == cap)
@@ -120,9 +124,14 @@ class _Tally:
             optional = len(set(props) - named)
             if optional > self.limits.max_optional:
                 self.refuse(f"has an object of {optional:,} optional properties", "max_optional")
-            if ("minProperties" in node or "maxProperties" in node) and len(props) > self.limits.max_counted:
-                self.refuse(f"has an object of {len(props):,} properties with minProperties / maxProperties",
-                            "max_counted")
+            self.optionals += optional
+            if self.optionals > self.limits.max_optionals:
+                self.refuse(f"has {self.optionals:,} optional properties or more in all", "max_optionals")
+            if "minProperties" in node or "maxProperties" in node:
+                self.counted += len(props)
+                if self.counted > self.limits.max_counted:
+                    self.refuse(f"has {self.counted:,} properties or more in objects with minProperties / "
+                                "maxProperties", "max_counted")
         patterns = node.get("patternProperties")
         if isinstance(patterns, dict):
             for pattern in patterns:
@@ -131,19 +140,32 @@ class _Tally:
 
 def check_schema(schema, limits: GrammarLimits, where: str) -> None:
     """Refuse ``schema`` (a parsed JSON schema) past any of ``limits``' caps, in one line naming ``where``.
-    The walk is iterative; every object in it is read as a schema (a schema's keywords hold schemas, and
-    reading an enum's object as one only counts more)."""
+    The walk is iterative and reads the schema's structure: the values of ``properties`` / ``$defs`` / ... are
+    schemas, ``enum`` / ``const`` / ``default`` / ``examples`` hold data (only their nesting counts), any other
+    object or array a keyword holds is read as schema(s)."""
     tally = _Tally(limits, where)
-    stack = [(schema, 1)]
+    stack = [(schema, 1, "schema")]
     while stack:
-        node, depth = stack.pop()
+        node, depth, kind = stack.pop()
         if depth > limits.max_depth:
             tally.refuse(f"nests objects and arrays more than {limits.max_depth} deep", "max_depth")
-        if isinstance(node, dict):
+        if isinstance(node, dict) and kind == "schema":
             tally.schema(node)
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+        stack.extend((value, depth + 1, inner) for value, inner in _children(node, kind))
+
+
+def _children(node, kind: str):
+    """(value, its kind) of each object or array in ``node``, a "schema", a "map" of schemas or "data"."""
+    pairs = node.items() if isinstance(node, dict) else ((None, v) for v in node)
+    for key, value in pairs:
+        if not isinstance(value, (dict, list)):
+            continue
+        if isinstance(node, dict) and kind == "map":
+            yield value, "schema"
+        elif isinstance(node, dict) and kind == "schema":
+            yield value, "data" if key in _DATA_KEYS else "map" if key in _MAP_KEYS else "schema"
+        else:
+            yield value, kind
 
 
 def _json_chars(value, cap: int) -> int:

@@ -33,7 +33,7 @@ class GrammarTimeout(PrunusError):
 
 
 class GrammarUnavailable(PrunusError):
-    """The compile worker did not start (HTTP 503)."""
+    """The compile worker did not start, or the pool closed (HTTP 503)."""
 
     status = 503
 
@@ -44,7 +44,8 @@ async def _disconnected(receive) -> None:
 
 
 class GrammarPool:
-    """Compiles for one tokenizer (one served model); ``tokenizer_json`` makes its serialized TokenizerInfo."""
+    """Compiles for one tokenizer (one served model): ``tokenizer_json()`` is its serialized TokenizerInfo (for
+    the workers)."""
 
     def __init__(self, tokenizer_json, limits: GrammarLimits | None = None):
         self.limits = limits or GrammarLimits.from_env()
@@ -56,6 +57,11 @@ class GrammarPool:
         self._threads = ThreadPoolExecutor(self.limits.workers + self.limits.queue,
                                            thread_name_prefix="prunus-grammar")
         self.closed = False
+
+    @property
+    def busy(self) -> int:
+        """Compiles running or waiting."""
+        return self._admitted
 
     def admit(self) -> None:
         """Take a place among the running and waiting compiles, or GrammarBusy."""
@@ -96,8 +102,9 @@ class GrammarPool:
                 worker.kill()
             self._cond.notify()
 
-    def run(self, what: str, text: str, cancelled: threading.Event) -> str:
-        """The serialized grammar (blocking; after :meth:`admit`, whose place it gives back); Refused (from
+    def run(self, what: str, text: str, cancelled: threading.Event, then):
+        """``then()``'s answer once a worker compiled the grammar within the deadline (blocking; after
+        :meth:`admit`, whose place it keeps until ``then`` returns, and gives back); Refused (from
         :mod:`prunus.serve.grammar_worker`) with xgrammar's message; GrammarTimeout."""
         with self._cond:
             self._running.add(cancelled)
@@ -106,11 +113,13 @@ class GrammarPool:
         try:
             worker = self._take(cancelled)
             try:
-                return worker.compile(what, text, self.limits.timeout_s, cancelled)
+                worker.probe(what, text, self.limits.timeout_s, cancelled)
             finally:
                 self._give(worker)
+            return then()  # the same compile here: about the time it just took, kept whether or not awaited
         except Stopped as e:
-            raise (GrammarUnavailable if e.reason == "startup" else GrammarTimeout)(self._why(e)) from None
+            raise (GrammarUnavailable if e.reason in ("startup", "cancelled") else GrammarTimeout)(self._why(e)) \
+                from None
         finally:
             with self._cond:
                 self._admitted -= 1
@@ -121,19 +130,19 @@ class GrammarPool:
         if e.reason == "deadline":
             return (f"took longer than {self.limits.timeout_s:g} s to compile (PRUNUS_GRAMMAR_TIMEOUT_S); "
                     "simplify it")
-        if e.reason == "cancelled":
-            return "was cancelled"
+        if e.reason == "cancelled":  # its client left (then nobody reads this) or the pool closed
+            return "could not be compiled: the server is shutting down; retry on another"
         if e.reason == "startup":
             return f"could not be compiled: the grammar compiler did not start ({e.detail}); retry later"
         return f"stopped the grammar compiler ({e.detail}); simplify it"
 
-    async def compile(self, what: str, text: str, receive=None) -> str:
+    async def compile(self, what: str, text: str, then, receive=None):
         """:meth:`run` off the event loop; ClientGone (the compile stopped) when ``receive`` reports the client gone
         first. The compile is stopped too when the awaiting task is cancelled."""
         self.admit()
         cancelled = threading.Event()
         try:
-            work = asyncio.get_running_loop().run_in_executor(self._threads, self.run, what, text, cancelled)
+            work = asyncio.get_running_loop().run_in_executor(self._threads, self.run, what, text, cancelled, then)
         except BaseException:
             with self._cond:
                 self._admitted -= 1

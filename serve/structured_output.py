@@ -10,9 +10,10 @@ Compiling is bounded, as a compile's time grows with what the grammar asks far f
 
 * a constraint past a cap of :class:`prunus.serve.grammar_limits.GrammarLimits` (string lengths, pattern sizes,
   nesting, properties) is one 400 line at once (:mod:`prunus.serve.grammar_limits`);
-* the compile runs in a worker process of the model's :class:`prunus.serve.grammar_pool.GrammarPool` (one at a
-  time by default, a bounded queue: 429 past it), is stopped at the deadline (400 naming the field) or when its
-  client leaves, never on the event loop;
+* a new grammar is compiled first in a worker process of the model's :class:`prunus.serve.grammar_pool.GrammarPool`
+  (one at a time by default, a bounded queue: 429 past it), stopped at the deadline (400 naming the field) or
+  when its client leaves; one that compiled in time is compiled again here, in a pool thread (xgrammar releases
+  Python's lock), never on the event loop (:mod:`prunus.serve.grammar_worker` says why twice);
 * compiled grammars are cached by the SHA-256 of their kind and text, per tokenizer (an LRU bounded in entries
   and bytes); a constraint refused, or stopped at the deadline, is remembered too, and refused at once.
 
@@ -36,7 +37,7 @@ from prunus.artifacts.errors import PrunusError
 
 from .grammar_limits import GrammarLimits, check_regex, check_schema
 from .grammar_pool import GrammarPool, GrammarTimeout
-from .grammar_worker import Refused
+from .grammar_worker import Refused, build
 
 INSTALL = "install it with: pip install 'prunus[structured]'"
 MAX_CONSTRAINT_CHARS = 100_000
@@ -124,6 +125,7 @@ class _Model:
     def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None):
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size)
+        self.compiler = _xgrammar().GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.pool = GrammarPool(self.info.serialize_json, limits)
         self.grammars: OrderedDict[str, Grammar] = OrderedDict()
         self.refused: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (kind, message without field)
@@ -151,8 +153,12 @@ class _Model:
             while len(self.refused) > REFUSALS_KEPT:
                 self.refused.popitem(last=False)
 
-    def keep(self, key: str, what: str, serialized: str) -> "Grammar":
-        grammar = Grammar(_xgrammar().CompiledGrammar.deserialize_json(serialized, self.info), self.vocab_size, what)
+    def compile_here(self, key: str, what: str, text: str) -> "Grammar":
+        """xgrammar's compile in this process (after a worker's compiled the same in time), kept in the cache."""
+        try:
+            grammar = Grammar(build(_xgrammar(), self.compiler, what, text), self.vocab_size, what)
+        except Exception as e:  # noqa: BLE001 - the worker compiled it; a refusal here is xgrammar's all the same
+            raise Refused(" ".join(str(e).split())[:600]) from None
         with self.lock:
             self.grammars[key] = grammar
             while len(self.grammars) > CACHE_ENTRIES or (len(self.grammars) > 1 and sum(
@@ -175,15 +181,19 @@ def _model(tokenizer, vocab_size: int) -> _Model:
 
 
 def set_limits(tokenizer, vocab_size: int, limits: GrammarLimits) -> None:
-    """Compile for ``tokenizer`` under ``limits`` from now on (a fresh pool and cache; the environment's otherwise)."""
+    """Compile for ``tokenizer`` under ``limits`` from now on (the environment's otherwise). Refusals remembered
+    are forgotten; a new pool (new worker processes) only when ``workers`` or ``queue`` change."""
     _xgrammar()
-    with _LOCK:
-        per_vocab = _MODELS.setdefault(tokenizer, {})
-        old = per_vocab.get(vocab_size)
-        model = per_vocab[vocab_size] = _Model(tokenizer, vocab_size, limits)
-        weakref.finalize(tokenizer, model.pool.close)
-    if old is not None:
-        old.pool.close()
+    model = _model(tokenizer, vocab_size)
+    with model.lock:
+        model.refused.clear()
+    old = model.pool
+    if (old.limits.workers, old.limits.queue) == (limits.workers, limits.queue) and not old.closed:
+        old.limits = limits
+        return
+    model.pool = GrammarPool(model.info.serialize_json, limits)
+    weakref.finalize(tokenizer, model.pool.close)
+    old.close()
 
 
 def pool_of(tokenizer, vocab_size: int) -> GrammarPool:
@@ -197,14 +207,14 @@ def _key(what: str, text: str) -> str:
 
 
 def _settle(model: _Model, key: str, what: str, field: str, outcome) -> "Grammar":
-    """The grammar from a compile's ``outcome`` (the serialized grammar, or what the pool raised), or a PrunusError
-    line naming ``field`` (a refusal or a deadline remembered for the next time)."""
-    if isinstance(outcome, str):
-        return model.keep(key, what, outcome)
+    """The grammar from a compile's ``outcome`` (the grammar, or what the pool raised), or a PrunusError line
+    naming ``field`` (a refusal, a deadline passed, remembered for the next time)."""
+    if isinstance(outcome, Grammar):
+        return outcome
     if isinstance(outcome, Refused):
         model.refuse(key, "refused", str(outcome))
         raise PrunusError(_refusal(what, field, str(outcome))) from None
-    if isinstance(outcome, GrammarTimeout) and "cancelled" not in str(outcome):
+    if isinstance(outcome, GrammarTimeout):
         model.refuse(key, "stopped", str(outcome))
     if isinstance(outcome, PrunusError):
         raise type(outcome)(f"'{field}' {outcome}") from None
@@ -223,7 +233,7 @@ def compile_constraint(tokenizer, vocab_size: int, what: str, value, field: str)
         return grammar
     try:
         model.pool.admit()
-        outcome = model.pool.run(what, text, threading.Event())
+        outcome = model.pool.run(what, text, threading.Event(), lambda: model.compile_here(key, what, text))
     except (Refused, PrunusError) as e:
         outcome = e
     return _settle(model, key, what, field, outcome)
@@ -241,10 +251,10 @@ async def compile_request(tokenizer, vocab_size: int, what: str, value, field: s
     if grammar is not None:
         return grammar
     try:
-        outcome = await model.pool.compile(what, text, receive)
+        outcome = await model.pool.compile(what, text, lambda: model.compile_here(key, what, text), receive)
     except (Refused, PrunusError) as e:
         outcome = e
-    return await loop.run_in_executor(None, _settle, model, key, what, field, outcome)
+    return _settle(model, key, what, field, outcome)
 
 
 def cache_info() -> CacheInfo:
