@@ -1,10 +1,12 @@
 """The grammar compiles of one served model: bounded in number, in waiting, in time, and cancelled with their client.
 
-:class:`GrammarPool` runs at most ``limits.workers`` compiles at once (default 1), each in a worker process
+:class:`GrammarPool` runs at most ``limits.workers`` compiles at once (default 1), each first in a worker process
 (:mod:`prunus.serve.grammar_worker`), and lets at most ``limits.queue`` more wait for one; past that a compile is
-refused at once (:class:`GrammarBusy`, answered 429). A compile past ``limits.timeout_s`` is stopped (its process
-killed) and answered as :class:`GrammarTimeout`; one whose client leaves (``receive`` says ``http.disconnect``)
-is stopped the same way. Waiting happens in the pool's own threads, never on the event loop.
+refused at once (:class:`GrammarBusy`, answered 429). A compile past ``limits.timeout_s`` in its worker is stopped
+(the process killed) and answered as :class:`GrammarTimeout`; one whose client leaves (``receive`` says
+``http.disconnect``) is stopped the same way. One that compiled in time is compiled again in this process while
+it keeps its worker (so compiles stay one at a time per worker). Waiting happens in the pool's own threads,
+never on the event loop.
 """
 
 from __future__ import annotations
@@ -67,11 +69,11 @@ class GrammarPool:
         """Take a place among the running and waiting compiles, or GrammarBusy."""
         with self._cond:
             if self.closed:
-                raise GrammarBusy("cannot be compiled: the server is shutting down; retry on another")
+                raise GrammarUnavailable("cannot be compiled: the server is shutting down; retry on another")
             if self._admitted >= self.limits.workers + self.limits.queue:
-                raise GrammarBusy(f"cannot be compiled now: {self._admitted} grammar compiles are running or waiting, "
-                                  "the most this server takes (PRUNUS_GRAMMAR_WORKERS, PRUNUS_GRAMMAR_QUEUE); retry "
-                                  "shortly")
+                raise GrammarBusy(f"cannot be compiled now: this server compiles {self.limits.workers} grammar(s) at "
+                                  f"once and queues {self.limits.queue} more, all taken (PRUNUS_GRAMMAR_WORKERS, "
+                                  "PRUNUS_GRAMMAR_QUEUE); retry shortly")
             self._admitted += 1
 
     def _take(self, cancelled: threading.Event) -> CompileWorker:
@@ -114,9 +116,9 @@ class GrammarPool:
             worker = self._take(cancelled)
             try:
                 worker.probe(what, text, self.limits.timeout_s, cancelled)
+                return then()  # the same compile here (about as long), kept whether or not awaited; one at a time
             finally:
                 self._give(worker)
-            return then()  # the same compile here: about the time it just took, kept whether or not awaited
         except Stopped as e:
             raise (GrammarUnavailable if e.reason in ("startup", "cancelled") else GrammarTimeout)(self._why(e)) \
                 from None
