@@ -38,6 +38,8 @@ class GrammarLimits:
     """The compile deadline, the compile pool's size and the caps on what one constraint may ask."""
 
     timeout_s: float = _cap("PRUNUS_GRAMMAR_TIMEOUT_S", "seconds one grammar may compile", 10.0)
+    match_s: float = _cap("PRUNUS_GRAMMAR_MATCH_S", "seconds one request's grammar may spend matching its tokens "
+                          "while it generates (an ambiguous regex slows every step)", 2.0)
     workers: int = _cap("PRUNUS_GRAMMAR_WORKERS", "grammar compiles run at once per model, each in its own process", 1)
     queue: int = _cap("PRUNUS_GRAMMAR_QUEUE", "compiles that may wait for a worker before a 429", 8)
     max_depth: int = _cap("PRUNUS_GRAMMAR_MAX_DEPTH", "nesting of a schema's JSON objects and arrays", 64)

@@ -27,6 +27,7 @@ import atexit
 import hashlib
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class Grammar:
     compiled: object  # xgrammar.CompiledGrammar
     vocab_size: int
     what: str  # "json_schema", "json_object", "regex" or "tool_call": for messages
+    match_s: float = 2.0  # seconds a request may spend matching under it (GrammarLimits.match_s)
 
     def matcher(self, stop_ids: tuple[int, ...]):
         xgr = _xgrammar()
@@ -156,7 +158,7 @@ class _Model:
     def compile_here(self, key: str, what: str, text: str) -> "Grammar":
         """xgrammar's compile in this process (after a worker's compiled the same in time), kept in the cache."""
         try:
-            grammar = Grammar(build(_xgrammar(), self.compiler, what, text), self.vocab_size, what)
+            grammar = Grammar(build(_xgrammar(), self.compiler, what, text), self.vocab_size, what, self.limits.match_s)
         except Exception as e:  # noqa: BLE001 - the worker compiled it; a refusal here is xgrammar's all the same
             raise Refused(" ".join(str(e).split())[:600]) from None
         with self.lock:
@@ -271,23 +273,40 @@ def _close_pools() -> None:
 
 def mask_row(out: torch.Tensor, grammar: Grammar, request) -> None:
     """Advance ``request``'s matcher over the tokens it accepted since the last step, then set every token the
-    grammar forbids next to -inf in ``out`` (a float32 row, changed in place)."""
+    grammar forbids next to -inf in ``out`` (a float32 row, changed in place).
+
+    A row no token can continue (a regex that matches nothing), or whose matching has taken more than the grammar's
+    ``match_s`` seconds in all (an ambiguous regex such as ``(a*a*)*b`` makes each step slower than the last, and
+    the steps run in the engine's one scheduler thread), may only stop: it ends at its stop token, rather than
+    failing its batch or holding every other request back."""
     xgr = _xgrammar()
+    if getattr(request, "grammar_dead_end", None):  # it may only stop from now on; its matcher is left behind
+        return _only_stop(out, request, request.grammar_dead_end)
     state = getattr(request, "grammar_state", None)
     if state is None:
         state = request.grammar_state = [grammar.matcher(tuple(request.stop_ids)), 0,
-                                         xgr.allocate_token_bitmask(1, grammar.vocab_size)]
-    matcher, seen, bitmask = state
+                                         xgr.allocate_token_bitmask(1, grammar.vocab_size), 0.0]
+    matcher, seen, bitmask, spent = state
+    start = time.perf_counter()
     for token in request.generated[seen:]:
         if not matcher.accept_token(token):
             raise PrunusError(f"token {token} left the {grammar.what} grammar")  # cannot happen under the mask
     state[1] = len(request.generated)
     if matcher.is_terminated():
         return
+    if spent > grammar.match_s:
+        return _only_stop(out, request, f"its {grammar.what} grammar took over {grammar.match_s:g} s to match")
     matcher.fill_next_token_bitmask(bitmask)
     xgr.apply_token_bitmask_inplace(out.view(1, -1), bitmask.to(out.device), vocab_size=grammar.vocab_size)
-    if request.stop_ids and not bool(torch.isfinite(out).any()):
-        # a constraint no text can go on from (a regex that matches nothing): the row ends at its stop token,
-        # rather than sampling from no token at all, which would fail every request of the batch
-        request.grammar_dead_end = True
+    state[3] = spent + time.perf_counter() - start
+    if not bool(torch.isfinite(out).any()):
+        _only_stop(out, request, f"its {grammar.what} grammar allows no next token")
+
+
+def _only_stop(out: torch.Tensor, request, why: str) -> None:
+    """Leave ``request``'s row only its stop tokens (a row with none: every token, so that sampling never meets a
+    row with nothing to sample; its matcher is not consulted again)."""
+    request.grammar_dead_end = why
+    out.fill_(float("-inf") if request.stop_ids else 0.0)
+    if request.stop_ids:
         out[list(request.stop_ids)] = 0.0

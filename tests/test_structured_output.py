@@ -172,3 +172,20 @@ def test_a_regex_no_text_can_follow_ends_its_row_and_spares_its_neighbours(serve
     assert dead_status == 200 and dead_body["choices"][0]["finish_reason"] == "stop", dead_body
     assert dead_body["choices"][0]["text"] in ("", "a")
     assert plain_status == 200 and plain_body["choices"][0]["text"], plain_body
+
+
+def test_an_ambiguous_regex_stops_matching_at_its_time_budget(server):
+    """``(a*a*)*b`` compiles at once but makes every step slower than the last (48 s for 200 tokens of 'a'
+    unbounded): past the grammar's match budget (PRUNUS_GRAMMAR_MATCH_S, 2 s) the row may only stop, so the
+    request ends within about that budget and a plain request after it is answered."""
+    import time
+
+    body = {"prompt": "a", "max_tokens": 300, "temperature": 0.0, "logit_bias": {"97": 100},
+            "guided_regex": "(a*a*)*b"}
+    start = time.perf_counter()
+    status, answer = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", answer
+    assert time.perf_counter() - start < 15
+    assert set(answer["choices"][0]["text"]) <= {"a"}
+    status, plain = call(server, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 4, "temperature": 0.0})
+    assert status == 200 and plain["choices"][0]["text"]
