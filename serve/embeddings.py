@@ -28,7 +28,7 @@ from pydantic import Field
 from prunus.artifacts.errors import PrunusError
 
 from .http_guard import BadRequest
-from .openai_schema import Strict
+from .openai_schema import MAX_NAME, Strict
 from .runtime_words import runtime_words
 
 PATH = "/v1/embeddings"
@@ -128,7 +128,8 @@ def embed_ids(engine, prompts: list[list[int]], pooling: str = "last", normalize
 class EmbeddingRequest(Strict):
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, token ids, or a list of token id lists.")
-    model: str | None = Field(None, description="A served name or a LoRA adapter's (GET /v1/models).")
+    model: str = Field(min_length=1, max_length=MAX_NAME,
+                       description="A served name or a LoRA adapter's (GET /v1/models); required, as OpenAI's is.")
     encoding_format: Literal["float", "base64"] = Field("float", description="float: numbers; base64: float32 bytes.")
     dimensions: int | None = Field(None, description="Not supported (the model's width is the embedding's).")
     user: str | None = None

@@ -96,12 +96,13 @@ def test_http_embeddings_float_and_base64(engine):
         n = sum(len(engine.tokenizer.encode(t)) for t in TEXTS)
         assert out["usage"] == {"prompt_tokens": n, "total_tokens": n}
         ids = engine.tokenizer.encode(TEXTS[0])
-        status, out = call(server, {"input": ids, "encoding_format": "base64"})
+        status, out = call(server, {"model": "tiny", "input": ids, "encoding_format": "base64"})
         assert status == 200
         raw = np.frombuffer(base64.b64decode(out["data"][0]["embedding"]), dtype="<f4")
         assert np.abs(raw - want[0].numpy()).max() <= TOL and out["usage"]["prompt_tokens"] == len(ids)
-        for body, code in (({"input": "x", "encoding_format": "int8"}, 400), ({"input": "x", "dimensions": 8}, 400),
-                           ({"input": "x", "model": "other"}, 404), ({"input": []}, 400)):
+        for body, code in (({"model": "tiny", "input": "x", "encoding_format": "int8"}, 400),
+                           ({"model": "tiny", "input": "x", "dimensions": 8}, 400), ({"input": "x"}, 400),
+                           ({"input": "x", "model": "other"}, 404), ({"model": "tiny", "input": []}, 400)):
             status, out = call(server, body)
             assert status == code and "\n" not in out["error"]["message"], body
     finally:
