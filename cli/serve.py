@@ -146,8 +146,9 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
 
 def _runtime_words(info: dict) -> str:
     """What runs the model, for the startup line: the backend, or the native kernels' path; why not native."""
-    if info.get("runtime") == "native":
-        return f"prunus's native kernels ({info.get('native_isa')})"
+    if info.get("runtime") == "native":  # with what the export's check of them found (runtime.native_parity)
+        parity = (info.get("native_parity") or "not checked").split(" (")[0]
+        return f"prunus's native kernels ({info.get('native_isa')}; parity {parity})"
     native = info.get("native", "")
     return info["backend"] + (f" (native {native})" if native.startswith("off") else "")
 

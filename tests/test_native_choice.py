@@ -129,7 +129,7 @@ def test_serve_says_which_runtime_serves(export_dir, monkeypatch):
     def stop(self, poll_interval=0.5):
         raise KeyboardInterrupt
     monkeypatch.setattr(CompletionServer, "serve_forever", stop)
-    for flags, words in (([], f"on prunus's native kernels ({isa()})"),
+    for flags, words in (([], f"on prunus's native kernels ({isa()}; parity passed on {isa()})"),
                          (["--no-native"], "on onnxruntime (native off: native=False (--no-native))")):
         r = CliRunner().invoke(cli, ["serve", str(path), "--port", "0", "--max-batch", "1", *flags])
         assert r.exit_code == 0 and words in r.stderr, r.stderr
