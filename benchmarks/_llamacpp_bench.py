@@ -238,7 +238,7 @@ def report_sweep(rs: list[Runner], k: int, n: int) -> None:
 
 def report_agreement(rs: list[Runner], keys: list[tuple[int, int]]) -> None:
     """Greedy tokens of each llama.cpp file against the prunus contenders of its precision, and of
-    onnxruntime-genai against prunus on the same dir (its batches are left-padded)."""
+    onnxruntime-genai against prunus on the same dir (its batches right-padded, as og reads them)."""
     pairs = [(p, r) for p in rs if p.kind == "llama.cpp"
              for r in rs if r.kind == "prunus" and r.precision == p.precision]
     pairs += [(p, r) for r, p in og_pairs(rs) if r.path == p.path]

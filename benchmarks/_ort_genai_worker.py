@@ -5,7 +5,11 @@ with ``og.Config`` and sets only the decoder session's ``intra_op_num_threads`` 
 other setting is the dir's own (ONNX Runtime's spinning thread pool included). Greedy decode is og's own loop:
 ``append_tokens`` (the prompt's pass) then ``generate_next_token`` per token; ``min_length`` = ``max_length`` so
 an end-of-sequence token does not stop a row early (as prunus's ``ignore_eos``). A batch of prompts of different
-lengths is left-padded with the config's ``pad_token_id`` into one 2-D array, the way og takes a batch.
+lengths is right-padded with the config's ``pad_token_id`` into one 2-D array: og counts a row's tokens as those
+that are not the pad id and hands GroupQueryAttention ``seqlens_k`` for right padding (the genai graph takes no
+position ids), so a left-padded row is decoded from the wrong positions. Right-padded, a row's greedy tokens
+equal its tokens alone (tests/test_ort_genai_worker.py). A prompt of a multi-row batch that holds the pad id
+itself would be miscounted, and is refused.
 
 Protocol (``harness.serve``): {"op": "info"} -> {"version"}; {"op": "load", "path", "threads"} -> {"pad"};
 {"op": "generate", "prompts": [[ids]], "n_new"} -> {"seconds", "tokens"} (timed here, from the generator's
@@ -44,10 +48,19 @@ def load(path: str, threads: int) -> dict:
     return {"pad": STATE["pad"], "threads_in_process": len(os.listdir("/proc/self/task"))}
 
 
+def padded(prompts: list[list[int]], pad: int) -> np.ndarray:
+    """The prompts right-padded with ``pad`` into one (rows, width) int32 array, as og reads a batch."""
+    width = max(map(len, prompts))
+    if len(prompts) > 1 and any(pad in p for p in prompts):
+        raise ValueError(f"a prompt holds the pad token id {pad}: og would count it as padding in a batch; "
+                         "run such prompts one at a time")
+    return np.array([p + [pad] * (width - len(p)) for p in prompts], np.int32)
+
+
 def generate(prompts: list[list[int]], n_new: int) -> dict:
     model, pad = STATE["model"], STATE["pad"]
-    width = max(map(len, prompts))
-    ids = np.array([[pad] * (width - len(p)) + p for p in prompts], np.int32)
+    ids = padded(prompts, pad)
+    width = ids.shape[1]
     t = time.perf_counter()
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=width + n_new, min_length=width + n_new, do_sample=False,

@@ -437,7 +437,7 @@ def ort_genai_contenders(model_dir: Path, root: Path, contenders: list, args) ->
     print(f"   onnxruntime-genai {og.__version__} (its own runtime, a process per model dir): og.Config(dir) with "
           "the decoder's session_options.intra_op_num_threads set to the thread count (Config.overlay), all else "
           "the dir's genai_config.json (ONNX Runtime's defaults: spinning thread pool); greedy, min_length = "
-          "max_length; batches left-padded with pad_token_id")
+          "max_length; batches right-padded with pad_token_id, as og reads them")
     print(f"   builder int4: {' '.join(builder_command(hf, built, Path('CACHE'))[1:-2])} (no extra options)")
     for c in out:
         print(f"   {c.label:44s} {graph_summary(c.path)}")
