@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 
 import click
 from click.core import ParameterSource
 
 from prunus.train_parallel.config import TrainConfig
+
+from .command_line import command_line
+from .config_options import config_options
 
 # model flags: overrides of the preset's fields (TrainConfig.model): option -> (ModelConfig field, type, help)
 MODEL_OPTIONS = {
@@ -29,35 +30,6 @@ MODEL_OPTIONS = {
     "--moe-ffn-dim": ("moe_ffn_dim", int, "MoE: hidden size of each expert (default: the preset's ffn_dim)."),
 }
 MODEL_PARAMS = {flag[2:].replace("-", "_"): spec[0] for flag, spec in MODEL_OPTIONS.items()}
-# options that shape this invocation only; never passed on to the processes it starts
-LOCAL_ONLY = ("nproc", "dry_run", "world_size", "plan_rank")
-
-
-def _option_type(annotation) -> type:
-    """``int``, ``float``, ``str`` or ``bool`` from a field's annotation (``int | None`` -> ``int``)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
-def field_option(f: dataclasses.Field, annotation, default) -> click.Option:
-    """The ``prunus train`` option of one TrainConfig field."""
-    meta = f.metadata
-    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-    help_text = meta["help"] + (f" One of: {', '.join(meta['choices'])}." if "choices" in meta else "")
-    kind = _option_type(annotation)
-    if kind is bool:
-        off = meta.get("off_flag", "--no-" + flag[2:])
-        return click.Option([f"{flag}/{off}", f.name], default=default, show_default=True, help=help_text)
-    return click.Option([flag, f.name], type=kind, default=default, show_default=default is not None, help=help_text)
-
-
-def config_options(settings: type = TrainConfig) -> list[click.Option]:
-    """One option per field of the dataclass ``settings`` (those with ``cli=False`` in their metadata excepted)."""
-    hints = typing.get_type_hints(settings)
-    defaults = settings()
-    return [field_option(f, hints[f.name], getattr(defaults, f.name)) for f in dataclasses.fields(settings)
-            if f.metadata.get("cli", True)]
 
 
 def _renamed_top_k(ctx: click.Context, param: click.Parameter, value) -> None:
@@ -82,22 +54,6 @@ EXTRA_OPTIONS = [
     click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its last checkpoint (under any layout)."),
     click.Option(["--overwrite"], is_flag=True, help="Replace whatever --out holds."),
 ]
-
-
-def command_line(ctx: click.Context, given: dict, config_file, resume: bool, overwrite: bool) -> list[str]:
-    """The flags this command was given, as arguments for the same command elsewhere (torchrun, srun)."""
-    args = ["--config", config_file] if config_file else []
-    for param in ctx.command.params:
-        if param.name not in given or param.name in LOCAL_ONLY:
-            continue
-        value = given[param.name]
-        if param.is_flag and param.secondary_opts:
-            args.append(param.opts[0] if value else param.secondary_opts[0])
-        elif param.is_flag:
-            args += [param.opts[0]] if value else []
-        else:
-            args += [param.opts[0], str(value)]
-    return args + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else [])
 
 
 def resolve_config(given: dict, options: dict, config_file: str | None, resume: bool) -> TrainConfig:

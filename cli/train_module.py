@@ -19,14 +19,15 @@ from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel.config import TrainConfig
 from prunus.train_parallel.module_config import ModuleTrainConfig
 
+from .command_line import command_line
+from .config_options import config_options
+
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _MODULE_FIELDS = {f.name for f in dataclasses.fields(ModuleTrainConfig)}
 
 
 def module_options() -> list[click.Option]:
     """--model, --model-args and one option per ModuleTrainConfig field that TrainConfig has no option for."""
-    from .train import config_options
-
     own = [o for o in config_options(ModuleTrainConfig) if o.name not in _TRAIN_FIELDS]
     return [
         click.Option(["--model", "module_spec"], default=None, metavar="PACKAGE.MODULE:CALLABLE",
@@ -104,8 +105,6 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
     if dry_run:
         from prunus.train_parallel.launch.module_dry_run import module_memory_plan
 
-        from .train import command_line
-
         return print_module_plan(module_memory_plan(cfg, command_line(ctx, given, None, resume, overwrite)))
     from prunus.data.module_datasets import module_datasets
     from prunus.train_parallel.module_trainer import preflight_module, train_module
@@ -114,8 +113,6 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_ranks
-
-        from .train import command_line
 
         preflight_module(cfg, train, resume=resume, overwrite=overwrite)  # bad input: one line, before any rank starts
         ctx.exit(launch_ranks(cfg.nproc, ["train", *command_line(ctx, given, None, resume, overwrite)]))
