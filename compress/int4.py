@@ -39,6 +39,7 @@ from prunus.models.quantized_int4 import Int4Linear
 from .int4_clip import CLIPS, grid_params
 from .options import INT4_ALGORITHMS as ALGORITHMS
 from .select import DEFAULT_EXCLUDE, check_named, exclude_list, float_linears, given_exclude, is_excluded, resolve_blocks
+from .untie_output import untie_output
 
 CALIBRATED = ("gptq", "awq", "awq-gptq")
 
@@ -115,8 +116,6 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
     batches = calibration(ctx, algorithm, n_calib)
     info, store = _state(model)
     if "output" in int4_names + int8_names and model.config.tie_embeddings:
-        from .quantize import untie_output
-
         untie_output(model)
         info["untied_output"] = True
 

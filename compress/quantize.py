@@ -32,18 +32,13 @@ from .calibrate import input_absmax
 from .int4 import int4_pass
 from .options import check_calibration
 from .select import float_linears, given_exclude
+from .untie_output import untie_output
 
 
 def linear_names(model: nn.Module, exclude=()) -> tuple[list[str], list[str]]:
     """(names of the float Linear modules to quantize, names of those excluded); see ``select.py``."""
     chosen, skipped = float_linears(model, exclude, where="quantize")
     return list(chosen), skipped
-
-
-def untie_output(model: nn.Module) -> None:
-    """Give the output head its own copy of the embedding table."""
-    model.output.weight = nn.Parameter(model.output.weight.detach().clone())
-    model.config = model.config.replace(tie_embeddings=False)
 
 
 def eight_bit_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
