@@ -23,6 +23,8 @@ from torch import nn
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
 
+from .pass_label import pass_label
+
 MODULE_PASSES = {"prune_channels": "prunus.compress.module_prune:prune_channels_pass",
                  "distill_module": "prunus.compress.module_distill:distill_module_pass"}
 LATENCY_RUNS, LATENCY_BATCH, CALIB_SAMPLES = 7, 8, 64
@@ -144,8 +146,6 @@ def _run_passes(model, ctx, passes, rows, latency):
     from .recipe import get_pass
 
     for name, args in passes:
-        from .run import pass_label
-
         label = pass_label(name, args)
         ctx.take_notes()
         model = get_pass(name)(model, ctx, **args)

@@ -32,18 +32,13 @@ from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
 
 from .context import build_context
 from .pass_arguments import Span
+from .pass_label import pass_label
 from .recipe import PASSES, check_pass, get_pass, recipe_yaml
 from .report import greedy, prompts_from, report_files, report_header, report_row
 
 
 class QualityDropError(Exception):
     """A pass lost more quality than allowed; the command exits 1 and writes nothing."""
-
-
-def pass_label(name: str, args: dict) -> str:
-    if not args:
-        return name
-    return f"{name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
 
 
 def run_pass(fn, name: str, model: nn.Module, ctx, args: dict) -> nn.Module:
