@@ -33,7 +33,7 @@ from prunus.artifacts.errors import PrunusError
 SOURCE = Path(__file__).with_name("decode.c")
 HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h", "tile_amx.h")  # the kernel templates decode.c includes
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
-ABI = 5  # prunus_abi() of the source this module's structures match
+ABI = 6  # prunus_abi() of the source this module's structures match
 ISAS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, widest first (default: default_isa)
 ISA_ENV = "PRUNUS_NATIVE_ISA"
 LIB, RECORD = "decode.so", "build.json"
@@ -70,7 +70,11 @@ def _compiler() -> list[str]:
 def build_record(cc: list[str]) -> dict:
     """What a build is made from: the sources' hash, the compiler (command, resolved file, its size and time: a
     ``stat``, no process started) and the flags."""
-    source = b"".join(SOURCE.with_name(name).read_bytes() for name in (SOURCE.name, *HEADERS))
+    try:
+        source = b"".join(SOURCE.with_name(name).read_bytes() for name in (SOURCE.name, *HEADERS))
+    except OSError as e:  # an install without the package data: one line, which native="auto" falls back on
+        raise PrunusError(f"the native decoder's source {e.filename} cannot be read ({e.strerror}); reinstall "
+                          "prunus, or serve without --native") from None
     exe = os.path.realpath(shutil.which(cc[0]) or cc[0])
     st = os.stat(exe)
     return {"format": BUILD_FORMAT, "source": hashlib.sha256(source).hexdigest(),
@@ -220,3 +224,4 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prunus_isa_supported.argtypes = lib.prunus_set_isa.argtypes = [ctypes.c_char_p]
     lib.prunus_isa_supported.restype = lib.prunus_set_isa.restype = i
     lib.prunus_isa_invariant.argtypes, lib.prunus_isa_invariant.restype = [ctypes.c_char_p], i
+    lib.prunus_plan_rows.argtypes, lib.prunus_plan_rows.restype = [], i
