@@ -57,6 +57,8 @@ def _device_map(value: str | None):
                    "Or list trusted specs in PRUNUS_TRUST_FACTORIES.")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0, max=10_000), default=2.0, show_default=True,
               help="A generic module: how long a request waits for others to share its forward pass (dynamic batching).")
+@click.option("--max-body-mb", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
+              help="A generic module: the largest infer request body, in MiB (JSON or binary tensor data); 413 over it.")
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="A name clients give as 'model' (repeat for aliases; GET /v1/models lists them). Default: the "
                    "served dir's name. Any other 'model' is answered 404 model_not_found.")
@@ -70,8 +72,8 @@ def _device_map(value: str | None):
 @serving_feature_options
 @access_options
 def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, served_model_names,
-            shutdown_grace, prefix_cache_mb, draft, draft_tokens, lora=(), **access):
+            max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, max_body_mb,
+            served_model_names, shutdown_grace, prefix_cache_mb, draft, draft_tokens, lora=(), **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
     (FastAPI on uvicorn) until Ctrl-C or SIGTERM (a drain of --shutdown-grace seconds);
     a generic module (model dir or ONNX export dir) on the Open Inference Protocol: POST /v2/models/NAME/infer."""
@@ -96,7 +98,7 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
                features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens,
                          **({"lora": adapters} if adapters else {})},
-               kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace)
+               kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace, max_body_mb=max_body_mb)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -109,7 +111,7 @@ def _prepare_step():
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=None, access=None, predict=None, served_model_names=None,
-           kv_dtype="f32", features=None, prepare=False, shutdown_grace=SHUTDOWN_GRACE_S):
+           kv_dtype="f32", features=None, prepare=False, shutdown_grace=SHUTDOWN_GRACE_S, max_body_mb=64):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
@@ -122,7 +124,8 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None,
-                                                              shutdown_grace=shutdown_grace)
+                                                              shutdown_grace=shutdown_grace,
+                                                              **({"max_body_bytes": max_body_mb << 20} if predicts else {}))
         info = engine.info
         if access is None or access.api_key is None:
             if not _loopback(server.server_address[0]):

@@ -4,12 +4,17 @@
 * ``GET /v2``: the server's metadata; ``GET /v2/models/{name}``: the model's (``inputs`` / ``outputs`` with
   name, datatype and shape, ``-1`` for the batch axis); ``GET /v2/models/{name}/ready``;
 * ``POST /v2/models/{name}/infer``: typed tensors in (:mod:`prunus.serve.oip_tensors`), typed tensors out,
-  ``{"model_name", "id"?, "outputs": [{"name", "datatype", "shape", "data"}]}``; each request's rows join a
-  pass shared with other clients (:mod:`prunus.serve.dynamic_batcher`);
+  ``{"model_name", "model_version", "id"?, "outputs": [{"name", "datatype", "shape", "data"}]}``; each
+  request's rows join a pass shared with other clients (:mod:`prunus.serve.dynamic_batcher`); the binary tensor
+  data extension both ways (:mod:`prunus.serve.oip_binary`), as tritonclient sends and reads it;
+* every ``/v2/models/{name}`` route also under ``/v2/models/{name}/versions/1`` (the one version the metadata
+  lists; another is a 404);
 * ``GET /health`` and ``GET /metrics`` as the completions server's, with the batching counters.
 
 The completions server's guards (:mod:`prunus.serve.http_server`) hold: the door (API key, Host, Origin),
-deadlines, size limits, the connection cap, a full queue → 429. Errors are the protocol's
+deadlines, the connection cap, a full queue → 429; an infer body is JSON or binary tensor data, sent as
+``application/json``, ``application/octet-stream`` or without a Content-Type, of at most ``max_body_bytes``
+(default 64 MiB: a 64-row batch of 3 × 224 × 224 FP32 images in binary; 413 over it). Errors are the protocol's
 ``{"error": "one line"}``: a malformed tensor, or a value its datatype does not hold, 400 naming it; an unknown
 model or route 404; an output holding NaN or infinity (which JSON cannot carry) 500 naming it; any other failure
 of the server 500, one line to the client and the traceback to stderr.
@@ -21,19 +26,25 @@ import asyncio
 import json
 import traceback
 
+import numpy as np
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from prunus.artifacts.errors import PrunusError
 
-from .asgi_guard import ClientGone, RequestGuard, log_client
-from .http_guard import BadRequest, parse_json_body
+from .asgi_guard import ClientGone, RequestGuard, log_client, replay
+from .http_guard import BadRequest
 from .http_server import CompletionServer
+from .oip_binary import DEFAULT_MAX_BODY_BYTES, HEADER_LENGTH, binary_output, check_media, encode_response, \
+    read_infer_body, split_body
 from .oip_tensors import output_tensor, parse_infer
 from .scheduler import QueueFull
 
-ROUTES = "GET /v2/health/live, /v2/health/ready, /v2/models/{name}[/ready], /metrics or POST /v2/models/{name}/infer"
+ROUTES = ("GET /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/1][/ready], /metrics or "
+          "POST /v2/models/{name}[/versions/1]/infer")
+VERSIONS = ["1"]
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> Response:
@@ -76,9 +87,12 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
     _install_errors(app)
     engine = server.engine
 
-    def known(name: str) -> None:
+    def known(name: str, version: str | None = None) -> None:
         if name != server.model_name:
             raise BadRequest(404, f"unknown model {name[:80]!r}; this server serves {server.model_name!r}")
+        if version is not None and version not in VERSIONS:
+            raise BadRequest(404, f"model {name[:80]!r} has no version {version[:40]!r}; its versions are "
+                                  f"{', '.join(VERSIONS)}")
 
     @app.get("/v2/health/live")
     async def live():
@@ -90,17 +104,19 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
 
     @app.get("/v2")
     async def server_metadata():
-        return {"name": "prunus", "version": server.version, "extensions": []}
+        return {"name": "prunus", "version": server.version, "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/models/{name}")
-    async def model_metadata(name: str):
-        known(name)
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def model_metadata(name: str, version: str | None = None):
+        known(name, version)
         return server.metadata()
 
     @app.get("/v2/models/{name}/ready")
-    async def model_ready(name: str):
-        known(name)
-        return {"name": name, "ready": not engine._closed}
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def model_ready(name: str, version: str | None = None):
+        known(name, version)
+        return JSONResponse({"name": name, "ready": not engine._closed}, 200 if not engine._closed else 503)
 
     @app.get("/health")
     async def health():
@@ -112,11 +128,14 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
         return Response(server.metrics.render(), headers={"Content-Type": server.metrics_type})
 
     @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request):
-        known(name)
-        return await _infer(server, name, await request.body(), request.receive)
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(name: str, request: Request, version: str | None = None):
+        known(name, version)
+        body, headers = await _infer(server, name, await request.body(), request.headers.get(HEADER_LENGTH),
+                                     request.receive)
+        return Response(body, 200, headers=headers)
 
-    app.add_middleware(RequestGuard, server=server, takes_body=_is_infer)
+    app.add_middleware(OIPGuard, server=server)
     return app
 
 
@@ -124,15 +143,46 @@ def _is_infer(path: str) -> bool:
     return path.startswith("/v2/models/") and path.endswith("/infer")
 
 
+class OIPGuard(RequestGuard):
+    """The completions server's guard (the door, methods, deadlines), with the infer body read as the protocol
+    sends it: JSON or binary tensor data, ``application/json``, ``application/octet-stream`` or no Content-Type,
+    under the server's ``max_body_bytes`` (413)."""
+
+    def __init__(self, app, server):
+        super().__init__(app, server, takes_body=lambda path: False)  # the body is read below
+
+    async def _admit(self, scope, headers, receive, send):
+        receive = await super()._admit(scope, headers, receive, send)
+        if receive is None or scope["method"] != "POST" or not _is_infer(scope["path"]):
+            return receive
+        check_media(headers)
+        body = await read_infer_body(receive, headers, self.server.body_timeout, self.server.max_body_bytes)
+        return replay(body, receive)
+
+
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def _infer(server: "OIPServer", name: str, body: bytes, receive) -> dict:
-    engine = server.engine
-    tensors, request_id = parse_infer(parse_json_body(body), engine.backend.inputs,
-                                      [o.name for o in engine.backend.outputs])
+def _parse(server: "OIPServer", body: bytes, header_length: str | None):
+    backend = server.engine.backend
+    req, tail = split_body(body, header_length)
+    return parse_infer(req, backend.inputs, [o.name for o in backend.outputs], tail)
+
+
+def _encode(name: str, request_id, out: np.ndarray, spec, binary: bool) -> tuple[bytes, dict]:
+    header = {"model_name": name, "model_version": VERSIONS[0], **({"id": request_id} if request_id is not None else {})}
+    if not binary:
+        return encode_response({**header, "outputs": [output_tensor(out, spec)]}, [])
+    entry, raw = binary_output(out, spec.name, spec.datatype)
+    return encode_response({**header, "outputs": [entry]}, [raw])
+
+
+async def _infer(server: "OIPServer", name: str, body: bytes, header_length, receive) -> tuple[bytes, dict]:
+    """(the response body, its headers): the body parsed off the event loop (a large JSON body takes seconds)."""
+    engine, loop = server.engine, asyncio.get_running_loop()
+    tensors, request_id, wanted = await loop.run_in_executor(server.pool, _parse, server, body, header_length)
     future = engine.submit_predict(tensors[engine.backend.inputs[0].name])
     result, gone = asyncio.wrap_future(future), asyncio.ensure_future(_disconnected(receive))
     try:
@@ -143,14 +193,17 @@ async def _infer(server: "OIPServer", name: str, body: bytes, receive) -> dict:
         out = result.result()
     finally:
         gone.cancel()
-    return {"model_name": name, **({"id": request_id} if request_id is not None else {}),
-            "outputs": [output_tensor(out, engine.backend.outputs[0])]}
+    spec = engine.backend.outputs[0]
+    return await loop.run_in_executor(server.pool, _encode, name, request_id, out, spec, wanted[spec.name])
 
 
 class OIPServer(CompletionServer):
     """The Open Inference Protocol endpoint over an Engine whose backend predicts (see the module docstring)."""
 
-    def __init__(self, engine, *args, **kwargs):
+    def __init__(self, engine, *args, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **kwargs):
+        if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
+            raise PrunusError(f"max_body_bytes {max_body_bytes!r}: give a positive number of bytes")
+        self.max_body_bytes = max_body_bytes
         if not engine.backend.capabilities.predict:
             raise PrunusError("the Open Inference Protocol server serves non-generative models (a generic model dir "
                               "or its export); serve this one with the completions server")
@@ -170,5 +223,5 @@ class OIPServer(CompletionServer):
 
     def metadata(self) -> dict:
         backend = self.engine.backend
-        return {"name": self.model_name, "versions": ["1"], "platform": self.engine.info.get("runtime", ""),
+        return {"name": self.model_name, "versions": VERSIONS, "platform": self.engine.info.get("runtime", ""),
                 "inputs": [s.metadata() for s in backend.inputs], "outputs": [s.metadata() for s in backend.outputs]}

@@ -5,8 +5,11 @@ each input must name one of the model's inputs, once; its ``datatype`` must be t
 model's with one or more rows, and ``data`` (flat in row-major order, or nested) must hold exactly as many
 elements of that type as the shape says, each one the datatype holds: an integer within its range, a finite number
 that stays finite in FP16 / FP32 / FP64 (``1e39`` is no FP32 value: the cast would make it infinity; NaN and
-infinity are refused for every datatype). Anything else is a :class:`~prunus.serve.http_guard.BadRequest` (400)
-whose one line names the tensor and the element.
+infinity are refused for every datatype). An input may instead carry ``"parameters": {"binary_data_size": B}``
+and its B bytes after the JSON header (:mod:`prunus.serve.oip_binary`). BYTES tensors are refused (this server's
+models take numeric tensors). ``parameters`` other than ``binary_data_size`` (inputs), ``binary_data`` (outputs)
+and ``binary_data_output`` (the request) are refused, not ignored. Anything else is a
+:class:`~prunus.serve.http_guard.BadRequest` (400) whose one line names the tensor and the element.
 
 :func:`output_tensor` writes a model's output as the protocol's JSON tensor; an output holding NaN or infinity, which
 JSON numbers cannot carry, is a one-line BadRequest(500) naming the output: the inputs were finite and representable,
@@ -20,9 +23,10 @@ import math
 import numpy as np
 
 from prunus.artifacts.finite_arrays import describe, first_nonfinite
-from prunus.runtime.tensor_spec import TensorSpec
+from prunus.runtime.tensor_spec import DATATYPES, TensorSpec
 
 from .http_guard import BadRequest
+from .oip_binary import array_from_bytes, binary_inputs, binary_size
 
 REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
 TENSOR_FIELDS = {"name", "shape", "datatype", "data", "parameters"}
@@ -74,7 +78,18 @@ def _values(flat: list, spec: TensorSpec, where: str) -> np.ndarray:
     return array
 
 
-def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
+def _check_datatype(entry: dict, spec: TensorSpec, where: str) -> None:
+    datatype = entry.get("datatype")
+    if datatype == spec.datatype:
+        return
+    if datatype == "BYTES":
+        raise BadRequest(400, f"{where}: datatype BYTES is not served here (this model's tensors are numeric); "
+                              f"send {spec.datatype}")
+    known = "" if datatype in DATATYPES else " (not an Open Inference Protocol datatype this server knows)"
+    raise BadRequest(400, f"{where}: datatype {str(datatype)[:20]!r}{known} where the model takes {spec.datatype}")
+
+
+def _tensor(entry, specs: dict[str, TensorSpec], raw: dict[str, bytes]) -> tuple[str, np.ndarray]:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise BadRequest(400, "each entry of 'inputs' must be an object with a 'name'")
     name = entry["name"]
@@ -85,13 +100,15 @@ def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
     if unknown:
         raise BadRequest(400, f"{where}: unknown field(s) {', '.join(unknown)[:120]}")
     spec = specs[name]
-    if entry.get("datatype") != spec.datatype:
-        raise BadRequest(400, f"{where}: datatype {str(entry.get('datatype'))[:20]!r} where the model takes "
-                              f"{spec.datatype}")
+    _check_datatype(entry, spec, where)
     shape, want = entry.get("shape"), spec.metadata()["shape"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
             and len(shape) == len(want) and shape and shape[0] >= 1 and tuple(shape[1:]) == spec.sample_shape):
         raise BadRequest(400, f"{where}: shape {str(shape)[:80]} where the model takes {want} (-1: one or more rows)")
+    if binary_size(entry, where) is not None:
+        if "data" in entry:
+            raise BadRequest(400, f"{where}: give its data in 'data' or as binary_data_size bytes, not both")
+        return name, array_from_bytes(raw[name], spec.dtype, spec.datatype, shape, where)
     flat = _flat(entry.get("data"), where)
     count = math.prod(shape)
     if len(flat) != count:
@@ -99,9 +116,10 @@ def _tensor(entry, specs: dict[str, TensorSpec]) -> tuple[str, np.ndarray]:
     return name, _values(flat, spec, where).reshape(shape)
 
 
-def parse_infer(req, specs: list[TensorSpec], outputs: list[str]) -> tuple[dict[str, np.ndarray], object]:
-    """({input name: array}, the request's id) of a parsed infer body, every tensor checked; ``outputs``: the
-    model's output names."""
+def parse_infer(req, specs: list[TensorSpec], outputs: list[str],
+                tail: bytes = b"") -> tuple[dict[str, np.ndarray], object, dict[str, bool]]:
+    """({input name: array}, the request's id, {output name: whether it is sent binary}) of a parsed infer body,
+    every tensor checked; ``outputs``: the model's output names; ``tail``: the binary data after the JSON header."""
     if not isinstance(req, dict):
         raise BadRequest(400, "the request body must be a JSON object")
     unknown = sorted(set(req) - REQUEST_FIELDS)
@@ -110,8 +128,9 @@ def parse_infer(req, specs: list[TensorSpec], outputs: list[str]) -> tuple[dict[
     inputs = req.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest(400, "'inputs' must be a non-empty list of tensors")
+    raw = binary_inputs(inputs, tail)
     by_name = {s.name: s for s in specs}
-    tensors = dict(_tensor(entry, by_name) for entry in inputs)
+    tensors = dict(_tensor(entry, by_name, raw) for entry in inputs)
     if len(tensors) != len(inputs):
         raise BadRequest(400, "an input tensor is given twice; give each once")
     missing = [n for n in by_name if n not in tensors]
@@ -120,27 +139,42 @@ def parse_infer(req, specs: list[TensorSpec], outputs: list[str]) -> tuple[dict[
     request_id = req.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(400, "'id' must be a string")
-    _check_unused(req, inputs, outputs)
-    return tensors, request_id
+    return tensors, request_id, _requested(req, outputs)
 
 
-def _check_unused(req: dict, inputs: list, outputs: list[str]) -> None:
-    """Fields this server would otherwise ignore are refused: parameters (binary data, classification
-    extensions) and ``outputs`` naming anything but the model's outputs (which are always all returned)."""
-    if req.get("parameters") or any(entry.get("parameters") for entry in inputs):
-        raise BadRequest(400, "'parameters' (binary data, classification) are not supported; send JSON tensors "
-                              "without them")
+def _flag(params, key: str, where: str) -> bool:
+    """``params[key]`` (a bool, False when absent); any other parameter is a 400."""
+    if params is None:
+        return False
+    if not isinstance(params, dict) or set(params) - {key}:
+        raise BadRequest(400, f"{where}: the only parameter supported is {key} (classification and the others "
+                              "are not)")
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(400, f"{where}: {key} must be true or false")
+    return value
+
+
+def _requested(req: dict, outputs: list[str]) -> dict[str, bool]:
+    """{output name: binary} of the outputs to return: those ``outputs`` names, else all the model's; binary per
+    output's ``binary_data``, else the request's ``binary_data_output``."""
+    binary = _flag(req.get("parameters"), "binary_data_output", "the request's 'parameters'")
     asked = req.get("outputs")
     if asked is None:
-        return
+        return {name: binary for name in outputs}
     if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
         raise BadRequest(400, "'outputs' must be a list of objects with a 'name'")
+    out = {}
     for o in asked:
+        where = f"output tensor {o['name'][:80]!r}"
         if o["name"] not in outputs:
-            raise BadRequest(400, f"output tensor {o['name'][:80]!r}: the model has no such output; it gives "
-                                  f"{', '.join(outputs)}")
-        if set(o) - {"name"}:
-            raise BadRequest(400, f"output tensor {o['name'][:80]!r}: only 'name' is supported")
+            raise BadRequest(400, f"{where}: the model has no such output; it gives {', '.join(outputs)}")
+        if set(o) - {"name", "parameters"}:
+            raise BadRequest(400, f"{where}: only 'name' and 'parameters' are supported")
+        params = o.get("parameters")
+        own = _flag(params, "binary_data", where)  # checked even when absent
+        out[o["name"]] = own if isinstance(params, dict) and "binary_data" in params else binary
+    return out
 
 
 def output_tensor(out: np.ndarray, spec: TensorSpec) -> dict:

@@ -335,7 +335,7 @@ def test_fuzz_the_oip_tensor_reader():
         text = (f'{{"inputs": [{{"name": {json.dumps(name)}, "shape": {json.dumps(shape)}, '
                 f'"datatype": {json.dumps(sent_type)}, "data": {data}}}]}}')
         try:
-            tensors, _ = parse_infer(parse_json_body(text.encode()), [spec], ["output"])
+            tensors, _, _ = parse_infer(parse_json_body(text.encode()), [spec], ["output"])
         except BadRequest as e:
             assert e.status == 400 and "\n" not in str(e) and not (structure_ok and values), (text, str(e))
             seen["refused"] += 1
@@ -373,16 +373,17 @@ def test_fuzz_oip_requests_are_answered_200_or_400_in_json(oip):
 
 def test_oip_request_fields_are_honoured_or_refused(oip):
     """``outputs`` naming the model's output is honoured (it is always returned); any other name, and
-    ``parameters`` (binary data, classification), are refused rather than ignored."""
+    ``parameters`` other than the binary data extension's (classification, priority), are refused rather than
+    ignored (binary data: tests/test_oip_kserve.py)."""
     server, _ = oip
     path, x = f"/v2/models/{server.model_name}/infer", _rows(2, 9)
     status, answer = _call(server, "POST", path, {**_infer_body(x), "outputs": [{"name": "output"}]})
     assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
     for body, needle in (({**_infer_body(x), "outputs": [{"name": "probs"}]}, "output tensor 'probs': the model has no"),
-                         ({**_infer_body(x), "outputs": [{"name": "output", "parameters": {"binary_data": True}}]},
-                          "only 'name' is supported"),
-                         ({**_infer_body(x), "parameters": {"binary_data_output": True}}, "'parameters'"),
-                         (_infer_body(x, parameters={"binary_data_size": 48}), "'parameters'")):
+                         ({**_infer_body(x), "outputs": [{"name": "output", "parameters": {"classification": 2}}]},
+                          "only parameter supported is binary_data"),
+                         ({**_infer_body(x), "parameters": {"priority": 1}}, "'parameters'"),
+                         (_infer_body(x, parameters={"shared_memory_region": "r"}), "binary_data_size")):
         got, answer = _call(server, "POST", path, body)
         assert got == 400 and needle in answer["error"] and "\n" not in answer["error"], answer
 
