@@ -208,6 +208,8 @@ typedef struct {
     int32_t kind, n, k, tiles;
     const void *w;
     const float *s, *sz, *bias;
+    const uint8_t *plan; /* PLAN_ROWS groupings (PLAN_*) by row count, measured on this machine (prunus.native.plan);
+                          * NULL: the fixed rules of grouping() */
 } Linear;
 
 typedef struct {
@@ -218,7 +220,12 @@ typedef struct {
     const float *xd, *xds; /* (m, k / 32) */
     float *y;
     int ldy;
+    int plan; /* how this pass groups its rows (PLAN_* bits, grouping()) */
 } GemmTask;
+
+#define PLAN_ROWS 17 /* a Linear's plan has one entry per row count 0..16, the last for 16 rows or more */
+enum { PLAN_WIDE = 1, PLAN_PAIRS = 2, PLAN_PREFETCH = 4 }; /* the wide (three / four-row) kernels first; then pairs
+                                                            * (else single rows); pairs prefetch the next tile */
 
 static void store4(const GemmTask *g, int m, int t, __m128 r) {
     const Linear *L = g->L;
@@ -230,12 +237,12 @@ static void store4(const GemmTask *g, int m, int t, __m128 r) {
 
 /* A pass of several rows goes over each tile once per pair of rows. The first pass streams the tile from memory
  * and the others find it in cache, so each pass prefetches its share of the next tile, spread over its iterations
- * (every pass then reads memory at the same pace). NULL for passes of fewer than six rows. */
-#define NEXT_SHARE_ROWS 6 /* passes of fewer rows prefetch nothing */
+ * (every pass then reads memory at the same pace). NULL unless the pass's grouping prefetches (PLAN_PREFETCH). */
+#define NEXT_SHARE_ROWS 6 /* the fixed rules: passes of fewer rows prefetch nothing */
 
 static inline const char *next_share(const GemmTask *g, int t, int m, size_t tile_bytes, size_t *step, int iters) {
     const int passes = g->m / 2;
-    if (g->m < NEXT_SHARE_ROWS || t + 1 >= g->L->tiles) return NULL; /* with two passes it cost more than it gave */
+    if (!(g->plan & PLAN_PREFETCH) || passes < 1 || t + 1 >= g->L->tiles) return NULL;
     *step = tile_bytes / iters / passes;
     return (const char *)g->L->w + (t + 1) * tile_bytes + tile_bytes * (m / 2) / passes;
 }
@@ -483,10 +490,19 @@ static int row_block(const Linear *L) {
     return rows < 8 ? 8 : (int)(rows & ~(size_t)1);
 }
 
-/* Decode steps of four or five int8 / int4 rows take the four-row kernels too (one pass over each tile instead of
- * two: SmolLM2's layers, one thread, AMD EPYC: int8 4 rows 19.3 -> 15.3 ms, int4 12.2 -> 8.3 ms against the pairs);
- * from NEXT_SHARE_ROWS rows up to TRIPLE_MIN_ROWS the pairs, which then prefetch each next tile (next_share), were
- * as fast or faster (int8 6 rows 16.3 ms against 21.3 ms). */
+/* The fixed rules, where a Linear has no plan (or the path is not batch invariant): decode steps of four or five
+ * int8 / int4 rows take the four-row kernels (one pass over each tile instead of two: SmolLM2's layers, one thread,
+ * AMD EPYC: int8 4 rows 19.3 -> 15.3 ms, int4 12.2 -> 8.3 ms against the pairs); from NEXT_SHARE_ROWS rows up to
+ * TRIPLE_MIN_ROWS the pairs, which then prefetch each next tile (next_share; with two pairs it cost more than it
+ * gave), were as fast or faster (int8 6 rows 16.3 ms against 21.3 ms). On a batch-invariant path every grouping gives
+ * a row the same bits, so a plan measured on this machine may choose another one per row count. */
+static int grouping(const Kernels *k, const Linear *L, int m) {
+    if (L->plan && k->invariant) return L->plan[m < PLAN_ROWS ? m : PLAN_ROWS - 1];
+    const int many = m >= TRIPLE_MIN_ROWS;
+    const int wide = L->kind == KIND_F32 ? many : many || (m >= 4 && m < NEXT_SHARE_ROWS);
+    return (wide ? PLAN_WIDE : 0) | PLAN_PAIRS | (m >= NEXT_SHARE_ROWS ? PLAN_PREFETCH : 0);
+}
+
 static void gemm_task(void *ctx, int ith, int nth) {
     const GemmTask *g = (const GemmTask *)ctx;
     const Kernels *k = atomic_load(&kernels);
@@ -497,12 +513,10 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int t0, t1;
     split(g->L->tiles, ith, nth, &t0, &t1);
     const int f32 = g->L->kind == KIND_F32;
-    const int many = g->m >= TRIPLE_MIN_ROWS;
-    const tile_fn pair = f32 ? k->f32_pair : k->quant_pair;
+    const tile_fn pair = g->plan & PLAN_PAIRS ? (f32 ? k->f32_pair : k->quant_pair) : NULL;
     const tile_fn one = f32 ? k->f32_row : k->quant_row;
-    const int quads = many || (g->m >= 4 && g->m < NEXT_SHARE_ROWS); /* int8 / int4: four rows at a time */
-    const tile_fn wide = f32 ? (many ? k->f32_triple : NULL)
-                         : !quads ? NULL : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
+    const tile_fn wide = !(g->plan & PLAN_WIDE) ? NULL : f32 ? k->f32_triple
+                         : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
     const int width = f32 ? 3 : 4; /* rows wide takes at once */
     const int rb = row_block(g->L);
     for (int r0 = 0; r0 < g->m; r0 += rb) {
@@ -511,8 +525,9 @@ static void gemm_task(void *ctx, int ith, int nth) {
             int m = r0;
             if (wide)
                 for (; m + width <= r1; m += width) wide(g, t, m);
-            for (; m + 2 <= r1; m += 2) pair(g, t, m);
-            if (m < r1) one(g, t, m);
+            if (pair)
+                for (; m + 2 <= r1; m += 2) pair(g, t, m);
+            for (; m < r1; m++) one(g, t, m);
         }
     }
 }
@@ -520,7 +535,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
 /* y (m, ldy) = x @ W^T (+ bias); xq / xd / xds: x quantized by quantize_row (unused for f32 layers) */
 static void linear(Pool *p, const Linear *L, int m, const float *x, const int8_t *xq, const float *xd,
                    const float *xds, float *y, int ldy) {
-    GemmTask g = {L, m, x, xq, xd, xds, y, ldy};
+    GemmTask g = {L, m, x, xq, xd, xds, y, ldy, grouping(atomic_load(&kernels), L, m)};
     pool_run(p, gemm_task, &g);
 }
 
@@ -1109,4 +1124,7 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 5; }
+int prunus_abi(void) { return 6; }
+
+/* PLAN_ROWS: the length of a Linear's plan */
+int prunus_plan_rows(void) { return PLAN_ROWS; }

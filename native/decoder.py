@@ -26,7 +26,8 @@ P, I32 = ctypes.c_void_p, ctypes.c_int32
 
 
 class LinearC(ctypes.Structure):
-    _fields_ = [("kind", I32), ("n", I32), ("k", I32), ("tiles", I32), ("w", P), ("s", P), ("sz", P), ("bias", P)]
+    _fields_ = [("kind", I32), ("n", I32), ("k", I32), ("tiles", I32), ("w", P), ("s", P), ("sz", P), ("bias", P),
+                ("plan", P)]  # plan: prunus.native.plan's groupings by row count, or None: decode.c's fixed rules
 
 
 class LayerC(ctypes.Structure):
@@ -83,6 +84,23 @@ class NativeDecoder:
         self.pool = self.lib.prunus_pool_new(self.threads)
         self._start = np.zeros(n_slots, np.int32)
         self._count = np.zeros(n_slots, np.int32)
+        self.plan, self._plan_arrays = None, {}
+
+    def use_plan(self, plan) -> None:
+        """Run each linear layer with ``plan``'s groupings for its shape (:class:`prunus.native.plan.Plan`; None, or
+        a shape it lacks: decode.c's fixed rules). On a batch-invariant path the bits are the same either way."""
+        from .plan import shape_key
+
+        arrays = plan.arrays() if plan is not None else {}
+        structs = [(self._layers[i], layer) for i, layer in enumerate(self.packed.layers)]
+        for c, layer in structs:
+            for role in ("q", "k", "v", "o", "gate", "up", "down"):
+                lin = layer[role]
+                if lin is not None:
+                    getattr(c, role).plan = _address(arrays.get(shape_key(lin)))
+        if self.packed.head is not None:
+            self.model.head.plan = _address(arrays.get(shape_key(self.packed.head)))
+        self.plan, self._plan_arrays = plan, arrays  # the arrays live as long as the structures point at them
 
     @staticmethod
     def _layer(x: dict) -> LayerC:

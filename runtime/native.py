@@ -19,6 +19,7 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.native.build import isa
 from prunus.native.decoder import NativeDecoder, check_native, native_prompt_tokens  # noqa: F401  (the runtime's API)
+from prunus.native.plan import load_plan
 from prunus.native.weights import PackedModel, native_weights_file, read_native_weights
 
 from .load_options import LoadOptions
@@ -38,8 +39,14 @@ def native_decoder(source, dims: dict, k_buffers: list, v_buffers: list, n_slots
                    threads: int | None = None, packed: PackedModel | None = None) -> NativeDecoder:
     """A decoder over ``k_buffers`` / ``v_buffers`` (one per layer, (n_slots, kv_heads, max_len, head_dim) float32);
     ``packed``: weights already packed by the caller, else read from the export dir of the graph at ``source``."""
-    return NativeDecoder(packed if packed is not None else pack_export(source, dims), k_buffers, v_buffers, n_slots,
-                         max_len, threads)
+    decoder = NativeDecoder(packed if packed is not None else pack_export(source, dims), k_buffers, v_buffers, n_slots,
+                            max_len, threads)
+    try:  # each linear layer's row grouping, measured on this machine (or cached, or the fixed rules)
+        decoder.use_plan(load_plan(decoder.packed, decoder.lib, decoder.pool, isa(), decoder.threads))
+    except BaseException:
+        decoder.close()
+        raise
+    return decoder
 
 
 def every_position_logits(packed: PackedModel, dims: dict, tokens: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -64,4 +71,7 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
     check_native(str(path))
     loaded = load_genai(path, config, options, native=True)
     loaded.info["native_isa"] = isa()  # the kernel path the CPU (or PRUNUS_NATIVE_ISA) chose
+    native = getattr(getattr(loaded.backend, "session", None), "native", None)
+    if native is not None and native.plan is not None:
+        loaded.info["native_plan"] = native.plan.how  # calibrated / cached / default, and why
     return loaded
