@@ -14,11 +14,8 @@ error leaves nothing behind.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import shlex
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,11 +29,12 @@ from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import read_json_object
-from prunus.models.model_dir import (CONFIG, MANIFEST, dir_hash, load_model, load_model_tokenizer, read_config,
-                                     read_config_json, sha256_file, verify_model_dir, versions)
+from prunus.models.model_dir import (CONFIG, load_model, load_model_tokenizer, read_config, read_config_json,
+                                     verify_model_dir)
 from prunus.models.quant_registry import QuantizedModule, handler, quantized_modules
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
+from .export_manifest import PARITY, ExportResult, write_manifest
 from .formats import FORMATS, GRAPHS, PRECISIONS
 from .genai_graph import (GENAI_GRAPH, check_genai_support, genai_dims, quantized_genai_graph,
                           unsupported_features)
@@ -48,10 +46,8 @@ from .parity import ParityFailed, compare, torch_reference
 from .served_parity import native_parity, ort_record
 from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
 
-FORMAT = "prunus-export/1"
 EXPORT_GRAPHS = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
 ENGINE_GRAPHS = {"prefill": "prefill.plan", "decode": "decode.plan"}
-PARITY = "parity.json"
 EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data files
 # Both int8 forms of a stored-int8 model, decode step at 2 threads (benchmarks/export_latency.py):
 # DynamicQuantizeMatMul 0.69x (batch 1) / 0.69x (batch 8) of fp32 on the demo model, 0.47x / 0.59x on
@@ -63,13 +59,6 @@ EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data f
 ONNX_INT8_STYLE = "qdq"
 TENSORRT_PARITY_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 MAX_OPSET = 23
-
-
-@dataclass
-class ExportResult:
-    path: Path
-    config: dict
-    parity: dict
 
 
 def _stored_precision(modules: dict[str, QuantizedModule]) -> str | None:
@@ -214,7 +203,7 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
             fmt.finish(tmp, export, plan, model.config, timing_cache, console)
         config = {**src_config, "export": export}
         atomic_write_json(tmp / CONFIG, config)
-        _write_manifest(tmp, model_dir, manifest, report, command)
+        write_manifest(tmp, model_dir, manifest, report, command)
     return ExportResult(out, config, report)  # the caller says it was written, after reading the parity report
 
 
@@ -361,33 +350,3 @@ def _timing_entry(console):
     except PrunusError as e:
         console.print(f"tensorrt: the timing cache is not used: {e}")
         return None
-
-
-PARITY_METRICS = ("max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase", "greedy_agreement",
-                  "decode_agreement", "passed")
-
-
-def _write_manifest(tmp: Path, model_dir: Path, parent_manifest: dict, report: dict, command: str | None,
-                    keys: tuple[str, ...] = PARITY_METRICS) -> None:
-    """The export dir's prunus.json; ``keys``: the parity report's figures its metrics repeat."""
-    files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
-    metrics = {k: report[k] for k in keys if k in report}
-    metrics["bytes_on_disk"] = sum((tmp / f).stat().st_size for f in files)
-    metrics["graph_bytes"] = sum((tmp / f).stat().st_size for f in files if ".onnx" in f)
-    atomic_write_json(tmp / MANIFEST, {
-        "format": FORMAT,
-        "stage": "export",
-        "parent": {"path": str(model_dir.resolve()), "hash": dir_hash(parent_manifest["files"])},
-        "command": command if command is not None else shlex.join(sys.argv),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "files": files,
-        "metrics": metrics,
-        "versions": {**versions(), **_onnx_versions()},
-    })
-
-
-def _onnx_versions() -> dict:
-    import onnx
-    import onnxruntime
-
-    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

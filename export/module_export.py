@@ -31,22 +31,13 @@ from prunus.models.module_dir import load_module, read_module_config
 from prunus.models.module_factory import reason
 
 from .parity import ParityFailed
+from .random_inputs import random_inputs
 
 MODULE_TOLERANCES = {"fp32": {"max_abs_outputs": 1e-3, "top1_agreement": 1.0},
                      "int8": {"top1_agreement": 0.9}}  # static int8 (.module_int8): only the argmax is held
 MODULE_PARITY_KEYS = ("max_abs_outputs", "top1_agreement", "passed")
 PROBE_SAMPLES = 64
 GRAPH = "model.onnx"
-
-
-def _random_inputs(spec: dict, n: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    shape, dtype = (n, *spec["shape"]), getattr(torch, spec["dtype"])
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    return torch.randint(0, spec.get("high", 2), shape, generator=gen).to(dtype)
 
 
 def probe_inputs(config: dict, data: str | None, model_dir: Path) -> torch.Tensor:
@@ -60,7 +51,7 @@ def probe_inputs(config: dict, data: str | None, model_dir: Path) -> torch.Tenso
         return default_collate([val[i] for i in range(min(len(val), PROBE_SAMPLES))])[0]
     if config.get("input") is None:
         raise PrunusError(f"{model_dir}: config.json records no input shape; pass --data with held-out samples")
-    return _random_inputs(config["input"], PROBE_SAMPLES)
+    return random_inputs(config["input"], PROBE_SAMPLES)
 
 
 def _export_graph(module: torch.nn.Module, example: torch.Tensor, opset: int):
@@ -130,7 +121,7 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
                   command: str | None = None, trust_factory=False, manifest: dict | None = None):
     """Export the generic module dir ``model_dir`` to ``out`` (see the module docstring); an ExportResult.
     Raises PrunusError on bad input and ParityFailed when the check fails (unless ``verify`` is False)."""
-    from .export_dir import PARITY, ExportResult, _write_manifest
+    from .export_manifest import PARITY, ExportResult, write_manifest
     from prunus.models.model_dir import CONFIG, verify_model_dir
 
     model_dir, out = Path(model_dir), Path(out)
@@ -159,5 +150,5 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
                   "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
         config = {**config, "export": export}
         atomic_write_json(tmp / CONFIG, config)
-        _write_manifest(tmp, model_dir, manifest, report, command, keys=MODULE_PARITY_KEYS)
+        write_manifest(tmp, model_dir, manifest, report, command, keys=MODULE_PARITY_KEYS)
     return ExportResult(out, config, report)

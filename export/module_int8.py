@@ -29,6 +29,8 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 
+from .random_inputs import random_inputs
+
 CALIB_SAMPLES, CALIB_BATCH = 128, 16
 INT8_MIN_AGREEMENT = 0.9
 
@@ -52,9 +54,7 @@ def calibration_inputs(config: dict, data: str | None, model_dir: Path) -> torch
         return default_collate([train[i] for i in spread_indices(len(train), CALIB_SAMPLES)])[0]
     if config.get("input") is None:
         raise PrunusError(f"{model_dir}: config.json records no input shape; pass --data to calibrate int8")
-    from .module_export import _random_inputs
-
-    return _random_inputs(config["input"], CALIB_SAMPLES)
+    return random_inputs(config["input"], CALIB_SAMPLES)
 
 
 def _reader(name: str, inputs: torch.Tensor):
