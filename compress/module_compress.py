@@ -3,7 +3,8 @@
 The module (rebuilt by its trusted factory) is scored on the task's held-out data (row 0), then each pass of
 :data:`MODULE_PASSES` runs on a copy and is scored: loss, top-1 accuracy (classification), parameters, bytes
 of the weights and CPU latency of one batch. The output is a generic model dir (cut shapes recorded, see
-:mod:`prunus.models.module_reshape`) with ``recipe.yaml`` and the report (``report.json`` / ``.md`` / ``.png``).
+:mod:`prunus.models.module_reshape`) with ``recipe.yaml`` and the report (``report.json`` / ``.md`` / ``.png``),
+written only once it reloads and runs (:mod:`.module_verify`).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
     from prunus.models.module_factory import build_module
     from prunus.models.module_reshape import shape_changes
 
+    from .module_verify import write_checked
     from .recipe import recipe_yaml
     from .report import report_files
 
@@ -181,11 +183,15 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
     with torch.device("meta"):
         reference = build_module(factory.spec, factory.args).state_dict()
     final = rows[-1]
-    save_module(model, out, stage="compress", factory=factory, task=ctx.task.name,
-                input=ctx.config.get("input"), parent=model_dir, overwrite=overwrite,
-                command=command if command is not None else shlex.join(sys.argv),
-                metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},
-                pruned_shapes=shape_changes(model, reference),
-                extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+
+    def write(path):
+        save_module(model, path, stage="compress", factory=factory, task=ctx.task.name,
+                    input=ctx.config.get("input"), parent=model_dir,
+                    command=command if command is not None else shlex.join(sys.argv),
+                    metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},
+                    pruned_shapes=shape_changes(model, reference),
+                    extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+
+    write_checked(out, overwrite, write, model, ctx.batch(LATENCY_BATCH)[0], trust_factory)
     report["seconds"] = {"total": round(time.perf_counter() - start, 2)}
     return report

@@ -9,12 +9,24 @@ channel of the layer cut) or by the group's norm (``group_norm``: every tensor l
 * ``by: params`` / ``by: flops``: pruning goes on in small steps until the parameter count / the FLOPs of
   one forward fall to ``1 - amount`` of the input's (or pruning cannot go on).
 
+An ``nn.MultiheadAttention`` (alone or inside ``nn.TransformerEncoderLayer``) is cut through torch-pruning's
+attention pruner: it narrows the embedding width the layer shares with the residual stream (the rows of
+``in_proj_weight``'s query, key and value blocks at the same indices, its columns, ``out_proj``), keeping the
+number of heads, so every cut is rounded to a multiple of the heads (each head keeps ``embed_dim / num_heads``).
+torch-pruning's head removal (``prune_num_heads``) applies to separate query / key / value ``nn.Linear``
+layers, not to the fused ``in_proj_weight``. Recurrent layers (``nn.GRU``, ``nn.LSTM``, ``nn.RNN`` and their
+cells) are refused in one line: torch-pruning has no GRU / RNN pruner (it leaves them whole) and its LSTM
+pruner cuts the gate blocks inconsistently. A pass that cuts nothing is refused (nothing is written) unless
+``allow_unchanged`` is set.
+
 The layer(s) producing the module's output keep their outputs (a classifier keeps its classes). An optional
 fine-tune (``finetune_steps``) then trains the pruned module with the generic trainer on the task's data.
 The result is saved with its cut shapes recorded (:mod:`prunus.models.module_reshape`), never pickled.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -56,6 +68,24 @@ def output_layers(model: nn.Module, example: torch.Tensor) -> list[nn.Module]:
     return layers[-1:]
 
 
+RECURRENT = (nn.RNNBase, nn.RNNCellBase)
+
+
+def check_prunable(model: nn.Module) -> None:
+    """One line for a layer torch-pruning cannot cut consistently (see the module docstring)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, RECURRENT):
+            kind = type(mod).__name__
+            raise PrunusError(f"prune_channels: layer {name or '(the module)'} is an nn.{kind}, whose hidden size "
+                              f"torch-pruning cannot cut (no GRU / RNN pruner; its LSTM pruner breaks the gate "
+                              f"weights); use distill_module into a smaller {kind}, or export the module unpruned")
+
+
+def head_multiple(model: nn.Module) -> int:
+    """What every cut is rounded to: the least common multiple of the attention layers' head counts (1)."""
+    return math.lcm(1, *(m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)))
+
+
 def _importance(tp, name: str):
     """``magnitude``: the L2 norm of each channel of the layer being cut; ``group_norm``: the L2 norm over the
     whole group (every tensor that loses the channel), averaged."""
@@ -73,6 +103,7 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                    importance: str = "magnitude") -> dict:
     """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after)."""
     tp = torch_pruning()
+    check_prunable(model)
     model.eval()
     keep = output_layers(model, example)
     before = {k: _count(tp, model, example, k) for k in ("params", "flops")}
@@ -80,7 +111,8 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
     ratio = amount if by == "channels" else 0.95
     try:
         pruner = tp.pruner.MetaPruner(model, example, importance=_importance(tp, importance), pruning_ratio=ratio,
-                                      iterative_steps=steps, ignored_layers=keep, global_pruning=False)
+                                      iterative_steps=steps, ignored_layers=keep, global_pruning=False,
+                                      round_to=head_multiple(model))
         for _ in range(steps):
             pruner.step()
             if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
@@ -99,12 +131,17 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
 
 def prune_channels_pass(model: nn.Module, ctx, amount: float = 0.5, by: str = "channels",
                         importance: str = "magnitude", finetune_steps: int = 0, lr: float = 1e-3,
-                        batch_size: int = 32) -> nn.Module:
-    """The ``prune_channels`` pass of a generic module's compress run (``ctx``: a ModuleContext)."""
+                        batch_size: int = 32, allow_unchanged: bool = False) -> nn.Module:
+    """The ``prune_channels`` pass of a generic module's compress run (``ctx``: a ModuleContext); a module
+    left whole is refused unless ``allow_unchanged``."""
     if by not in PRUNE_BY or importance not in IMPORTANCES:
         raise PrunusError(f"prune_channels: by {by!r} / importance {importance!r}; choose by from "
                           f"{', '.join(PRUNE_BY)} and importance from {', '.join(IMPORTANCES)}")
     done = prune_channels(model, ctx.example(), amount, by, importance)
+    if done["params_after"] == done["params_before"] and not allow_unchanged:
+        raise PrunusError(f"prune_channels: torch-pruning found no channel of {ctx.source} it could cut at amount "
+                          f"{amount:g} (params {done['params_before']:,} -> {done['params_after']:,}); nothing was "
+                          "written; raise amount, or set allow_unchanged: true to write the module as it is")
     ctx.note(f"params {done['params_before']:,} -> {done['params_after']:,}, "
              f"FLOPs {done['flops_before']:,} -> {done['flops_after']:,}")
     if finetune_steps:

@@ -4,7 +4,10 @@ Structured pruning leaves a module with fewer channels than its factory builds. 
 shapes that differ (config.json ``pruned_shapes``: ``{state dict name: shape}``, from :func:`shape_changes`);
 :func:`apply_shapes` resizes the factory's fresh module to them (each named parameter / buffer replaced by an
 empty tensor of the recorded shape, the layer's size attributes - ``out_channels``, ``num_features``,
-``in_features``, ... - set to match) so the stored weights then load strictly.
+``in_features``, ... - set to match) so the stored weights then load strictly. An ``nn.MultiheadAttention``
+(alone or in an ``nn.TransformerEncoderLayer``) keeps its heads: ``embed_dim`` follows its output projection,
+``head_dim`` is ``embed_dim / num_heads`` (a cut that leaves heads of unequal size is refused), ``kdim`` /
+``vdim`` follow the key / value projections.
 """
 
 from __future__ import annotations
@@ -74,7 +77,22 @@ def apply_shapes(module: torch.nn.Module, shapes: dict, where: str, fix: str) ->
             owner._buffers[leaf] = new
     for mod in module.modules():
         _sync_sizes(mod)
+        if isinstance(mod, torch.nn.MultiheadAttention):
+            _sync_attention(mod, where, fix)
     return module
+
+
+def _sync_attention(mha: torch.nn.MultiheadAttention, where: str, fix: str) -> None:
+    """An attention layer's sizes from its (resized) projections (see the module docstring)."""
+    embed = int(mha.out_proj.weight.shape[0])
+    if embed % mha.num_heads:
+        raise PrunusError(f"{where}: pruned_shapes give an attention layer embed_dim {embed}, which its "
+                          f"{mha.num_heads} heads do not divide; {fix}")
+    mha.embed_dim, mha.head_dim = embed, embed // mha.num_heads
+    if mha._qkv_same_embed_dim:
+        mha.kdim = mha.vdim = int(mha.in_proj_weight.shape[1])
+    else:
+        mha.kdim, mha.vdim = int(mha.k_proj_weight.shape[1]), int(mha.v_proj_weight.shape[1])
 
 
 def _sync_sizes(mod: torch.nn.Module) -> None:

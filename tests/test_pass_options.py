@@ -262,6 +262,8 @@ CASES = [
     Case("prune_channels", FINETUNE, "lr", 1e-4, 1e-1, differ, on_modules=True),
     Case("prune_channels", FINETUNE, "batch_size", 4, 8, lambda a, b: "batch 8" in b[1][-1] and differ(a, b) is None,
          on_modules=True),
+    # allow_unchanged acts only where torch-pruning cuts nothing (test_module_prune_kinds)
+    Case("prune_channels", {"amount": 0.5}, "allow_unchanged", False, True, None, on_modules=True),
     Case("distill_module", {k: v for k, v in PUPIL.items() if k != "student"}, "student", "test_pass_options:mlp",
          "test_pass_options:cnn", lambda a, b: type(a[0][1]) is nn.Linear and type(b[0][0]) is nn.Conv2d, on_modules=True),
     Case("distill_module", PUPIL, "student_args", {"hidden": 8}, {"hidden": 32},
