@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from prunus.artifacts.errors import PrunusError
-from prunus.models.rope import rope_tables
+from prunus.models.rope import rope_halves
 
 from .genai_layers import LAST_TOKEN_NODE, MS_DOMAIN, GraphWriter
 
@@ -77,13 +77,6 @@ def _io(cfg, n_layers: int, logits_shape: list) -> tuple[list, list]:
             inputs.append(_value(f"past.{i}.{t}", TensorProto.FLOAT, kv))
             outputs.append(_value(f"present.{i}.{t}", TensorProto.FLOAT, kv))
     return inputs, outputs
-
-
-def rope_halves(cfg):
-    """The rotary tables GroupQueryAttention takes (and the native decoder): cos, sin (max_seq_len, head_dim / 2)."""
-    cos, sin = rope_tables(cfg)
-    half = cfg.head_dim // 2
-    return cos[:, :half], sin[:, :half]
 
 
 def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> onnx.ModelProto:

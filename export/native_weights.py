@@ -29,6 +29,7 @@ import torch
 from safetensors.numpy import save_file
 
 from prunus.artifacts.native_layout import NATIVE_FORMAT, NATIVE_WEIGHTS
+from prunus.models.rope import rope_halves
 
 from .quantize_onnx import nbits8_applies, ort_block_codes, stored_form
 
@@ -130,8 +131,6 @@ def native_tensors(model, modules: dict | None = None, precision: str = "fp32", 
                    int4_style: str = "matmulnbits") -> tuple[dict, dict]:
     """(tensors, metadata) of :data:`NATIVE_WEIGHTS` for the genai graph
     :func:`~prunus.export.genai_graph.quantized_genai_graph` writes from the same arguments."""
-    from .genai_graph import rope_halves
-
     modules = modules or {}
     cfg, layers = model.config, list(model.layers.values())
     bits = {"int8": 8, "int4": 4}.get(precision) if not modules else None

@@ -118,3 +118,10 @@ def rope_tables(cfg: ModelConfig, max_len: int | None = None, device=None) -> tu
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return cos, sin
+
+
+def rope_halves(cfg):
+    """The rotary tables GroupQueryAttention takes (and the native decoder): cos, sin (max_seq_len, head_dim / 2)."""
+    cos, sin = rope_tables(cfg)
+    half = cfg.head_dim // 2
+    return cos[:, :half], sin[:, :half]
