@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .feed_forward import FeedForward
 from .kv_cache import KVCacheProtocol
 from .rope import rope_tables
 
@@ -187,22 +188,6 @@ class Attention(nn.Module):
         out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    """A gated feed-forward: w2(act(w1 x) * w3 x), act SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
-
-    def __init__(self, dim: int, hidden: int, act: str = "silu"):
-        super().__init__()
-        self.act = act
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.w2(gate * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .feed_forward import FeedForward
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -69,8 +70,6 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
-        from .llama import FeedForward
-
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.moe_norm_topk
         self.capacity_factor, self.aux_coef = cfg.capacity_factor, cfg.moe_aux_loss_coef
