@@ -5,7 +5,7 @@
   arguments, never a pickle), the task it was trained for (:mod:`.tasks`), and the shape of one input
   sample (what export traces and probes with);
 * ``model.safetensors``: the state dict, persistent buffers included (BatchNorm's running statistics);
-* ``prunus.json``: the manifest, written by the one writer every model dir uses (:func:`.model_dir.write_manifest`).
+* ``prunus.json``: the manifest, written by the one writer every model dir uses (:func:`.model_dir_manifest.write_manifest`).
 
 Loading imports the factory, which runs its module's code: :func:`load_module` does so only when the caller
 trusts that factory (:func:`.module_factory.check_trusted`); before, the config is checked, and after building
@@ -25,6 +25,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.safetensors_header import check_shapes, read_header
 from prunus.artifacts.validate import check_known_fields, short
 
+from .model_dir_manifest import FORMAT, WEIGHTS, parent_entry, read_config_json, write_manifest
 from .module_factory import ModuleFactory, build_module, check_args, check_trusted, parse_spec
 from .tasks import check_task_name
 
@@ -83,8 +84,6 @@ def check_module_config(config: dict, path: str | Path) -> dict:
 
 def read_module_config(path: str | Path) -> dict:
     """The checked config.json of the generic module dir at ``path``."""
-    from .model_dir import read_config_json
-
     return check_module_config(read_config_json(path), path)
 
 
@@ -117,8 +116,6 @@ def save_module(module: torch.nn.Module, path: str | Path, *, stage: str, factor
     ``factory``: how to rebuild it; default the one :func:`~.module_factory.build_module` attached.
     ``pruned_shapes``: the entries whose shapes differ from the factory's (:mod:`.module_reshape`);
     ``extra_files``: more files of the dir (name -> bytes), covered by the manifest."""
-    from .model_dir import FORMAT, WEIGHTS, parent_entry, write_manifest
-
     factory = factory or getattr(module, "prunus_factory", None)
     if not isinstance(factory, ModuleFactory):
         raise PrunusError(f"{path}: the module carries no factory spec, so a model dir could not rebuild it; build it "
@@ -155,8 +152,6 @@ def load_module(path: str | Path, config: dict | None = None, *, trust_factory=N
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The module of the generic model dir at ``path`` (its manifest already verified), weights loaded
     strictly, in eval mode. The factory is imported only when ``trust_factory`` trusts it."""
-    from .model_dir import WEIGHTS
-
     path = Path(path)
     config = check_module_config(config if config is not None else read_module_config(path), path)
     if trust_factory is None:
