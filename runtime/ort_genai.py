@@ -59,6 +59,20 @@ SPINNING = True
 PREFILL_CHUNK_GENAI = 64
 
 
+def ort_batch_invariant(export: dict) -> bool:
+    """Whether ONNX Runtime gives a row the same logits bits alone and batched over this export's genai graph. On
+    AMD EPYC (AVX2, ONNX Runtime 1.31), one MatMulNBits node, a row at M = 1 against the same row among M = 2..64
+    (max |Δ|): bits 8 at accuracy level 4 (int8 activations quantized per row and block): 0, at every M; bits 8
+    at level 0 (float activations): 1.1e-5; bits 4 at level 4: 6.0e-7; bits 4 at level 0: 1.7e-6. A one-row pass
+    runs in a kernel of its own, except 8-bit at level 4. A random 2-layer model of SmolLM2-135M's widths, 8
+    rows alone against batched (prompt pass and 4 decode steps, 1 and 2 threads): int8 level 4 the same bits;
+    int8 level 0 1.5e-6; int4 level 4 9e-7 in the prompt pass, 0.023 after 4 decode steps (int8 activation
+    rounding magnifies the difference); int4 level 0 2.7e-6; ``use_deterministic_compute`` changed nothing. So
+    only an int8 export whose matmuls are all 8-bit MatMulNBits (prunus writes accuracy level 4) is invariant;
+    fp32 (MatMul) and int4 are not, and no session setting makes them so."""
+    return export.get("precision") == "int8" and export.get("int8_style") == "matmulnbits"
+
+
 class GenaiBackend(BackendBase):
     name = "onnxruntime"
 
@@ -208,7 +222,9 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None
-    info = {"precision": export.get("precision")}
+    # prunus's native kernels sum a row the same way at every row count; a prompt twin runs long prompts in float
+    invariant = native and not options.prompt_graph or ort_batch_invariant(export) and not options.prompt_graph
+    info = {"precision": export.get("precision"), "batch_invariant": invariant}
     if options.prompt_graph:
         info["prompt_graph_min_tokens"] = session.prompt_min_tokens
     if native:
