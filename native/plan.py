@@ -39,8 +39,9 @@ from .weights import KINDS, PackedLinear, PackedModel
 WIDE, PAIRS, PREFETCH = 1, 2, 4  # decode.c's PLAN_* bits
 PLAN_ROWS = 17  # entries per plan: row counts 0..16, the last for 16 rows or more (decode.c's PLAN_ROWS)
 BUCKETS = {2: (2,), 3: (3,), 4: (4,), 5: (5,), 6: (6, 7), 8: tuple(range(8, 16)), 16: (16,)}  # measured at: covers
-MARGIN = 0.03  # another grouping replaces the fixed rule only when faster by more than this
-REPS = 5  # timed calls per candidate (the fastest counts)
+MARGIN = 0.05  # another grouping replaces the fixed rule only when faster by more than this
+REPS = 3  # timed samples per candidate (the fastest counts)
+SAMPLE_VIEWS = 3  # a sample: calls over this many of the shape's layers (or slices) in turn, their mean
 BUDGET_S = 1.5  # the calibration stops here; what it has not measured keeps the fixed rules
 SLICE_BYTES = 4 << 20  # a larger matrix is timed a slice of its tiles at a time
 MIN_BYTES = 128 << 10  # smaller matrices keep the fixed rules: a pass over them is shorter than the pool's wake-up
@@ -58,10 +59,11 @@ def fixed_rule(kind: str, m: int) -> int:
 
 
 def candidates(kind: str, m: int) -> list[int]:
-    """The groupings timed for ``m`` rows: single rows, pairs with and without prefetch, and the wide kernels first
-    where ``m`` fills them; 16 rows or more (prompts, whose row blocks the wide kernels serve): the wide ones only."""
+    """The groupings timed for ``m`` rows: pairs with and without prefetch, single rows up to three rows, and the
+    wide kernels first where ``m`` fills them; 16 rows or more (prompts, whose row blocks the wide kernels serve): the
+    wide ones only."""
     wide = [WIDE | PAIRS, WIDE | PAIRS | PREFETCH] if m >= (3 if kind == "f32" else 4) else []
-    return wide if m >= 16 else [0, PAIRS, PAIRS | PREFETCH, *wide]
+    return wide if m >= 16 else [*([0] if m <= 3 else []), PAIRS, PAIRS | PREFETCH, *wide]
 
 
 def shape_key(lin: PackedLinear) -> str:
@@ -122,12 +124,16 @@ class _Timer:
         self.codes = [np.full(PLAN_ROWS, c, np.uint8) for c in range(8)]
 
     def __call__(self, code: int, m: int) -> float:
-        v = self.views[self.i % len(self.views)]
-        self.i += 1
-        v.plan = self.codes[code].ctypes.data
+        """Seconds a call of ``m`` rows takes, the mean over the next SAMPLE_VIEWS views (or all there are)."""
+        n = min(SAMPLE_VIEWS, len(self.views))
+        views = [self.views[(self.i + j) % len(self.views)] for j in range(n)]
+        self.i += n
+        for v in views:
+            v.plan = self.codes[code].ctypes.data
         t0 = time.perf_counter_ns()
-        self.lib.prunus_linear(ctypes.byref(v), self.pool, m, self.x.ctypes.data, self.y.ctypes.data)
-        return (time.perf_counter_ns() - t0) / 1e9
+        for v in views:
+            self.lib.prunus_linear(ctypes.byref(v), self.pool, m, self.x.ctypes.data, self.y.ctypes.data)
+        return (time.perf_counter_ns() - t0) / 1e9 / n
 
 
 def _fastest(timer: _Timer, kind: str, m: int) -> int:
@@ -146,10 +152,11 @@ def _fastest(timer: _Timer, kind: str, m: int) -> int:
 
 def calibrate(packed: PackedModel, lib, pool, budget_s: float = BUDGET_S) -> tuple[dict[str, list[int]], bool]:
     """Each shape's groupings by row count, timed here (:func:`_fastest`); and whether every bucket was measured
-    within ``budget_s`` (those left keep the fixed rules)."""
+    within ``budget_s`` (those left keep the fixed rules). Shapes with the most weight bytes go first."""
     deadline = time.perf_counter() + budget_s
     plans, complete = {}, True
-    for key, lins in by_shape(packed).items():
+    shapes = sorted(by_shape(packed).items(), key=lambda kv: -sum(lin.w.nbytes for lin in kv[1]))
+    for key, lins in shapes:  # the most bytes a pass first: what the budget leaves out matters least
         kind = lins[0].kind
         plan = [fixed_rule(kind, m) for m in range(PLAN_ROWS)]
         plans[key] = plan

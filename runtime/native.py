@@ -3,7 +3,8 @@
 kernels, chosen from the CPU at load and named in the engine's info as ``native_isa``), over the same weights and
 the same KV buffers as ONNX Runtime's graph, so the two take turns on one cache
 (:class:`prunus.runtime.genai_session.GenaiSession` with ``native=True``; ``kv_dtype="f16"``: a float16 cache of
-the native kernels' own); the backend is the genai one (:mod:`prunus.runtime.ort_genai`).
+the native kernels' own); the backend is the genai one (:mod:`prunus.runtime.ort_genai`). Each linear layer groups
+its rows as measured on this machine (:mod:`prunus.native.plan`, cached; the info's ``native_plan``).
 
 The weights are the export's own numbers, read from the ``native_weights.safetensors`` it wrote beside its graph
 from the model dir's stored codes (:mod:`prunus.native.weights`); the graph itself is never parsed for them.
