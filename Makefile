@@ -73,7 +73,7 @@ demo: $(STAMP)
 	@echo "inspect:   $(BIN)/prunus info $(DEMO)/model"
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python -m benchmarks.train_throughput
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

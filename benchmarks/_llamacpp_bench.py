@@ -35,14 +35,12 @@ from typing import Callable
 
 import torch
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks._llamacpp_peer import GGUF_TYPES, Contender, LlamaCppPeer
 from benchmarks._ort_genai_peer import OgContender, OrtGenaiWorker
 from benchmarks.harness import WorkerProcess
 
 BATCHES = (1, 2, 4, 8)
-PRUNUS_WORKER = Path(__file__).resolve().with_name("_prunus_worker.py")
+PRUNUS_WORKER = "benchmarks._prunus_worker"  # run with -m from the repository root, as the benchmarks are
 LONG = 512  # tokens of the time-to-first-token prompt
 # Idle seconds before each timed run: a runtime's pool threads spin on after its run (ONNX Runtime's, llama.cpp's),
 # taking a core from whatever runs next in another process. SmolLM2 int8 native steps at 2 threads took 6.6 ms right
@@ -68,7 +66,7 @@ class PrunusWorker(WorkerProcess):
     """One prunus contender's Engine in a process of its own (``_prunus_worker.py``)."""
 
     def __init__(self, c: Contender):
-        super().__init__([sys.executable, str(PRUNUS_WORKER)], f"prunus ({c.label})")
+        super().__init__([sys.executable, "-m", PRUNUS_WORKER], f"prunus ({c.label})")
         self.path, self.prompt_graph, self.native = c.path, c.prompt_graph, c.native
 
     def load(self, threads: int, max_batch: int, max_len: int) -> Callable:

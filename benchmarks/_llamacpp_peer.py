@@ -24,12 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.harness import WorkerProcess
 
 MISSING = "llama-cpp-python not installed (it builds from source in 20-30 min on 2 cores: pip install llama-cpp-python)"
-WORKER = Path(__file__).resolve().with_name("_llamacpp_worker.py")
+WORKER = "benchmarks._llamacpp_worker"  # run with -m from the repository root, as the benchmarks are
 # a prunus precision -> the GGUF type llama.cpp runs beside it, and the to_gguf --type that writes it
 GGUF_TYPES = {"fp32": ("F32", "f32"), "int8": ("Q8_0", "q8_0"), "int4": ("Q4_0", "q4_0")}
 
@@ -76,7 +74,7 @@ class LlamaCppPeer(WorkerProcess):
 
     def __init__(self, python: str):
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-        super().__init__([python, str(WORKER)], "llama.cpp", env)
+        super().__init__([python, "-m", WORKER], "llama.cpp", env)
 
     def info(self) -> dict:
         return self.call(op="info")

@@ -24,8 +24,6 @@ import time
 
 import llama_cpp as L
 import numpy as np
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.harness import serve
 
 

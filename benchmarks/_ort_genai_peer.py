@@ -21,11 +21,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.harness import WorkerProcess
 
-WORKER = Path(__file__).resolve().with_name("_ort_genai_worker.py")
+WORKER = "benchmarks._ort_genai_worker"  # run with -m from the repository root, as the benchmarks are
 BUILDER = "onnxruntime_genai.models.builder"
 
 
@@ -42,7 +40,7 @@ class OrtGenaiWorker(WorkerProcess):
     """og's runtime on one model dir, in its own process."""
 
     def __init__(self, c: OgContender):
-        super().__init__([sys.executable, str(WORKER)], f"onnxruntime-genai ({c.label})")
+        super().__init__([sys.executable, "-m", WORKER], f"onnxruntime-genai ({c.label})")
         self.path = c.path
 
     def info(self) -> dict:

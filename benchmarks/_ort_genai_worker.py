@@ -27,9 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime_genai as og
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import serve  # noqa: E402
+from benchmarks.harness import serve
 
 STATE: dict = {}
 

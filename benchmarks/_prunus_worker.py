@@ -12,17 +12,14 @@ timed here); {"op": "quit"}.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import serve  # noqa: E402
+from benchmarks.harness import serve
 
-from prunus.serve import Engine  # noqa: E402
+from prunus.serve import Engine
 
 ENGINE: list[Engine] = []
 

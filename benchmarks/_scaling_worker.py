@@ -1,7 +1,7 @@
 """Worker for benchmarks/train_scaling.py: several measurements in one process group (one spawn serves many).
 
     torchrun --standalone --nproc-per-node N benchmarks/_scaling_worker.py SPEC.json OUT.json
-    python benchmarks/_scaling_worker.py SPEC.json OUT.json          (one process)
+    python -m benchmarks._scaling_worker SPEC.json OUT.json          (one process)
 
 SPEC is a list of {"kind", "name", "config": TrainConfig fields}; kinds:
 
@@ -22,23 +22,21 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks._baseline import hand_written_loop  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
+from benchmarks._baseline import hand_written_loop
+from torch.distributed.tensor import DTensor
 
-from prunus.data import get_batch, load_corpus  # noqa: E402
-from prunus.artifacts.atomic import atomic_write_json  # noqa: E402
-from prunus.models import Transformer, load_tokenizer  # noqa: E402
-from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
-from prunus.train_parallel.launch.launch import init_distributed  # noqa: E402
-from prunus.train_parallel.parallelize import cross_entropy, parallelize, resolve_layout  # noqa: E402
-from prunus.train_parallel.trainer import build_optimizer, clip_grad_norm  # noqa: E402
+from prunus.data import get_batch, load_corpus
+from prunus.artifacts.atomic import atomic_write_json
+from prunus.models import Transformer, load_tokenizer
+from prunus.train_parallel import TrainConfig, read_metrics, train
+from prunus.train_parallel.launch.launch import init_distributed
+from prunus.train_parallel.parallelize import cross_entropy, parallelize, resolve_layout
+from prunus.train_parallel.trainer import build_optimizer, clip_grad_norm
 
 
 def rank_world() -> tuple[int, int]:

@@ -22,22 +22,18 @@ Prints every figure and the ratios prunus / peer.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+from torch import nn
 
-from benchmarks.harness import alternating_samples, machine_line, ms, show, write_results  # noqa: E402
+from benchmarks.harness import alternating_samples, machine_line, ms, show, write_results
 
 SPEC = "benchmarks.any_model_digits:digits_cnn"
 CALIB = 128

@@ -6,7 +6,7 @@ that tree first on ``sys.path``, and rounds alternate the trees so that drift on
 falls on both. Printed: tokens/s per runtime and batch for each tree (median of the rounds, with the
 range) and the ratio this / earlier. Never fails on a timing.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/code_before_after.py --ref 67f88c4 \\
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.code_before_after --ref 67f88c4 \\
         --case torch=runs/real-models/smollm2-135m-instruct/model --case ort=EXPORT_DIR --case native=EXPORT_DIR
 """
 
@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 from benchmarks.harness import alternating_rounds, machine_line, median_range
 
 ROOT = Path(__file__).resolve().parents[1]

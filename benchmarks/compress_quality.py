@@ -1,6 +1,6 @@
 """Compression quality: each family beside the float model it came from, on the demo model and a real one.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compress_quality.py [--model demo] [--model smollm2|DIR]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.compress_quality [--model demo] [--model smollm2|DIR]
 
 One section per family; each prints bits per byte (with the held-out tokens behind it),
 its change against fp32, greedy agreement, the size of model.safetensors and CPU latency,
@@ -19,26 +19,24 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from prunus.compress.context import build_context  # noqa: E402
-from prunus.compress.quantize import quantize_pass  # noqa: E402
-from prunus.compress.report import greedy, latency_ms, prompts_from, report_row  # noqa: E402
-from prunus.compress.smoothquant import smoothquant_pass  # noqa: E402
-from prunus.data.evaluate import DEFAULT_EVAL_TOKENS  # noqa: E402
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
-from benchmarks.harness import machine_line, spread  # noqa: E402
+from prunus.compress.context import build_context
+from prunus.compress.quantize import quantize_pass
+from prunus.compress.report import greedy, latency_ms, prompts_from, report_row
+from prunus.compress.smoothquant import smoothquant_pass
+from prunus.data.evaluate import DEFAULT_EVAL_TOKENS
+from benchmarks.real_model import add_cache_argument, model_name, resolve_model
+from benchmarks.harness import machine_line, spread
+from benchmarks.compress_quality_distill import section_distill as _section_distill
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo" / "model"
@@ -288,8 +286,6 @@ def section_int4_ort_peers(bench: Bench) -> None:
 
 
 SECTIONS = [section_int8_weight_only, section_w8a8, section_fp8, section_int4, section_int4_ort_peers]
-
-from benchmarks.compress_quality_distill import section_distill as _section_distill  # noqa: E402
 
 
 def section_distill(bench: Bench, asked: bool = False) -> None:

@@ -11,25 +11,21 @@ Plots both training curves and bits per byte against parameters to ``distill_qua
 
 A section of ``compress_quality.py`` (``--only distill``), or on its own:
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compress_quality_distill.py [--model runs/demo/model]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.compress_quality_distill [--model runs/demo/model]
 """
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
-import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
+import torch
 
-from prunus.compress.distill import distill  # noqa: E402
-from prunus.compress.student import make_student  # noqa: E402
-from prunus.models import Transformer  # noqa: E402
+from prunus.compress.distill import distill
+from prunus.compress.student import make_student
+from prunus.models import Transformer
 
 STUDENT = "keep-every:2,width:1.1"
 STEPS, BATCH, LR = 150, 8, 2e-3  # the token budget: 150 x 8 x 256 = 307,200 tokens

@@ -13,7 +13,7 @@ scored on the same held-out tokens:
 Prints bits per byte, its ratio to dense (goal for Wanda 50%: <= 1.15) and to
 torchao's Wanda, and plots quality against parameter count.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/compress_quality_prune.py [--model runs/demo/model]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.compress_quality_prune [--model runs/demo/model]
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import os
 import time
 import warnings
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from prunus.compress.context import build_context  # noqa: E402
-from prunus.compress.prune import prunable_linears, prune_pass, sparsity_of  # noqa: E402
-from prunus.compress.prune_structured import prune_structured_pass  # noqa: E402
-from prunus.models import load_model  # noqa: E402
+from prunus.compress.context import build_context
+from prunus.compress.prune import prunable_linears, prune_pass, sparsity_of
+from prunus.compress.prune_structured import prune_structured_pass
+from prunus.models import load_model
 
 N_CALIB = 8
 

@@ -20,9 +20,6 @@ batches of the global batch with 0 and 2 DataLoader workers (images/s).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
 import json
 import os
@@ -32,12 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from benchmarks.harness import machine_line, show, write_results  # noqa: E402
+from benchmarks.harness import machine_line, show, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"two_linear": ("benchmarks.ddp_vs_handwritten:two_linear", "synthetic:classification?n=4096&shape=64&classes=10"),

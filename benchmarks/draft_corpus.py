@@ -1,6 +1,6 @@
 """The text a speculative-decoding draft is distilled on, built offline from Python's own files.
 
-    python benchmarks/draft_corpus.py OUT.txt [--max-bytes 4000000]
+    python -m benchmarks.draft_corpus OUT.txt [--max-bytes 4000000]
 
 Python source of the standard library (every ``.py`` file outside ``json/``, ``test/``, ``idlelib/`` and
 ``site-packages``, in path order) interleaved file by file with the training topics of ``pydoc_data.topics``
@@ -10,9 +10,6 @@ student never saw. Then ``prunus compress TARGET --recipe R.yaml --data OUT.txt`
 """
 
 from __future__ import annotations
-
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 
 import argparse
 from pathlib import Path

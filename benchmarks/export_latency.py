@@ -19,40 +19,36 @@ SmolLM2-135M-Instruct from PyPI through ``benchmarks/real_model.py``), at --thre
 
 Medians over alternating repetitions, each printed with its interquartile range; a ratio whose two
 ranges overlap is marked "≈ ... (within noise)" (hatched in the plot). Ratios are what count. Never fails on time.
-Usage: python benchmarks/export_latency.py [--models demo,base] [--model smollm2] [--reps 20] [--eval-tokens 16384]
+Usage: python -m benchmarks.export_latency [--models demo,base] [--model smollm2] [--reps 20] [--eval-tokens 16384]
        [--out runs/bench/export] [--cache runs/real-models]
 """
 
 from __future__ import annotations
 
-import os
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import argparse
+import shutil
+import statistics
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import numpy as np
+import onnx
+import torch
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-import torch  # noqa: E402
+from prunus.compress.quantize import quantize_pass
+from prunus.data.corpus import default_data, load_corpus
+from prunus.data.evaluate import evaluate
+from prunus.export import OrtGraphs, export_model
+from prunus.export.onnx_export import dequantized_copy, export_decode, export_prefill, save_graph
+from prunus.export.parity import _nll_score
+from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph
+from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model
+from prunus.models.quant_registry import quantized_modules
 
-from prunus.compress.quantize import quantize_pass  # noqa: E402
-from prunus.data.corpus import default_data, load_corpus  # noqa: E402
-from prunus.data.evaluate import evaluate  # noqa: E402
-from prunus.export import OrtGraphs, export_model  # noqa: E402
-from prunus.export.onnx_export import dequantized_copy, export_decode, export_prefill, save_graph  # noqa: E402
-from prunus.export.parity import _nll_score  # noqa: E402
-from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph  # noqa: E402
-from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model  # noqa: E402
-from prunus.models.quant_registry import quantized_modules  # noqa: E402
-
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import NOTE, alternating_samples, ms, overlap  # noqa: E402
-from benchmarks.real_model import add_cache_argument, model_name, resolve_model  # noqa: E402
+from benchmarks.harness import NOTE, alternating_samples, ms, overlap
+from benchmarks.real_model import add_cache_argument, model_name, resolve_model
 
 THREADS = 2  # --threads
 OURS, PEER = "int8 (export --precision int8)", "peer: quantize_dynamic(fp32 export)"

@@ -1,7 +1,7 @@
 """Fine-tuning throughput and memory on SmolLM2-135M: prunus full fine-tuning, LoRA and QLoRA (int8 base) beside
 a minimal hand-written Hugging Face PEFT + torch loop, on the same token batches.
 
-    python benchmarks/finetune.py [--steps 8] [--warmup 2] [--seq-len 256] [--batch-size 4] [--threads 2] \
+    python -m benchmarks.finetune [--steps 8] [--warmup 2] [--seq-len 256] [--batch-size 4] [--threads 2] \
         [--out runs/finetune_bench.json]
 
 The instruction set is built offline (benchmarks/stdlib_docstrings.py) and packed into ``--seq-len`` rows by
@@ -46,9 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
+from benchmarks.harness import fmt, goal, ratio, show
 
 CONFIGS = ("full", "lora", "qlora", "peer")
 PRUNUS_TARGETS = "wq,wk,wv,wo,w1,w2,w3"

@@ -1,6 +1,6 @@
 """Worked example: LoRA fine-tuning of SmolLM2-135M on stdlib docstrings, on a CPU, in minutes.
 
-    python benchmarks/finetune_smollm2.py [--base /work/real/smollm2] [--out runs/finetune_smollm2] [--steps 60]
+    python -m benchmarks.finetune_smollm2 [--base /work/real/smollm2] [--out runs/finetune_smollm2] [--steps 60]
 
 1. builds the instruction set offline (benchmarks/stdlib_docstrings.py: a function's signature as the prompt,
    its docstring's first paragraph as the completion; held-out split by module);
@@ -26,14 +26,12 @@ from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.stdlib_docstrings import build  # noqa: E402
+from benchmarks.stdlib_docstrings import build
 
-from prunus.models import load_model  # noqa: E402
-from prunus.models.generate import generate  # noqa: E402
-from prunus.models.model_dir import load_model_tokenizer  # noqa: E402
-from prunus.train_parallel import TrainConfig, train  # noqa: E402
+from prunus.models import load_model
+from prunus.models.generate import generate
+from prunus.models.model_dir import load_model_tokenizer
+from prunus.train_parallel import TrainConfig, train
 
 SAMPLES = 3  # held-out prompts generated before and after
 

@@ -15,7 +15,7 @@ and 8 rows, eager (host launch overhead included) and replayed from a CUDA graph
 backend runs them, plus the raw ``_int_mm`` / ``_scaled_mm`` kernels on rows padded to what
 they accept (32 / 16). Prints one JSON line per shape and writes JSON (``--out``, default $OUT or .).
 
-    python benchmarks/gpu_quant_kernels.py [--out DIR]
+    python -m benchmarks.gpu_quant_kernels [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 
-from prunus.models.int4 import rtn_int4  # noqa: E402
-from prunus.models.quantized import QuantizedLinear, _int_mm_fits, _scaled_mm_fits  # noqa: E402
-from prunus.models.quantized_int4 import Int4Linear, tinygemm_available  # noqa: E402
+from prunus.models.int4 import rtn_int4
+from prunus.models.quantized import QuantizedLinear, _int_mm_fits, _scaled_mm_fits
+from prunus.models.quantized_int4 import Int4Linear, tinygemm_available
 
 # (name, in_features, out_features) of SmolLM2-135M's Linear layers
 SHAPES = [("wq/wo", 576, 576), ("wk/wv", 576, 192), ("w1/w3", 576, 1536), ("w2", 1536, 576), ("output", 576, 49152)]

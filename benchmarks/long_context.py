@@ -21,7 +21,7 @@ variant is compared with cp=1's (same weights, same batch): context parallelism 
 
 Timings never fail the run. ``OMP_WAIT_POLICY=PASSIVE`` is set for every rank.
 
-    python benchmarks/long_context.py [--seq-len 2048] [--steps 6] [--rounds 2] [--plot runs/long_context.png]
+    python -m benchmarks.long_context [--seq-len 2048] [--steps 6] [--rounds 2] [--plot runs/long_context.png]
 """
 
 from __future__ import annotations
@@ -36,12 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import fmt, goal, ratio, show  # noqa: E402
+import torch
+from benchmarks.harness import fmt, goal, ratio, show
 
 MiB = 1 << 20
 VARIANTS = ("cp1", "ring", "ulysses")

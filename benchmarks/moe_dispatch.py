@@ -12,7 +12,7 @@ on its own tokens, once with expert parallelism (ep=2: half the experts per
 rank, tokens exchanged by two all-to-alls per direction) and once without
 (ep=1: every rank holds every expert, no communication); prints ep=2 / ep=1.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/moe_dispatch.py [--tokens 2048] [--repeats 15] [--no-ep]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.moe_dispatch [--tokens 2048] [--repeats 15] [--no-ep]
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
+import torch
 
-from prunus.models import ModelConfig  # noqa: E402
-from prunus.models.llama import FeedForward  # noqa: E402
-from prunus.models.moe import MoE  # noqa: E402
+from prunus.models import ModelConfig
+from prunus.models.llama import FeedForward
+from prunus.models.moe import MoE
 
 
 def layer_config(args, **changes) -> ModelConfig:

@@ -14,9 +14,6 @@ adapter 0. Timings never fail the run.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
 import argparse
 import json
 import os
@@ -24,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
 TARGETS = {"attention.wq": "q_proj", "attention.wk": "k_proj", "attention.wv": "v_proj", "attention.wo": "o_proj",
            "feed_forward.w1": "gate_proj", "feed_forward.w2": "down_proj", "feed_forward.w3": "up_proj"}

@@ -14,26 +14,22 @@ On SmolLM2-135M's genai exports (fp32, int8 by ``--precision int8``, stored int4
 
 Timings never fail the run; time on an idle machine (``OMP_WAIT_POLICY=PASSIVE`` is set).
 
-    python benchmarks/native_decode.py [--model smollm2] [--cache runs/real-models] [--threads 2] [--rounds 3]
+    python -m benchmarks.native_decode [--model smollm2] [--cache runs/real-models] [--threads 2] [--rounds 3]
 """
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
 import argparse
 import ctypes
 import json
-import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 PRECISIONS = ("fp32", "int8", "int4")
 

@@ -21,20 +21,16 @@ alone: the same work per step, for a machine without the export (or without torc
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from benchmarks.harness import alternating_rounds, machine_line, median_range, median_ratio  # noqa: E402
+from benchmarks.harness import alternating_rounds, machine_line, median_range, median_ratio
 
 
 def random_smollm2(max_len: int):

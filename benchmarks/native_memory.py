@@ -6,13 +6,10 @@ Each contender runs in a fresh process: prunus and torch are imported, the peak 
 peak over load and request (both above what the imports held), and the ratio native / ONNX Runtime (under 1:
 native holds less). The KV buffers are the same in both (float32, ``--max-batch`` x ``--max-len``).
 
-    python benchmarks/native_memory.py --export int8=/tmp/smol/int8-genai [--export fp32=DIR ...] [--threads 2]
+    python -m benchmarks.native_memory --export int8=/tmp/smol/int8-genai [--export fp32=DIR ...] [--threads 2]
 """
 
 from __future__ import annotations
-
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 
 import argparse
 import json

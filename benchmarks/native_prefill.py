@@ -13,14 +13,11 @@ Rounds alternate the contenders; each cell is the median (and range) of ``--roun
 with native / onnxruntime and native / llama.cpp ratios (under 1: native is faster). The CPU model and the load
 average are printed with the figures. Time on an idle machine (``OMP_WAIT_POLICY=PASSIVE`` is set).
 
-    python benchmarks/native_prefill.py --export int8=/tmp/smol/int8-genai --gguf int8=/tmp/smol/model-q8_0.gguf \\
+    python -m benchmarks.native_prefill --export int8=/tmp/smol/int8-genai --gguf int8=/tmp/smol/model-q8_0.gguf \\
         --llamacpp-python /work/llvenv/bin/python [--threads 1 2] [--rounds 3] [--tokens 512]
 """
 
 from __future__ import annotations
-
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
 
 import argparse
 import json
@@ -29,11 +26,11 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from benchmarks.harness import cpu_model  # noqa: E402
+from benchmarks.harness import cpu_model
 
 PRECISIONS = ("fp32", "int8", "int4")
 SETTLE_S = 0.25  # idle seconds before each timed run: the previous runtime's threads stop spinning

@@ -16,9 +16,6 @@ mean occupancy = rows / (passes x max batch), the most requests in one pass), re
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
 import http.client
 import json
@@ -32,9 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-from benchmarks.harness import machine_line, show, write_results  # noqa: E402
+from benchmarks.harness import machine_line, show, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "digits"

@@ -1,6 +1,6 @@
 """int4 quality beside onnxruntime-genai's model builder: cross-entropy over fp32 on one held-out window.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/ort_genai_quality.py --model /tmp/smol/model-dir \\
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.ort_genai_quality --model /tmp/smol/model-dir \\
         --int4 "prunus int4 AWQ->GPTQ=/tmp/smol/int4-awq-gptq" --export "...=EXPORT_DIR" [--builder DIR] [--hf DIR]
 
 Every row scores the same tokens: the first ``--windows`` windows of ``--window`` tokens (default one window
@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks._ort_genai_peer import builder_int4, genai_graph, graph_summary  # noqa: E402
-from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks._ort_genai_peer import builder_int4, genai_graph, graph_summary
+from benchmarks.harness import machine_line
 
 
 class BuilderLogits:

@@ -14,15 +14,11 @@ Timings never fail the run.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
 
 def burst(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:

@@ -10,7 +10,7 @@ Benchmarks take ``--model DIR|smollm2`` (:func:`resolve_model`): a prunus model 
 is, or the shorthand, which resolves through this cache (``--cache``, default
 ``runs/real-models/``, git-ignored). Nothing is downloaded into the repository.
 
-    python benchmarks/real_model.py [--cache runs/real-models] [--hf]   # fetch, convert, print the paths
+    python -m benchmarks.real_model [--cache runs/real-models] [--hf]   # fetch, convert, print the paths
 """
 
 from __future__ import annotations

@@ -14,9 +14,6 @@ the contenders alternating within each setting, and the ratio int8 / fp32 of ONN
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
 import os
 import statistics
@@ -24,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from benchmarks.harness import alternating_samples, machine_line, show, write_results  # noqa: E402
+from benchmarks.harness import alternating_samples, machine_line, show, write_results
 
 SPEC = "benchmarks.resnet50_cpu:resnet50"
 

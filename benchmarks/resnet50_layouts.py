@@ -14,9 +14,6 @@ the steps and the validation loss, against the tolerance; exits 1 if one is abov
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
 import json
 import os

@@ -26,9 +26,6 @@ token against clients, one line per contender).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, not with -m
-    import _bootstrap  # noqa: F401
-
 import argparse
 import http.client
 import inspect
@@ -45,9 +42,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-from benchmarks.harness import machine_line, show, write_results  # noqa: E402
+from benchmarks.harness import machine_line, show, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_CHARS = (260, 420, 560, 700, 840, 330, 490, 630)  # about 60-210 tokens of code

@@ -36,9 +36,9 @@
 
 Rounds alternate the contenders and the median is reported. Writes a PNG of the figures.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/serve_throughput.py [--demo-model runs/demo/model] [--export DIR ...]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.serve_throughput [--demo-model runs/demo/model] [--export DIR ...]
         [--model smollm2 ...] [--cache runs/real-models] [--only-models]
-    python benchmarks/serve_throughput.py --peer llamacpp --model smollm2 [--llamacpp-python /path/to/python]
+    python -m benchmarks.serve_throughput --peer llamacpp --model smollm2 [--llamacpp-python /path/to/python]
         [--contender "LABEL=EXPORT_DIR:fp32|int8|int4" ...] [--native [--native-only]] [--ort-genai]
         [--int4-model DIR] [--no-parity] [--sweep-rounds 0]
 """
@@ -59,17 +59,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-import torch  # noqa: E402
+import torch
 
-from prunus.serve import Engine  # noqa: E402
+from prunus.serve import Engine
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.real_model import add_cache_argument, hf_dir, load_hf_peer, model_name, resolve_model  # noqa: E402
-from benchmarks._llamacpp_peer import parse_contender  # noqa: E402  (stdlib only; llama_cpp runs in a worker)
-from benchmarks.harness import alternating_rounds, machine_line  # noqa: E402
+from benchmarks.real_model import add_cache_argument, hf_dir, load_hf_peer, model_name, resolve_model
+from benchmarks._llamacpp_peer import parse_contender  # stdlib only; llama_cpp runs in a worker
+from benchmarks.harness import alternating_rounds, machine_line
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]

@@ -25,15 +25,11 @@ ratio to plain. Timings never fail the run; losses are printed as they are.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
 REPETITIVE = "".join(f"def get_{name}(record):\n    \"\"\"The record's {name}.\"\"\"\n    return record[\"{name}\"]\n\n\n"
                      for name in ("id", "name", "email", "address", "phone", "city")) + "def get_"

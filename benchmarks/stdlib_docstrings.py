@@ -1,7 +1,7 @@
 """An instruction set built offline from the Python standard library: a function's signature as the prompt,
 the first paragraph of its docstring as the completion.
 
-    python benchmarks/stdlib_docstrings.py OUT_DIR      # writes train.jsonl, heldout.jsonl, train.txt
+    python -m benchmarks.stdlib_docstrings OUT_DIR      # writes train.jsonl, heldout.jsonl, train.txt
 
 Rows are ``{"prompt", "completion", "module"}``: the prompt a comment naming the function, its ``def`` line
 and an opening triple quote, the completion the docstring's first paragraph and the closing quotes; taken with

@@ -21,7 +21,7 @@ measured / ideal <= 1.05.
 Ranks run under ``python -m torch.distributed.run --standalone`` (gloo), OMP_WAIT_POLICY=PASSIVE.
 Timings never fail the run: it prints what it measured.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/train_scaling.py [--steps 20] [--rounds 2] [--quick]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.train_scaling [--steps 20] [--rounds 2] [--quick]
 """
 
 from __future__ import annotations
@@ -36,15 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks.harness import fmt, goal, machine_line, ratio, show  # noqa: E402
+from benchmarks.harness import fmt, goal, machine_line, ratio, show
 
-from prunus.train_parallel import TrainConfig  # noqa: E402
+from prunus.train_parallel import TrainConfig
 
-WORKER = Path(__file__).with_name("_scaling_worker.py")
+WORKER = "benchmarks._scaling_worker"  # run with -m from the repository root, as the benchmarks are
 MiB = 1 << 20
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -56,9 +54,9 @@ def spawn(nproc: int, threads: int, jobs: list[dict], tmp: Path, label: str, tim
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(WORKER), str(spec), str(out)]
+               "-m", WORKER, str(spec), str(out)]
     else:
-        cmd = [sys.executable, str(WORKER), str(spec), str(out)]
+        cmd = [sys.executable, "-m", WORKER, str(spec), str(out)]
     t0 = time.perf_counter()
     print(f"[{label}] {nproc} process(es) x {threads} thread(s): {', '.join(j['name'] for j in jobs)} ...", flush=True)
     try:

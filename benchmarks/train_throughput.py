@@ -11,20 +11,17 @@ tokens/s of each and the ratio prunus / hand-written (goal >= 0.95).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-if not __package__:  # run as a file (python benchmarks/NAME.py), not with -m
-    import _bootstrap  # noqa: F401  (puts the repository root on the import path)
-from benchmarks._baseline import hand_written_loop  # noqa: E402
-from benchmarks.harness import alternating_rounds, machine_line, ratio_line, write_results  # noqa: E402
+from benchmarks._baseline import hand_written_loop
+from benchmarks.harness import alternating_rounds, machine_line, ratio_line, write_results
 
-from prunus.data import load_corpus  # noqa: E402
-from prunus.models import ByteTokenizer  # noqa: E402
-from prunus.train_parallel import TrainConfig, read_metrics, train  # noqa: E402
+from prunus.data import load_corpus
+from prunus.models import ByteTokenizer
+from prunus.train_parallel import TrainConfig, read_metrics, train
 
 
 def prunus_trainer(cfg: TrainConfig) -> list[float]:

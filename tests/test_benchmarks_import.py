@@ -1,5 +1,6 @@
-"""benchmarks/ is a package: every benchmark imports (its main is not run), a file run finds the package, and the
-harness measures and reports without torch."""
+"""benchmarks/ is a dev package run from the repository root as ``python -m benchmarks.NAME``: every benchmark
+imports (its main is not run) with no path lines, a module run from the root finds the package, and the harness
+measures and reports without torch."""
 
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def test_every_benchmark_imports(benchmarks):
 
 def test_no_path_lines_in_benchmarks():
     for path in (ROOT / "benchmarks").glob("*.py"):
-        if path.name in ("_bootstrap.py", "code_before_after.py"):  # the one place; the other puts a worktree first
-            continue
-        assert "sys.path" not in path.read_text(), path.name
+        text = path.read_text()
+        assert "noqa: E402" not in text and "_bootstrap" not in text, path.name  # imports at the top, no path set-up
+        if path.name != "code_before_after.py":  # it puts an earlier worktree first, to time that tree's code
+            assert "sys.path" not in text, path.name
 
 
-def test_a_file_run_finds_the_package_and_the_harness_needs_no_torch(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_llamacpp_peer.py")], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+def test_a_module_run_from_the_root_finds_the_package_and_the_harness_needs_no_torch():
+    run = subprocess.run([sys.executable, "-m", "benchmarks._llamacpp_peer"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     probe = "import sys, benchmarks.harness; print(json.dumps(sorted({'torch', 'numpy', 'rich'} & set(sys.modules))))"
     run = subprocess.run([sys.executable, "-c", "import json; " + probe], cwd=ROOT, capture_output=True, text=True,
