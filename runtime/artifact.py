@@ -19,7 +19,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.manifest_schema import MANIFEST, verify_files
 from prunus.artifacts.validate import read_dir_json, short
 
-from .registry import BACKENDS, EXPORT_BACKEND
+from .backend_names import BACKENDS, EXPORT_BACKEND
 
 
 def read_artifact_config(path: str | Path) -> dict:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .backend_names import BACKENDS  # noqa: F401 (the CLI reads it here)
 from .load_options import LoadOptions
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what --backend names
-EXPORT_BACKEND = {"onnx": "onnxruntime", "tensorrt": "tensorrt"}  # an export dir's format -> the backend it needs
 PREFIX_CACHE_RUNTIMES = ("torch", "ort_genai", "native")  # the runtimes whose backends hold a prefix cache
 
 
