@@ -108,14 +108,14 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
-    async def model_metadata(name: str, version: str | None = None):
-        known(name, version)
+    async def model_metadata(name: str, request: Request):
+        known(name, request.path_params.get("version"))  # a path parameter only, never a query's
         return server.metadata()
 
     @app.get("/v2/models/{name}/ready")
     @app.get("/v2/models/{name}/versions/{version}/ready")
-    async def model_ready(name: str, version: str | None = None):
-        known(name, version)
+    async def model_ready(name: str, request: Request):
+        known(name, request.path_params.get("version"))
         return JSONResponse({"name": name, "ready": not engine._closed}, 200 if not engine._closed else 503)
 
     @app.get("/health")
@@ -129,8 +129,8 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
 
     @app.post("/v2/models/{name}/infer")
     @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def infer(name: str, request: Request, version: str | None = None):
-        known(name, version)
+    async def infer(name: str, request: Request):
+        known(name, request.path_params.get("version"))
         body, headers = await _infer(server, name, await request.body(), request.headers.get(HEADER_LENGTH),
                                      request.receive)
         return Response(body, 200, headers=headers)
