@@ -106,10 +106,10 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
         from prunus.train_parallel.launch.module_dry_run import module_memory_plan
 
         return print_module_plan(module_memory_plan(cfg, command_line(ctx, given, None, resume, overwrite)))
-    from prunus.data.module_datasets import module_datasets
+    from prunus.data.module_datasets import train_test_datasets
     from prunus.train_parallel.module_trainer import preflight_module, train_module
 
-    train, val = module_datasets(cfg.data, cfg.val_fraction, cfg.shuffle_buffer)
+    train, val = train_test_datasets(cfg.data, cfg.test_data, cfg.val_fraction, cfg.shuffle_buffer, task=cfg.task)
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_ranks

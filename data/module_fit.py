@@ -57,6 +57,9 @@ def _check_classes(output, dataset, source: str) -> None:
     if not isinstance(output, torch.Tensor) or output.ndim < 2 or have is None:
         return
     scores = output.shape[1]
+    if have != scores and getattr(dataset, "exact_classes", False):  # a table: its classes are all there are
+        raise PrunusError(f"{source}: {have} classes in the target, but the module scores {scores}; build it with "
+                          f"{have} outputs (e.g. --model-args num_classes={have}, as its factory names it)")
     if have > scores:
         raise PrunusError(f"{source}: {have} classes, but the module scores {scores}; build it with {have} outputs "
                           f"(e.g. --model-args num_classes={have}, as its factory names it) or give data of at most "

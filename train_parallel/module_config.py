@@ -31,13 +31,16 @@ class ModuleTrainConfig:
     model_args: dict = _doc(dict, "Keyword arguments of the factory (JSON values).", cli=False)
     task: str = _doc("classification", "What the module is trained on: classification, regression, causal-lm, or a "
                                        "loss package.module:fn (fn(output, target) -> scalar).")
-    data: str | None = _doc(None, "An ImageFolder directory, a directory of tar shards (shard-*.tar) or "
-                                  "synthetic:KIND?... (for the command line; the Python API takes any torch Dataset "
-                                  "of (input, target)).")
+    data: str | None = _doc(None, "An ImageFolder directory, a directory of tar shards (shard-*.tar), a table "
+                                  "FILE.csv|.parquet|.npy|.npz?target=COLUMN&features=A,B or synthetic:KIND?... (for "
+                                  "the command line; the Python API takes any torch Dataset of (input, target)).")
     data_workers: int = _doc(0, "Tar shards: DataLoader worker processes reading them on each rank (0: the rank "
                                 "itself).")
     shuffle_buffer: int = _doc(256, "Tar shards: samples each reader shuffles among as it streams its shards.")
-    val_fraction: float = _doc(0.1, "Share of an image folder held out for evaluation (by a hash of each path).")
+    val_fraction: float = _doc(0.1, "Share of an image folder (by a hash of each path) or a table (by a seeded "
+                                    "permutation of its rows) held out for evaluation.")
+    test_data: str | None = _doc(None, "A separate held-out set, scored whole instead of a split of --data (a table "
+                                       "then trains on all its rows); the same kinds of spec as --data.")
     batch_size: int = _doc(16, "Samples per optimizer step (the global batch), split over data-parallel ranks.")
     steps: int = _doc(1000, "Optimizer steps in the run.")
     stop_at: int | None = _doc(None, "End this invocation after this step (checkpointed); continue with --resume.")

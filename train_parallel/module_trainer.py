@@ -24,6 +24,7 @@ from prunus.artifacts.errors import PrunusError
 from torch.utils.data import default_collate
 
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
+from prunus.data.tables import model_dir_files
 from prunus.data.module_fit import check_fits, to_device
 from prunus.data.prefetch import Prefetcher
 from prunus.models.module_dir import input_spec, save_module
@@ -340,7 +341,8 @@ class ModuleTrainer:
         metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
                        task=self.task.name)
         path = save_module(fresh, self.run.path / "model", stage="train", factory=self.factory, task=self.task.name,
-                           input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned)
+                           input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned,
+                           extra_files=model_dir_files(self.dataset))  # a table's labels.json
         if self.cfg.progress:
             print(f"model dir: {Path(self.cfg.out) / 'model'}", flush=True)
         return path
