@@ -61,16 +61,17 @@ PREFILL_CHUNK_GENAI = 64
 
 def ort_batch_invariant(export: dict) -> bool:
     """Whether ONNX Runtime gives a row the same logits bits alone and batched over this export's genai graph. On
-    AMD EPYC (AVX2, ONNX Runtime 1.31), one MatMulNBits node, a row at M = 1 against the same row among M = 2..64
-    (max |Δ|): bits 8 at accuracy level 4 (int8 activations quantized per row and block): 0, at every M; bits 8
-    at level 0 (float activations): 1.1e-5; bits 4 at level 4: 6.0e-7; bits 4 at level 0: 1.7e-6. A one-row pass
-    runs in a kernel of its own, except 8-bit at level 4. A random 2-layer model of SmolLM2-135M's widths, 8
-    rows alone against batched (prompt pass and 4 decode steps, 1 and 2 threads): int8 level 4 the same bits;
-    int8 level 0 1.5e-6; int4 level 4 9e-7 in the prompt pass, 0.023 after 4 decode steps (int8 activation
-    rounding magnifies the difference); int4 level 0 2.7e-6; ``use_deterministic_compute`` changed nothing. So
-    only an int8 export whose matmuls are all 8-bit MatMulNBits (prunus writes accuracy level 4) is invariant;
-    fp32 (MatMul) and int4 are not, and no session setting makes them so."""
-    return export.get("precision") == "int8" and export.get("int8_style") == "matmulnbits"
+    AMD EPYC (AVX2, ONNX Runtime 1.31), one node, a row at M = 1 against the same row among M = 2..64 (max |Δ|):
+    float MatMul (K x N 576 x 1536, 1536 x 576, 576 x 49152, 2048 x 2048; 1 and 2 threads): 0; MatMulNBits bits 8
+    at accuracy level 4 (activations quantized to int8 per row and block): 0; bits 8 at level 0 (float
+    activations): 1.1e-5; bits 4 at level 4: 6.0e-7; bits 4 at level 0: 1.7e-6 (a one-row pass runs in a kernel of
+    its own). A random 2-layer model of SmolLM2-135M's widths, 8 rows alone against batched (prompt pass and 4
+    decode steps, 1 and 2 threads): fp32 and int8 at level 4 the same bits; int8 at level 0 1.5e-6; int4 at level
+    4 9e-7 after the prompt pass, 0.023 after 4 decode steps (int8 activation rounding magnifies it); int4 at
+    level 0 2.7e-6; ``use_deterministic_compute`` changed nothing. So fp32 and an int8 export of 8-bit
+    MatMulNBits (prunus writes accuracy level 4) are invariant; int4 is not, and no session setting makes it so."""
+    precision = export.get("precision")
+    return precision == "fp32" or precision == "int8" and export.get("int8_style") == "matmulnbits"
 
 
 class GenaiBackend(BackendBase):
@@ -223,7 +224,7 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None
     # prunus's native kernels sum a row the same way at every row count; a prompt twin runs long prompts in float
-    invariant = native and not options.prompt_graph or ort_batch_invariant(export) and not options.prompt_graph
+    invariant = not options.prompt_graph and (native or ort_batch_invariant(export))
     info = {"precision": export.get("precision"), "batch_invariant": invariant}
     if options.prompt_graph:
         info["prompt_graph_min_tokens"] = session.prompt_min_tokens
