@@ -10,7 +10,7 @@ from .options import device_option, resolve_device
 
 
 def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options: dict, *, record: bool,
-                 device: str) -> None:
+                 device: str, plot: str | None = None) -> None:
     """prunus eval of a generic module dir: the task's figures on --data's held-out split, as a table."""
     import os
     import sys
@@ -21,20 +21,54 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
     from prunus.train_parallel.module_eval import evaluate_module_dir
 
     if data is None:
-        raise PrunusError(f"{model_dir} holds a generic module: pass --data (an image folder, tar shards or "
-                          "synthetic:classification?...) of the samples it was trained on")
+        raise PrunusError(f"{model_dir} holds a generic module: pass --data (an image folder, tar shards, a table "
+                          "or synthetic:classification?...) of the samples it was trained on")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # the factory's module may sit in the current directory, as for prunus train
-    r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device, **options)
+    if plot is None and record:
+        plot = os.path.join(model_dir, "confusion_matrix.png")
+    r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device, plot=plot,
+                            **options)
+    whole = options.get("val_fraction") == 1.0
     table = Table(title=f"prunus eval {model_dir}", show_header=False)
-    table.add_row("data", f"{r['eval_data']} (held-out split)")
+    table.add_row("data", f"{r['eval_data']} ({'all of it' if whole else 'held-out split'})")
     table.add_row("task", r["task"])
     table.add_row("samples scored", f"{r['val_samples']:,}")
     label = "mean squared error" if r["task"] == "regression" else "loss"
     table.add_row(label, f"{r['val_loss']:.6g}")
     if "val_accuracy" in r:
         table.add_row("top-1 accuracy", f"{r['val_accuracy']:.4f}")
-    Console().print(table)
+    for key, name in (("val_mae", "mean absolute error"), ("val_r2", "R²")):
+        if key in r:
+            table.add_row(name, f"{r[key]:.6g}")
+    if r.get("plot"):
+        table.add_row("confusion matrix", str(r["plot"]))
+    console = Console()
+    console.print(table)
+    if "per_class" in r:
+        print_class_report(console, r)
+
+
+def print_class_report(console, r: dict) -> None:
+    """A classifier's per-class precision / recall / F1 / support and its confusion matrix, as tables."""
+    from rich.table import Table
+
+    report = Table(title="per class", title_justify="left")
+    for name in ("class", "precision", "recall", "f1", "support"):
+        report.add_column(name, justify="left" if name == "class" else "right")
+    for row in r["per_class"]:
+        report.add_row(str(row["class"]), f"{row['precision']:.4f}", f"{row['recall']:.4f}", f"{row['f1']:.4f}",
+                       f"{row['support']:,}")
+    console.print(report)
+    if len(r["confusion"]) > 30:
+        return  # the PNG holds it; a wider table would not read
+    matrix = Table(title="confusion matrix (rows true, columns predicted)", title_justify="left")
+    matrix.add_column("")
+    for name in r["classes"]:
+        matrix.add_column(str(name), justify="right")
+    for name, row in zip(r["classes"], r["confusion"]):
+        matrix.add_row(str(name), *(f"{v:,}" for v in row))
+    console.print(matrix)
 
 
 @click.command("eval")
@@ -52,10 +86,15 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
 @click.option("--max-samples", type=int, default=None,
               help="A generic module dir: held-out samples scored, the first of the split (default 4096).")
 @click.option("--val-fraction", type=float, default=None,
-              help="A generic module dir on an image folder: the share held out (by a hash of each path; default 0.1).")
+              help="A generic module dir on an image folder or a table: the share held out, as training held it out "
+                   "(default 0.1); 1.0 scores all of --data (a separate test set).")
+@click.option("--plot", default=None, metavar="PATH.png",
+              help="A generic classifier: where its confusion matrix PNG goes (default MODEL_DIR/confusion_matrix.png; "
+                   "none with --no-record).")
 @device_option
 def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: int | None, no_record: bool, device: str,
-            trust_factory: bool, batch_size: int | None, max_samples: int | None, val_fraction: float | None):
+            trust_factory: bool, batch_size: int | None, max_samples: int | None, val_fraction: float | None,
+            plot: str | None):
     """Score MODEL_DIR on held-out text (a generic module dir: on --data's held-out samples)."""
     from rich.console import Console
     from rich.table import Table
@@ -70,8 +109,9 @@ def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: i
                 raise PrunusError(f"{flag} applies to a transformer; {model_dir} holds a generic module: drop it "
                                   "(--max-samples bounds what is scored)")
         return _module_eval(model_dir, data, trust_factory, {k: v for k, v in module_opts.items() if v is not None},
-                            record=not no_record, device=resolve_device(device))
-    given_module = [k for k, v in module_opts.items() if v is not None] + (["trust_factory"] if trust_factory else [])
+                            record=not no_record, device=resolve_device(device), plot=plot)
+    given_module = [k for k, v in {**module_opts, "plot": plot}.items() if v is not None] + (
+        ["trust_factory"] if trust_factory else [])
     if given_module:
         raise PrunusError(f"--{given_module[0].replace('_', '-')} applies to a generic module dir (config.json kind "
                           f"module); {model_dir} is not one: drop it")

@@ -3,7 +3,10 @@
 The module is rebuilt by its factory (imported only when trusted, :func:`prunus.models.module_dir.load_module`),
 the data spec read as ``prunus train --data`` reads it (its held-out split), and the figures computed by
 :func:`.module_trainer.score_module`: ``val_loss`` (cross-entropy for classification, mean squared error for
-regression, the task's loss otherwise), ``val_accuracy`` (top-1) for classification, ``val_samples``.
+regression, the task's loss otherwise), ``val_accuracy`` (top-1) for classification, ``val_samples``; and by
+:mod:`.module_metrics` a classifier's confusion matrix and per-class report (its PNG with ``plot``) or a
+regressor's MSE / MAE / R². A table's labels are mapped to the classes the model dir's ``labels.json`` records.
+``val_fraction`` 1.0 scores the whole of ``data`` (a separate test set).
 """
 
 from __future__ import annotations
@@ -16,40 +19,56 @@ MAX_BATCH, MAX_SAMPLES = 65_536, 1 << 30
 
 
 def evaluate_module_dir(path, data: str, *, trust_factory=False, batch_size: int = 64, max_samples: int = 4096,
-                        val_fraction: float = 0.1, record: bool = True, device: str = "cpu") -> dict:
+                        val_fraction: float = 0.1, record: bool = True, device: str = "cpu",
+                        plot: str | Path | None = None) -> dict:
     """The held-out figures of the generic module dir at ``path`` on ``data``'s held-out split (a data spec:
-    an image folder, tar shards or ``synthetic:...``); with ``record``, merged into its manifest."""
+    an image folder, tar shards, a table or ``synthetic:...``); with ``record``, the scalar figures merged into
+    its manifest; ``plot``: where a classifier's confusion matrix PNG goes (the figures' ``plot``)."""
     from prunus.data.global_batches import check_pair
     from prunus.data.module_datasets import module_datasets
     from prunus.models.model_dir import update_manifest_metrics, verify_model_dir
     from prunus.models.module_dir import load_module, read_module_config
     from prunus.models.tasks import get_task
 
-    from .module_trainer import score_module
+    from prunus.data.module_fit import check_fits, data_classes
+    from prunus.data.tables import read_labels
+
+    from .module_metrics import class_names, confusion_png, module_report, per_class
+    from .module_trainer import _call, score_module
 
     if not 1 <= batch_size <= MAX_BATCH:
         raise PrunusError(f"--batch-size {batch_size} must be from 1 to {MAX_BATCH:,}")
     if not 1 <= max_samples <= MAX_SAMPLES:
         raise PrunusError(f"--max-samples {max_samples} must be from 1 to {MAX_SAMPLES:,}")
-    if not 0 < val_fraction < 1:
-        raise PrunusError(f"--val-fraction {val_fraction} must be between 0 and 1")
+    if not 0 < val_fraction <= 1:
+        raise PrunusError(f"--val-fraction {val_fraction} must be above 0 and at most 1 (1: score all of --data)")
     path = Path(path)
     verify_model_dir(path)
     config = read_module_config(path)
     task = get_task(config.get("task") or "classification", trust=trust_factory, where=str(path))
-    _, val = module_datasets(data, val_fraction)
+    labels = read_labels(path) or {}
+    _, val = module_datasets(data, val_fraction, task=task.name, classes=labels.get("classes"))
     if val is None or len(val) == 0:
         raise PrunusError(f"--data {data}: holds no held-out samples to score; give data with a held-out split")
     check_pair(val, "--data")
     model = load_module(path, config, trust_factory=trust_factory, device=device)
+    check_fits(model, val, task, _call, f"--data {data}")  # the classes the module scores, the input it takes
     try:
         figures = score_module(model, task, val, batch_size=batch_size, max_samples=max_samples, device=device)
+        report = module_report(model, task.name, val, classes=data_classes(val), batch_size=batch_size,
+                               max_samples=max_samples, device=device, call=_call)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a shape the module does not take
         from prunus.models.module_factory import reason
 
         raise PrunusError(f"--data {data}: the module in {path} could not score it ({reason(e)}); give data of "
                           "the input and target the module was trained on") from None
-    figures = {**figures, "eval_data": data, "task": task.name}
+    figures = {**figures, **{k: v for k, v in report.items() if k != "confusion"}, "eval_data": data,
+               "task": task.name}
     if record:
         update_manifest_metrics(path, figures)
+    if "confusion" in report:
+        names = class_names(report["confusion"], labels.get("classes"), getattr(val, "classes", None))
+        figures.update(confusion=report["confusion"], classes=names, per_class=per_class(report["confusion"], names))
+        if plot is not None:
+            figures["plot"] = confusion_png(report["confusion"], names, plot, f"{path} on {data}")
     return figures
