@@ -85,7 +85,7 @@ def resolve_layout(cfg, world_size: int, device_type: str | None = None) -> tupl
         from .data_parallel.offload import check_offload
 
         check_offload(cfg)
-    return dp_mode(cfg).resolve(cfg, world_size, device_type)
+    return dp_mode(cfg).resolve(cfg, world_size, device_type, validate_layout)
 
 
 def validate_layout(dims: ParallelDims, cfg, model_cfg) -> None:

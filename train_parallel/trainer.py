@@ -62,15 +62,7 @@ from .progress import TrainProgress
 from .run_dir import check_run_dir, discard_incomplete_run, init_run_dir, prior_state, publish_run_dir, run_location
 from .schedule import lr_at
 from .tensor_parallel.tensor_parallel import loss_context
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    model_dir: Path | None  # None when the run stopped early (--stop-at), or on ranks other than 0
-    step: int
-    metrics: dict  # the last record (with the last evaluation's figures)
-    losses: list[float]  # training loss of each step run in this invocation
+from .train_result import TrainResult
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -> torch.optim.Optimizer:
@@ -621,4 +613,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, mo
           objective=None) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``: ``Trainer(cfg, ...).train()`` (see :class:`Trainer`), or
     the loop of its data-parallel mode where that mode runs its own (:mod:`.data_parallel.modes`)."""
-    return dp_mode(cfg).train(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective)
+    if dp_mode(cfg).own_loop:  # --dp-mode ps: servers and workers run their own loop (data_parallel/ps_worker.py)
+        from .data_parallel.ps_worker import train_ps_mode
+
+        return train_ps_mode(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective)
+    return Trainer(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective).train()

@@ -22,23 +22,19 @@ class DataParallelMode:
 
     name = ""
     plans_memory = False  # whether the dry run (launch/dry_run.py) plans this mode's layouts
+    own_loop = False  # whether it trains in its own loop (ps_worker.py), not the Trainer's (trainer.train)
 
     def check_config(self, cfg) -> None:
         """One line when ``cfg``'s settings alone cannot run in this mode (TrainConfig.validate calls it)."""
 
-    def resolve(self, cfg, world_size: int, device_type: str | None) -> tuple:
-        """``(cfg with the ZeRO stage resolved, ParallelDims)`` on ``world_size`` ranks, checked against the model."""
+    def resolve(self, cfg, world_size: int, device_type: str | None, validate_layout) -> tuple:
+        """``(cfg with the ZeRO stage resolved, ParallelDims)`` on ``world_size`` ranks, checked against the model;
+        ``validate_layout``: the mesh's checks (:func:`~prunus.train_parallel.parallelize.validate_layout`)."""
         raise NotImplementedError
 
     def forward_module(self, part):
         """The module the trainer calls for forward: the parallelized model part itself."""
         return part
-
-    def train(self, cfg, *, resume: bool, overwrite: bool, model, objective):
-        """Run (or resume) ``cfg``: the :class:`~prunus.train_parallel.trainer.Trainer`'s loop."""
-        from ..trainer import Trainer
-
-        return Trainer(cfg, resume=resume, overwrite=overwrite, model=model, objective=objective).train()
 
 
 class TorchDistributed(DataParallelMode):
@@ -46,9 +42,8 @@ class TorchDistributed(DataParallelMode):
 
     name, plans_memory = "ddp", True
 
-    def resolve(self, cfg, world_size: int, device_type: str | None) -> tuple:
+    def resolve(self, cfg, world_size: int, device_type: str | None, validate_layout) -> tuple:
         from ..parallel_dims import ParallelDims
-        from ..parallelize import validate_layout
 
         dims = ParallelDims.from_config(cfg, world_size, device_type)
         cfg = dataclasses.replace(cfg, zero=dims.zero)
@@ -61,7 +56,7 @@ class SingleProcess(DataParallelMode):
 
     name = "dataparallel"
 
-    def resolve(self, cfg, world_size: int, device_type: str | None) -> tuple:
+    def resolve(self, cfg, world_size: int, device_type: str | None, validate_layout) -> tuple:
         from .data_parallel_single import validate_dataparallel
 
         return _whole_model(cfg, validate_dataparallel(cfg, world_size, device_type))
@@ -75,27 +70,18 @@ class SingleProcess(DataParallelMode):
 class ParameterServer(DataParallelMode):
     """``ps``: the first ``--ps-servers`` ranks hold the parameters and the optimizer, the others train."""
 
-    name = "ps"
+    name, own_loop = "ps", True
 
     def check_config(self, cfg) -> None:
         if cfg.init_from or str(cfg.data or "").lower().endswith((".jsonl", ".parquet")):
             raise PrunusError("--dp-mode ps trains from random weights on text corpora; fine-tune (--init-from, "
                               "instruction rows) with --dp-mode ddp")
 
-    def resolve(self, cfg, world_size: int, device_type: str | None) -> tuple:
+    def resolve(self, cfg, world_size: int, device_type: str | None, validate_layout) -> tuple:
         from ..parallel_dims import ParallelDims
         from .parameter_server import validate_ps
 
         return _whole_model(cfg, ParallelDims(world_size=validate_ps(cfg, world_size), zero=0, device_type=device_type))
-
-    def train(self, cfg, *, resume: bool, overwrite: bool, model, objective):
-        """Servers and workers run their own loop (``ps_worker.py``)."""
-        from .ps_worker import refuse_resume, train_parameter_server
-
-        refuse_resume(cfg, resume)
-        if model is not None or objective is not None:
-            raise PrunusError("--dp-mode ps trains a fresh model on cross-entropy; use --dp-mode ddp for this run")
-        return train_parameter_server(cfg, overwrite=overwrite)
 
 
 def _whole_model(cfg, dims) -> tuple:

@@ -29,6 +29,7 @@ from .parameter_server import (DONE, HEADER, PAYLOAD, PULL, PUSH, REPLY, Paramet
 from ..parallelize import cross_entropy
 from ..plot import plot_loss_curves
 from ..run_dir import check_run_dir, init_run_dir, publish_run_dir, run_location
+from ..train_result import TrainResult
 
 
 class PSWorker:
@@ -105,8 +106,6 @@ def train_parameter_server(cfg, *, overwrite: bool = False, slow_workers: dict[i
     ``slow_workers``: {worker index: seconds to sleep each step} (to show the staleness bound). Returns a
     TrainResult; on rank 0 its metrics hold ``ps``: the mode, the largest lead of a worker over the slowest
     at a pull, and the largest staleness of a push in parameter versions."""
-    from ..trainer import TrainResult
-
     rank, world, device = init_distributed(cfg.timeout_s)
     n_workers = validate_ps(cfg, world)
     n_servers = cfg.ps_servers
@@ -168,6 +167,14 @@ def _finish(cfg, model, tokenizer, corpus, run_dir: Path, records: list[dict], s
                metrics={"val_loss": result["val_loss"], "val_bpb": result["val_bpb"], "train_steps": cfg.steps,
                         "corpus": corpus.name, "world_size": dist.get_world_size(), "ps": ps})
     return last
+
+
+def train_ps_mode(cfg, *, resume: bool, overwrite: bool, model, objective):
+    """``--dp-mode ps``'s run: servers and workers run their own loop (:func:`train_parameter_server`)."""
+    refuse_resume(cfg, resume)
+    if model is not None or objective is not None:
+        raise PrunusError("--dp-mode ps trains a fresh model on cross-entropy; use --dp-mode ddp for this run")
+    return train_parameter_server(cfg, overwrite=overwrite)
 
 
 def refuse_resume(cfg, resume: bool) -> None:
