@@ -16,7 +16,11 @@ PARITY_COLUMNS = [Column("check", justify="left", text=True), Column("value", ju
                   Column("limit", justify="left"), Column("", justify="left")]
 
 
-MODULE_CHECKS = [("max |Δoutputs|", "max_abs_outputs", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}")]
+MODULE_CHECKS = [("max |Δoutputs|", "max_abs_outputs", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
+                 ("output MSE / output variance", "output_rel_mse", "{:.3g}"),
+                 ("MSE increase against targets", "mse_increase", "{:+.3f}")]
+MODULE_FACTS = [("int8 method", "int8_method", "{}"), ("int8 share of parameters", "int8_param_share", "{:.1%}"),
+                ("left float", "float_ops", "{}"), ("calibration", "calibration", "{}")]
 
 
 def print_parity(console, title: str, report: dict) -> None:
@@ -25,7 +29,9 @@ def print_parity(console, title: str, report: dict) -> None:
     if "max_abs_outputs" in report:  # a generic module's report (prunus.export.module_export)
         rows = [[label, fmt.format(report[key]), str(tol.get(key, "-")), "[red]FAIL" if key in report["failed"] else
                  "[green]ok"] for label, key, fmt in MODULE_CHECKS if key in report]
-        rows.append(["held-out inputs", str(report["samples"]), "", ""])
+        rows += [[label, fmt.format(", ".join(report[key]) if isinstance(report[key], list) else report[key]), "", ""]
+                 for label, key, fmt in MODULE_FACTS if report.get(key) not in (None, [], "")]
+        rows.append(["inputs", report.get("inputs", str(report["samples"])), "", ""])
         print_fitted(console, PARITY_COLUMNS, rows, title=title)
         return
     checks = [("max |Δlogits|", "max_abs_logits", "{:.3g}"), ("top-1 agreement", "top1_agreement", "{:.4f}"),
@@ -52,7 +58,8 @@ def print_parity(console, title: str, report: dict) -> None:
 @click.option("--data", default=None,
               help="Held-out text for the parity check. Default: the slice prunus eval scores (English prose "
                    "shipped with Python for a pretrained tokenizer, the built-in corpus for a byte-level one). "
-                   "A generic module: an ImageFolder dir or synthetic:... spec (default: random inputs of its shape).")
+                   "A generic module: an ImageFolder dir or synthetic:... spec (default: random inputs of its shape; "
+                   "static int8 calibrates on its training split, on random inputs only with --data random).")
 @click.option("--external-data", is_flag=True, help="Store weights in .data files (automatic above 1.5 GB).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--graph", type=click.Choice(GRAPHS), default=None,

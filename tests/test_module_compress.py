@@ -171,8 +171,8 @@ def test_int8_calibration_spreads_over_a_class_ordered_split(tmp_path, monkeypat
     assert module_int8.spread_indices(10, 4) == [0, 3, 6, 9] and module_int8.spread_indices(3, 8) == [0, 1, 2]
     assert module_int8.spread_indices(10, 1) == [0]
     monkeypatch.setattr(module_int8, "CALIB_SAMPLES", 6)
-    calib = module_int8.calibration_inputs({}, str(tmp_path / "data"), tmp_path)
-    assert calib.shape == (6, 1, 2, 2) and set(calib[:, 0, 0, 0].tolist()) == {0.0, 1.0, 2.0}
+    calib, what = module_int8.calibration_inputs({}, str(tmp_path / "data"), tmp_path)
+    assert "6 samples of" in what and calib.shape == (6, 1, 2, 2) and set(calib[:, 0, 0, 0].tolist()) == {0.0, 1.0, 2.0}
 
 
 def test_distill_module_into_a_smaller_student(cnn_dir, tmp_path):

@@ -203,3 +203,69 @@ def test_a_dir_that_does_not_reload_is_never_written(tmp_path, monkeypatch):
         compress(src, PRUNE, tmp_path / "o", data=IMAGES, trust_factory=True, latency=False)
     assert not (tmp_path / "o").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o")]
+
+
+# --- int8 export: its method, its share, its calibration, a regressor's limit -------------------------------
+
+
+def _export(src, tmp_path, *extra):
+    return _cli("export", src, "--out", tmp_path / "exp", "--precision", "int8", "--trust-factory", *extra)
+
+
+@pytest.mark.slow  # ONNX exports and quantization
+def test_int8_of_a_gru_says_what_stayed_float(tmp_path):
+    src = _dir(tmp_path, "recurrent", {"kind": "GRU"}, input={"shape": [5, 8], "dtype": "float32"})
+    code, text = _export(src, tmp_path, "--data", SEQS)
+    parity = json.loads((tmp_path / "exp/parity.json").read_text()) if code == 0 else {}
+    assert code == 0 and parity["int8_method"] == "dynamic" and parity["calibration"].startswith("none"), text
+    assert parity["int8_param_share"] < 0.1 and parity["float_ops"] == ["GRU"]
+    assert "int8 share of parameters" in text and "GRU" in text
+
+
+@pytest.mark.slow  # ONNX exports and quantization
+def test_int8_of_an_lstm_and_an_mlp_is_dynamic_and_mostly_int8(tmp_path):
+    src = _dir(tmp_path, "recurrent", {"kind": "LSTM"}, input={"shape": [5, 8], "dtype": "float32"})
+    code, text = _export(src, tmp_path, "--data", SEQS)
+    assert code == 0, text
+    parity = json.loads((tmp_path / "exp/parity.json").read_text())
+    assert parity["int8_method"] == "dynamic" and parity["int8_param_share"] > 0.8 and parity["float_ops"] == []
+
+
+@pytest.mark.slow  # ONNX exports and quantization
+def test_int8_regression_parity_has_a_limit(tmp_path, monkeypatch):
+    from prunus.export import module_export
+
+    src = _dir(tmp_path, "mlp", task="regression", input={"shape": [6], "dtype": "float32"})
+    code, text = _export(src, tmp_path, "--data", REGRESSION)
+    assert code == 0, text
+    parity = json.loads((tmp_path / "exp/parity.json").read_text())
+    assert parity["output_rel_mse"] <= 0.02 and "mse_increase" in parity and "top1_agreement" not in parity
+    assert set(parity["tolerances"]) == {"output_rel_mse", "mse_increase"}
+    tight = {**module_export.MODULE_TOLERANCES["int8"], "output_rel_mse": 1e-9}
+    monkeypatch.setitem(module_export.MODULE_TOLERANCES, "int8", tight)
+    code, text = _export(src, tmp_path / "b", "--data", REGRESSION)
+    assert code == 1 and "FAIL" in text and not (tmp_path / "b/exp").exists(), text
+
+
+@pytest.mark.slow  # ONNX exports and quantization
+def test_static_int8_calibrates_on_random_inputs_only_when_asked(tmp_path):
+    src = _dir(tmp_path, "vit", input={"shape": [3, 8, 8], "dtype": "float32"})
+    code, text = _export(src, tmp_path)
+    assert code == 2 and "--data random" in text and len(text.strip().splitlines()) == 1, text
+    assert not (tmp_path / "exp").exists()
+    code, text = _export(src, tmp_path, "--data", "random", "--no-verify")
+    assert code == 0, text
+    parity = json.loads((tmp_path / "exp/parity.json").read_text())
+    assert parity["int8_method"] == "static" and parity["calibration"].startswith("synthetic")
+    assert parity["inputs"].startswith("synthetic") and "synthetic" in text
+
+
+@pytest.mark.slow  # an ONNX export
+def test_a_token_model_without_data_exports_or_says_why_in_one_line(tmp_path):
+    src = _dir(tmp_path, "token_encoder", input={"shape": [6], "dtype": "int64", "high": 20})
+    code, text = _export(src, tmp_path)
+    assert code == 0 and "synthetic" in text, text  # dynamic int8: no calibration; probes of ids below high
+    bad = _dir(tmp_path / "f", "token_encoder", input={"shape": [6], "dtype": "float32"})
+    code, text = _export(bad, tmp_path / "f")
+    assert code == 2 and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert "pass --data" in text and not (tmp_path / "f/exp").exists()
