@@ -3,10 +3,13 @@ Protocol (KServe v2) over a generic module's model dir or its ONNX export dir.""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import click
+from click.core import ParameterSource
 
+from prunus.serve.k8s_manifests import K8sSettings
 from prunus.serve.shutdown import SHUTDOWN_GRACE_S
 
 from .options import access_options, backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, \
@@ -29,6 +32,22 @@ def _device_map(value: str | None):
         return json.loads(value)
     except ValueError:
         raise PrunusError(f"--device-map {value!r}: give auto or a JSON object such as '{{\"layers.0\": 0}}'") from None
+
+
+def k8s_options(command):
+    """--print-k8s [manifests|dockerfile] and one --k8s-* option per K8sSettings field (its metadata's help and
+    type), passed to the command as ``k8s_<field>`` (None when not given)."""
+    for f in reversed(dataclasses.fields(K8sSettings)):
+        kind = f.metadata["type"]
+        command = click.option("--k8s-" + f.name.replace("_", "-"), "k8s_" + f.name, default=None,
+                               type=click.Choice(kind) if isinstance(kind, tuple) else kind,
+                               help=f.metadata["help"])(command)
+    return click.option("--print-k8s", type=click.Choice(["manifests", "dockerfile"]), is_flag=False,
+                        flag_value="manifests", default=None,
+                        help="Print Kubernetes manifests serving PATH with these options (a Deployment, Service and "
+                             "HorizontalPodAutoscaler; a KServe InferenceService for a generic module), or with "
+                             "'dockerfile' their image's Dockerfile, and exit; loads nothing. Give it after "
+                             "PATH.")(command)
 
 
 @click.command("serve")
@@ -71,8 +90,10 @@ def _device_map(value: str | None):
                    "then streams still open end with an error event and [DONE], other answers with 503.")
 @serving_feature_options
 @access_options
-def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
-            max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, max_body_mb,
+@k8s_options
+@click.pass_context
+def command(ctx, path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
+            device_map, max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, max_body_mb,
             served_model_names, shutdown_grace, prefix_cache_mb, draft, draft_tokens, lora=(), **access):
     """Serve PATH on POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics and /docs
     (FastAPI on uvicorn) until Ctrl-C or SIGTERM (a drain of --shutdown-grace seconds);
@@ -82,6 +103,10 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
 
     from prunus.serve.http_access import ServeAccess
 
+    k8s = {name: access.pop(name) for name in [n for n in access if n.startswith("k8s_")]}
+    print_k8s = access.pop("print_k8s")
+    if print_k8s is not None or any(value is not None for value in k8s.values()):
+        return _print_k8s(ctx, path, print_k8s, k8s, api_key=access.get("api_key") is not None, grace=shutdown_grace)
     if trust_factory and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
 
@@ -101,6 +126,41 @@ def command(path, backend, tp, device, host, port, max_batch, max_queue, max_len
                kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace, max_body_mb=max_body_mb)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _print_k8s(ctx, path, what, k8s: dict, *, api_key: bool, grace: float) -> None:
+    """--print-k8s: the manifests (or the Dockerfile) of this command run in a pod."""
+    from prunus.artifacts.errors import PrunusError
+    from prunus.serve.k8s_manifests import plan, render_dockerfile, render_manifests
+
+    if what is None:
+        flag = "--" + next(name for name, value in k8s.items() if value is not None).replace("_", "-")
+        raise PrunusError(f"{flag} applies with --print-k8s; add --print-k8s, or drop {flag}")
+    p = plan(path, K8sSettings.from_options(**k8s), _given_args(ctx), api_key=api_key, grace_s=grace)
+    click.echo(render_dockerfile(p) if what == "dockerfile" else render_manifests(p), nl=False)
+
+
+def _given_args(ctx) -> list[str]:
+    """The options this command was given on the command line, as arguments for the pod's prunus serve (the
+    address, the device and the API key apart: the pod listens on 0.0.0.0 on a CPU and reads the key from a
+    Secret)."""
+    from prunus.serve.k8s_manifests import NOT_CARRIED, check_carried
+
+    given = {p.name: ctx.params[p.name] for p in ctx.command.params if isinstance(p, click.Option)
+             and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
+    check_carried(given)
+    args = []
+    for param in ctx.command.params:
+        if param.name not in given or param.name in NOT_CARRIED or param.name.startswith(("k8s_", "print_k8s")):
+            continue
+        value = given[param.name]
+        if param.is_flag and param.secondary_opts:
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            args += [param.opts[0]] if value else []
+        else:
+            args += [a for v in (value if param.multiple else [value]) for a in (param.opts[0], str(v))]
+    return args
 
 
 def _prepare_step():
