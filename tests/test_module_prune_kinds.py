@@ -269,3 +269,16 @@ def test_a_token_model_without_data_exports_or_says_why_in_one_line(tmp_path):
     code, text = _export(bad, tmp_path / "f")
     assert code == 2 and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
     assert "pass --data" in text and not (tmp_path / "f/exp").exists()
+
+
+def test_a_cut_that_breaks_the_module_is_one_line(tmp_path, monkeypatch):
+    import torch_pruning as tp
+
+    def step(self):  # a pruner that leaves a layer inconsistent with the next
+        self.model[0].weight = nn.Parameter(torch.zeros(8, 6))
+
+    monkeypatch.setattr(tp.pruner.MetaPruner, "step", step)
+    src = _dir(tmp_path, "mlp", task="regression", input={"shape": [6], "dtype": "float32"})
+    with pytest.raises(PrunusError, match="^prune_channels: torch-pruning could not prune the module"):
+        compress(src, PRUNE, tmp_path / "o", data=REGRESSION, trust_factory=True, latency=False)
+    assert not (tmp_path / "o").exists()
