@@ -75,7 +75,7 @@ class GenaiSession:
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
         dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
         if native and packed is None:  # the export's native weights, checked and packed before ONNX Runtime loads
-            from .native import pack_export
+            from .native_decoder import pack_export
 
             packed = pack_export(path_or_bytes, dims)
         native_only = native and (kv_dtype == "f16" or twin is None)  # every pass native: no ONNX Runtime session
@@ -95,7 +95,9 @@ class GenaiSession:
         if twin is not None:
             self._load_prompt_twin(path_or_bytes, twin, threads, spinning and not native, config)
         if native:
-            from .native import native_decoder, native_prompt_tokens
+            from prunus.native.decoder import native_prompt_tokens
+
+            from .native_decoder import native_decoder
 
             self.native = native_decoder(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads, packed)
             self.native_prompt_tokens = n_slots * max_len if native_only else native_prompt_tokens(self.native.packed)
