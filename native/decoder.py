@@ -20,7 +20,7 @@ import numpy as np
 from prunus.artifacts.errors import PrunusError
 
 from .build import library
-from .weights import KINDS, PackedLinear, PackedModel
+from .weights import KINDS, PackedLinear, PackedModel, shape_key
 
 P, I32 = ctypes.c_void_p, ctypes.c_int32
 
@@ -89,8 +89,6 @@ class NativeDecoder:
     def use_plan(self, plan) -> None:
         """Run each linear layer with ``plan``'s groupings for its shape (:class:`prunus.native.plan.Plan`; None, or
         a shape it lacks: decode.c's fixed rules). On a batch-invariant path the bits are the same either way."""
-        from .plan import shape_key
-
         arrays = plan.arrays() if plan is not None else {}
         structs = [(self._layers[i], layer) for i, layer in enumerate(self.packed.layers)]
         for c, layer in structs:

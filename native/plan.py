@@ -34,7 +34,7 @@ import numpy as np
 
 from prunus.artifacts.errors import PrunusError
 
-from .weights import KINDS, PackedLinear, PackedModel
+from .weights import KINDS, PackedLinear, PackedModel, shape_key
 
 WIDE, PAIRS, PREFETCH = 1, 2, 4  # decode.c's PLAN_* bits
 PLAN_ROWS = 17  # entries per plan: row counts 0..16, the last for 16 rows or more (decode.c's PLAN_ROWS)
@@ -64,10 +64,6 @@ def candidates(kind: str, m: int) -> list[int]:
     wide ones only."""
     wide = [WIDE | PAIRS, WIDE | PAIRS | PREFETCH] if m >= (3 if kind == "f32" else 4) else []
     return wide if m >= 16 else [*([0] if m <= 3 else []), PAIRS, PAIRS | PREFETCH, *wide]
-
-
-def shape_key(lin: PackedLinear) -> str:
-    return f"{lin.kind}:{lin.k}x{lin.n}"
 
 
 def model_linears(packed: PackedModel) -> list[PackedLinear]:

@@ -54,6 +54,11 @@ class PackedLinear:
         return -(-self.n // 4)
 
 
+def shape_key(lin: PackedLinear) -> str:
+    """How a linear layer's shape is keyed (in a plan of row groupings): kind, inputs x outputs."""
+    return f"{lin.kind}:{lin.k}x{lin.n}"
+
+
 @dataclass
 class PackedModel:
     dims: dict
