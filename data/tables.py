@@ -100,7 +100,8 @@ def float_column(cols: Columns, name: str, source: str) -> np.ndarray:
                 float(cell)
             except (ValueError, TypeError):
                 raise PrunusError(f"{source}: {_where(cols, i, name)} holds {short(cell)}, not a number; give "
-                                  "numbers in the feature columns (or leave the column out of features=)") from None
+                                  "numbers (leave a text column out of features=; a text target is --task "
+                                  "classification)") from None
         raise
     bad = np.flatnonzero(~np.isfinite(values))
     if len(bad):

@@ -200,3 +200,15 @@ def test_eval_refuses_unknown_classes_and_oversized_tables(tmp_path, assert_user
     assert_user_error(train(tmp_path, str(tmp_path / "forged.npy"), out="big"), "an array of (1000000000, 1000)",
                       "above PRUNUS_MAX_TABLE_MB")
     assert not (tmp_path / "big").exists()
+
+
+def test_parquet_nulls_and_text_regression_targets_name_the_cell(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    from prunus.artifacts.errors import PrunusError
+
+    pq.write_table(pa.table({"u": [1.0, None, 3.0], "y": [0.5, 1.5, 2.5]}), tmp_path / "n.parquet")
+    with pytest.raises(PrunusError, match=r"row 1, column 'u' is empty"):
+        module_datasets(f"{tmp_path / 'n.parquet'}?target=y", task="regression")
+    csv = write_csv(tmp_path / "t.csv", class_rows(8))
+    with pytest.raises(PrunusError, match=r"line 2, column 'label' holds '(cat|dog)', not a number.*--task classif"):
+        module_datasets(f"{csv}?target=label", task="regression")
