@@ -1,5 +1,6 @@
-"""The runtime floor's contract: the import graph between stages, and every registered runtime's backend
-declaring its capabilities and implementing ``release(row)`` (:class:`prunus.runtime.backend.Backend`)."""
+"""The runtime floor's contract: the import graph between stages (down the pipeline only) and between modules
+(no circle), and every registered runtime's backend declaring its capabilities and implementing ``release(row)``
+(:class:`prunus.runtime.backend.Backend`)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,102 @@ FORBIDDEN = {"serve": ("export", "native"), "export": ("native", "serve"), "runt
              "native": ("serve", "export", "runtime")}
 
 
-def _imported_stages(path: Path, stage: str) -> set[str]:
-    """The prunus stages a module imports, absolute (prunus.x) or relative (from ..x)."""
+# every stage folder, recursively: the module-level import graph between them has no circle
+STAGES = ("artifacts", "models", "data", "train_parallel", "compress", "export", "native", "runtime", "serve", "cli")
+
+
+def _imported_names(path: Path, module: str) -> set[str]:
+    """The dotted names a module imports, at module level or inside functions, relative imports resolved against
+    ``module`` (its own dotted name); ``from a import b`` gives ``a.b``, which may name a module or a name in ``a``."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                names = [f"prunus.{stage}"]
-            elif node.level >= 2:
-                names = [f"prunus.{node.module or (node.names[0].name)}"]
-            else:
-                names = [node.module or ""]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "prunus" and len(parts) > 1:
-                found.add(parts[1])
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            found.update(f"{base}.{a.name}" for a in node.names)
     return found
+
+
+def _imported_stages(path: Path, stage: str) -> set[str]:
+    """The prunus stages a module imports, absolute (prunus.x) or relative (from ..x)."""
+    parts = (n.split(".") for n in _imported_names(path, f"prunus.{stage}.{path.stem}"))
+    return {p[1] for p in parts if p[0] == "prunus" and len(p) > 1}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(("prunus", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def _import_graph(root: Path = ROOT, stages=STAGES) -> dict[str, set[str]]:
+    """module -> the prunus modules it imports (each name resolved to the longest module it starts with)."""
+    files = {_module_name(p, root): p for s in stages for p in sorted((root / s).rglob("*.py"))}
+    graph = {}
+    for module, path in files.items():
+        graph[module] = set()
+        for name in _imported_names(path, module):
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                graph[module].add(name)
+    return graph
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative), sorted."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start), on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next((w for w in edges if w not in index or w in on_stack), None)
+            if nxt is not None and nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt), on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt is not None:
+                low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while not component or component[-1] != node:
+                        component.append(stack.pop())
+                        on_stack.discard(component[-1])
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_no_module_imports_itself_through_others():
+    graph = _import_graph()
+    circles = _import_circles(graph)
+    assert not circles, f"{len(circles)} import circles (module -> the modules of its circle it imports):\n" + "\n".join(
+        "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) for c in circles)
+
+
+def test_the_circle_check_sees_circles_through_functions_and_subpackages(tmp_path):
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.py").write_text("from .sub import y\n")
+    (tmp_path / "a" / "sub" / "y.py").write_text("def f():\n    from prunus.b.z import g\n")
+    (tmp_path / "b" / "z.py").write_text("from ..a import x\nfrom prunus.b import w\n")
+    (tmp_path / "b" / "w.py").write_text("import prunus.a.sub.y\n")
+    graph = _import_graph(tmp_path, ("a", "b"))
+    assert graph["prunus.a.sub.y"] == {"prunus.b.z"} and graph["prunus.b.z"] == {"prunus.a.x", "prunus.b.w"}
+    assert _import_circles(graph) == [["prunus.a.sub.y", "prunus.a.x", "prunus.b.w", "prunus.b.z"]]
+    (tmp_path / "a" / "sub" / "y.py").write_text("")
+    assert _import_circles(_import_graph(tmp_path, ("a", "b"))) == []
 
 
 @pytest.mark.parametrize("stage", sorted(FORBIDDEN))
