@@ -109,7 +109,7 @@ def test_eval_bad_inputs_are_one_line_exit_2(tmp_path, assert_user_error):
         ([str(path), "--data", DATA, "--trust-factory", "--seq-len", "4"], "--seq-len applies to a transformer"),
         ([str(path), "--data", DATA, "--trust-factory", "--batch-size", "0"], "--batch-size 0 must be"),
         ([str(path), "--data", "synthetic:classification?n=16&shape=5&classes=3", "--trust-factory"],
-         "could not score it"),
+         "do not fit the module"),
         ([str(path), "--data", str(tmp_path / "nowhere"), "--trust-factory"], "does not exist"),
     ]:
         assert_user_error(runner.invoke(cli, ["eval", *args]), needle)

@@ -118,7 +118,7 @@ def _dir(tmp_path, name, args=None, task="classification", input=None):
 
 
 def _cli(*args):
-    res = CliRunner().invoke(cli, [str(a) for a in args])
+    res = CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "200"})  # tables as wide as their rows
     return res.exit_code, res.output
 
 

@@ -263,7 +263,7 @@ def run_shell_block(block: Block, cwd: Path, port: str) -> None:
     try:
         for words in shell_lines(block.code.replace(PORT, port)):
             cmd = shlex.join(words)
-            if words[0] == "prunus" and words[1:2] == ["serve"]:
+            if words[0] == "prunus" and words[1:2] == ["serve"] and "--print-k8s" not in words:  # a server
                 assert not servers, f"{block.where}: `{cmd}`: one server per block (both would take port {PORT})"
                 servers.append(Server(words, cwd, port))
             elif words[0] == "prunus":
