@@ -158,7 +158,7 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
                     trust_factory=False, overwrite: bool = False, seed: int = 0, latency: bool = True,
                     recipe_text: str | None = None, command: str | None = None) -> dict:
     """Run ``passes`` on the generic module dir ``model_dir``, write ``out``; return the report."""
-    from prunus.models.module_dir import save_module
+    from prunus.models.module_dir import carried_files, save_module
     from prunus.models.module_factory import build_module
     from prunus.models.module_reshape import shape_changes
 
@@ -190,7 +190,8 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
                     command=command if command is not None else shlex.join(sys.argv),
                     metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},
                     pruned_shapes=shape_changes(model, reference),
-                    extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report)})
+                    extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report),
+                                 **carried_files(model_dir)})  # a table's labels.json
 
     write_checked(out, overwrite, write, model, ctx.batch(LATENCY_BATCH)[0], trust_factory)
     report["seconds"] = {"total": round(time.perf_counter() - start, 2)}

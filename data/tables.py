@@ -29,12 +29,12 @@ from torch.utils.data import Dataset
 
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import short
+from prunus.models.module_dir import LABELS
 
 from .table_read import Columns, read_csv, read_npy, read_npz, read_parquet
 
 SUFFIXES = {".csv": read_csv, ".parquet": read_parquet, ".pq": read_parquet, ".npy": read_npy, ".npz": read_npz}
 KEYS = ("target", "features")
-LABELS = "labels.json"
 LABELS_FORMAT = "prunus-labels/1"
 MAX_CLASSES = 100_000
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from prunus.artifacts.atomic import atomic_dir, atomic_write_json
+from prunus.artifacts.atomic import atomic_dir, atomic_write_bytes, atomic_write_json
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output
-from prunus.models.module_dir import load_module, read_module_config
+from prunus.models.module_dir import carried_files, load_module, read_module_config
 from prunus.models.module_factory import reason
 
 from .parity import ParityFailed
@@ -193,5 +193,7 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
                   "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
         config = {**config, "export": export}
         atomic_write_json(tmp / CONFIG, config)
+        for name, data in carried_files(model_dir).items():  # a table's labels.json
+            atomic_write_bytes(tmp / name, data)
         write_manifest(tmp, model_dir, manifest, report, command, keys=MODULE_PARITY_KEYS)
     return ExportResult(out, config, report)

@@ -34,6 +34,16 @@ FIX = "re-create the model dir"
 INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 MAX_INPUT_DIMS, MAX_INPUT_SIZE = 8, 2**24
 _KEYS = ("format", "kind", "factory", "args", "task", "input", "pruned_shapes")
+LABELS = "labels.json"  # a table-trained classifier's class names (prunus.data.tables), carried by every later stage
+
+
+def carried_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The files of a generic model dir that every dir made from it carries along (name -> bytes): a table's
+    ``labels.json``, so that eval and serve map classes as training did. Bounded reads; nothing else."""
+    from prunus.artifacts.validate import read_text
+
+    path = inside(model_dir, LABELS, fix=FIX, required=False)
+    return {} if path is None else {LABELS: read_text(path, fix=FIX).encode()}
 
 
 def input_spec(sample: torch.Tensor, high: int | None = None) -> dict:

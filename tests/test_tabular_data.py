@@ -212,3 +212,25 @@ def test_parquet_nulls_and_text_regression_targets_name_the_cell(tmp_path):
     csv = write_csv(tmp_path / "t.csv", class_rows(8))
     with pytest.raises(PrunusError, match=r"line 2, column 'label' holds '(cat|dog)', not a number.*--task classif"):
         module_datasets(f"{csv}?target=label", task="regression")
+
+
+@pytest.mark.slow  # a compress pass and an ONNX export
+def test_compressed_and_exported_dirs_carry_the_class_names(tmp_path):
+    """labels.json goes along with every later stage (covered by each dir's manifest), so eval on a compressed dir
+    maps the table's labels as training did."""
+    data = f"{write_csv(tmp_path / 't.csv', class_rows())}?target=label&features=a,b,c"
+    assert train(tmp_path, data).exit_code == 0
+    model = tmp_path / "run" / "model"
+    want = (model / "labels.json").read_bytes()
+    runner = CliRunner()
+    r = runner.invoke(cli, ["compress", str(model), "--recipe", "prune-channels-50", "--data", data, "--out",
+                            str(tmp_path / "pruned"), "--trust-factory"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["export", str(model), "--out", str(tmp_path / "onnx"), "--data", data, "--trust-factory"],
+                      env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    for out in (tmp_path / "pruned", tmp_path / "onnx"):
+        assert (out / "labels.json").read_bytes() == want
+        assert "labels.json" in json.loads((out / "prunus.json").read_text())["files"]
+    scored = evaluate(tmp_path / "pruned", data, "--no-record")
+    assert scored.exit_code == 0 and "cat" in scored.output and "dog" in scored.output, scored.output
