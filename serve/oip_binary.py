@@ -12,6 +12,9 @@ each B bytes, little-endian, row-major, no ``data`` field). Sent as ``applicatio
   the tail consumed exactly (a body shorter or longer than its header says is a 400);
 * :func:`array_from_bytes`: one input's bytes as an array of its datatype and shape, its size checked against
   datatype × shape, NaN / infinity refused as in JSON (400 naming the tensor);
+* :func:`binary_output` / :func:`bytes_output`: an output's JSON entry and raw bytes (a BYTES output, the
+  classification extension's, as the protocol serializes it: each element a 4-byte little-endian length, then
+  its bytes);
 * :func:`encode_response`: the response body and headers, binary outputs after the JSON header with
   ``Inference-Header-Content-Length`` and ``application/octet-stream``.
 """
@@ -151,6 +154,13 @@ def binary_output(out: np.ndarray, name: str, datatype: str) -> tuple[dict, byte
     """(an output's JSON entry, its little-endian bytes)."""
     raw = np.ascontiguousarray(out, dtype=out.dtype.newbyteorder("<")).tobytes()
     return ({"name": name, "datatype": datatype, "shape": list(out.shape),
+             "parameters": {"binary_data_size": len(raw)}}, raw)
+
+
+def bytes_output(out: np.ndarray, name: str) -> tuple[dict, bytes]:
+    """(a BYTES output's JSON entry, its elements row-major, each a 4-byte little-endian length and its bytes)."""
+    raw = b"".join(len(b).to_bytes(4, "little") + b for b in out.reshape(-1))
+    return ({"name": name, "datatype": "BYTES", "shape": list(out.shape),
              "parameters": {"binary_data_size": len(raw)}}, raw)
 
 

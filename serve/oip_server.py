@@ -6,7 +6,9 @@
 * ``POST /v2/models/{name}/infer``: typed tensors in (:mod:`prunus.serve.oip_tensors`), typed tensors out,
   ``{"model_name", "model_version", "id"?, "outputs": [{"name", "datatype", "shape", "data"}]}``; each
   request's rows join a pass shared with other clients (:mod:`prunus.serve.dynamic_batcher`); the binary tensor
-  data extension both ways (:mod:`prunus.serve.oip_binary`), as tritonclient sends and reads it;
+  data extension both ways (:mod:`prunus.serve.oip_binary`), as tritonclient sends and reads it; an output asked
+  for with ``"parameters": {"classification": k}`` comes back as its top-k ``"score:index:label"`` strings, labels
+  from the dir's ``labels.json`` (:mod:`prunus.serve.oip_classification`), as Triton's classification extension;
 * every ``/v2/models/{name}`` route also under ``/v2/models/{name}/versions/1`` (the one version the metadata
   lists; another is a 404);
 * ``GET /health`` and ``GET /metrics`` as the completions server's, with the batching counters.
@@ -33,18 +35,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from prunus.artifacts.errors import PrunusError
+from prunus.models.module_dir import LABELS
 
 from .asgi_guard import ClientGone, RequestGuard, log_client, replay
 from .http_guard import BadRequest
 from .http_server import CompletionServer
-from .oip_binary import DEFAULT_MAX_BODY_BYTES, HEADER_LENGTH, binary_output, check_media, encode_response, \
-    read_infer_body, split_body
-from .oip_tensors import output_tensor, parse_infer
+from .oip_binary import DEFAULT_MAX_BODY_BYTES, HEADER_LENGTH, binary_output, bytes_output, check_media, \
+    encode_response, read_infer_body, split_body
+from .oip_classification import classify, model_labels
+from .oip_tensors import Requested, bytes_tensor, check_finite, output_tensor, parse_infer
 from .scheduler import QueueFull
 
 ROUTES = ("GET /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/1][/ready], /metrics or "
           "POST /v2/models/{name}[/versions/1]/infer")
 VERSIONS = ["1"]
+EXTENSIONS = ["binary_tensor_data", "classification"]
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> Response:
@@ -104,7 +109,7 @@ def build_oip_app(server: "OIPServer") -> FastAPI:
 
     @app.get("/v2")
     async def server_metadata():
-        return {"name": "prunus", "version": server.version, "extensions": ["binary_tensor_data"]}
+        return {"name": "prunus", "version": server.version, "extensions": EXTENSIONS}
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
@@ -171,12 +176,16 @@ def _parse(server: "OIPServer", body: bytes, header_length: str | None):
     return parse_infer(req, backend.inputs, [o.name for o in backend.outputs], tail)
 
 
-def _encode(name: str, request_id, out: np.ndarray, spec, binary: bool) -> tuple[bytes, dict]:
+def _encode(server: "OIPServer", name: str, request_id, out: np.ndarray, spec, how: Requested) -> tuple[bytes, dict]:
     header = {"model_name": name, "model_version": VERSIONS[0], **({"id": request_id} if request_id is not None else {})}
-    if not binary:
-        return encode_response({**header, "outputs": [output_tensor(out, spec)]}, [])
-    entry, raw = binary_output(out, spec.name, spec.datatype)
-    return encode_response({**header, "outputs": [entry]}, [raw])
+    if how.classification:
+        top = classify(check_finite(out, spec), how.classification, spec, server.labels)
+        entry, raw = bytes_output(top, spec.name) if how.binary else (bytes_tensor(top, spec.name), None)
+    elif how.binary:
+        entry, raw = binary_output(out, spec.name, spec.datatype)
+    else:
+        entry, raw = output_tensor(out, spec), None
+    return encode_response({**header, "outputs": [entry]}, [] if raw is None else [raw])
 
 
 async def _infer(server: "OIPServer", name: str, body: bytes, header_length, receive) -> tuple[bytes, dict]:
@@ -194,7 +203,7 @@ async def _infer(server: "OIPServer", name: str, body: bytes, header_length, rec
     finally:
         gone.cancel()
     spec = engine.backend.outputs[0]
-    return await loop.run_in_executor(server.pool, _encode, name, request_id, out, spec, wanted[spec.name])
+    return await loop.run_in_executor(server.pool, _encode, server, name, request_id, out, spec, wanted[spec.name])
 
 
 class OIPServer(CompletionServer):
@@ -210,6 +219,7 @@ class OIPServer(CompletionServer):
         from prunus import __version__
 
         self.version = __version__
+        self.labels = model_labels(engine.info.get("path"), engine.backend.outputs[0])  # None: the index is the label
         super().__init__(engine, *args, **kwargs)
 
     def build_app(self):
@@ -222,6 +232,10 @@ class OIPServer(CompletionServer):
         return json.dumps({"error": str(error)}).encode()
 
     def metadata(self) -> dict:
+        """The model's metadata; with class names, ``parameters`` names their file and count (classification)."""
         backend = self.engine.backend
-        return {"name": self.model_name, "versions": VERSIONS, "platform": self.engine.info.get("runtime", ""),
+        meta = {"name": self.model_name, "versions": VERSIONS, "platform": self.engine.info.get("runtime", ""),
                 "inputs": [s.metadata() for s in backend.inputs], "outputs": [s.metadata() for s in backend.outputs]}
+        if self.labels is not None:
+            meta["parameters"] = {"labels": LABELS, "classes": len(self.labels)}
+        return meta

@@ -7,18 +7,21 @@ elements of that type as the shape says, each one the datatype holds: an integer
 that stays finite in FP16 / FP32 / FP64 (``1e39`` is no FP32 value: the cast would make it infinity; NaN and
 infinity are refused for every datatype). An input may instead carry ``"parameters": {"binary_data_size": B}``
 and its B bytes after the JSON header (:mod:`prunus.serve.oip_binary`). BYTES tensors are refused (this server's
-models take numeric tensors). ``parameters`` other than ``binary_data_size`` (inputs), ``binary_data`` (outputs)
-and ``binary_data_output`` (the request) are refused, not ignored. Anything else is a
+models take numeric tensors). ``parameters`` other than ``binary_data_size`` (inputs), ``binary_data`` and
+``classification`` (outputs: :mod:`prunus.serve.oip_classification`) and ``binary_data_output`` (the request) are
+refused, not ignored. Anything else is a
 :class:`~prunus.serve.http_guard.BadRequest` (400) whose one line names the tensor and the element.
 
-:func:`output_tensor` writes a model's output as the protocol's JSON tensor; an output holding NaN or infinity, which
-JSON numbers cannot carry, is a one-line BadRequest(500) naming the output: the inputs were finite and representable,
-so it is the model's overflow, not the client's mistake.
+:func:`output_tensor` writes a model's output as the protocol's JSON tensor (:func:`bytes_tensor` a BYTES one, the
+classification extension's); an output holding NaN or infinity, which JSON numbers cannot carry (and which no class
+ranking means), is a one-line BadRequest(500) naming the output: the inputs were finite and representable, so it is
+the model's overflow, not the client's mistake.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,9 +30,18 @@ from prunus.runtime.tensor_spec import DATATYPES, TensorSpec
 
 from .http_guard import BadRequest
 from .oip_binary import array_from_bytes, binary_inputs, binary_size
+from .oip_classification import check_classification
 
 REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
 TENSOR_FIELDS = {"name", "shape", "datatype", "data", "parameters"}
+OUTPUT_PARAMETERS = ("binary_data", "classification")
+
+
+class Requested(NamedTuple):
+    """How a requested output is returned: in binary or JSON; its top ``classification`` classes (0: the tensor)."""
+
+    binary: bool
+    classification: int = 0
 
 
 def _flat(data, where: str) -> list:
@@ -117,8 +129,8 @@ def _tensor(entry, specs: dict[str, TensorSpec], raw: dict[str, bytes]) -> tuple
 
 
 def parse_infer(req, specs: list[TensorSpec], outputs: list[str],
-                tail: bytes = b"") -> tuple[dict[str, np.ndarray], object, dict[str, bool]]:
-    """({input name: array}, the request's id, {output name: whether it is sent binary}) of a parsed infer body,
+                tail: bytes = b"") -> tuple[dict[str, np.ndarray], object, dict[str, Requested]]:
+    """({input name: array}, the request's id, {output name: how it is returned}) of a parsed infer body,
     every tensor checked; ``outputs``: the model's output names; ``tail``: the binary data after the JSON header."""
     if not isinstance(req, dict):
         raise BadRequest(400, "the request body must be a JSON object")
@@ -143,25 +155,37 @@ def parse_infer(req, specs: list[TensorSpec], outputs: list[str],
 
 
 def _flag(params, key: str, where: str) -> bool:
-    """``params[key]`` (a bool, False when absent); any other parameter is a 400."""
+    """``params[key]`` (a bool, False when absent) of the request's ``parameters``; any other parameter is a 400."""
     if params is None:
         return False
     if not isinstance(params, dict) or set(params) - {key}:
-        raise BadRequest(400, f"{where}: the only parameter supported is {key} (classification and the others "
-                              "are not)")
+        raise BadRequest(400, f"{where}: the only parameter supported is {key} (priority and the others are not)")
     value = params.get(key, False)
     if not isinstance(value, bool):
         raise BadRequest(400, f"{where}: {key} must be true or false")
     return value
 
 
-def _requested(req: dict, outputs: list[str]) -> dict[str, bool]:
-    """{output name: binary} of the outputs to return: those ``outputs`` names, else all the model's; binary per
-    output's ``binary_data``, else the request's ``binary_data_output``."""
+def _output(params, binary: bool, where: str) -> Requested:
+    """A requested output's ``parameters`` (``binary_data``, ``classification``) over the request's default."""
+    if params is None:
+        return Requested(binary)
+    if not isinstance(params, dict) or set(params) - set(OUTPUT_PARAMETERS):
+        raise BadRequest(400, f"{where}: the parameters supported are {' and '.join(OUTPUT_PARAMETERS)}")
+    own = params.get("binary_data", binary)
+    if not isinstance(own, bool):
+        raise BadRequest(400, f"{where}: binary_data must be true or false")
+    k = params.get("classification")
+    return Requested(own, 0 if k is None else check_classification(k, where))
+
+
+def _requested(req: dict, outputs: list[str]) -> dict[str, Requested]:
+    """{output name: how it is returned} of the outputs to return: those ``outputs`` names, else all the model's;
+    binary per output's ``binary_data``, else the request's ``binary_data_output``."""
     binary = _flag(req.get("parameters"), "binary_data_output", "the request's 'parameters'")
     asked = req.get("outputs")
     if asked is None:
-        return {name: binary for name in outputs}
+        return {name: Requested(binary) for name in outputs}
     if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
         raise BadRequest(400, "'outputs' must be a list of objects with a 'name'")
     out = {}
@@ -171,17 +195,27 @@ def _requested(req: dict, outputs: list[str]) -> dict[str, bool]:
             raise BadRequest(400, f"{where}: the model has no such output; it gives {', '.join(outputs)}")
         if set(o) - {"name", "parameters"}:
             raise BadRequest(400, f"{where}: only 'name' and 'parameters' are supported")
-        params = o.get("parameters")
-        own = _flag(params, "binary_data", where)  # checked even when absent
-        out[o["name"]] = own if isinstance(params, dict) and "binary_data" in params else binary
+        out[o["name"]] = _output(o.get("parameters"), binary, where)
     return out
 
 
-def output_tensor(out: np.ndarray, spec: TensorSpec) -> dict:
-    """The protocol's JSON tensor of output ``spec`` holding ``out``; a NaN or an infinity in it is BadRequest(500)."""
+def check_finite(out: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """``out``, or BadRequest(500) naming the output when it holds a NaN or an infinity (the model overflowed)."""
     i = first_nonfinite(out)
     if i is not None:
         raise BadRequest(500, f"output tensor {spec.name[:80]!r}: the model produced {describe(out.reshape(-1)[i])} at "
                               f"element {i} of {out.size} from finite inputs (an overflow in the model), which JSON "
                               "cannot carry; check the model's weights and the range of inputs it was trained on")
+    return out
+
+
+def output_tensor(out: np.ndarray, spec: TensorSpec) -> dict:
+    """The protocol's JSON tensor of output ``spec`` holding ``out``; a NaN or an infinity in it is BadRequest(500)."""
+    check_finite(out, spec)
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(out.shape), "data": out.reshape(-1).tolist()}
+
+
+def bytes_tensor(out: np.ndarray, name: str) -> dict:
+    """The protocol's JSON BYTES tensor of ``out`` (an object array of UTF-8 bytes): its elements as strings."""
+    return {"name": name, "datatype": "BYTES", "shape": list(out.shape),
+            "data": [b.decode() for b in out.reshape(-1)]}

@@ -373,15 +373,15 @@ def test_fuzz_oip_requests_are_answered_200_or_400_in_json(oip):
 
 def test_oip_request_fields_are_honoured_or_refused(oip):
     """``outputs`` naming the model's output is honoured (it is always returned); any other name, and
-    ``parameters`` other than the binary data extension's (classification, priority), are refused rather than
-    ignored (binary data: tests/test_oip_kserve.py)."""
+    ``parameters`` other than the binary data and classification extensions' (shared memory, priority), are refused
+    rather than ignored (binary data: tests/test_oip_kserve.py; classification: tests/test_oip_classification.py)."""
     server, _ = oip
     path, x = f"/v2/models/{server.model_name}/infer", _rows(2, 9)
     status, answer = _call(server, "POST", path, {**_infer_body(x), "outputs": [{"name": "output"}]})
     assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
     for body, needle in (({**_infer_body(x), "outputs": [{"name": "probs"}]}, "output tensor 'probs': the model has no"),
-                         ({**_infer_body(x), "outputs": [{"name": "output", "parameters": {"classification": 2}}]},
-                          "only parameter supported is binary_data"),
+                         ({**_infer_body(x), "outputs": [{"name": "output", "parameters": {"shared_memory_region": "r"}}]},
+                          "parameters supported are binary_data and classification"),
                          ({**_infer_body(x), "parameters": {"priority": 1}}, "'parameters'"),
                          (_infer_body(x, parameters={"shared_memory_region": "r"}), "binary_data_size")):
         got, answer = _call(server, "POST", path, body)
