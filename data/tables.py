@@ -29,13 +29,12 @@ from torch.utils.data import Dataset
 
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import short
-from prunus.models.module_dir import LABELS
+from prunus.models.class_labels import LABELS, LABELS_FORMAT, read_labels  # noqa: F401 (read_labels: this module's API too)
 
 from .table_read import Columns, read_csv, read_npy, read_npz, read_parquet
 
 SUFFIXES = {".csv": read_csv, ".parquet": read_parquet, ".pq": read_parquet, ".npy": read_npy, ".npz": read_npz}
 KEYS = ("target", "features")
-LABELS_FORMAT = "prunus-labels/1"
 MAX_CLASSES = 100_000
 
 
@@ -276,19 +275,3 @@ def _guess_column_task(cols: Columns, params: dict) -> str:
 def table_datasets(spec: str, val_fraction: float = 0.1, *, task: str | None = None, classes: list | None = None):
     """(train, held-out) of the table ``spec`` names (see the module docstring)."""
     return split_rows(table_dataset(spec, task, classes), val_fraction)
-
-
-def read_labels(model_dir: str | Path) -> dict | None:
-    """The model dir's ``labels.json`` (its manifest already verified), or None when it has none."""
-    from prunus.artifacts.contained import inside
-    from prunus.artifacts.validate import read_json_object
-
-    path = inside(model_dir, LABELS, fix="re-create the model dir", required=False)
-    if path is None:
-        return None
-    labels = read_json_object(path, fix="re-create the model dir")
-    classes = labels.get("classes")
-    if labels.get("format") != LABELS_FORMAT or not (classes is None or (
-            isinstance(classes, list) and all(isinstance(c, (int, str)) and not isinstance(c, bool) for c in classes))):
-        raise PrunusError(f"{path}: not a {LABELS_FORMAT} file of class names; re-create the model dir")
-    return labels

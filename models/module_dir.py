@@ -25,6 +25,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.safetensors_header import check_shapes, read_header
 from prunus.artifacts.validate import check_known_fields, short
 
+from .class_labels import LABELS
 from .model_dir_manifest import FORMAT, WEIGHTS, parent_entry, read_config_json, write_manifest
 from .module_factory import ModuleFactory, build_module, check_args, check_trusted, parse_spec
 from .tasks import check_task_name
@@ -34,7 +35,6 @@ FIX = "re-create the model dir"
 INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 MAX_INPUT_DIMS, MAX_INPUT_SIZE = 8, 2**24
 _KEYS = ("format", "kind", "factory", "args", "task", "input", "pruned_shapes")
-LABELS = "labels.json"  # a table-trained classifier's class names (prunus.data.tables), carried by every later stage
 
 
 def carried_files(model_dir: str | Path) -> dict[str, bytes]:

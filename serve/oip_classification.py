@@ -30,7 +30,7 @@ def model_labels(path, spec: TensorSpec) -> list[str] | None:
     output's number of classes."""
     if path is None or not Path(path).is_dir():
         return None
-    from prunus.data.tables import read_labels  # the one reader of labels.json (format and class names checked)
+    from prunus.models.class_labels import read_labels  # the one reader of labels.json (format and class names checked)
 
     labels = read_labels(path)
     classes = None if labels is None else labels.get("classes")
