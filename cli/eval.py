@@ -18,17 +18,23 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
     from rich.console import Console
     from rich.table import Table
 
-    from prunus.train_parallel.module_eval import evaluate_module_dir
+    from prunus.train_parallel.module_eval import evaluate_module_dir, evaluate_module_export
+    from prunus.train_parallel.module_onnx import is_module_export
 
     if data is None:
-        raise PrunusError(f"{model_dir} holds a generic module: pass --data (an image folder, tar shards, a table "
+        raise PrunusError(f"{model_dir} holds a generic module (or its export): pass --data (an image folder, tar shards, a table "
                           "or synthetic:classification?...) of the samples it was trained on")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # the factory's module may sit in the current directory, as for prunus train
     if plot is None and record:
         plot = os.path.join(model_dir, "confusion_matrix.png")
-    r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device, plot=plot,
-                            **options)
+    if is_module_export(model_dir):  # its ONNX graph in ONNX Runtime; nothing imported
+        if trust_factory:
+            raise PrunusError(f"--trust-factory: {model_dir} is an export dir, scored without its factory; drop it")
+        r = evaluate_module_export(model_dir, data, record=record, plot=plot, **options)
+    else:
+        r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device,
+                                plot=plot, **options)
     whole = options.get("val_fraction") == 1.0
     table = Table(title=f"prunus eval {model_dir}", show_header=False)
     table.add_row("data", f"{r['eval_data']} ({'all of it' if whole else 'held-out split'})")
@@ -81,7 +87,7 @@ def print_class_report(console, r: dict) -> None:
               help="Held-out tokens to score. Default: the slice the compression report and export parity score.")
 @click.option("--no-record", is_flag=True, help="Do not write the figures into prunus.json.")
 @click.option("--trust-factory", is_flag=True,
-              help="A generic module dir: import the factory its config.json names (that runs its code).")
+              help="A generic module dir (not its export dir): import the factory its config.json names (that runs its code).")
 @click.option("--batch-size", type=int, default=None, help="A generic module dir: samples per batch (default 64).")
 @click.option("--max-samples", type=int, default=None,
               help="A generic module dir: held-out samples scored, the first of the split (default 4096).")
@@ -95,7 +101,7 @@ def print_class_report(console, r: dict) -> None:
 def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: int | None, no_record: bool, device: str,
             trust_factory: bool, batch_size: int | None, max_samples: int | None, val_fraction: float | None,
             plot: str | None):
-    """Score MODEL_DIR on held-out text (a generic module dir: on --data's held-out samples)."""
+    """Score MODEL_DIR on held-out text (a generic module dir, or its ONNX export dir: on --data's held-out samples)."""
     from rich.console import Console
     from rich.table import Table
 

@@ -46,6 +46,10 @@ def model_tables(path: Path) -> list:
     from prunus.models import read_manifest
     from prunus.models.module_summary import is_module_dir
 
+    from prunus.train_parallel.module_onnx import is_module_export
+
+    if is_module_export(path):
+        return module_export_tables(path)
     if is_module_dir(path):
         return module_tables(path)
     from prunus.models.model_dir import read_config
@@ -77,6 +81,30 @@ def module_tables(path: Path) -> list:
     files = {name: digest[:16] for name, digest in manifest.get("files", {}).items()}
     return [_table(f"module {path}", model_rows), _table("lineage (newest first)", lineage),
             _table("metrics", manifest.get("metrics", {})), _table("files (sha256)", files)]
+
+
+def module_export_tables(path: Path) -> list:
+    """A generic module's export dir: its config (factory, task, input, format), its parity report and its
+    manifest, every file checked against the manifest first; nothing imported, the graph not loaded."""
+    from prunus.artifacts.validate import read_dir_json
+    from prunus.models.module_summary import input_text
+    from prunus.train_parallel.module_onnx import read_module_export
+
+    config, manifest, graph = read_module_export(path)
+    export = config["export"]
+    model_rows = {"factory": config.get("factory"), "args": json.dumps(config.get("args") or {}),
+                  "task": config.get("task"), "input": input_text(config.get("input")),
+                  "format": f"{export.get('format')} {export.get('precision')}, opset {export.get('opset')}",
+                  "graph": f"{graph.name} ({graph.stat().st_size:,} bytes)"}
+    parity = read_dir_json(path, "parity.json", no_dir="no such directory", no_file="no parity.json; re-create the "
+                           "export dir with prunus export", bad_json="re-create the export dir with prunus export")
+    parent = manifest.get("parent") or {}
+    about = {"stage": manifest.get("stage"), "created": manifest.get("created"),
+             "parent": f"{parent.get('path')} ({str(parent.get('hash', ''))[:12]})" if parent else "none",
+             "command": manifest.get("command"), **manifest.get("versions", {})}
+    files = {name: str(digest)[:16] for name, digest in manifest.get("files", {}).items()}
+    return [_table(f"module export {path}", model_rows), _table("parity against PyTorch (parity.json)", parity),
+            _table("manifest", about), _table("metrics", manifest.get("metrics", {})), _table("files (sha256)", files)]
 
 
 PARITY_ROWS = (("top-1 agreement", "top1_agreement", ".4f"), ("decode agreement", "decode_agreement", ".4f"),
@@ -136,6 +164,8 @@ def run_tables(path: Path) -> list:
     from prunus.train_parallel.run_dir import RUN_CONFIG, read_run_config
 
     run = read_json_object(path / RUN_CONFIG, fix="re-create the run (prunus train --overwrite)")
+    if run.get("kind") == "module":
+        return module_run_tables(path)
     settings = read_run_config(path).to_dict()  # the settings, their types checked
     records = read_metrics(path)
     last = records[-1] if records else {}
@@ -154,10 +184,38 @@ def run_tables(path: Path) -> list:
     return tables + ([_table("model (being trained)", architecture(model))] if isinstance(model, dict) else [])
 
 
+def module_run_tables(path: Path) -> list:
+    """A generic module's run dir: its progress (with the best checkpoint), settings, model and data; the model
+    dir's tables once written. Nothing imported."""
+    from prunus.train_parallel import list_checkpoints, read_metrics
+    from prunus.train_parallel.module_run_dir import read_best, saved_settings
+
+    settings = saved_settings(path).to_dict()
+    records = [r for r in read_metrics(path) if isinstance(r, dict)]
+    last = records[-1] if records else {}
+    evals = [r for r in records if "val_loss" in r]
+    best = read_best(path)
+    progress = {"steps done": last.get("step", 0), "steps planned": settings["steps"],
+                "checkpoints": checkpoint_steps([s for s, _ in list_checkpoints(path)]),
+                "best": f"step {best['step']:,} ({best['metric']} {best['value']:.6g}, checkpoints/best)" if best
+                else "none yet", "last loss": last.get("loss", "-")}
+    for key in ("val_loss", "val_accuracy"):
+        if evals and key in evals[-1]:
+            progress[f"last {key.replace('_', ' ')}"] = evals[-1][key]
+    model = {"factory": settings.pop("model"), "args": json.dumps(settings.pop("model_args")),
+             "task": settings.pop("task")}
+    data = {k: settings.pop(k) for k in ("data", "test_data", "val_fraction", "data_workers", "shuffle_buffer")}
+    tables = [_table(f"run {path} (generic module)", progress), _table("model", model), _table("data", data),
+              _table("settings", settings)]
+    if (path / "model" / "prunus.json").is_file():
+        return tables + model_tables(path / "model")
+    return tables
+
+
 @click.command("info")
 @click.argument("path", type=click.Path())
 def command(path: str):
-    """Show what PATH (a model dir, a generic module dir or a run dir) holds."""
+    """Show what PATH (a model dir, a generic module dir, an export dir or a run dir) holds."""
     from rich.console import Console
 
     from prunus.train_parallel.run_dir import RUN_CONFIG

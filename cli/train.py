@@ -85,12 +85,12 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
                   plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, resume: bool, overwrite: bool,
                   **options):
     """Train a model (the transformer, or with --model any torch.nn.Module); the final model dir is OUT/model."""
-    from .train_module import train_module_command, transformer_options
+    from .train_module import is_module_resume, train_module_command, transformer_options
 
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     from prunus.models.device import check_device
 
-    if options.get("module_spec") is not None:  # any nn.Module, built by the factory --model names
+    if options.get("module_spec") is not None or is_module_resume(options, resume):  # any nn.Module (a factory's)
         if not dry_run:  # a dry run plans for any machine
             check_device(options["device"])
         refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,

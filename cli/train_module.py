@@ -16,6 +16,7 @@ import sys
 import click
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
 from prunus.train_parallel.config import TrainConfig
 from prunus.train_parallel.module_config import ModuleTrainConfig
 
@@ -54,15 +55,28 @@ def transformer_options(given: dict, options: dict) -> dict:
     return {k: v for k, v in options.items() if k not in MODULE_ONLY}
 
 
-def module_config(given: dict, options: dict) -> ModuleTrainConfig:
-    """The run's settings: ModuleTrainConfig's defaults < the flags given; transformer-only flags refused."""
-    from prunus.models.module_factory import parse_model_args, parse_spec
+def is_module_resume(options: dict, resume: bool) -> bool:
+    """Whether ``--resume`` continues a generic module's run in ``--out`` (its run.json says so)."""
+    if not resume:
+        return False
+    from prunus.train_parallel.module_run_dir import is_module_run
 
+    return is_module_run(options["out"])
+
+
+def _refuse_transformer_flags(given: dict) -> None:
     extra = [k for k in given if k not in _MODULE_FIELDS and k not in MODULE_ONLY]
     if extra:
         flag = "--" + extra[0].replace("_", "-")
         raise PrunusError(f"{flag} applies to the transformer, not to a generic module (--model); drop it (a module "
                           "trains with --nproc, --zero, --sync-batchnorm, --grad-accum, --pp-split or --tp with --tp-plan)")
+
+
+def module_config(given: dict, options: dict) -> ModuleTrainConfig:
+    """The run's settings: ModuleTrainConfig's defaults < the flags given; transformer-only flags refused."""
+    from prunus.models.module_factory import parse_model_args, parse_spec
+
+    _refuse_transformer_flags(given)
     spec = options["module_spec"]
     parse_spec(spec, "--model")
     settings = {k: v for k, v in given.items() if k in _MODULE_FIELDS}
@@ -70,6 +84,31 @@ def module_config(given: dict, options: dict) -> ModuleTrainConfig:
     if cfg.data is None:
         raise PrunusError("--model needs --data: an ImageFolder directory, or e.g. "
                           "synthetic:classification?n=256&shape=3x32x32&classes=10")
+    cfg.validate()
+    return cfg
+
+
+def resume_module_config(given: dict, options: dict) -> ModuleTrainConfig:
+    """A resumed run's settings: those its run.json records < the flags given; a flag that changes a setting
+    the run is defined by (not in MODULE_RESUMABLE) is one line naming it."""
+    from prunus.models.module_factory import parse_model_args
+    from prunus.train_parallel.module_run_dir import differing_setting, saved_settings
+
+    _refuse_transformer_flags(given)
+    out = options["out"]
+    saved = saved_settings(out)
+    settings = {**saved.to_dict(), "stop_at": None, "out": out}  # an early stop belongs to its own invocation
+    settings.update({k: v for k, v in given.items() if k in _MODULE_FIELDS})
+    if "module_spec" in given:
+        settings["model"] = given["module_spec"]
+    if "model_args_text" in given:
+        settings["model_args"] = parse_model_args(given["model_args_text"])
+    cfg = ModuleTrainConfig.from_dict(settings, source="the command line")
+    k = differing_setting(cfg, saved)
+    if k is not None:
+        flag = {"model": "--model", "model_args": "--model-args"}.get(k, "--" + k.replace("_", "-"))
+        raise PrunusError(f"--resume: {flag} {short(cfg.to_dict()[k])} differs from the run in {out} "
+                          f"({short(saved.to_dict()[k])}); drop it (the run's own is used) or start a new run in another --out")
     cfg.validate()
     return cfg
 
@@ -99,7 +138,7 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
     for flag, asked in refused.items():
         if asked:
             raise PrunusError(f"{flag} plans a transformer run; drop it with --model")
-    cfg = module_config(given, options)
+    cfg = resume_module_config(given, options) if resume else module_config(given, options)
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed packages first)
     if dry_run:
@@ -118,6 +157,23 @@ def train_module_command(ctx: click.Context, given: dict, options: dict, *, resu
         ctx.exit(launch_ranks(cfg.nproc, ["train", *command_line(ctx, given, None, resume, overwrite)]))
     result = train_module(cfg.model, train, cfg.task, cfg, val_dataset=val, resume=resume, overwrite=overwrite)
     if result.model_dir is None and int(os.environ.get("RANK", "0")) == 0:
-        click.echo(f"run dir:   {result.run_dir} (stopped at step {result.step}; continue with --resume)")
+        click.echo("\n".join([f"run dir:   {result.run_dir} (stopped at step {result.step}; continue with --resume)",
+                              *best_line(result)]))
     elif result.model_dir is not None:  # the progress lines already named the model dir
-        click.echo("\n".join([f"run dir:   {result.run_dir}", *([] if cfg.progress else [f"model dir: {result.model_dir}"])]))
+        click.echo("\n".join([f"run dir:   {result.run_dir}", *([] if cfg.progress else [f"model dir: {result.model_dir}"]),
+                              *best_line(result)]))
+
+
+def best_line(result) -> list[str]:
+    """The run's last line: its best step, where its weights are kept, and which weights the model dir holds."""
+    best = result.best
+    if best is None:
+        return []
+    where = result.run_dir / "checkpoints" / "best"
+    if result.model_dir is None:
+        holds = "the model dir is written at the last step"
+    elif result.model_from == "best":
+        holds = "the model dir holds it"
+    else:
+        holds = "the model dir holds the last step's (--model-from best for this one)"
+    return [f"best:      step {best['step']:,} ({best['metric']} {best['value']:.4f}) in {where}; {holds}"]

@@ -18,7 +18,7 @@ from .config import MAX_TIMEOUT_S, _doc
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
                     "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "data_workers", "progress", "nproc", "zero",
-                    "sync_batchnorm", "timeout_s", "device", "dp_mode")
+                    "sync_batchnorm", "timeout_s", "device", "dp_mode", "model_from")
 
 
 @dataclass
@@ -72,6 +72,8 @@ class ModuleTrainConfig:
     tp_plan: str | None = _doc(None, "Tensor parallelism: a JSON file of module name -> colwise / rowwise (nn.Linear "
                                      "modules), applied with parallelize_module over --tp ranks.")
     timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
+    model_from: str = _doc("last", "Which weights RUN_DIR/model holds: last (the final step's) or best (the step "
+                                   "with the best held-out val_accuracy, else val_loss: checkpoints/best, always kept).")
     dp_mode: str = _doc("ddp", "Data parallelism: ddp (--nproc N processes: DDP / ZeRO / FSDP) or dataparallel "
                                "(nn.DataParallel in one process over every visible GPU; needs 2 or more).")
 
@@ -108,6 +110,8 @@ class ModuleTrainConfig:
             raise PrunusError(f"--val-fraction {self.val_fraction} must be between 0 and 1")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        if self.model_from not in ("last", "best"):
+            raise PrunusError(f"--model-from {short(self.model_from)}: choose last or best")
         self._validate_layout()
         self._validate_dp_mode()
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:

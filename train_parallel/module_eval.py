@@ -14,44 +14,42 @@ from __future__ import annotations
 from pathlib import Path
 
 from prunus.artifacts.errors import PrunusError
+from prunus.artifacts.validate import short
 
 MAX_BATCH, MAX_SAMPLES = 65_536, 1 << 30
 
 
-def evaluate_module_dir(path, data: str, *, trust_factory=False, batch_size: int = 64, max_samples: int = 4096,
-                        val_fraction: float = 0.1, record: bool = True, device: str = "cpu",
-                        plot: str | Path | None = None) -> dict:
-    """The held-out figures of the generic module dir at ``path`` on ``data``'s held-out split (a data spec:
-    an image folder, tar shards, a table or ``synthetic:...``); with ``record``, the scalar figures merged into
-    its manifest; ``plot``: where a classifier's confusion matrix PNG goes (the figures' ``plot``)."""
-    from prunus.data.global_batches import check_pair
-    from prunus.data.module_datasets import module_datasets
-    from prunus.models.model_dir import update_manifest_metrics, verify_model_dir
-    from prunus.models.module_dir import load_module, read_module_config
-    from prunus.models.tasks import get_task
-
-    from prunus.data.module_fit import check_fits, data_classes
-    from prunus.data.tables import read_labels
-
-    from .module_metrics import class_names, confusion_png, module_report, per_class
-    from .module_trainer import _call, score_module
-
+def _check_request(batch_size: int, max_samples: int, val_fraction: float) -> None:
     if not 1 <= batch_size <= MAX_BATCH:
         raise PrunusError(f"--batch-size {batch_size} must be from 1 to {MAX_BATCH:,}")
     if not 1 <= max_samples <= MAX_SAMPLES:
         raise PrunusError(f"--max-samples {max_samples} must be from 1 to {MAX_SAMPLES:,}")
     if not 0 < val_fraction <= 1:
         raise PrunusError(f"--val-fraction {val_fraction} must be above 0 and at most 1 (1: score all of --data)")
-    path = Path(path)
-    verify_model_dir(path)
-    config = read_module_config(path)
-    task = get_task(config.get("task") or "classification", trust=trust_factory, where=str(path))
+
+
+def _held_out(path: Path, data: str, task, val_fraction: float):
+    """(the held-out split of ``data``, the labels the dir records)."""
+    from prunus.data.global_batches import check_pair
+    from prunus.data.module_datasets import module_datasets
+    from prunus.data.tables import read_labels
+
     labels = read_labels(path) or {}
     _, val = module_datasets(data, val_fraction, task=task.name, classes=labels.get("classes"))
     if val is None or len(val) == 0:
         raise PrunusError(f"--data {data}: holds no held-out samples to score; give data with a held-out split")
     check_pair(val, "--data")
-    model = load_module(path, config, trust_factory=trust_factory, device=device)
+    return val, labels
+
+
+def _score(model, path: Path, data: str, task, val, labels: dict, *, batch_size: int, max_samples: int, device,
+           plot) -> tuple[dict, dict]:
+    """(the scalar figures to record, all the figures) of ``model`` (a module, or an ONNX graph run as one)."""
+    from prunus.data.module_fit import check_fits, data_classes
+
+    from .module_metrics import class_names, confusion_png, module_report, per_class
+    from .module_trainer import _call, score_module
+
     check_fits(model, val, task, _call, f"--data {data}")  # the classes the module scores, the input it takes
     try:
         figures = score_module(model, task, val, batch_size=batch_size, max_samples=max_samples, device=device)
@@ -62,13 +60,67 @@ def evaluate_module_dir(path, data: str, *, trust_factory=False, batch_size: int
 
         raise PrunusError(f"--data {data}: the module in {path} could not score it ({reason(e)}); give data of "
                           "the input and target the module was trained on") from None
-    figures = {**figures, **{k: v for k, v in report.items() if k != "confusion"}, "eval_data": data,
+    scalars = {**figures, **{k: v for k, v in report.items() if k != "confusion"}, "eval_data": data,
                "task": task.name}
-    if record:
-        update_manifest_metrics(path, figures)
+    figures = dict(scalars)
     if "confusion" in report:
         names = class_names(report["confusion"], labels.get("classes"), getattr(val, "classes", None))
         figures.update(confusion=report["confusion"], classes=names, per_class=per_class(report["confusion"], names))
         if plot is not None:
             figures["plot"] = confusion_png(report["confusion"], names, plot, f"{path} on {data}")
+    return scalars, figures
+
+
+def evaluate_module_dir(path, data: str, *, trust_factory=False, batch_size: int = 64, max_samples: int = 4096,
+                        val_fraction: float = 0.1, record: bool = True, device: str = "cpu",
+                        plot: str | Path | None = None) -> dict:
+    """The held-out figures of the generic module dir at ``path`` on ``data``'s held-out split (a data spec:
+    an image folder, tar shards, a table or ``synthetic:...``); with ``record``, the scalar figures merged into
+    its manifest; ``plot``: where a classifier's confusion matrix PNG goes (the figures' ``plot``)."""
+    from prunus.models.model_dir import update_manifest_metrics, verify_model_dir
+    from prunus.models.module_dir import load_module, read_module_config
+    from prunus.models.tasks import get_task
+
+    _check_request(batch_size, max_samples, val_fraction)
+    path = Path(path)
+    verify_model_dir(path)
+    config = read_module_config(path)
+    task = get_task(config.get("task") or "classification", trust=trust_factory, where=str(path))
+    val, labels = _held_out(path, data, task, val_fraction)
+    model = load_module(path, config, trust_factory=trust_factory, device=device)
+    scalars, figures = _score(model, path, data, task, val, labels, batch_size=batch_size, max_samples=max_samples,
+                              device=device, plot=plot)
+    if record:
+        update_manifest_metrics(path, scalars)
+    return figures
+
+
+def evaluate_module_export(path, data: str, *, batch_size: int = 64, max_samples: int = 4096,
+                           val_fraction: float = 0.1, record: bool = True, plot: str | Path | None = None,
+                           threads: int | None = None) -> dict:
+    """The held-out figures of a generic module's ONNX export dir (:mod:`prunus.export.module_export`), its graph
+    run in ONNX Runtime (:class:`.module_onnx.OnnxModule`), scored as :func:`evaluate_module_dir` scores the
+    model dir: the same figures, recorded in the export dir's manifest with ``record``. No factory is imported;
+    a task that is a loss function (``package.module:fn``) is refused."""
+    from prunus.artifacts.atomic import atomic_write_json
+    from prunus.artifacts.manifest_schema import MANIFEST
+    from prunus.models.tasks import get_task
+
+    from .module_onnx import OnnxModule, read_module_export
+
+    _check_request(batch_size, max_samples, val_fraction)
+    path = Path(path)
+    config, manifest, graph = read_module_export(path)
+    task_name = config.get("task") or "classification"
+    if ":" in str(task_name):
+        raise PrunusError(f"{path}: its task is the loss {short(task_name)}; an export dir is scored without "
+                          "importing code: evaluate its model dir (prunus eval MODEL_DIR --trust-factory)")
+    task = get_task(task_name, trust=False, where=str(path))
+    val, labels = _held_out(path, data, task, val_fraction)
+    model = OnnxModule(graph, threads)
+    scalars, figures = _score(model, path, data, task, val, labels, batch_size=batch_size, max_samples=max_samples,
+                              device="cpu", plot=plot)
+    if record:
+        manifest.setdefault("metrics", {}).update(scalars)
+        atomic_write_json(path / MANIFEST, manifest)
     return figures

@@ -37,7 +37,8 @@ from .data_parallel.any_module import broadcast_from_first, parallelize_any, unw
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
-from .module_run_dir import check_module_run, discard_on_failure, open_module_run
+from .module_run_dir import (best_figure, check_module_run, discard_on_failure, improves, load_best, open_module_run,
+                             read_best, save_best)
 from .parallel_dims import ParallelDims
 from .pipeline.module_pipeline import ModulePipeline
 from .pipeline.module_split import parse_split, split_stages
@@ -54,6 +55,8 @@ class ModuleTrainResult:
     step: int
     metrics: dict  # the last record (with the last evaluation's figures)
     losses: list[float]  # the training loss of each step run in this invocation
+    best: dict | None = None  # the best checkpoint's record (module_run_dir.save_best), None before any evaluation
+    model_from: str = "last"  # which weights the model dir holds: "last" or "best"
 
 
 def _optimizer(model: torch.nn.Module, cfg: ModuleTrainConfig, zero1_mesh) -> torch.optim.Optimizer:
@@ -179,11 +182,15 @@ class ModuleTrainer:
         self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
         self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
         self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
+        self.best: dict | None = None  # the best checkpoint's record (checkpoints/best)
         if self.run.resume_from is not None:
             self.state = load_checkpoint(self.run.resume_from, [self.model], [self.optimizer])
             self.state["samples"] = self.state["tokens"]
             self.start = self.state["step"]
             self._check_readers(self.state.get("data_readers"))
+            self.best = read_best(self.run.path)
+            if self.best is not None and self.best["step"] > self.start:  # from steps this resumption runs again
+                self.best = None
         if hasattr(self.batches, "readers"):  # a stream's position depends on its number of readers
             self.state["data_readers"] = self.batches.readers
         self.stop = cfg.stop_at or cfg.steps
@@ -310,11 +317,14 @@ class ModuleTrainer:
         pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
         try:
             for step, batch in prefetch:
-                pending.append(self.train_step(step, batch))
+                record = self.train_step(step, batch)
+                pending.append(record)
                 done, cfg = step + 1, self.cfg
                 save = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps)
-                if save or done % cfg.log_every == 0 or done == self.stop or "val_loss" in pending[-1]:
+                if save or done % cfg.log_every == 0 or done == self.stop or "val_loss" in record:
                     self._settle(pending, metrics)
+                if "val_loss" in record:
+                    self._keep_best(done, record)
                 if save:
                     self.checkpointer.save(done, [self.model], [self.optimizer], self.state)
         finally:
@@ -322,29 +332,52 @@ class ModuleTrainer:
             if metrics is not None:
                 metrics.close()
 
-    def save_model(self) -> Path | None:
-        """The model dir at RUN_DIR/model, from the full state dict gathered on rank 0 (a collective), loaded
-        into a module the factory builds afresh (so the dir is known to rebuild)."""
+    def _full_state(self) -> dict:
+        """The module's full state dict, gathered on rank 0 (a collective every rank calls)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.pipeline is not None:
-            state = self.pipeline.full_state()
+            return self.pipeline.full_state()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _keep_best(self, step: int, record: dict) -> None:
+        """After an evaluation: the weights kept as checkpoints/best when its figure beats the best so far (every
+        rank decides alike: each scored the same samples)."""
+        figure = best_figure(record)
+        if figure is None or not improves(figure, self.best):
+            return
+        state = self._full_state()
+        figures = {k: v for k, v in record.items() if k.startswith("val_")}
+        if self.main:
+            self.best = save_best(self.run.path, step, figure, state, figures)
         else:
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self.best = {"step": step, "metric": figure[0], "value": figure[1], "figures": figures}
+
+    def save_model(self) -> Path | None:
+        """The model dir at RUN_DIR/model, from the full state dict gathered on rank 0 (a collective), or from the
+        best checkpoint (``model_from`` best), loaded into a module the factory builds afresh (so the dir is
+        known to rebuild)."""
+        from_best = self.cfg.model_from == "best" and self.best is not None
+        state = None if from_best else self._full_state()
         if not self.main:
             return None
+        if from_best:
+            state = load_best(self.run.path, self.best)
         fresh = self.factory.build(source="model dir factory")
         pruned = shape_changes(state, fresh.state_dict())  # a channel-pruned module: its cut shapes recorded
         apply_shapes(fresh, pruned, "model dir factory", "train the module the factory builds")
         fresh.load_state_dict(state, strict=True)
         metrics = {k: v for k, v in self.record.items() if k.startswith("val_")}
+        if from_best:
+            metrics = {**self.best.get("figures", {}), "best_step": self.best["step"]}
         metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
                        task=self.task.name)
         path = save_module(fresh, self.run.path / "model", stage="train", factory=self.factory, task=self.task.name,
                            input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned,
                            extra_files=model_dir_files(self.dataset))  # a table's labels.json
         if self.cfg.progress:
-            print(f"model dir: {Path(self.cfg.out) / 'model'}", flush=True)
+            which = f" (the best step, {self.best['step']:,})" if from_best else ""
+            print(f"model dir: {Path(self.cfg.out) / 'model'}{which}", flush=True)
         return path
 
     def train(self) -> ModuleTrainResult:
@@ -357,7 +390,9 @@ class ModuleTrainer:
                 discard_on_failure(self.run, self.cfg, e)
             raise
         out = publish_run_dir(self.cfg, self.run.path) if self.main else Path(self.cfg.out)
-        return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses)
+        model_from = "best" if self.cfg.model_from == "best" and self.best is not None else "last"
+        return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses,
+                                 self.best, model_from)
 
 
 def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, overwrite: bool) -> None:
