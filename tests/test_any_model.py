@@ -214,7 +214,7 @@ def test_train_module_api_writes_a_run_dir_and_a_model_dir_that_scores_the_same(
     assert [rec["step"] for rec in records] == list(range(1, 13)) and "val_accuracy" in records[5]
     # the losses are settled in batches (every log_every steps, on eval and checkpoint steps): every step's kept
     assert [rec["loss"] for rec in records] == r.losses and r.metrics == {**records[-1], "loss": r.losses[-1]}
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-12", "step-6"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["best", "step-12", "step-6"]
     manifest = json.loads((r.model_dir / "prunus.json").read_text())
     config = json.loads((r.model_dir / "config.json").read_text())
     assert config == {"format": "prunus-model/1", "kind": "module", "factory": "test_any_model:two_linear",
