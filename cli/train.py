@@ -51,6 +51,13 @@ EXTRA_OPTIONS = [
     click.Option(["--print-slurm"], is_flag=True, help="Print an sbatch script running this command on --nodes x --gpus-per-node."),
     click.Option(["--nodes"], type=int, default=1, show_default=True, help="With --print-slurm: nodes of the job."),
     click.Option(["--gpus-per-node"], type=int, default=8, show_default=True, help="With --print-slurm: processes per node."),
+    click.Option(["--nnodes"], default=None, metavar="MIN:MAX", help="Elastic training: run this host's torchrun agent "
+                 "of a job on MIN to MAX hosts (--nproc processes each); a lost host restarts the job from its last "
+                 "checkpoint on the hosts left."),
+    click.Option(["--max-restarts"], type=int, default=3, show_default=True, help="With --nnodes: restarts of the job "
+                 "before it fails."),
+    click.Option(["--rdzv-endpoint"], default=None, metavar="HOST:PORT", help="With --nnodes: where the agents meet "
+                 "(c10d rendezvous; with --print-slurm, default: the job's first node)."),
     click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its last checkpoint (under any layout)."),
     click.Option(["--overwrite"], is_flag=True, help="Replace whatever --out holds."),
 ]
@@ -82,8 +89,8 @@ def resolve_config(given: dict, options: dict, config_file: str | None, resume: 
 
 
 def train_command(ctx: click.Context, config_file: str | None, print_config: bool, dry_run: bool, world_size: int | None,
-                  plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, resume: bool, overwrite: bool,
-                  **options):
+                  plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, nnodes: str | None,
+                  max_restarts: int, rdzv_endpoint: str | None, resume: bool, overwrite: bool, **options):
     """Train a model (the transformer, or with --model any torch.nn.Module); the final model dir is OUT/model."""
     from .train_module import is_module_resume, train_module_command, transformer_options
 
@@ -94,7 +101,7 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
         if not dry_run:  # a dry run plans for any machine
             check_device(options["device"])
         refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,
-                   "--world-size": world_size is not None, "--rank": plan_rank != 0}
+                   "--world-size": world_size is not None, "--rank": plan_rank != 0, "--nnodes": nnodes}
         return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused,
                                     dry_run=dry_run)
     options = transformer_options(given, options)
@@ -111,15 +118,27 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
         from prunus.train_parallel.launch.dry_run import memory_plan
         from prunus.train_parallel.launch.dry_run_table import render_plan
 
+        if nnodes:  # an elastic job: its layout must fit every world it may get
+            from prunus.train_parallel.launch.elastic import check_elastic
+
+            hosts = check_elastic(cfg, nnodes, max_restarts, rdzv_endpoint, need_endpoint=False)[1]
+            world_size = world_size or hosts * cfg.nproc
         Console().print(render_plan(memory_plan(cfg, world_size or cfg.nproc, rank=plan_rank)))
         return
     if print_slurm:
         from prunus.train_parallel.launch.slurm import sbatch_script
 
-        click.echo(sbatch_script(cfg, nodes, gpus_per_node, command_line(ctx, given, config_file, resume, overwrite)), nl=False)
+        elastic = (nnodes, max_restarts, rdzv_endpoint) if nnodes else None
+        click.echo(sbatch_script(cfg, nodes, gpus_per_node, command_line(ctx, given, config_file, resume, overwrite),
+                                 elastic=elastic), nl=False)
         return
     check_device(cfg.device)  # one line for a device torch cannot use here (--print-slurm above plans for others)
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if nnodes and not launched:
+        from prunus.train_parallel.launch.elastic import launch_elastic
+
+        ctx.exit(launch_elastic(cfg, ["train", *command_line(ctx, given, config_file, resume, overwrite)], nnodes,
+                                max_restarts, rdzv_endpoint))
     if cfg.nproc > 1 and not launched:
         from prunus.train_parallel.launch.launch import launch_local
         from prunus.train_parallel.trainer import preflight

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from click.testing import CliRunner
+
+from prunus.cli.main import cli
 from prunus.train_parallel import read_metrics
 from prunus.train_parallel.checkpoint.checkpoint import list_checkpoints
-
-pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 60, 2
 ARGS = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--warmup-steps", "1", "--eval-every", "1000",
@@ -91,6 +92,7 @@ def _last_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow
 def test_losing_one_of_two_agents_restarts_from_the_last_checkpoint(tmp_path):
     port, out = _free_port(), tmp_path / "job"
     logs = [tmp_path / "survivor.log", tmp_path / "lost.log"]
@@ -127,3 +129,28 @@ def test_losing_one_of_two_agents_restarts_from_the_last_checkpoint(tmp_path):
     theirs = read_metrics(ref)
     for a, b in zip(ours[resumed:], theirs[resumed:]):
         assert abs(a["loss"] - b["loss"]) <= TOLERANCE, (a["step"], a["loss"], b["loss"])
+
+
+def test_print_slurm_runs_one_elastic_agent_per_node():
+    r = CliRunner().invoke(cli, ["train", "--preset", "tiny", "--nnodes", "1:4", "--max-restarts", "2", "--print-slurm",
+                                 "--gpus-per-node", "2", "--out", "runs/e"])
+    assert r.exit_code == 0, r.output
+    assert "#SBATCH --nodes=4" in r.output and "#SBATCH --ntasks-per-node=1" in r.output
+    line = r.output.splitlines()[-1]
+    assert line.startswith("srun --ntasks-per-node=1 torchrun --nnodes 1:4 --nproc-per-node=2 --rdzv-backend c10d")
+    assert "--max-restarts 2" in line and line.endswith("-m prunus.cli.main train --out runs/e --preset tiny")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nnodes", "1:2", "--tp", "2", "--dry-run"], "on 1 host(s) x --nproc 1"),  # tp above the smallest world
+    (["--nnodes", "3:1", "--rdzv-endpoint", "127.0.0.1:29400"], "--nnodes '3:1': give MIN:MAX"),
+    (["--nnodes", "1:2"], "--nnodes needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "1:2", "--rdzv-endpoint", "nohost"], "--rdzv-endpoint 'nohost': give HOST:PORT"),
+])
+def test_elastic_settings_are_refused_in_one_line(args, needle, assert_user_error):
+    assert_user_error(CliRunner().invoke(cli, ["train", "--preset", "tiny", *args]), needle)
+
+
+def test_dry_run_plans_the_largest_world():
+    r = CliRunner().invoke(cli, ["train", "--preset", "tiny", "--nnodes", "1:2", "--nproc", "2", "--dry-run"])
+    assert r.exit_code == 0 and "rank 0 of 4 ranks" in r.output, r.output

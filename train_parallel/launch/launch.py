@@ -116,9 +116,10 @@ def launch_local(cfg, argv: list[str]) -> int:
     return launch_ranks(cfg.nproc, argv)
 
 
-def launch_ranks(nproc: int, argv: list[str]) -> int:
+def launch_ranks(nproc: int, argv: list[str], agent: list[str] | None = None) -> int:
     """Run ``prunus <argv>`` in ``nproc`` processes on this host under torchrun's agent (see :func:`launch_local`;
-    the caller has checked the settings ``argv`` gives, as a generic module's run does its own)."""
+    the caller has checked the settings ``argv`` gives, as a generic module's run does its own). ``agent``:
+    torchrun's flags in place of ``--standalone`` (an elastic job's, :mod:`.elastic`)."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -132,7 +133,8 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
+    agent = agent or ["--standalone", f"--nproc-per-node={nproc}"]
+    args = get_args_parser().parse_args([*agent, "--monitor-interval=0.2",
                                          "-m", "prunus.cli.main", *argv])
     try:
         run(args)
