@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from prunus.serve.k8s_manifests import K8sSettings
 from prunus.serve.shutdown import SHUTDOWN_GRACE_S
 
+from .command_line import as_arguments
 from .options import access_options, backend_option, compile_option, device_option, kv_dtype_option, native_option, prefill_chunk_option, \
     prepare_option, prompt_graph_option, resolve_device, serving_feature_options
 
@@ -149,18 +150,7 @@ def _given_args(ctx) -> list[str]:
     given = {p.name: ctx.params[p.name] for p in ctx.command.params if isinstance(p, click.Option)
              and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
     check_carried(given)
-    args = []
-    for param in ctx.command.params:
-        if param.name not in given or param.name in NOT_CARRIED or param.name.startswith(("k8s_", "print_k8s")):
-            continue
-        value = given[param.name]
-        if param.is_flag and param.secondary_opts:
-            args.append(param.opts[0] if value else param.secondary_opts[0])
-        elif param.is_flag:
-            args += [param.opts[0]] if value else []
-        else:
-            args += [a for v in (value if param.multiple else [value]) for a in (param.opts[0], str(v))]
-    return args
+    return as_arguments(ctx, given, lambda name: name in NOT_CARRIED or name.startswith(("k8s_", "print_k8s")))
 
 
 def _prepare_step():

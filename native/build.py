@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -41,10 +42,19 @@ BUILD_FORMAT = "prunus-native-build/1"
 FIX = "or set XDG_CACHE_HOME to a dir of your own, or serve without --native"
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (for reports and cache keys)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_supported() -> str | None:
     """None when this CPU runs the kernels, else why not (one phrase)."""
-    import platform
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"an x86-64 CPU with AVX2 (this is {platform.machine()})"
     try:

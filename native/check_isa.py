@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .build import isa, library, set_isa, supported_isas
+from .build import cpu_model, isa, library, set_isa, supported_isas
 from .decoder import _linear
 from .weights import PackedLinear, pack_blocks, pack_f32
 
 TOLERANCE = 1e-5  # largest |error| over the largest |reference|, every path
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _blocks_reference(x: np.ndarray) -> np.ndarray:

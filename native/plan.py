@@ -34,6 +34,7 @@ import numpy as np
 
 from prunus.artifacts.errors import PrunusError
 
+from .build import cpu_model
 from .weights import KINDS, PackedLinear, PackedModel, shape_key
 
 WIDE, PAIRS, PREFETCH = 1, 2, 4  # decode.c's PLAN_* bits
@@ -171,16 +172,6 @@ def calibrate(packed: PackedModel, lib, pool, budget_s: float = BUDGET_S) -> tup
 
 
 # --- the cache -------------------------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
 
 def plan_key(lib, isa: str, threads: int, packed: PackedModel) -> dict:
     """What a plan is measured for: the CPU, the kernel library's bytes, the kernel path, the threads, the shapes."""
