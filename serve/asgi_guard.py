@@ -47,21 +47,26 @@ async def answer(send, error: BadRequest, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def read_body(receive, headers: Headers, timeout: float) -> bytes:
-    """The request's body under the size cap and the deadline; BadRequest or ClientGone otherwise."""
+async def read_body(receive, headers: Headers, timeout: float, limit: int = MAX_BODY_BYTES,
+                    too_big: str | None = None) -> bytes:
+    """The request's body, at most ``limit`` bytes (413, ``too_big`` its message), within ``timeout`` seconds (408);
+    BadRequest or ClientGone otherwise."""
     length = headers.get("content-length")
     if length is None and "chunked" not in headers.get("transfer-encoding", "").lower():
-        raise BadRequest(411, "send the JSON body with a valid Content-Length header", headers={"Connection": "close"})
-    if length is not None and int(length) > MAX_BODY_BYTES:
-        raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
+        raise BadRequest(411, "send the body with a valid Content-Length header", headers={"Connection": "close"})
+    over = BadRequest(413, too_big or f"the request body is larger than {limit} bytes", headers={"Connection": "close"})
+    if length is not None and not length.isdigit():
+        raise BadRequest(400, f"Content-Length {length[:40]!r} is not a number", headers={"Connection": "close"})
+    if length is not None and int(length) > limit:
+        raise over
     try:
-        return await asyncio.wait_for(_receive_body(receive), timeout)  # asyncio.timeout needs Python 3.11
+        return await asyncio.wait_for(_receive_body(receive, limit, over), timeout)  # asyncio.timeout: Python 3.11
     except asyncio.TimeoutError:
         raise BadRequest(408, f"the request body did not arrive within {timeout:g} s", "timeout_error",
                          headers={"Connection": "close"}) from None
 
 
-async def _receive_body(receive) -> bytes:
+async def _receive_body(receive, limit: int, over: BadRequest) -> bytes:
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -69,9 +74,8 @@ async def _receive_body(receive) -> bytes:
             raise ClientGone
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
-        if size > MAX_BODY_BYTES:
-            raise BadRequest(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                             headers={"Connection": "close"})
+        if size > limit:
+            raise over
         if not message.get("more_body"):
             return b"".join(chunks)
 

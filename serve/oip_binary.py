@@ -21,7 +21,6 @@ each B bytes, little-endian, row-major, no ``data`` field). Sent as ``applicatio
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -50,35 +49,10 @@ def check_media(headers) -> None:
 
 async def read_infer_body(receive, headers, timeout: float, limit: int) -> bytes:
     """The request's body, at most ``limit`` bytes (413), within ``timeout`` seconds (408)."""
-    length = headers.get("content-length")
-    if length is None and "chunked" not in headers.get("transfer-encoding", "").lower():
-        raise BadRequest(411, "send the body with a valid Content-Length header", headers={"Connection": "close"})
-    too_big = BadRequest(413, f"the request body is larger than the server's limit of {limit} bytes; send fewer "
-                              "rows per request, or start the server with a larger --max-body-mb",
-                         headers={"Connection": "close"})
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise too_big if length.isdigit() else BadRequest(400, f"Content-Length {length[:40]!r} is not a number")
-    try:
-        return await asyncio.wait_for(_receive(receive, limit, too_big), timeout)
-    except asyncio.TimeoutError:
-        raise BadRequest(408, f"the request body did not arrive within {timeout:g} s", "timeout_error",
-                         headers={"Connection": "close"}) from None
+    from .asgi_guard import read_body
 
-
-async def _receive(receive, limit: int, too_big: BadRequest) -> bytes:
-    from .asgi_guard import ClientGone
-
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            raise too_big
-        if not message.get("more_body"):
-            return b"".join(chunks)
+    return await read_body(receive, headers, timeout, limit, f"the request body is larger than the server's limit of "
+                           f"{limit} bytes; send fewer rows per request, or start the server with a larger --max-body-mb")
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[object, bytes]:
