@@ -85,6 +85,13 @@ def command(model_dir, fmt, out, precision, opset, no_verify, data, external_dat
         sys.exit(1)
     exp = result.config["export"]
     print_parity(console, f"parity {out} ({exp['format']}, {exp['precision']})", result.parity)
+    if len(result.parity.get("runtimes") or {}) > 1:  # each runtime that may serve it, the native kernels too
+        from pathlib import Path
+
+        from .info import parity_tables
+
+        for table in parity_tables(Path(out)):
+            console.print(table)
     if not result.parity["passed"]:
         console.print("[yellow]parity check failed; kept because of --no-verify")
     files = [v for v in exp["graphs"].values() if isinstance(v, str)]

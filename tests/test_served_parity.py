@@ -98,3 +98,14 @@ def test_kernels_that_fail_their_check_are_not_what_serves(trained_run, tmp_path
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "e")], env={"COLUMNS": "250"})
     verdict = next(line for line in r.output.splitlines() if "verdict" in line)
     assert "passed" in verdict and "FAILED: " in verdict and "top1_agreement" in verdict
+
+
+def test_export_prints_each_runtimes_figures(trained_run, tmp_path):
+    """`prunus export` shows the check of every runtime that may serve the export, not ONNX Runtime's alone."""
+    out = tmp_path / "int8"
+    r = CliRunner().invoke(cli, ["export", str(trained_run / "model"), "--out", str(out), "--precision", "int8"],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    table = r.output[r.output.index("parity against PyTorch, per runtime"):]
+    assert "native" in next(line for line in table.splitlines() if "onnxruntime" in line)
+    assert isa() in next(line for line in table.splitlines() if "kernel path" in line)
