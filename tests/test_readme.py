@@ -73,6 +73,7 @@ PYTHON_SIZES = {'preset="small", steps=300': 'preset="tiny", steps=4, seq_len=32
                                              'eval_every=2, eval_tokens=1024, max_corpus_bytes=100_000'}
 # the docs' example port -> a free one (set per session).
 PORT = "8000"
+README_LINES = 200  # README.md's line budget: the overview and the tour; detail lives in docs/
 
 
 def doc_files() -> list[Path]:
@@ -330,7 +331,8 @@ def test_the_docs_hang_together():
     """README stays short; every docs page is linked from it; relative links and images point at files that exist;
     every picture in docs/ is shown somewhere."""
     readme = README.read_text()
-    assert len(readme.splitlines()) <= 300
+    assert len(readme.splitlines()) <= README_LINES, f"README.md is over its budget of {README_LINES} lines: move " \
+        "detail into a docs page and link it"
     shown = set()
     for path in doc_files():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", path.read_text()):
