@@ -106,10 +106,10 @@ def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: i
     from rich.table import Table
 
     from prunus.data import evaluate_model_dir
-    from prunus.models.module_summary import is_module_dir
+    from prunus.models.spec import TRANSFORMER, dir_kind
 
     module_opts = {"batch_size": batch_size, "max_samples": max_samples, "val_fraction": val_fraction}
-    if is_module_dir(model_dir):
+    if (dir_kind(model_dir) or TRANSFORMER) != TRANSFORMER:
         for flag, value in (("--seq-len", seq_len), ("--max-tokens", max_tokens)):
             if value is not None:
                 raise PrunusError(f"{flag} applies to a transformer; {model_dir} holds a generic module: drop it "

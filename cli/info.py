@@ -44,13 +44,12 @@ def architecture(fields: dict) -> dict:
 
 def model_tables(path: Path) -> list:
     from prunus.models import read_manifest
-    from prunus.models.module_summary import is_module_dir
-
+    from prunus.models.spec import TRANSFORMER, dir_kind
     from prunus.train_parallel.module_onnx import is_module_export
 
     if is_module_export(path):
         return module_export_tables(path)
-    if is_module_dir(path):
+    if (dir_kind(path) or TRANSFORMER) != TRANSFORMER:
         return module_tables(path)
     from prunus.models.model_dir import read_config
 
@@ -188,9 +187,10 @@ def module_run_tables(path: Path) -> list:
     """A generic module's run dir: its progress (with the best checkpoint), settings, model and data; the model
     dir's tables once written. Nothing imported."""
     from prunus.train_parallel import list_checkpoints, read_metrics
-    from prunus.train_parallel.module_run_dir import read_best, saved_settings
+    from prunus.train_parallel.checkpoint.best import read_best
+    from prunus.train_parallel.run_dir import read_run_config
 
-    settings = saved_settings(path).to_dict()
+    settings = read_run_config(path).to_dict()
     records = [r for r in read_metrics(path) if isinstance(r, dict)]
     last = records[-1] if records else {}
     evals = [r for r in records if "val_loss" in r]

@@ -59,9 +59,9 @@ def is_module_resume(options: dict, resume: bool) -> bool:
     """Whether ``--resume`` continues a generic module's run in ``--out`` (its run.json says so)."""
     if not resume:
         return False
-    from prunus.train_parallel.module_run_dir import is_module_run
+    from prunus.train_parallel.run_dir import run_kind
 
-    return is_module_run(options["out"])
+    return run_kind(options["out"]) == ModuleTrainConfig.KIND
 
 
 def _refuse_transformer_flags(given: dict) -> None:
@@ -92,11 +92,11 @@ def resume_module_config(given: dict, options: dict) -> ModuleTrainConfig:
     """A resumed run's settings: those its run.json records < the flags given; a flag that changes a setting
     the run is defined by (not in MODULE_RESUMABLE) is one line naming it."""
     from prunus.models.module_factory import parse_model_args
-    from prunus.train_parallel.module_run_dir import differing_setting, saved_settings
+    from prunus.train_parallel.run_dir import differing_setting, read_run_config
 
     _refuse_transformer_flags(given)
     out = options["out"]
-    saved = saved_settings(out)
+    saved = read_run_config(out, expect=ModuleTrainConfig)
     settings = {**saved.to_dict(), "stop_at": None, "out": out}  # an early stop belongs to its own invocation
     settings.update({k: v for k, v in given.items() if k in _MODULE_FIELDS})
     if "module_spec" in given:

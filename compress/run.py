@@ -25,6 +25,7 @@ from torch import nn
 from prunus.artifacts.errors import PrunusError
 from prunus.models import save_model
 from prunus.models.compression_state import carry_over, compression_state
+from prunus.models.spec import TRANSFORMER, spec_of_dir
 from prunus.artifacts.paths import check_output
 from prunus.artifacts.validate import check_int_range
 
@@ -73,14 +74,6 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
             check_int_range(value, name, 1, 2**63 - 1)
 
 
-def _is_module_dir(model_dir: Path) -> bool:
-    from prunus.models.model_dir import read_config_json
-
-    if not (model_dir / "config.json").is_file():
-        return False
-    return read_config_json(model_dir).get("kind") == "module"
-
-
 def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
              max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
              seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
@@ -91,10 +84,9 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
     ``seq_len``: the evaluation window (default: the model's context, at most 1,024 tokens);
     ``eval_tokens``: held-out tokens scored per row (the same slice as ``prunus eval``)."""
     model_dir, out = Path(model_dir), Path(out)
-    if _is_module_dir(model_dir):  # a generic nn.Module: prunus.compress.module_compress
-        from .module_compress import compress_module
-
-        return compress_module(model_dir, passes, out, data=data, trust_factory=trust_factory, overwrite=overwrite,
+    spec = spec_of_dir(model_dir)
+    if spec.name != TRANSFORMER:  # another kind's passes: its spec's runner (a generic nn.Module: module_compress)
+        return spec.load("compress")(model_dir, passes, out, data=data, trust_factory=trust_factory, overwrite=overwrite,
                                seed=seed, latency=latency, recipe_text=recipe_text, command=command)
     check_arguments(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
                     seed=seed, seq_len=seq_len, eval_tokens=eval_tokens, max_corpus_bytes=max_corpus_bytes)

@@ -32,6 +32,7 @@ from prunus.artifacts.validate import read_json_object
 from prunus.models.model_dir import (CONFIG, load_model, load_model_tokenizer, read_config, read_config_json,
                                      verify_model_dir)
 from prunus.models.quant_registry import QuantizedModule, handler, quantized_modules
+from prunus.models.spec import TRANSFORMER, get_spec
 
 from .onnx_export import DEFAULT_OPSET, MIN_OPSET, dequantized_copy, export_decode, export_prefill, save_graph
 from .export_manifest import PARITY, ExportResult, write_manifest
@@ -177,10 +178,9 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     manifest = verify_model_dir(model_dir)
-    if "kind" in read_config_json(model_dir):  # any nn.Module: one ONNX graph, its own parity check
-        from .module_export import export_module
-
-        return export_module(model_dir, out, format=format, precision=precision, opset=opset, verify=verify, data=data,
+    spec = get_spec(read_config_json(model_dir).get("kind"))
+    if spec.name != TRANSFORMER:  # another kind's graph and parity check (any nn.Module: module_export)
+        return spec.load("export")(model_dir, out, format=format, precision=precision, opset=opset, verify=verify, data=data,
                              overwrite=overwrite, command=command, trust_factory=trust_factory, manifest=manifest)
     _, src_config = read_config(model_dir)
     model = load_model(model_dir, verify=False).float()

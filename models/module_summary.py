@@ -20,16 +20,6 @@ from .module_dir import FIX, read_module_config
 MAX_LINEAGE = 16
 
 
-def is_module_dir(path: str | Path) -> bool:
-    """Whether ``path``'s config.json says ``"kind": "module"`` (no other check; :func:`module_summary` checks)."""
-    from .model_dir import read_config_json
-
-    try:
-        return read_config_json(path).get("kind") == "module"
-    except PrunusError:
-        return False
-
-
 def lineage(path: str | Path, manifest: dict) -> list[dict]:
     """``[{stage, path, hash, command}]`` from ``path`` up through its parents (a parent that is gone or unreadable
     ends the list with what the child's manifest says of it)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import sysconfig
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from prunus.models.config import PRESETS, ModelConfig, get_preset
 from prunus.artifacts.errors import PrunusError
@@ -120,6 +122,14 @@ class TrainConfig:
     lora_targets: str = _doc("wq,wk,wv,wo,w1,w2,w3", "LoRA: the modules that get adapters (comma-separated prunus names).")
     save_adapter: bool = _doc(False, "LoRA: also write the adapter in PEFT's format (adapter_config.json, "
                                      "adapter_model.safetensors) at RUN_DIR/adapter.")
+
+    KIND: ClassVar[str] = "transformer"  # the model kind's spec (prunus.models.spec); run.json records any other
+    RESUMABLE: ClassVar[tuple[str, ...]] = RESUMABLE
+
+    def inputs(self) -> list[tuple[str, str | None]]:
+        """What a run reads, labelled by flag: the run dir must stay clear of all of them."""
+        data = self.data if self.data not in (None, "builtin") else sysconfig.get_paths()["stdlib"]
+        return [("--data", data), ("--tokenizer", self.tokenizer), ("--init-from", self.init_from)]
 
     def model_config(self) -> ModelConfig:
         if self.init_from is not None:  # the model dir defines the architecture; flags may only agree with it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import check_dataclass, dataclass_from_dict, short
@@ -76,6 +77,12 @@ class ModuleTrainConfig:
                                    "with the best held-out val_accuracy, else val_loss: checkpoints/best, always kept).")
     dp_mode: str = _doc("ddp", "Data parallelism: ddp (--nproc N processes: DDP / ZeRO / FSDP) or dataparallel "
                                "(nn.DataParallel in one process over every visible GPU; needs 2 or more).")
+
+    KIND: ClassVar[str] = "module"
+    RESUMABLE: ClassVar[tuple[str, ...]] = MODULE_RESUMABLE
+
+    def inputs(self) -> list[tuple[str, str | None]]:
+        return [("--data", self.data)]
 
     def zero_stage(self) -> int:
         """The ZeRO stage run: ``zero``, else 0. FSDP2 shards the whole module as one unit, so every step gathers

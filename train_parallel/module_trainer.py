@@ -32,18 +32,17 @@ from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
 from prunus.models.tasks import Task, get_task
 
+from .checkpoint.best import best_figure, improves, load_best, read_best, save_best
 from .checkpoint.checkpoint import Checkpointer, load_checkpoint
 from .data_parallel.any_module import broadcast_from_first, parallelize_any, unwrapped
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
-from .module_run_dir import (best_figure, check_module_run, discard_on_failure, improves, load_best, open_module_run,
-                             read_best, save_best)
 from .parallel_dims import ParallelDims
 from .pipeline.module_pipeline import ModulePipeline
 from .pipeline.module_split import parse_split, split_stages
 from .tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, read_tp_plan
-from .run_dir import publish_run_dir
+from .run_dir import check_run_dir, init_run_dir, prior_state, publish_run_dir, raise_run_failure, run_location
 from .schedule import lr_at
 from .trainer import clip_grad_norm
 
@@ -55,7 +54,7 @@ class ModuleTrainResult:
     step: int
     metrics: dict  # the last record (with the last evaluation's figures)
     losses: list[float]  # the training loss of each step run in this invocation
-    best: dict | None = None  # the best checkpoint's record (module_run_dir.save_best), None before any evaluation
+    best: dict | None = None  # the best checkpoint's record (checkpoint/best.py), None before any evaluation
     model_from: str = "last"  # which weights the model dir holds: "last" or "best"
 
 
@@ -172,7 +171,9 @@ class ModuleTrainer:
         module, self.factory, cfg = _resolve_model(module_or_spec, cfg, factory)
         self.cfg, self.dataset, self.val_dataset = cfg, dataset, val_dataset
         self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
-        self.run = check_module_run(cfg, resume=resume, overwrite=overwrite)
+        self.run_dir, resume, self.overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
+        self.resume_from = check_run_dir(cfg, resume=resume, overwrite=self.overwrite, run_dir=self.run_dir)
+        self.overwrite, self.prior = self.overwrite and not resume, None
         module = module.to(self.device)
         check_fits(module, dataset, self.task, _call, "--data " + cfg.data if cfg.data else "dataset")
         self._barrier()  # every rank has checked the run dir and the data before rank 0 writes to it
@@ -180,15 +181,15 @@ class ModuleTrainer:
         self.replicated: torch.nn.Module | None = None  # --dp-mode dataparallel: nn.DataParallel over the module
         self.model = self._parallelize(module)
         self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
-        self.checkpointer = Checkpointer(self.run.path, cfg.keep_checkpoints)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints)
         self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
         self.best: dict | None = None  # the best checkpoint's record (checkpoints/best)
-        if self.run.resume_from is not None:
-            self.state = load_checkpoint(self.run.resume_from, [self.model], [self.optimizer])
+        if self.resume_from is not None:
+            self.state = load_checkpoint(self.resume_from, [self.model], [self.optimizer])
             self.state["samples"] = self.state["tokens"]
             self.start = self.state["step"]
             self._check_readers(self.state.get("data_readers"))
-            self.best = read_best(self.run.path)
+            self.best = read_best(self.run_dir)
             if self.best is not None and self.best["step"] > self.start:  # from steps this resumption runs again
                 self.best = None
         if hasattr(self.batches, "readers"):  # a stream's position depends on its number of readers
@@ -197,7 +198,8 @@ class ModuleTrainer:
         self.losses: list[float] = []
         self.record: dict = {}
         if self.main:
-            open_module_run(self.run, cfg)
+            self.prior = prior_state(self.run_dir, cfg)
+            init_run_dir(cfg, overwrite=self.overwrite, extra={}, run_dir=self.run_dir)
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data
@@ -311,7 +313,7 @@ class ModuleTrainer:
             print(f"step {step}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}{val}", flush=True)
 
     def _run_steps(self) -> None:
-        metrics = MetricsLog(self.run.path, resume_step=self.start if self.run.resume_from else None) if self.main else None
+        metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from else None) if self.main else None
         # the next steps' batches are read (and, on CUDA, copied on a side stream) while this step computes
         prefetch = Prefetcher(self.batches.batch, range(self.start, self.stop), device=self.device)
         pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
@@ -349,7 +351,7 @@ class ModuleTrainer:
         state = self._full_state()
         figures = {k: v for k, v in record.items() if k.startswith("val_")}
         if self.main:
-            self.best = save_best(self.run.path, step, figure, state, figures)
+            self.best = save_best(self.run_dir, step, figure, state, figures)
         else:
             self.best = {"step": step, "metric": figure[0], "value": figure[1], "figures": figures}
 
@@ -362,7 +364,7 @@ class ModuleTrainer:
         if not self.main:
             return None
         if from_best:
-            state = load_best(self.run.path, self.best)
+            state = load_best(self.run_dir, self.best)
         fresh = self.factory.build(source="model dir factory")
         pruned = shape_changes(state, fresh.state_dict())  # a channel-pruned module: its cut shapes recorded
         apply_shapes(fresh, pruned, "model dir factory", "train the module the factory builds")
@@ -372,7 +374,7 @@ class ModuleTrainer:
             metrics = {**self.best.get("figures", {}), "best_step": self.best["step"]}
         metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
                        task=self.task.name)
-        path = save_module(fresh, self.run.path / "model", stage="train", factory=self.factory, task=self.task.name,
+        path = save_module(fresh, self.run_dir / "model", stage="train", factory=self.factory, task=self.task.name,
                            input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned,
                            extra_files=model_dir_files(self.dataset))  # a table's labels.json
         if self.cfg.progress:
@@ -386,10 +388,8 @@ class ModuleTrainer:
             model_dir = self.save_model() if self.stop == self.cfg.steps else None
             self._barrier()
         except BaseException as e:
-            if self.main:
-                discard_on_failure(self.run, self.cfg, e)
-            raise
-        out = publish_run_dir(self.cfg, self.run.path) if self.main else Path(self.cfg.out)
+            raise_run_failure(e, self.run_dir, self.prior if self.main else None, self.cfg.out)
+        out = publish_run_dir(self.cfg, self.run_dir) if self.main else Path(self.cfg.out)
         model_from = "best" if self.cfg.model_from == "best" and self.best is not None else "last"
         return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses,
                                  self.best, model_from)
@@ -403,7 +403,8 @@ def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, ove
     check_pair(train_dataset, "--data")
     step_batches(train_dataset, cfg.batch_size, seed=cfg.seed, world=max(1, cfg.nproc // (cfg.pp * cfg.tp)),
                  workers=cfg.data_workers)
-    check_module_run(cfg, resume=resume, overwrite=overwrite)
+    check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=run_location(cfg, resume=resume, overwrite=overwrite)[0],
+                  quiet=True)
     module = build_module(cfg.model, cfg.model_args)
     check_layout(module, cfg)
     check_fits(module, train_dataset, task, _call, f"--data {cfg.data}")

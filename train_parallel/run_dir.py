@@ -21,34 +21,50 @@ import contextlib
 import os
 import shutil
 import sys
-import sysconfig
 from pathlib import Path
 
-from prunus.artifacts.atomic import atomic_write_json, clean_stale_temps, replace_dir, writable_parent
+from prunus.artifacts.atomic import atomic_write_json, clean_stale_temps, disk_error, replace_dir, writable_parent
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.paths import check_output, check_replaceable
 from prunus.artifacts.validate import read_json_object, short
 
+from prunus.models.spec import TRANSFORMER, get_spec
+
 from .checkpoint.checkpoint import checkpoint_problem, list_checkpoints
-from .config import RESUMABLE, TrainConfig
 
 RUN_CONFIG = "run.json"
 
 
-def read_run_config(run_dir: str | Path) -> TrainConfig:
+def run_kind(run_dir: str | Path) -> str:
+    """The model kind of the run in ``run_dir`` (its run.json's ``kind``; none: the transformer's), "" for no run."""
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        kind = read_json_object(path, fix="re-create the run").get("kind", TRANSFORMER) if path.is_file() else ""
+    except PrunusError:
+        return ""
+    return kind if isinstance(kind, str) else ""
+
+
+def read_run_config(run_dir: str | Path, expect: type | None = None):
+    """The settings the run in ``run_dir`` recorded, as its kind's settings dataclass (the model spec's); one line
+    when there is no run, or (``expect``: a settings class) a run of another kind."""
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise PrunusError(f"resume=True: {run_dir} holds no run ({RUN_CONFIG} missing) and so no checkpoint; start a new run without resume=True")
     run = read_json_object(path, fix="re-create the run (overwrite=True)")
     if not isinstance(run.get("train"), dict):
         raise PrunusError(f"{path}: has no 'train' object; re-create the run (overwrite=True)")
-    return TrainConfig.from_dict(run["train"], source=str(path))
+    spec = get_spec(run.get("kind"))
+    if expect is not None and spec.name != expect.KIND:
+        raise PrunusError(f"{path}: a {spec.title}'s run, not a {get_spec(expect.KIND).title}'s (resume a generic "
+                          "module's run with --model, a transformer's without)")
+    return spec.load("config").from_dict(run["train"], source=str(path))
 
 
-def train_inputs(cfg: TrainConfig) -> list[tuple[str, str | None]]:
-    """What a run reads, labelled by flag: the run dir must stay clear of all of them."""
-    data = cfg.data if cfg.data not in (None, "builtin") else sysconfig.get_paths()["stdlib"]
-    return [("--data", data), ("--tokenizer", cfg.tokenizer), ("--init-from", getattr(cfg, "init_from", None))]
+def differing_setting(cfg, saved) -> str | None:
+    """The first run-defining setting (not in the kind's RESUMABLE) ``cfg`` changes from the ``saved`` run's."""
+    mine, theirs = cfg.to_dict(), saved.to_dict()
+    return next((k for k, v in theirs.items() if k not in cfg.RESUMABLE and k != "out" and mine.get(k) != v), None)
 
 
 def staging_dir(out: str | Path) -> Path:
@@ -61,7 +77,7 @@ def _occupied(path: Path) -> bool:
     return os.path.lexists(path) and (not path.is_dir() or path.is_symlink() or any(path.iterdir()))
 
 
-def run_location(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> tuple[Path, bool, bool]:
+def run_location(cfg, *, resume: bool, overwrite: bool) -> tuple[Path, bool, bool]:
     """(the dir this invocation writes, resume, overwrite). Under torchrun's restart after a failure, the
     run goes on from its own newest checkpoint (in the staging dir when it was overwriting)."""
     out, stage = Path(cfg.out), staging_dir(cfg.out)
@@ -77,30 +93,32 @@ def run_location(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> tuple[Pa
     return out, resume, overwrite
 
 
-def resume_config(run_dir: str | Path, **overrides) -> TrainConfig:
-    """The saved settings of the run in ``run_dir``, with ``overrides`` applied."""
-    saved = read_run_config(run_dir).to_dict()
-    saved["stop_at"] = None  # an early stop belongs to the invocation that asked for it
-    saved.update(overrides, out=str(run_dir))
-    return TrainConfig.from_dict(saved)
+def resume_config(run_dir: str | Path, **overrides):
+    """The saved settings of the run in ``run_dir`` (its kind's settings dataclass), with ``overrides`` applied."""
+    saved = read_run_config(run_dir)
+    settings = saved.to_dict()
+    settings["stop_at"] = None  # an early stop belongs to the invocation that asked for it
+    settings.update(overrides, out=str(run_dir))
+    return type(saved).from_dict(settings, source="the command line")
 
 
-def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, run_dir: str | Path | None = None,
+def check_run_dir(cfg, *, resume: bool, overwrite: bool, run_dir: str | Path | None = None,
                   quiet: bool = False) -> Path | None:
-    """Validate the run dir for this invocation; return the checkpoint to resume from, if any (``quiet``: do not
-    say which damaged checkpoints are skipped; the launcher checks before its ranks say it)."""
+    """Validate the run dir for this invocation (``cfg``: any kind's settings); return the checkpoint to resume
+    from, if any (``quiet``: do not say which damaged checkpoints are skipped; the launcher checks before its ranks
+    say it)."""
     out = Path(cfg.out)
-    check_output(out, train_inputs(cfg))
+    check_output(out, cfg.inputs())
     work = Path(run_dir) if run_dir is not None else out
     if resume:
-        saved = read_run_config(work)
+        saved = read_run_config(work, expect=type(cfg))
+        k = differing_setting(cfg, saved)
+        if k is not None:
+            raise PrunusError(f"resume=True: {k} is {short(cfg.to_dict()[k])} but the run in {out} used "
+                              f"{short(saved.to_dict()[k])}; keep it or start a new run in another out dir")
         ckpts = list_checkpoints(work)
         if not ckpts:
             raise PrunusError(f"resume=True: no checkpoint in {work / 'checkpoints'}; start a new run without resume=True")
-        differ = [k for k, v in saved.to_dict().items() if k not in RESUMABLE and k != "out" and cfg.to_dict()[k] != v]
-        if differ:
-            k = differ[0]
-            raise PrunusError(f"resume=True: {k} is {short(cfg.to_dict()[k])} but the run in {out} used {short(saved.to_dict()[k])}; keep it or start a new run in another out dir")
         return newest_intact(ckpts, work, quiet)
     if _occupied(out) and not overwrite:
         raise PrunusError(f"{out}: already holds a run or other files; pass resume=True to continue it, overwrite=True to replace it, or choose another out dir")
@@ -127,7 +145,7 @@ def newest_intact(ckpts: list[tuple[int, Path]], run_dir: Path, quiet: bool = Fa
                       "start a new run with overwrite=True")
 
 
-def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str | Path | None = None) -> Path:
+def init_run_dir(cfg, *, overwrite: bool, extra: dict, run_dir: str | Path | None = None) -> Path:
     """Create the dir this invocation writes (rank 0): a fresh staging dir when overwriting."""
     out = Path(run_dir) if run_dir is not None else Path(cfg.out)
     if out.parent.is_dir():
@@ -140,11 +158,12 @@ def init_run_dir(cfg: TrainConfig, *, overwrite: bool, extra: dict, run_dir: str
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise PrunusError(f"--out {cfg.out}: cannot be created ({e.strerror}); choose another --out") from None
-    atomic_write_json(out / RUN_CONFIG, {"train": cfg.to_dict(), **extra})
+    kind = {} if cfg.KIND == TRANSFORMER else {"kind": cfg.KIND}  # a transformer's run.json names no kind
+    atomic_write_json(out / RUN_CONFIG, {"train": cfg.to_dict(), **kind, **extra})
     return out
 
 
-def prior_state(run_dir: str | Path, cfg: TrainConfig) -> str:
+def prior_state(run_dir: str | Path, cfg) -> str:
     """What ``run_dir`` was before this invocation wrote to it: "new" (missing, or the staging dir, which an
     overwriting run always makes anew), "empty" (an empty dir made by someone else) or "run" (a run resumed)."""
     run_dir = Path(run_dir)
@@ -178,7 +197,20 @@ def discard_incomplete_run(run_dir: str | Path, prior: str, out: str | Path) -> 
     return f"nothing was written ({where}); free space or choose another --out"
 
 
-def publish_run_dir(cfg: TrainConfig, run_dir: str | Path) -> Path:
+def raise_run_failure(error: BaseException, run_dir: str | Path, prior: str | None, out: str | Path):
+    """Re-raise ``error`` once what this invocation wrote to ``run_dir`` is removed when nothing complete is in it
+    (rank 0, :func:`discard_incomplete_run`; ``prior`` None: nothing written yet); a write the disk refused becomes
+    one line saying what is left."""
+    if prior is None:
+        raise error
+    left = discard_incomplete_run(run_dir, prior, out)
+    reason = disk_error(error)
+    if reason is None:
+        raise error
+    raise PrunusError(f"{out}: writing the run failed ({reason}); {left}") from None
+
+
+def publish_run_dir(cfg, run_dir: str | Path) -> Path:
     """Put a finished staging dir in place of the old run (rank 0, at the end of the invocation)."""
     out, run_dir = Path(cfg.out), Path(run_dir)
     if run_dir != out:

@@ -36,7 +36,6 @@ from prunus.data.instruct import is_instruct_path
 from prunus.data.packing import (IGNORE_INDEX, PackedBatch, PackedCorpus, get_packed_batch, load_packed,
                                   packed_eval_batches)
 from prunus.data.prefetch import to_device
-from prunus.artifacts.atomic import disk_error
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_tokenizer, save_model
 from prunus.models.moe import moe_aux_loss, moe_dropped
@@ -59,7 +58,7 @@ from .parallelize import Parallelized, cross_entropy, local_value, parallelize, 
 from .pipeline.pipeline_parallel import pipeline_score
 from .plot import plot_loss_curves
 from .progress import TrainProgress
-from .run_dir import check_run_dir, discard_incomplete_run, init_run_dir, prior_state, publish_run_dir, run_location
+from .run_dir import check_run_dir, init_run_dir, prior_state, publish_run_dir, raise_run_failure, run_location
 from .schedule import lr_at
 from .tensor_parallel.tensor_parallel import loss_context
 from .train_result import TrainResult
@@ -537,13 +536,7 @@ class Trainer:
     def _raise_failure(self, e: BaseException):
         """Re-raise ``e`` once rank 0 has removed what this invocation wrote when nothing complete is in the run dir
         (:func:`.run_dir.discard_incomplete_run`); a write the disk refused becomes one line saying what is left."""
-        if not self.main or self.prior is None:  # nothing written yet (or another rank's files)
-            raise e
-        left = discard_incomplete_run(self.run_dir, self.prior, self.cfg.out)
-        reason = disk_error(e)
-        if reason is None:
-            raise e
-        raise PrunusError(f"{self.cfg.out}: writing the run failed ({reason}); {left}") from None
+        raise_run_failure(e, self.run_dir, self.prior if self.main else None, self.cfg.out)  # other ranks: not theirs
 
     def _run_steps(self) -> None:
         metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from is not None else None) if self.main else None

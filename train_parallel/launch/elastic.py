@@ -64,14 +64,12 @@ def implied_resume(cfg) -> bool:
     """Whether ``--out`` already holds this run (its settings, bar the ones a resume may change, and a checkpoint):
     an elastic job started again over it goes on from its newest checkpoint instead of refusing the dir."""
     from ..checkpoint.checkpoint import list_checkpoints
-    from ..config import RESUMABLE
-    from ..run_dir import RUN_CONFIG, read_run_config
+    from ..run_dir import RUN_CONFIG, differing_setting, read_run_config
 
     out = Path(cfg.out)
     if not (out / RUN_CONFIG).is_file() or not list_checkpoints(out):
         return False
-    saved, ours = read_run_config(out).to_dict(), cfg.to_dict()
-    return all(ours.get(k) == v for k, v in saved.items() if k not in RESUMABLE and k != "out")
+    return differing_setting(cfg, read_run_config(out)) is None
 
 
 def launch_elastic(cfg, argv: list[str], nnodes: str, max_restarts: int, endpoint: str | None) -> int:
