@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) $${index:+--extra-index-url "$$index"} $(TORCH_PIN)
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2  # structured outputs; --no-deps: its triton is for GPUs
+	$(PIP) "ray[serve]==2.60.0"  # the ray extra: prunus serve --replicas on Ray Serve (tests/test_ray_serve.py)
 	@touch $(STAMP)
 	@echo "prunus is installed in $(VENV). To have the prunus command on your PATH, run: source $(BIN)/activate"
 

@@ -10,6 +10,7 @@ import click
 from click.core import ParameterSource
 
 from prunus.serve.k8s_manifests import K8sSettings
+from prunus.serve.ray_settings import RaySettings
 from prunus.serve.shutdown import SHUTDOWN_GRACE_S
 
 from .command_line import as_arguments
@@ -49,6 +50,17 @@ def k8s_options(command):
                              "HorizontalPodAutoscaler; a KServe InferenceService for a generic module), or with "
                              "'dockerfile' their image's Dockerfile, and exit; loads nothing. Give it after "
                              "PATH.")(command)
+
+
+def ray_options(command):
+    """--replicas, --ray-address and the rest: one option per RaySettings field (its metadata's help and type),
+    passed to the command under the field's name (None when not given)."""
+    for f in reversed(dataclasses.fields(RaySettings)):
+        kind = f.metadata["type"]
+        command = click.option("--" + f.name.replace("_", "-"), f.name, default=None,
+                               type=click.Choice(kind) if isinstance(kind, tuple) else kind,
+                               help=f.metadata["help"])(command)
+    return command
 
 
 @click.command("serve")
@@ -92,6 +104,7 @@ def k8s_options(command):
 @serving_feature_options
 @access_options
 @k8s_options
+@ray_options
 @click.pass_context
 def command(ctx, path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk,
             device_map, max_memory, prompt_graph, native, kv_dtype, prepare, trust_factory, max_delay_ms, max_body_mb,
@@ -106,6 +119,7 @@ def command(ctx, path, backend, tp, device, host, port, max_batch, max_queue, ma
 
     k8s = {name: access.pop(name) for name in [n for n in access if n.startswith("k8s_")]}
     print_k8s = access.pop("print_k8s")
+    ray = _ray_settings(access, print_k8s is not None)
     if print_k8s is not None or any(value is not None for value in k8s.values()):
         return _print_k8s(ctx, path, print_k8s, k8s, api_key=access.get("api_key") is not None, grace=shutdown_grace)
     if trust_factory and os.getcwd() not in sys.path:
@@ -124,9 +138,24 @@ def command(ctx, path, backend, tp, device, host, port, max_batch, max_queue, ma
                served_model_names=[n.strip() for name in served_model_names for n in name.split(",") if n.strip()],
                features={"prefix_cache_mb": prefix_cache_mb, "draft": draft, "draft_tokens": draft_tokens,
                          **({"lora": adapters} if adapters else {})},
-               kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace, max_body_mb=max_body_mb)
+               kv_dtype=kv_dtype, prepare=prepare, shutdown_grace=shutdown_grace, max_body_mb=max_body_mb, ray=ray)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _ray_settings(options: dict, print_k8s: bool) -> RaySettings:
+    """The RaySettings of the command's options (popped from ``options``); one line for one given in vain."""
+    from prunus.artifacts.errors import PrunusError
+
+    ray = RaySettings.from_options(**{f.name: options.pop(f.name) for f in dataclasses.fields(RaySettings)})
+    if ray.active and print_k8s:
+        raise PrunusError("--replicas / --ray-address serve on Ray Serve; --print-k8s writes manifests (scale them "
+                          "with --k8s-replicas): drop one")
+    flag = ray.given_without_replicas()
+    if flag is not None:
+        raise PrunusError(f"{flag} applies to replicas on Ray Serve; add --replicas N (or --ray-address), or drop "
+                          f"{flag}")
+    return ray
 
 
 def _print_k8s(ctx, path, what, k8s: dict, *, api_key: bool, grace: float) -> None:
@@ -161,16 +190,21 @@ def _prepare_step():
 
 def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len, compile_, prefill_chunk, device_map,
            max_memory, prompt_graph=False, native=None, access=None, predict=None, served_model_names=None,
-           kv_dtype="f32", features=None, prepare=False, shutdown_grace=SHUTDOWN_GRACE_S, max_body_mb=64):
+           kv_dtype="f32", features=None, prepare=False, shutdown_grace=SHUTDOWN_GRACE_S, max_body_mb=64, ray=None):
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
     from prunus.serve.oip_server import OIPServer
 
-    with Engine.load(path, backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
-                     max_queue=max_queue, compile="auto" if compile_ is None else compile_,
-                     prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None), device_map=_device_map(device_map),
-                     max_memory=max_memory, prompt_graph=prompt_graph, native="auto" if native is None else native,
-                     kv_dtype=kv_dtype, prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {})) as engine:
+    load = dict(backend=backend, tp=tp, device=resolve_device(device), max_batch=max_batch, max_len=max_len,
+                max_queue=max_queue, compile="auto" if compile_ is None else compile_,
+                prefill_chunk="auto" if prefill_chunk is None else (prefill_chunk or None),
+                device_map=_device_map(device_map), max_memory=max_memory, prompt_graph=prompt_graph,
+                native="auto" if native is None else native, kv_dtype=kv_dtype,
+                prepare=_prepare_step() if prepare else None, **(predict or {}), **(features or {}))
+    if ray is not None and ray.active:
+        return _serve_replicas(path, load, ray, host, port, access=access, shutdown_grace=shutdown_grace,
+                               served_model_names=served_model_names or None, max_body_bytes=max_body_mb << 20)
+    with Engine.load(path, **load) as engine:
         predicts = engine.backend.capabilities.predict  # a generic module: the Open Inference Protocol
         server = (OIPServer if predicts else CompletionServer)(engine, host, port, access=access,
                                                               served_model_names=served_model_names or None,
@@ -195,6 +229,21 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
             click.echo("prunus serve: shutting down", err=True)
         finally:
             server.server_close()
+
+
+def _serve_replicas(path, load: dict, ray: RaySettings, host: str, port: int, **server_options) -> None:
+    """--replicas / --ray-address: the same server in replicas on Ray Serve (prunus.serve.ray_deployment), until
+    Ctrl-C or SIGTERM."""
+    from prunus.serve.ray_settings import require_ray
+
+    require_ray()
+    from prunus.serve.ray_deployment import run
+
+    access = server_options.get("access")
+    if (access is None or access.api_key is None) and not _loopback(host):
+        click.echo(f"prunus serve: warning: no --api-key, and {host} is reachable from other machines; anyone "
+                   "who can reach it may use it (set PRUNUS_API_KEY)", err=True)
+    run(path, load, server_options, ray, host, port, echo=lambda line: click.echo(line, err=True))
 
 
 def _runtime_words(info: dict) -> str:
