@@ -99,6 +99,20 @@ def shipped_recipes() -> list[str]:
                   for p in (Path(d) / "recipes").glob("*.yaml"))
 
 
+def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) -> None:
+    """``--distill eagle[:vocab=N]``: train an EAGLE draft head for MODEL_DIR (prunus.compress.eagle_draft)."""
+    from prunus.compress.eagle_draft import parse_eagle, train_eagle
+
+    if other:
+        raise PrunusError(f"--distill {spec} writes a draft head, not a compressed model; drop --recipe, --quantize and "
+                          "--prune (run them in another prunus compress)")
+    result = train_eagle(model_dir, **parse_eagle(spec), **distill_args, **options)
+    click.echo(f"{result['seconds']:.1f} s; draft head over {result['vocab']:,} tokens, {result['train_tokens']:,} "
+               f"training tokens of {result['corpus']}; held-out first-token agreement with the target "
+               f"{100 * result['heldout_first_token_agreement']:.1f}%")
+    click.echo(f"wrote {result['out']} (serve with --speculative {result['out']})")
+
+
 @click.command("compress")
 @click.argument("model_dir", type=click.Path())
 @click.option("--recipe", default=None,
@@ -107,7 +121,8 @@ def shipped_recipes() -> list[str]:
 @click.option("--quantize", default=None, metavar="SCHEME", help=f"Quantize every Linear but the output head: {', '.join(SCHEMES)}.")
 @click.option("--prune", default=None, metavar="METHOD[:AMOUNT]",
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")
-@click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, depth:N (N blocks spread from the first to the last), width:F or a preset name.")
+@click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, depth:N (N blocks spread from the first to the last), width:F or a preset name; "
+              "or eagle[:vocab=N]: an EAGLE draft head for speculative decoding (--out is then the draft dir).")
 @click.option("--distill-steps", type=int, default=None, help="With --distill: optimizer steps of the distillation. "
               "Default: the distill pass's.")
 @click.option("--distill-batch-size", type=int, default=None, help="With --distill: sequences per step. Default: the distill pass's.")
@@ -139,6 +154,9 @@ def command(model_dir, recipe, quantize, prune, distill, distill_steps, distill_
         sys.path.append(os.getcwd())  # a trusted factory's module may sit in the current directory
     distill_args = {k: v for k, v in (("steps", distill_steps), ("batch_size", distill_batch_size), ("lr", distill_lr))
                     if v is not None}
+    if distill is not None and distill.split(":")[0] == "eagle":  # a draft head for the model, not a smaller model
+        return eagle_command(model_dir, distill, distill_args, recipe or quantize or prune, out=out, data=data,
+                             seed=seed, max_corpus_bytes=max_corpus_bytes, overwrite=overwrite)
     passes, text = passes_from(recipe, quantize, prune, distill, distill_args)
     given = {"eval_tokens": eval_tokens} if eval_tokens is not None else {}
     try:

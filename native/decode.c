@@ -1075,10 +1075,11 @@ static void layers(const Model *m, Pool *p, const Scratch *s, int T, const int32
 
 /* A pass over b rows: row i's count[i] tokens ids[i * seq + j] at positions start[i] + j, in buffer slot
  * slot0 + i. Writes each row's last-token logits to logits (b, vocab), or with every_position the logits of every
- * token, row after row (sum of count, vocab). Returns 0, -1 on a bad argument, -2 when its buffers cannot be
- * allocated. */
+ * token, row after row (sum of count, vocab). hidden, when not NULL: every token's final-norm output (the head's
+ * input), row after row (sum of count, dim), what an EAGLE draft reads. Returns 0, -1 on a bad argument, -2 when
+ * its buffers cannot be allocated. */
 int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
-                   const int32_t *count, int slot0, float *logits, int every_position) {
+                   const int32_t *count, int slot0, float *logits, int every_position, float *hidden) {
     int T = 0;
     for (int i = 0; i < b; i++) {
         if (count[i] < 1 || count[i] > seq || start[i] < 0 || start[i] + count[i] > m->max_len ||
@@ -1103,6 +1104,7 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
         }
     if (!bad) {
         layers(m, p, &s, T, slot, pos);
+        if (hidden) memcpy(hidden, s.x, (size_t)T * m->dim * sizeof(float));
         for (int i = 0; i < rows_out; i++)
             memcpy(s.last + (size_t)i * m->dim, s.x + (size_t)(every_position ? i : last[i]) * m->dim, m->dim * sizeof(float));
         RowJob q = {m, &s, ROW_NONE, 0, NULL, NULL, NULL, quant_for(quantized(&m->head), s.last), m->dim};
@@ -1124,7 +1126,7 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 6; }
+int prunus_abi(void) { return 7; }
 
 /* PLAN_ROWS: the length of a Linear's plan */
 int prunus_plan_rows(void) { return PLAN_ROWS; }

@@ -106,10 +106,11 @@ class NativeDecoder:
                       _address(x["attn_norm"]), _address(x["ffn_norm"]), max(0, x["window"]))
 
     def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray,
-                every_position: bool = False) -> np.ndarray:
+                every_position: bool = False, hidden: np.ndarray | None = None) -> np.ndarray:
         """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i``; writes
         and returns ``logits[:b]``, each row's last-token logits (``every_position``: ``logits[:sum(count)]``, every
-        token's, row after row)."""
+        token's, row after row). ``hidden``: a C-contiguous float32 (>= sum(count), dim) array that receives every
+        token's final-norm output, row after row (what an EAGLE draft reads)."""
         if self.pool is None:
             raise ValueError("the native decoder is closed")
         b, seq = ids.shape
@@ -120,9 +121,13 @@ class NativeDecoder:
         if (logits.dtype != np.float32 or logits.shape[0] < rows or not logits[:rows].flags.c_contiguous
                 or logits.shape[1] != self.vocab_size):
             raise ValueError(f"logits must be a C-contiguous float32 ({rows}, vocab) array")
+        total = int(self._count[:b].sum())
+        if hidden is not None and (hidden.dtype != np.float32 or hidden.shape[0] < total or hidden.ndim != 2
+                                   or hidden.shape[1] != self.packed.emb.shape[1] or not hidden.flags.c_contiguous):
+            raise ValueError(f"hidden must be a C-contiguous float32 ({total}, dim) array")
         rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
                                      self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data,
-                                     int(every_position))
+                                     int(every_position), None if hidden is None else hidden.ctypes.data)
         if rc == -2:
             raise MemoryError(f"native pass: no memory for the buffers of {rows} rows")
         if rc != 0:

@@ -82,6 +82,8 @@ class GenaiSession:
         self.session = None if native_only else ort_session(path_or_bytes, threads, spinning and not native, config)
         self.prompt_session, self.prompt_min_tokens = None, None
         self.native, self.native_prompt_tokens = None, 0
+        self.want_hidden, self.last_hidden = False, None  # native passes' final-norm outputs (an EAGLE draft's input)
+        self._verify_logits = None
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
         dtype = np.float16 if native and kv_dtype == "f16" else np.float32
@@ -151,7 +153,8 @@ class GenaiSession:
             raise ValueError(f"a prompt of {width} tokens exceeds the buffer's {self.max_len} positions")
         ids = _padded(prompts, width)
         if sum(lengths) <= self.native_prompt_tokens:
-            return self.native.forward(ids, np.zeros(b, np.int32), lengths, start, self.logits)
+            return self._native(ids, np.zeros(b, np.int32), lengths, start, self.logits)
+        self.last_hidden = None
         self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
         self.total[...] = width
         session = self.session
@@ -178,8 +181,8 @@ class GenaiSession:
             raise ValueError(f"pieces of 1 to {self.max_len} positions after what a row holds; got {counts} after "
                              f"{[int(h) for h in held]}")
         if sum(counts) <= self.native_prompt_tokens:
-            return self.native.forward(_padded(pieces, max(counts)), np.asarray(held, np.int32), counts, start,
-                                       self.logits)
+            return self._native(_padded(pieces, max(counts)), np.asarray(held, np.int32), counts, start, self.logits)
+        self.last_hidden = None
         for i, (piece, end) in enumerate(zip(pieces, ends)):
             self.seqlens[:1], self.total[...] = end - 1, end
             session = self.session
@@ -197,7 +200,8 @@ class GenaiSession:
             raise ValueError(f"a row is full: its {self.max_len} positions are used")
         self.step_ids[:b, 0] = tokens
         if self.native is not None:
-            return self.native.forward(self.step_ids[:b], lengths, np.ones(b, np.int32), 0, self.logits)
+            return self._native(self.step_ids[:b], lengths, np.ones(b, np.int32), 0, self.logits)
+        self.last_hidden = None
         self.seqlens[:b] = lengths
         self.total[...] = int(np.max(lengths)) + 1
         binding = self._decode_bindings.get(b)
@@ -205,6 +209,28 @@ class GenaiSession:
             binding = self._decode_bindings[b] = self._bind(self.step_ids[:b], 0)
         self.session.run_with_iobinding(binding)
         return self.logits[:b]
+
+    def _native(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray, every_position: bool = False):
+        """A native pass; with ``want_hidden`` its final-norm outputs land in ``last_hidden`` (sum(count), dim)."""
+        hidden = None
+        if self.want_hidden:
+            hidden = np.empty((int(np.sum(count)), self.native.packed.emb.shape[1]), np.float32)
+        out = self.native.forward(ids, start, count, slot0, logits, every_position=every_position, hidden=hidden)
+        self.last_hidden = hidden
+        return out
+
+    def verify(self, slot: int, held: int, tokens: list) -> np.ndarray:
+        """``tokens`` after the ``held`` positions of ``slot`` in one native pass; the logits after each of them
+        (len(tokens), vocab), a view valid until the next verify (speculative decoding)."""
+        if self.native is None:
+            raise ValueError("verify runs in the native kernels; this session has none")
+        if held + len(tokens) > self.max_len:
+            raise ValueError(f"{held} + {len(tokens)} positions exceed the buffer's {self.max_len}")
+        if self._verify_logits is None or len(self._verify_logits) < len(tokens):
+            self._verify_logits = np.empty((max(len(tokens), 17), self.vocab_size), np.float32)
+        ids = np.asarray([tokens], np.int64)
+        return self._native(ids, np.asarray([held], np.int32), [len(tokens)], slot, self._verify_logits,
+                            every_position=True)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions to slot ``dst`` in every layer (compacting a block)."""

@@ -38,8 +38,9 @@ class ServingFeatures:
                 "prompt that starts like an earlier one runs only its new tokens. Default: off."})
     draft: str | None = field(default=None, metadata={
         "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram",
-        "help": "Speculative decoding (torch backend, one request at a time): a draft model dir with the same "
-                "tokenizer, or ngram (drafts copied from the prompt). Default: off."})
+        "help": "Speculative decoding (a model dir on torch, or a genai export on the native kernels; a lone "
+                "decoding request): an EAGLE draft dir (prunus compress --distill eagle), a draft model dir with "
+                "the same tokenizer, or ngram (drafts copied from the prompt). Default: off."})
     draft_tokens: int = field(default=4, metadata={
         "flag": "--draft-tokens", "type": int,
         "help": f"With --speculative: tokens drafted per step, checked in one pass of the model (1 to {MAX_DRAFT_TOKENS})."})
@@ -60,9 +61,10 @@ class ServingFeatures:
             raise PrunusError(f"prefix_cache_mb applies to the torch backend in one process (a model dir, tp=1, no "
                               f"device_map) or an ONNX Runtime genai export, not {backend} with tp={tp}; drop it "
                               "(--prefix-cache-mb)")
-        if self.draft and (backend != "torch" or tp > 1 or device_map is not None):
+        if self.draft and (backend not in ("torch", "onnxruntime") or tp > 1 or device_map is not None):
             raise PrunusError(f"draft applies to the torch backend in one process (a model dir, tp=1, no "
-                              f"device_map), not {backend} with tp={tp}; drop it (--speculative)")
+                              f"device_map) or a genai export on the native kernels, not {backend} with tp={tp}; "
+                              "drop it (--speculative)")
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class GenaiBackend(BackendBase):
         self.row_at: list[int] = []  # buffer slot -> scheduler row, slots [0, n)
         self.lengths = np.zeros(n_slots, np.int64)  # tokens held per buffer slot
         self.prefix = None
+        self.hidden_sink = None  # report_hidden's callable
         if prefix_cache_mb:
             from .prefix_cache import ArrayRows, PrefixCache
 
@@ -101,7 +102,7 @@ class GenaiBackend(BackendBase):
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
         # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
         return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
-                            prefix_cache=self.prefix is not None)
+                            prefix_cache=self.prefix is not None, verify=self.session.native is not None)
 
     def describe(self) -> dict:
         return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}
@@ -157,6 +158,7 @@ class GenaiBackend(BackendBase):
         logits = self.session.prefill(start, prompts)
         for i, p in enumerate(prompts):
             self.lengths[start + i] = len(p)
+        self._report(rows, [0] * len(rows), [len(p) for p in prompts])
         return torch.from_numpy(logits.copy())
 
     def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
@@ -170,6 +172,7 @@ class GenaiBackend(BackendBase):
         held = self.lengths[slots[order]]
         logits = self.session.extend(at, held, [pieces[i] for i in order])
         self.lengths[slots] += [len(p) for p in pieces]
+        self._report([rows[i] for i in order], held.tolist(), [len(pieces[i]) for i in order])
         out = np.empty((len(rows), self.vocab_size), np.float32)
         out[order] = logits
         return torch.from_numpy(out)
@@ -182,9 +185,43 @@ class GenaiBackend(BackendBase):
         by_slot = np.empty(n, np.int64)
         order = np.fromiter((self.slot_of[r] for r in rows), np.int64, n)
         by_slot[order] = tokens
+        starts = self.lengths[:n].tolist()
         logits = self.session.decode(self.lengths[:n], by_slot)
         self.lengths[:n] += 1
+        self._report(self.row_at[:n], starts, [1] * n)
         return torch.from_numpy(logits[order])  # fancy indexing copies: the buffer is reused next step
+
+    def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
+        """Append ``tokens`` to ``row`` in one native pass; the logits after each of them, (len(tokens), vocab)."""
+        self._held([row], "verify")
+        slot = self.slot_of[row]
+        held = int(self.lengths[slot])
+        logits = self.session.verify(slot, held, tokens)
+        self.lengths[slot] += len(tokens)
+        self._report([row], [held], [len(tokens)])
+        return torch.from_numpy(logits[:len(tokens)].copy())
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first ``length`` tokens (rejected draft tokens' positions are overwritten later)."""
+        slot = self.slot_of[row]
+        if not 0 <= length <= int(self.lengths[slot]):
+            raise ValueError(f"row {row} holds {int(self.lengths[slot])} tokens; cannot truncate it to {length}")
+        self.lengths[slot] = length
+
+    def report_hidden(self, sink) -> None:
+        """From now on every native pass calls ``sink(row, start, hidden)`` for each row with the final-norm outputs
+        of the positions it computed (an EAGLE draft reads them, prunus.runtime.eagle_drafter)."""
+        self.hidden_sink = sink
+        self.session.want_hidden = True
+
+    def _report(self, rows: list[int], starts: list[int], counts: list[int]) -> None:
+        hidden = self.session.last_hidden
+        if self.hidden_sink is None or hidden is None:
+            return
+        at = 0
+        for row, start, n in zip(rows, starts, counts):
+            self.hidden_sink(row, int(start), torch.from_numpy(hidden[at:at + n]))
+            at += n
 
     def restore_prefix(self, row: int, ids: list[int]) -> int:
         """Start ``row`` with the longest cached prefix of ``ids`` in a slot after the block; the tokens it holds

@@ -96,14 +96,18 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     runtime = find_runtime(backend, config, chosen[0])
     features = options.features
     if (features.prefix_cache_mb and runtime.name not in PREFIX_CACHE_RUNTIMES) or (
-            features.draft is not None and runtime.name != "torch"):
+            features.draft is not None and runtime.name not in ("torch", "native")):
         from prunus.artifacts.errors import PrunusError
 
         if features.draft is not None:
-            raise PrunusError(f"{path}: speculative decoding serves a transformer model dir on the torch backend, not "
-                              f"{runtime.loads}; drop --speculative")
+            raise PrunusError(f"{path}: speculative decoding serves a transformer model dir on the torch backend or a "
+                              f"genai export on the native kernels, not {runtime.loads}; drop --speculative")
         raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
                           f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
+    if features.draft is not None:
+        from .eagle_drafter import check_draft
+
+        check_draft(path, config, features.draft)  # a draft that does not fit: one line, before the target loads
     runtime, loaded, native = load_chosen(path, config, options, chosen, lambda o: find_runtime(backend, config, o))
     if native is not None:
         loaded.info["native"] = native

@@ -148,13 +148,18 @@ class DraftModel:
 
 
 def load_speculator(target_path, backend, draft, k: int) -> Speculator:
-    """The speculator ``Engine.load(draft=..., draft_tokens=k)`` asks for over the loaded target ``backend``."""
+    """The speculator ``Engine.load(draft=..., draft_tokens=k)`` asks for over the loaded target ``backend``: prompt
+    lookup ("ngram"), an EAGLE draft dir (:mod:`prunus.runtime.eagle_drafter`) or a draft model dir."""
     if not backend.capabilities.verify:
         raise PrunusError(f"draft: the {backend.name} backend cannot check draft tokens; drop --speculative")
     if str(draft) == "ngram":
         from .prompt_lookup import PromptLookup
 
         return Speculator(backend, PromptLookup(), k)
+    from .eagle_drafter import is_eagle_dir, load_eagle_drafter
+
+    if is_eagle_dir(Path(draft)):
+        return Speculator(backend, load_eagle_drafter(Path(draft), backend), k)
     return Speculator(backend, load_draft_model(Path(target_path), Path(draft), backend), k)
 
 

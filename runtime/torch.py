@@ -56,6 +56,8 @@ class TorchBackend(BackendBase):
         self.compiled = None  # set by warm_up: pass timing runs eager, then the decode graphs compile
         self.prefix = None
         self.lora = None  # a prunus.runtime.lora_adapters.LoraSet once attach_lora runs
+        self.hidden_sink = None  # report_hidden's callable
+        self._block_out = None
         if prefix_cache_mb:
             from .prefix_cache import PrefixCache
 
@@ -112,12 +114,28 @@ class TorchBackend(BackendBase):
     def truncate(self, row: int, length: int) -> None:
         self.cache.truncate(row, length)
 
+    def report_hidden(self, sink) -> None:
+        """From now on every pass calls ``sink(row, start, hidden)`` for each row with the final-norm outputs of the
+        positions it computed (an EAGLE draft reads them, prunus.runtime.eagle_drafter); decoding stays eager."""
+        last = list(self.model.layers.values())[-1]
+        last.register_forward_hook(lambda module, args, out: setattr(self, "_block_out", out))
+        self.hidden_sink, self.compile, self.compiled = sink, False, None
+
+    def _report(self, rows: list[int], starts: list[int], counts: list[int]) -> None:
+        if self.hidden_sink is None:
+            return
+        normed = self.model.norm(self._block_out)
+        for i, row in enumerate(rows):
+            self.hidden_sink(row, starts[i], normed[i, :counts[i]])
+
     @torch.inference_mode()
     def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
         """Append ``tokens`` to ``row`` in one pass; the logits after each of them, (len(tokens), vocab) float32."""
         step = self.cache.step([row], q_len=len(tokens))
         x = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        return self.model(x, cache=step, positions=step.positions)[0].float()
+        logits = self.model(x, cache=step, positions=step.positions)[0].float()
+        self._report([row], step.start_cpu.tolist(), [len(tokens)])
+        return logits
 
     def warm_up(self, set_threads=None) -> None:
         """With ``compile``, compile the decode graphs now (prunus.runtime.compiled_decode). A compile that
@@ -177,6 +195,7 @@ class TorchBackend(BackendBase):
         step = self.cache.step(rows, q_len=width, n_new=lengths)
         last = torch.tensor(lengths, device=self.device) - 1
         logits = self.model(tokens.to(self.device), cache=step, positions=step.positions, logits_at=last)
+        self._report(rows, step.start_cpu.tolist(), lengths)
         return logits[:, 0].float()
 
     @torch.inference_mode()
@@ -185,7 +204,9 @@ class TorchBackend(BackendBase):
             return self.compiled(rows, tokens)
         step = self.cache.step(rows, q_len=1)
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        return self.model(x, cache=step, positions=step.positions)[:, -1].float()
+        logits = self.model(x, cache=step, positions=step.positions)[:, -1].float()
+        self._report(rows, step.start_cpu.tolist(), [1] * len(rows))
+        return logits
 
     def close(self) -> None:
         pass

@@ -131,14 +131,17 @@ def test_a_hit_runs_only_the_tokens_after_the_cached_blocks(export_dir):
     assert 2 not in backend.slot_of
 
 
-def test_speculative_decoding_is_still_refused_on_a_genai_export(export_dir):
-    """Prefix caching is accepted on a genai export; speculative decoding is not: one line naming its flag."""
+def test_speculative_decoding_on_a_genai_export_needs_the_native_kernels(export_dir):
+    """A genai export speculates on the native kernels (they verify drafts in one pass); on ONNX Runtime it is refused
+    in one line naming its flag."""
     from prunus.artifacts.errors import PrunusError
 
-    refusal = r"draft applies to the torch backend.*not onnxruntime.*\(--speculative\)"
+    refusal = r"speculative decoding serves .* native kernels, not .*drop --speculative"
     with pytest.raises(PrunusError, match=refusal) as e:
-        Engine.load(export_dir, max_batch=1, max_len=96, threads=1, prefix_cache_mb=1, draft="ngram")
+        Engine.load(export_dir, max_batch=1, max_len=96, threads=1, native=False, draft="ngram")
     assert "\n" not in str(e.value)
+    with Engine.load(export_dir, max_batch=1, max_len=96, threads=1, prefix_cache_mb=1, draft="ngram") as engine:
+        assert engine.info["runtime"] == "native" and engine.backend.capabilities.verify
 
 
 @pytest.mark.parametrize("given, chunk", [({}, 64), ({"prefill_chunk": 24}, 24), ({"prefill_chunk": 256}, 256),

@@ -1,0 +1,213 @@
+"""Drafting with an EAGLE draft head (:mod:`prunus.models.eagle_draft`) over the serving target's own hidden states.
+
+The target backend reports the final-norm output of every position it computes (prefill, chunks, plain decode
+steps, ``verify``) to :meth:`EagleDrafter.take_hidden` (its ``hidden_sink``). Per row the drafter keeps its own
+one-block KV cache of the positions it has read with the target's true states (``fed``) and the target states it
+has not read yet (``pending``). A draft (:meth:`EagleDrafter.propose`) first reads the pending states with the
+tokens that followed them in one pass (its output at the last one is the first draft token and the draft's guess of
+the next state), then drafts on from its own guesses one token per pass. After the target's check,
+:meth:`EagleDrafter.rollback` drops the cache entries built on guesses and the target states of rejected tokens.
+
+The draft cache is indexed from the first position a row's states start at (rotary attention sees only relative
+positions, so the index serves as the position). A gap in the reported states (a prompt prefix restored from the
+prefix cache reports none) starts the row's draft cache afresh after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from prunus.models.eagle_draft import EagleDraft
+
+from .batch_cache import BatchKVCache
+from .sampling import RowSampling, sampling_probs
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, draft: EagleDraft, embed, n_slots: int, max_len: int):
+        """``embed``: token ids (n,) -> the target's input embeddings (n, dim), float32."""
+        cfg = draft.config
+        self.draft, self.embed = draft, embed
+        self.cache = BatchKVCache([0], n_slots, cfg.n_kv_heads, cfg.head_dim, max_len)
+        self.base = [0] * n_slots  # the position of the row's draft cache entry 0
+        self.fed = [0] * n_slots  # entries built from the target's own states
+        self.pending: list[torch.Tensor | None] = [None] * n_slots  # states after them, not read yet
+
+    def _expected(self, row: int) -> int:
+        p = self.pending[row]
+        return self.base[row] + self.fed[row] + (0 if p is None else len(p))
+
+    def take_hidden(self, row: int, start: int, hidden: torch.Tensor) -> None:
+        """The target computed positions ``start ...`` of ``row``: their final-norm outputs (n, dim)."""
+        hidden = hidden.detach().float().cpu()
+        if start < self.base[row] + self.fed[row] or start > self._expected(row):  # a new prompt, or a gap
+            self.base[row], self.fed[row], self.pending[row] = start, 0, hidden.clone()
+            self.cache.lengths[row] = 0
+            return
+        keep = start - self.base[row] - self.fed[row]  # pending states before ``start`` stay
+        p = self.pending[row]
+        self.pending[row] = hidden.clone() if p is None or keep == 0 else torch.cat([p[:keep], hidden])
+
+    @torch.inference_mode()
+    def _pass(self, row: int, hidden: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.cache.step([row], q_len=len(tokens))
+        embeds = self.embed(torch.tensor(tokens, dtype=torch.long)).float()
+        features, logits = self.draft(hidden[None], embeds[None], cache=step, positions=step.positions)
+        return features[0, -1], logits[0, -1].float()
+
+    def _choose(self, logits: torch.Tensor, sampling: RowSampling | None, vocab: int):
+        """(a full-vocabulary token id, its draft distribution over the full vocabulary or None when greedy)."""
+        ids = self.draft.token_ids
+        if sampling is None:
+            return int(ids[int(logits.argmax())]), None
+        q_small = sampling_probs(logits[None], sampling)[0].cpu()
+        i = int(torch.multinomial(q_small, 1, generator=sampling.generator))
+        q = torch.zeros(vocab)
+        q[ids] = q_small
+        return int(ids[i]), q
+
+    def propose(self, row: int, seq: list[int], k: int, sampling: RowSampling | None):
+        """Up to ``k`` draft tokens after ``seq`` (whose last token the target has not computed yet) and, when
+        sampling, their distributions (k, vocab); none when the target's states of ``seq`` are not all here."""
+        n, pending = len(seq), self.pending[row]
+        if pending is None or self._expected(row) != n - 1 or not k:
+            return [], None
+        first = self.base[row] + self.fed[row]
+        feature, logits = self._pass(row, pending, seq[first + 1:n])
+        self.fed[row] += len(pending)
+        self.pending[row] = None
+        drafts, qs = [], []
+        vocab = self.draft.config.vocab_size
+        for i in range(k):
+            token, q = self._choose(logits, sampling, vocab)
+            drafts.append(token)
+            qs.append(q)
+            if i < k - 1:
+                feature, logits = self._pass(row, feature[None], [token])
+        return drafts, (torch.stack(qs) if sampling is not None else None)
+
+    def rollback(self, row: int, length: int) -> None:
+        """The target keeps its first ``length`` tokens: drop the entries drafted on guesses, and the states of the
+        tokens it rejected."""
+        self.cache.lengths[row] = self.fed[row]
+        p = self.pending[row]
+        if p is not None:
+            keep = max(0, length - self.base[row] - self.fed[row])
+            self.pending[row] = p[:keep] if keep else None
+
+    def release(self, row: int) -> None:
+        self.base[row], self.fed[row], self.pending[row] = 0, 0, None
+        self.cache.lengths[row] = 0
+
+    def close(self) -> None:
+        pass
+
+
+def _digest(path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def lineage_hashes(target) -> list[str]:
+    """The content hashes of ``target`` and of the dirs it came from (its manifest's parent, that dir's parent while
+    it is still where its child's manifest says and hashes as recorded), nearest first."""
+    from pathlib import Path
+
+    from prunus.models.model_dir_manifest import dir_hash, read_manifest
+
+    manifest = read_manifest(target)
+    hashes = [dir_hash(manifest["files"])]
+    for _ in range(8):
+        parent = manifest.get("parent") or {}
+        if not isinstance(parent.get("hash"), str):
+            break
+        hashes.append(parent["hash"])
+        path = Path(str(parent.get("path", "")))
+        try:
+            manifest = read_manifest(path)
+        except Exception:
+            break
+        if dir_hash(manifest["files"]) != parent["hash"]:
+            break
+    return hashes
+
+
+def check_eagle_draft(target, target_config: dict, draft) -> dict:
+    """The EAGLE draft dir ``draft``'s config.json once it fits the target at ``target`` (a model dir or its export):
+    the same tokenizer, hidden size and vocabulary, trained for this target or the model dir it came from; one
+    PrunusError line otherwise. Reads config files and manifests only (no weights)."""
+    from pathlib import Path
+
+    from prunus.artifacts.errors import PrunusError
+    from prunus.models.model_dir_manifest import read_config_json, read_manifest
+
+    draft, target = Path(draft), Path(target)
+    config = read_config_json(draft)
+    read_manifest(draft)
+    model, eagle = config.get("model") or {}, config.get("eagle") or {}
+    tmodel = target_config.get("model") or {}
+    if config.get("tokenizer") != target_config.get("tokenizer") or (
+            (draft / "tokenizer.json").is_file() != (target / "tokenizer.json").is_file()) or (
+            (draft / "tokenizer.json").is_file() and _digest(draft / "tokenizer.json") != _digest(target / "tokenizer.json")):
+        raise PrunusError(f"--speculative {draft}: its tokenizer is not the target {target}'s; train a draft for this "
+                          "target (prunus compress TARGET --distill eagle)")
+    for key in ("dim", "vocab_size"):
+        if model.get(key) != tmodel.get(key):
+            raise PrunusError(f"--speculative {draft}: {key} {model.get(key)} is not the target {target}'s "
+                              f"{tmodel.get(key)}; train a draft for this target (prunus compress TARGET --distill eagle)")
+    if eagle.get("target_hash") not in lineage_hashes(target):
+        raise PrunusError(f"--speculative {draft}: trained for another model (content hash "
+                          f"{str(eagle.get('target_hash'))[:12]}), not {target} or the model dir it was made from; "
+                          "train a draft for this target (prunus compress TARGET --distill eagle)")
+    return config
+
+
+def target_embed(backend):
+    """token ids -> the serving target's input embeddings: the torch model's table, or the native kernels'."""
+    model = getattr(backend, "model", None)
+    if model is not None:
+        from prunus.models.eagle_draft import target_embeds
+
+        return lambda ids: target_embeds(model, ids.to(backend.device)).float().cpu()
+    emb = backend.session.native.packed.emb
+    return lambda ids: torch.from_numpy(emb[ids.numpy()])
+
+
+def load_eagle_drafter(draft, backend) -> EagleDrafter:
+    """The drafter over the loaded target ``backend`` (checked by :func:`check_eagle_draft` before it loaded); the
+    backend reports its hidden states to it from now on."""
+    from prunus.artifacts.errors import PrunusError
+    from prunus.models.eagle_draft import load_eagle_draft
+
+    if not hasattr(backend, "report_hidden") or (backend.name == "onnxruntime" and backend.session.native is None):
+        raise PrunusError(f"--speculative {draft}: an EAGLE draft reads the target's hidden states, which the "
+                          f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
+                          "the native kernels")
+    model, _ = load_eagle_draft(draft)
+    drafter = EagleDrafter(model, target_embed(backend), backend.n_slots, backend.max_len)
+    backend.report_hidden(drafter.take_hidden)
+    return drafter
+
+
+def is_eagle_dir(path: Path) -> bool:
+    """Whether ``path`` holds an EAGLE draft (its config.json says so; anything unreadable: no)."""
+    from prunus.artifacts.errors import PrunusError
+    from prunus.models.eagle_draft import is_eagle_draft
+    from prunus.models.model_dir_manifest import read_config_json
+
+    try:
+        return (path / "config.json").is_file() and is_eagle_draft(read_config_json(path))
+    except PrunusError:
+        return False
+
+
+def check_draft(target_path, target_config: dict, draft) -> None:
+    """Before the target loads: an EAGLE draft dir that does not fit the target is refused in one line."""
+    if draft is not None and str(draft) != "ngram" and is_eagle_dir(Path(draft)):
+        check_eagle_draft(Path(target_path), target_config, Path(draft))

@@ -1,0 +1,188 @@
+"""EAGLE draft heads (prunus.compress.eagle_draft, prunus.runtime.eagle_drafter): trained from the CLI on the built-in
+corpus, resumed to the same weights, lineage in the manifest; greedy tokens identical to plain decoding on the
+torch backend and on the native kernels; sampled tokens distributed as the target's (the first two tokens under
+top-k 3 against their exact distribution from the runtime's own plain logits); verify's logits and hidden states
+equal plain passes'; drafts that do not fit refused in one line before the target loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from prunus.artifacts.errors import PrunusError
+from prunus.cli.main import cli
+from prunus.models import read_manifest
+from prunus.models.model_dir import dir_hash
+from prunus.runtime.sampling import RowSampling, sampling_probs
+from prunus.serve import Engine
+
+PROMPTS = ["def f(x):\n    return x\n", "import os\nimport sys\n", "class A:\n    def __init__(self):\n"]
+N_NEW = 16
+
+
+def _cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def dirs(trained_run, tmp_path_factory):
+    from prunus.export import export_model
+
+    root = tmp_path_factory.mktemp("eagle")
+    target = trained_run / "model"
+    r = _cli("compress", target, "--distill", "eagle:vocab=200", "--distill-steps", "12", "--distill-batch-size", "4",
+             "--max-corpus-bytes", "300000", "--out", root / "draft")
+    assert r.exit_code == 0, r.output
+    export_model(target, root / "export", progress=False)
+    return {"target": target, "draft": root / "draft", "export": root / "export", "root": root}
+
+
+def test_the_cli_writes_a_draft_with_its_lineage(dirs):
+    config = json.loads((dirs["draft"] / "config.json").read_text())
+    manifest = read_manifest(dirs["draft"])
+    target_hash = dir_hash(read_manifest(dirs["target"])["files"])
+    assert config["kind"] == "eagle_draft" and config["eagle"]["vocab"] == 200
+    assert config["eagle"]["target_hash"] == manifest["parent"]["hash"] == target_hash
+    assert manifest["stage"] == "eagle" and config["eagle"]["hidden"] == "final_norm_output"
+    assert 0 <= manifest["metrics"]["heldout_first_token_agreement"] <= 1
+    assert config["model"]["n_layers"] == 1
+    from safetensors.torch import load_file
+
+    ids = load_file(dirs["draft"] / "model.safetensors")["token_ids"]
+    assert len(set(ids.tolist())) == 200  # distinct full-vocabulary ids, most frequent first
+
+
+def test_a_stopped_run_resumes_to_the_same_draft(dirs, tmp_path):
+    from prunus.compress.eagle_draft import train_eagle
+
+    common = dict(vocab=50, steps=4, batch_size=2, seq_len=32, max_corpus_bytes=200_000, save_every=2)
+    train_eagle(dirs["target"], tmp_path / "whole", log=None, **common)
+
+    def stop(line):
+        if line.startswith("step 3/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(dirs["target"], tmp_path / "resumed", log=stop, **common)
+    assert (tmp_path / "resumed.eagle-state" / "state.json").is_file() and not (tmp_path / "resumed").exists()
+    lines = []
+    train_eagle(dirs["target"], tmp_path / "resumed", log=lines.append, **common)
+    assert lines[0].startswith("resuming from step 2")
+    assert not (tmp_path / "resumed.eagle-state").exists()
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("whole", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(PrunusError, match="other settings"):
+        (tmp_path / "again.eagle-state").mkdir()
+        shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "again.eagle-state" / "state.json")
+        train_eagle(dirs["target"], tmp_path / "again", log=None, **common)
+
+
+def _greedy(engine):
+    return [engine.generate(p, max_new_tokens=N_NEW, ignore_eos=True).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("where", ["target", "export"])
+def test_greedy_tokens_are_plain_decodings(dirs, where):
+    extra = {"native": True} if where == "export" else {}
+    with Engine.load(dirs[where], max_batch=2, threads=1, **extra) as plain:
+        want = _greedy(plain)
+    with Engine.load(dirs[where], max_batch=2, threads=1, draft=dirs["draft"], draft_tokens=3, **extra) as e:
+        assert e.info["runtime"] == ("native" if where == "export" else "torch")
+        assert _greedy(e) == want
+        stats = e.info["speculative"]
+        assert stats["draft"] == "eagle" and stats["drafted"] > 0 and stats["steps"] > 0
+        together = [r.token_ids for r in e.generate(PROMPTS[:2], max_new_tokens=N_NEW, ignore_eos=True)]
+        assert together == want[:2]  # two rows decode plainly (their hidden states still reach the drafter)
+        assert _greedy(e) == want
+
+
+def _exact_three(engine, prompt_ids: list[int], sampling: RowSampling) -> dict:
+    """p(a) p(b | a) p(c | a, b) of the first three tokens, from the engine's own plain prefill logits (the first is
+    sampled after the prompt's pass, the next two come from one speculative step of one drafted token)."""
+    backend = engine.backend
+
+    def probs(ids):
+        p = sampling_probs(backend.prefill([0], [ids]), sampling)[0]
+        return {t: float(p[t]) for t in torch.nonzero(p).flatten().tolist()}
+
+    exact = {}
+    for a, pa in probs(prompt_ids).items():
+        for b, pb in probs(prompt_ids + [a]).items():
+            for c, pc in probs(prompt_ids + [a, b]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    backend.release(0)
+    return exact
+
+
+@pytest.mark.parametrize("where", ["target", "export"])
+def test_sampled_tokens_follow_the_targets_distribution(dirs, where):
+    extra = {"native": True} if where == "export" else {}
+    n, prompt = 600, PROMPTS[0]
+    with Engine.load(dirs[where], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=2, **extra) as e:
+        ids = e.encode(prompt)
+        exact = _exact_three(e, ids, RowSampling(1.0, 3, None))
+        counts = dict.fromkeys(exact, 0)
+        for seed in range(n):
+            got = tuple(e.generate(ids, max_new_tokens=3, ignore_eos=True, temperature=1.0, top_k=3, seed=seed).token_ids)
+            assert got in counts
+            counts[got] += 1
+        stats = e.info["speculative"]
+    assert 0.05 < stats["acceptance_rate"] < 0.99 and stats["drafted"] == n  # accepted and rejected drafts
+    chi2 = sum((counts[c] - n * p) ** 2 / (n * p) for c, p in exact.items())
+    assert chi2 < 56.4  # 27 cells, 26 degrees of freedom: p = 0.0005
+
+
+def test_verify_gives_plain_logits_and_hidden_states_natively(dirs):
+    from prunus.runtime.ort_genai import GenaiBackend
+
+    with Engine.load(dirs["export"], max_batch=1, threads=1, native=True) as e:
+        backend: GenaiBackend = e.backend
+        seen = []
+        backend.report_hidden(lambda row, start, h: seen.append((start, h.clone())))
+        backend.prefill([0], [[5, 6, 7, 8]])
+        plain = [backend.decode([0], [t])[0] for t in (9, 10, 11)]
+        plain_hidden = torch.cat([h for _, h in seen[1:]])
+        backend.truncate(0, 4)
+        seen.clear()
+        logits = backend.verify(0, [9, 10, 11])
+        assert torch.equal(logits, torch.stack(plain))  # one reduction order at every row count: bit for bit
+        assert seen[0][0] == 4 and torch.equal(seen[0][1], plain_hidden)
+        backend.truncate(0, 5)
+        assert torch.equal(backend.decode([0], [10])[0], plain[1])
+        with pytest.raises(ValueError):
+            backend.truncate(0, 9)
+
+
+def test_drafts_that_do_not_fit_are_refused_before_the_target_loads(dirs, tmp_path, assert_user_error, monkeypatch):
+    from prunus.runtime import native_choice
+
+    other = tmp_path / "other"
+    shutil.copytree(dirs["draft"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["eagle"]["target_hash"] = "0" * 64
+    (other / "config.json").write_text(json.dumps(config))
+    wide = tmp_path / "wide"
+    shutil.copytree(dirs["draft"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    config["model"]["dim"] *= 2
+    (wide / "config.json").write_text(json.dumps(config))
+
+    def never(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(native_choice, "load_chosen", never)
+    for draft, needle in ((other, "trained for another model"), (wide, "dim")):
+        with pytest.raises(PrunusError, match=needle) as e:
+            Engine.load(dirs["target"], draft=draft)
+        assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    args = ["generate", dirs["target"], "--prompt", "x", "--max-new-tokens", "2"]
+    assert_user_error(_cli(*args, "--speculative", other), "trained for another model")
+    assert_user_error(_cli(*args, "--speculative", dirs["draft"], "--draft-tokens", "17"), "--draft-tokens")
+    assert_user_error(_cli(*args, "--speculative", dirs["draft"], "--tp", "2"), "--speculative")
