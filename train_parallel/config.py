@@ -35,11 +35,83 @@ def _doc(default, help: str, **cli):
 
 
 @dataclass
-class TrainConfig:
+class RunSettings:
+    """The settings every model kind's run has, meaning and defaulting the same for each: the run dir, the
+    schedule, the optimizer, evaluation and checkpoint cadence, the launch. A kind's settings (:class:`TrainConfig`,
+    :class:`~.module_config.ModuleTrainConfig`, named by its spec in :mod:`prunus.models.spec`) add its model
+    and data section; ``prunus train`` makes one option of each field."""
+
+    SEED_BITS: ClassVar[int] = 64
+
+    out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
+    batch_size: int = _doc(16, "Sequences (a generic module: samples) per optimizer step (the global batch), split over data-parallel ranks "
+                               "and --grad-accum.")
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
+    steps: int = _doc(1000, "Optimizer steps in the run.")
+    stop_at: int | None = _doc(None, "End this invocation after this step (checkpointed); continue with --resume.")
+    lr: float = _doc(2e-3, "Peak learning rate (AdamW), reached after --warmup-steps, then cosine decay to --min-lr.")
+    min_lr: float = _doc(2e-4, "Learning rate at the last step.")
+    warmup_steps: int = _doc(100, "Steps of linear warmup from 0 to --lr (keep it below --steps).")
+    weight_decay: float = _doc(0.1, "AdamW weight decay (not applied to norms and embeddings).")
+    beta1: float = _doc(0.9, "AdamW beta1.")
+    beta2: float = _doc(0.95, "AdamW beta2.")
+    grad_clip: float = _doc(1.0, "Clip the gradients' global norm to this; 0 disables clipping.")
+    eval_every: int = _doc(100, "Score the held-out split every this many steps (and at the end).")
+    ckpt_every: int = _doc(200, "Checkpoint every this many steps; 0: only when stopping early.")
+    keep_checkpoints: int = _doc(2, "Checkpoints kept in the run dir (the newest).")
+    log_every: int = _doc(10, "Print and record the training loss every this many steps.")
+    seed: int = _doc(0, "Random seed of the weights and the data order.")
+    device: str = _doc("auto", "auto (cuda when available, else cpu), cpu or cuda.")
+    progress: bool = _doc(True, "Show a progress line.")
+    nproc: int = _doc(1, "Processes on this host (starts torchrun).")
+    pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining).", choices=PP_SCHEDULES)
+    microbatches: int = _doc(4, "Pipeline micro-batches per step.")
+    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0 "
+                                        "(--model: 0).")
+    dp_mode: str = _doc("ddp", "Data parallelism: ddp (torch.distributed: DDP / ZeRO / FSDP), ps (a parameter server: the "
+                               "first --ps-servers ranks hold the parameters, the others train) or dataparallel "
+                               "(nn.DataParallel in one process over every visible GPU).", choices=DP_MODES)
+    timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
+                            flag="--timeout")
+
+    def validate_run(self) -> None:
+        """Ranges of the settings every kind shares (types are checked by check_dataclass)."""
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "keep_checkpoints", "nproc",
+                     "microbatches", "tp"):  # tp: each kind's own field (its place among the kind's options)
+            if getattr(self, name) < 1:
+                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise PrunusError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
+        if self.warmup_steps < 0 or self.ckpt_every < 0:
+            raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
+        if not 0 <= self.seed < 2**self.SEED_BITS:
+            raise PrunusError(f"--seed {short(self.seed)} must be an integer from 0 to 2**{self.SEED_BITS} - 1")
+        if not self.lr > 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise PrunusError(f"--lr {self.lr} must be positive and --min-lr {self.min_lr}, --weight-decay "
+                              f"{self.weight_decay}, --grad-clip {self.grad_clip} not negative")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise PrunusError(f"beta1 {self.beta1} and beta2 {self.beta2} must be in [0, 1)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        if self.batch_size % self.grad_accum:
+            raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "training config"):
+        """Settings read from a file (run.json): unknown names and wrong types are one line naming ``source``."""
+        return dataclass_from_dict(cls, d, source, what="setting", fix=SETTINGS_FIX)  # prunus.artifacts.validate
+
+
+@dataclass
+class TrainConfig(RunSettings):
     """The settings of a training run. Each field's ``metadata["help"]`` documents it, and ``prunus
     train`` makes one option of each field (``prunus.cli.train``): a new setting is one line here."""
 
-    out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
     preset: str | None = _doc(None, "Model preset. Default: small, or with --init-from the model dir's own architecture.",
                               choices=tuple(PRESETS))
     init_from: str | None = _doc(None, "Fine-tune: start from this prunus model dir's weights (its config.json defines "
@@ -54,31 +126,11 @@ class TrainConfig:
                                        "else bytes.")
     max_corpus_bytes: int = _doc(16 << 20, "Read at most this many bytes of the corpus.")
     seq_len: int | None = _doc(None, "Tokens per training sequence. Default: the model's max_seq_len.")
-    batch_size: int = _doc(16, "Sequences per optimizer step (the global batch), split over data-parallel ranks "
-                               "and --grad-accum.")
-    grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
-    steps: int = _doc(1000, "Optimizer steps in the run.")
-    stop_at: int | None = _doc(None, "End this invocation after this step (checkpointed); continue with --resume.")
-    lr: float = _doc(2e-3, "Peak learning rate (AdamW), reached after --warmup-steps, then cosine decay to --min-lr.")
-    min_lr: float = _doc(2e-4, "Learning rate at the last step.")
-    warmup_steps: int = _doc(100, "Steps of linear warmup from 0 to --lr (keep it below --steps).")
-    weight_decay: float = _doc(0.1, "AdamW weight decay (not applied to norms and embeddings).")
-    beta1: float = _doc(0.9, "AdamW beta1.")
-    beta2: float = _doc(0.95, "AdamW beta2.")
-    grad_clip: float = _doc(1.0, "Clip the gradients' global norm to this; 0 disables clipping.")
     bf16: bool = _doc(False, "bf16 autocast (FSDP: bf16 params, fp32 reductions).")
-    eval_every: int = _doc(100, "Score held-out text every this many steps (and at the end).")
     eval_tokens: int = _doc(65536, "Held-out tokens scored per evaluation.")
-    ckpt_every: int = _doc(200, "Checkpoint every this many steps; 0: only when stopping early.")
-    keep_checkpoints: int = _doc(2, "Checkpoints kept in the run dir (the newest).")
     async_checkpoint: bool = _doc(False, "Write checkpoints in the background while training goes on "
                                          "(torch.distributed.checkpoint.async_save).", off_flag="--sync-checkpoint")
-    log_every: int = _doc(10, "Print and record the training loss every this many steps.")
-    seed: int = _doc(0, "Random seed of the weights and the data order.")
-    device: str = _doc("auto", "auto (cuda when available, else cpu), cpu or cuda.")
-    progress: bool = _doc(True, "Show a progress line.")
     # parallel layout (see ParallelDims); world size = nproc under --nproc, else torchrun's / Slurm's
-    nproc: int = _doc(1, "Processes on this host (starts torchrun).")
     dp_replicate: int = _doc(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
     dp_shard: int = _doc(-1, "Data-parallel ranks that shard parameters (FSDP); -1: the ranks the other dims leave.")
     tp: int = _doc(1, "Tensor (+ sequence) parallel degree.")
@@ -92,10 +144,6 @@ class TrainConfig:
     cp_impl: str = _doc("ring", "ring: key/value blocks passed round the ranks (load-balanced); ulysses: all-to-all "
                                 "over heads (heads divisible by cp).")
     ep: int = _doc(1, "Expert parallel degree: MoE experts split over this many of the --dp-shard ranks.")
-    pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining).", choices=PP_SCHEDULES)
-    microbatches: int = _doc(4, "Pipeline micro-batches per step.")
-    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP. Default: 3 when --dp-shard x --cp > 1, else 0 "
-                                        "(--model: 0).")
     activation_checkpointing: str = _doc("none", "Recompute activations in the backward pass: none, every-other "
                                                  "(blocks) or full.")
     cpu_offload: bool = _doc(False, "FSDP only (--zero 2/3): parameter shards, their gradients and the optimizer "
@@ -104,15 +152,10 @@ class TrainConfig:
     offload: bool = _doc(False, "ZeRO-Offload, any --zero: under 0/1 the optimizer step, its states and fp32 master "
                                 "weights run on the CPU while parameters and gradients stay on the GPU; under 2/3 "
                                 "the same as --cpu-offload. Needs a GPU.")
-    dp_mode: str = _doc("ddp", "Data parallelism: ddp (torch.distributed: DDP / ZeRO / FSDP), ps (a parameter server: the "
-                               "first --ps-servers ranks hold the parameters, the others train) or dataparallel "
-                               "(nn.DataParallel in one process over every visible GPU).", choices=DP_MODES)
     ps_servers: int = _doc(1, "Parameter-server ranks under --dp-mode ps (ranks 0..N-1; the others are workers).")
     ps_staleness: int | None = _doc(None, "--dp-mode ps: unset, synchronous (the workers' gradients averaged each step, "
                                           "as DDP); K: asynchronous, each push applied at once, a worker never more "
                                           "than K steps ahead of the slowest.")
-    timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
-                            flag="--timeout")
     peak_tflops: float | None = _doc(None, "Peak TFLOP/s per rank for MFU. Default: known for common GPUs.")
     # LoRA (train_parallel/lora.py): adapters on the frozen base instead of full fine-tuning
     lora_rank: int = _doc(0, "LoRA: train rank-R adapters on the frozen base (merged into model/ at the end); "
@@ -153,20 +196,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_dataclass(self, "training settings")  # every field against its type: a new one too
+        self.validate_run()
         self._validate_values()
         self.model_config()
         self.resolved_seq_len()
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "eval_tokens", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise PrunusError(f"--seq-len {self.seq_len} must be at least 1")
-        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
-            raise PrunusError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
-        if self.warmup_steps < 0 or self.ckpt_every < 0:
-            raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
-        if self.zero not in (None, 0, 1, 2, 3):
-            raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
+        for name, value in (("eval-tokens", self.eval_tokens), ("seq-len", self.seq_len)):
+            if value is not None and value < 1:
+                raise PrunusError(f"--{name} {value} must be at least 1")
         grid_shape(self.tp_mode, self.tp, self.tp_depth)  # a square, a square times the depth, a cube
         if self.cp_impl not in ("ring", "ulysses"):
             raise PrunusError(f"--cp-impl {self.cp_impl}: choose ring or ulysses")
@@ -176,27 +212,13 @@ class TrainConfig:
         if self.ps_servers < 1 or (self.ps_staleness is not None and self.ps_staleness < 0):
             raise PrunusError(f"--ps-servers {self.ps_servers} must be at least 1 and --ps-staleness {self.ps_staleness} "
                               "not negative")
-        if self.batch_size % self.grad_accum:
-            raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
 
     def _validate_values(self) -> None:
-        """Ranges of the numbers that have one (types are checked by check_dataclass)."""
-        if not 0 <= self.seed < 2**64:
-            raise PrunusError(f"--seed {short(self.seed)} must be an integer from 0 to 2**64 - 1")
+        """Ranges of the transformer's own numbers (types are checked by check_dataclass)."""
         if self.max_corpus_bytes < 1:
             raise PrunusError(f"--max-corpus-bytes {self.max_corpus_bytes} must be at least 1")
-        if not self.lr > 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise PrunusError(f"--lr {self.lr} must be positive and --min-lr {self.min_lr}, --weight-decay "
-                              f"{self.weight_decay}, --grad-clip {self.grad_clip} not negative")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise PrunusError(f"beta1 {self.beta1} and beta2 {self.beta2} must be in [0, 1)")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise PrunusError(f"--peak-tflops {self.peak_tflops} must be positive")
-        for name in ("nproc", "microbatches"):
-            if getattr(self, name) < 1:
-                raise PrunusError(f"--{name} {getattr(self, name)} must be at least 1")
         if self.lora_rank < 0 or (self.save_adapter and self.lora_rank < 1):
             raise PrunusError(f"--lora-rank {self.lora_rank} must be at least 1 for LoRA (0: full fine-tuning, "
                               "without --save-adapter)")
@@ -206,11 +228,3 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.resolved_seq_len()
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "training config") -> "TrainConfig":
-        """Settings read from a file (run.json): unknown names and wrong types are one line naming ``source``."""
-        return dataclass_from_dict(cls, d, source, what="setting", fix=SETTINGS_FIX)  # prunus.artifacts.validate

@@ -1,20 +1,19 @@
 """The settings of a generic module's training run (:mod:`.module_trainer`); saved in ``run.json``.
 
-The fields the transformer's :class:`~.config.TrainConfig` also has mean the same and default the same (the
-``prunus train`` options are one set); the module's own are its factory (``model``, ``model_args``), the task,
-the data split and ``sync_batchnorm``.
+The settings every model kind shares are :class:`~.config.RunSettings`' (one definition, one set of ``prunus
+train`` options); the module's own are its factory (``model``, ``model_args``), the task, the data split, its
+layout (``pp_split``, ``tp_plan``, ``sync_batchnorm``) and which weights the model dir holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from prunus.artifacts.errors import PrunusError
-from prunus.artifacts.validate import check_dataclass, dataclass_from_dict, short
+from prunus.artifacts.validate import check_dataclass, short
 
-from .config import MAX_TIMEOUT_S, _doc
+from .config import RunSettings, _doc
 
 # settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
 MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
@@ -23,11 +22,10 @@ MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_ever
 
 
 @dataclass
-class ModuleTrainConfig:
-    """A generic module's training run. ``prunus train --model`` makes one option of each field (the ones it
-    shares with TrainConfig are TrainConfig's options)."""
+class ModuleTrainConfig(RunSettings):
+    """A generic module's training run: the settings every kind shares (:class:`~.config.RunSettings`) and the
+    module's own. ``prunus train --model`` makes one option of each field."""
 
-    out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
     model: str | None = _doc(None, "Factory spec package.module:callable that builds the module.", cli=False)
     model_args: dict = _doc(dict, "Keyword arguments of the factory (JSON values).", cli=False)
     task: str = _doc("classification", "What the module is trained on: classification, regression, causal-lm, or a "
@@ -42,44 +40,20 @@ class ModuleTrainConfig:
                                     "permutation of its rows) held out for evaluation.")
     test_data: str | None = _doc(None, "A separate held-out set, scored whole instead of a split of --data (a table "
                                        "then trains on all its rows); the same kinds of spec as --data.")
-    batch_size: int = _doc(16, "Samples per optimizer step (the global batch), split over data-parallel ranks.")
-    steps: int = _doc(1000, "Optimizer steps in the run.")
-    stop_at: int | None = _doc(None, "End this invocation after this step (checkpointed); continue with --resume.")
-    lr: float = _doc(2e-3, "Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr.")
-    min_lr: float = _doc(2e-4, "Learning rate at the last step.")
-    warmup_steps: int = _doc(100, "Steps of linear warmup from 0 to lr.")
-    weight_decay: float = _doc(0.1, "AdamW weight decay (on parameters of 2 or more dimensions).")
-    beta1: float = _doc(0.9, "AdamW beta1.")
-    beta2: float = _doc(0.95, "AdamW beta2.")
-    grad_clip: float = _doc(1.0, "Clip the gradients' global norm to this; 0 disables clipping.")
-    eval_every: int = _doc(100, "Score the held-out split every this many steps (and at the end).")
     eval_samples: int = _doc(4096, "Held-out samples scored per evaluation (the first of the split).")
-    ckpt_every: int = _doc(200, "Checkpoint every this many steps; 0: only when stopping early.")
-    keep_checkpoints: int = _doc(2, "Checkpoints kept in the run dir (the newest).")
-    log_every: int = _doc(10, "Print the training loss every this many steps.")
-    seed: int = _doc(0, "Random seed of the weights and the data order.")
-    device: str = _doc("auto", "auto (cuda when available, else cpu), cpu or cuda.")
-    progress: bool = _doc(True, "Print progress lines.")
-    nproc: int = _doc(1, "Processes on this host (starts torchrun).")
-    zero: int | None = _doc(None, "0 DDP, 1 sharded optimizer, 2/3 FSDP2 (the whole module one unit). Default: 0.")
     sync_batchnorm: bool = _doc(False, "Data parallel: BatchNorm statistics over the global batch of every rank "
                                        "(as one process computes them), not each rank's share.")
-    grad_accum: int = _doc(1, "Micro-steps per optimizer step on each rank (gradient accumulation); divides --batch-size.")
     pp_split: str | None = _doc(None, "Pipeline parallelism: top-level children the stages start at, joined by commas "
                                       "(e.g. layer3: stage 0 runs up to layer3, stage 1 from it); one rank a stage.")
-    pp_schedule: str = _doc("1F1B", "Pipeline schedule (torch.distributed.pipelining): GPipe or 1F1B.")
-    microbatches: int = _doc(4, "Pipeline micro-batches per step.")
     tp: int = _doc(1, "Tensor parallel degree (with --tp-plan).")
     tp_plan: str | None = _doc(None, "Tensor parallelism: a JSON file of module name -> colwise / rowwise (nn.Linear "
                                      "modules), applied with parallelize_module over --tp ranks.")
-    timeout_s: float = _doc(600.0, "Collective timeout in seconds.", flag="--timeout")
     model_from: str = _doc("last", "Which weights RUN_DIR/model holds: last (the final step's) or best (the step "
                                    "with the best held-out val_accuracy, else val_loss: checkpoints/best, always kept).")
-    dp_mode: str = _doc("ddp", "Data parallelism: ddp (--nproc N processes: DDP / ZeRO / FSDP) or dataparallel "
-                               "(nn.DataParallel in one process over every visible GPU; needs 2 or more).")
 
     KIND: ClassVar[str] = "module"
     RESUMABLE: ClassVar[tuple[str, ...]] = MODULE_RESUMABLE
+    SEED_BITS: ClassVar[int] = 63
 
     def inputs(self) -> list[tuple[str, str | None]]:
         return [("--data", self.data)]
@@ -99,30 +73,15 @@ class ModuleTrainConfig:
             parse_spec(self.model, "--model")
         check_args(self.model_args, "--model-args")
         check_task_name(self.task)
-        for name in ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "keep_checkpoints", "nproc"):
-            if getattr(self, name) < 1:
-                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
-        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
-            raise PrunusError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
-        if self.warmup_steps < 0 or self.ckpt_every < 0:
-            raise PrunusError("--warmup-steps and --ckpt-every must not be negative")
-        if not 0 <= self.seed < 2**63:
-            raise PrunusError(f"--seed {short(self.seed)} must be an integer from 0 to 2**63 - 1")
-        if not self.lr > 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise PrunusError(f"--lr {self.lr} must be positive and --min-lr {self.min_lr}, --weight-decay "
-                              f"{self.weight_decay}, --grad-clip {self.grad_clip} not negative")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise PrunusError(f"beta1 {self.beta1} and beta2 {self.beta2} must be in [0, 1)")
+        self.validate_run()
+        if self.eval_samples < 1:
+            raise PrunusError(f"--eval-samples {self.eval_samples} must be at least 1")
         if not 0 < self.val_fraction < 1:
             raise PrunusError(f"--val-fraction {self.val_fraction} must be between 0 and 1")
-        if self.zero not in (None, 0, 1, 2, 3):
-            raise PrunusError(f"--zero {self.zero}: choose 0 (DDP), 1 (sharded optimizer), 2 or 3 (FSDP)")
         if self.model_from not in ("last", "best"):
             raise PrunusError(f"--model-from {short(self.model_from)}: choose last or best")
         self._validate_layout()
         self._validate_dp_mode()
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise PrunusError(f"--timeout {self.timeout_s:g} must be above 0 and at most {MAX_TIMEOUT_S:,} seconds")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise PrunusError(f"--device {short(self.device)}: choose auto, cpu or cuda")
 
@@ -137,11 +96,6 @@ class ModuleTrainConfig:
         if not 0 <= self.data_workers <= 64 or not 1 <= self.shuffle_buffer <= 1_000_000:
             raise PrunusError(f"--data-workers {self.data_workers} must be 0 to 64 and --shuffle-buffer "
                               f"{self.shuffle_buffer} 1 to 1,000,000")
-        for name in ("grad_accum", "microbatches", "tp"):
-            if getattr(self, name) < 1:
-                raise PrunusError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
-        if self.batch_size % self.grad_accum:
-            raise PrunusError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
         if self.tp > 1 and self.tp_plan is None:
             raise PrunusError(f"--tp {self.tp} needs --tp-plan FILE.json: which nn.Linear modules are colwise and "
                               "which rowwise (a generic module has no built-in plan)")
@@ -182,10 +136,3 @@ class ModuleTrainConfig:
         if n < 2:
             raise PrunusError(f"--dp-mode dataparallel needs 2 or more CUDA devices; this machine has {n}: use "
                               "--nproc N for DDP (one process per device), or drop --dp-mode for one process")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "training config") -> "ModuleTrainConfig":
-        return dataclass_from_dict(cls, d, source, what="setting", fix="see prunus train --help")
