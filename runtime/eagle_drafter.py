@@ -181,7 +181,8 @@ def target_embed(backend):
 
 def load_eagle_drafter(draft, backend) -> EagleDrafter:
     """The drafter over the loaded target ``backend`` (checked by :func:`check_eagle_draft` before it loaded); the
-    backend reports its hidden states to it from now on."""
+    backend reports its hidden states to it from now on. Beside the native kernels the draft's linear layers run in
+    them at int8 (:mod:`prunus.runtime.eagle_native`)."""
     from prunus.artifacts.errors import PrunusError
     from prunus.models.eagle_draft import load_eagle_draft
 
@@ -190,6 +191,10 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
                           f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
                           "the native kernels")
     model, _ = load_eagle_draft(draft)
+    if backend.name == "onnxruntime":  # its linear layers in the native int8 kernels too, on the target's pool
+        from .eagle_native import native_linears
+
+        model = native_linears(model, backend.session.native)
     drafter = EagleDrafter(model, target_embed(backend), backend.n_slots, backend.max_len)
     backend.report_hidden(drafter.take_hidden)
     return drafter
@@ -211,3 +216,25 @@ def check_draft(target_path, target_config: dict, draft) -> None:
     """Before the target loads: an EAGLE draft dir that does not fit the target is refused in one line."""
     if draft is not None and str(draft) != "ngram" and is_eagle_dir(Path(draft)):
         check_eagle_draft(Path(target_path), target_config, Path(draft))
+
+
+AUTO = "auto"
+MAX_SIBLINGS = 256  # entries of the target's folder looked at by draft="auto"
+
+
+def find_draft(target) -> str:
+    """``draft="auto"``: an EAGLE draft dir beside ``target`` (in the same folder) trained for it or for the model
+    dir it came from (the most recently written one), else "ngram" (prompt lookup, no model)."""
+    import itertools
+
+    from prunus.models.model_dir_manifest import read_config_json
+
+    target = Path(target).resolve()
+    hashes = set(lineage_hashes(target))
+    found = []
+    for entry in itertools.islice(sorted(target.parent.iterdir()), MAX_SIBLINGS):
+        if entry == target or not entry.is_dir() or not is_eagle_dir(entry):
+            continue
+        if (read_config_json(entry).get("eagle") or {}).get("target_hash") in hashes:
+            found.append((entry.stat().st_mtime, str(entry)))
+    return max(found)[1] if found else "ngram"

@@ -37,10 +37,11 @@ class ServingFeatures:
                 "ONNX Runtime genai export with or without --native): a "
                 "prompt that starts like an earlier one runs only its new tokens. Default: off."})
     draft: str | None = field(default=None, metadata={
-        "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram",
+        "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram|auto",
         "help": "Speculative decoding (a model dir on torch, or a genai export on the native kernels; a lone "
                 "decoding request): an EAGLE draft dir (prunus compress --distill eagle), a draft model dir with "
-                "the same tokenizer, or ngram (drafts copied from the prompt). Default: off."})
+                "the same tokenizer, ngram (drafts copied from the prompt), or auto (an EAGLE draft dir trained for "
+                "the target in the target's folder, else ngram). Default: off."})
     draft_tokens: int = field(default=4, metadata={
         "flag": "--draft-tokens", "type": int,
         "help": f"With --speculative: tokens drafted per step, checked in one pass of the model (1 to {MAX_DRAFT_TOKENS})."})

@@ -105,12 +105,17 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
         raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
                           f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
     if features.draft is not None:
-        from .eagle_drafter import check_draft
+        from .eagle_drafter import AUTO, check_draft, find_draft
 
+        if str(features.draft) == AUTO:  # an EAGLE draft beside the target, else prompt lookup
+            features = replace(features, draft=find_draft(path))
+            options = replace(options, features=features)
         check_draft(path, config, features.draft)  # a draft that does not fit: one line, before the target loads
     runtime, loaded, native = load_chosen(path, config, options, chosen, lambda o: find_runtime(backend, config, o))
     if native is not None:
         loaded.info["native"] = native
+    if features.draft is not None:
+        loaded.info["draft"] = str(features.draft)
     loaded.info = {"path": str(path), "backend": backend, "runtime": runtime.name, "tp": options.tp,
                    "device": options.device, "max_batch": options.max_batch, "max_len": options.max_len,
                    "compile": options.compile is True, **loaded.info}

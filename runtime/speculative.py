@@ -22,6 +22,7 @@ drafted and accepted tokens and the acceptance rate.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -32,14 +33,51 @@ from prunus.models.generate import greedy_next
 from .sampling import RowSampling, is_greedy, sampling_probs
 
 
+CALIBRATE_EVERY = 64  # a row's steps between plain (k = 0) steps that time the target alone; the first at step 8
+MIN_STEPS = 16  # speculative steps of a row before it may be switched off
+OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries speculating again
+LOSING = 0.95  # a row whose measured speedup falls below this decodes plainly
+
+
+class RowPolicy:
+    """One row's running figures: its acceptance (per drafted token, a moving average), its speculative steps' time
+    and tokens, and whether it is switched off (speculation lost on it)."""
+
+    def __init__(self):
+        self.acceptance, self.steps, self.seconds, self.made, self.off_until = 0.7, 0, 0.0, 0, -1
+
+    def k(self, k_max: int, plain_s: float | None) -> int:
+        """Drafted tokens for the row's next step: 0 to calibrate or while switched off; else as many as its
+        acceptance makes worth checking (the chance that all are accepted stays above a fifth)."""
+        self.steps += 1
+        if self.steps < self.off_until or self.steps % CALIBRATE_EVERY == 8:
+            return 0
+        if plain_s and self.made and self.steps > MIN_STEPS and self.made / self.seconds * plain_s < LOSING:
+            self.off_until, self.seconds, self.made = self.steps + OFF_STEPS, 0.0, 0
+            return 0
+        k = 1
+        while k < k_max and self.acceptance ** (k + 1) > 0.2:
+            k += 1
+        return k
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        if drafted:
+            self.acceptance = 0.8 * self.acceptance + 0.2 * accepted / drafted
+            self.seconds, self.made = self.seconds + seconds, self.made + accepted + 1
+
+
 class Speculator:
-    def __init__(self, target, drafter, k: int):
-        self.target, self.drafter, self.k = target, drafter, k
-        self.stats = {"draft": drafter.name, "draft_tokens": k, "steps": 0, "drafted": 0, "accepted": 0,
-                      "acceptance_rate": 0.0, "tokens_per_step": 0.0}
-        self._made = 0
+    def __init__(self, target, drafter, k: int, adaptive: bool = False):
+        """``k``: the most tokens drafted per step; ``adaptive``: each row's own k from its acceptance, and no
+        drafting on a row where speculation measured slower than plain decoding (:class:`RowPolicy`)."""
+        self.target, self.drafter, self.k, self.adaptive = target, drafter, k, adaptive
+        self.stats = {"draft": drafter.name, "draft_tokens": k, "adaptive": adaptive, "steps": 0, "drafted": 0,
+                      "accepted": 0, "acceptance_rate": 0.0, "tokens_per_step": 0.0, "speedup": None}
+        self._made, self._seconds, self._plain_s = 0, 0.0, None
+        self.rows: dict[int, RowPolicy] = {}
 
     def release(self, row: int) -> None:
+        self.rows.pop(row, None)
         self.drafter.release(row)
 
     def close(self) -> None:
@@ -48,7 +86,11 @@ class Speculator:
     def step(self, row: int, seq: list[int], sampling: RowSampling, remaining: int) -> list[int]:
         """The next tokens of ``row`` (1 to k + 1 of them), whose cache holds ``seq`` but its last token;
         ``remaining``: tokens the request may still make."""
+        start = time.perf_counter()
         k = max(0, min(self.k, remaining - 1, self.target.max_len - len(seq)))
+        policy = self.rows.setdefault(row, RowPolicy())
+        if self.adaptive and k:
+            k = policy.k(k, self._plain_s)
         greedy = is_greedy(sampling)
         drafts, q = self.drafter.propose(row, seq, k, None if greedy else sampling) if k else ([], None)
         logits = self.target.verify(row, [seq[-1]] + drafts)
@@ -58,17 +100,24 @@ class Speculator:
             accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
         self.target.truncate(row, len(seq) + accepted)
         self.drafter.rollback(row, len(seq) + accepted)
-        self._count(len(drafts), accepted)
+        seconds = time.perf_counter() - start
+        policy.record(len(drafts), accepted, seconds)
+        self._count(len(drafts), accepted, seconds)
         return drafts[:accepted] + [extra]
 
-    def _count(self, drafted: int, accepted: int) -> None:
+    def _count(self, drafted: int, accepted: int, seconds: float) -> None:
         s = self.stats
         s["steps"] += 1
         s["drafted"] += drafted
         s["accepted"] += accepted
         self._made += accepted + 1
+        self._seconds += seconds
+        if not drafted:  # a step of the target alone: what plain decoding costs per token (a moving average)
+            self._plain_s = seconds if self._plain_s is None else 0.8 * self._plain_s + 0.2 * seconds
         s["acceptance_rate"] = round(s["accepted"] / s["drafted"], 4) if s["drafted"] else 0.0
         s["tokens_per_step"] = round(self._made / s["steps"], 3)
+        if self._plain_s is not None:  # tokens per second of every step, over plain decoding's
+            s["speedup"] = round(self._made / self._seconds * self._plain_s, 3)
 
 
 def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -147,7 +196,7 @@ class DraftModel:
         self.backend.close()
 
 
-def load_speculator(target_path, backend, draft, k: int) -> Speculator:
+def load_speculator(target_path, backend, draft, k: int, adaptive: bool = True) -> Speculator:
     """The speculator ``Engine.load(draft=..., draft_tokens=k)`` asks for over the loaded target ``backend``: prompt
     lookup ("ngram"), an EAGLE draft dir (:mod:`prunus.runtime.eagle_drafter`) or a draft model dir."""
     if not backend.capabilities.verify:
@@ -155,12 +204,12 @@ def load_speculator(target_path, backend, draft, k: int) -> Speculator:
     if str(draft) == "ngram":
         from .prompt_lookup import PromptLookup
 
-        return Speculator(backend, PromptLookup(), k)
+        return Speculator(backend, PromptLookup(), k, adaptive)
     from .eagle_drafter import is_eagle_dir, load_eagle_drafter
 
     if is_eagle_dir(Path(draft)):
-        return Speculator(backend, load_eagle_drafter(Path(draft), backend), k)
-    return Speculator(backend, load_draft_model(Path(target_path), Path(draft), backend), k)
+        return Speculator(backend, load_eagle_drafter(Path(draft), backend), k, adaptive)
+    return Speculator(backend, load_draft_model(Path(target_path), Path(draft), backend), k, adaptive)
 
 
 def load_draft_model(target: Path, draft: Path, backend) -> DraftModel:

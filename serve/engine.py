@@ -133,7 +133,7 @@ class Engine:
             from prunus.runtime.speculative import load_speculator
 
             try:
-                speculator = load_speculator(path, loaded.backend, draft, draft_tokens)
+                speculator = load_speculator(path, loaded.backend, loaded.info.get("draft", draft), draft_tokens)
             except BaseException:
                 loaded.backend.close()
                 raise

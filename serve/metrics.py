@@ -4,7 +4,9 @@
   connection cap), by HTTP status;
 * ``prunus_request_latency_seconds``: a histogram of the time from a request to the end of its 200 answer;
 * ``prunus_tokens_generated_total``, ``prunus_queue_depth``, ``prunus_active_requests``: read from the engine's
-  scheduler at each scrape.
+  scheduler at each scrape; with speculative decoding also ``prunus_speculative_steps_total``,
+  ``prunus_speculative_drafted_tokens_total``, ``prunus_speculative_accepted_tokens_total`` and
+  ``prunus_speculative_speedup`` (once a step of the target alone was timed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ class _SchedulerCollector:
         yield CounterMetricFamily("prunus_tokens_generated", "Tokens sampled by the engine.", value=s.tokens_generated)
         yield GaugeMetricFamily("prunus_queue_depth", "Requests waiting for a batch slot.", value=s.queue_depth)
         yield GaugeMetricFamily("prunus_active_requests", "Requests in the running batch.", value=s.n_active)
+        speculator = getattr(s, "speculator", None)
+        if speculator is not None:  # speculative decoding: prunus.runtime.speculative
+            st = speculator.stats
+            yield CounterMetricFamily("prunus_speculative_steps", "Speculative decoding steps (one target pass each).",
+                                      value=st["steps"])
+            yield CounterMetricFamily("prunus_speculative_drafted_tokens", "Tokens drafted.", value=st["drafted"])
+            yield CounterMetricFamily("prunus_speculative_accepted_tokens", "Drafted tokens the target accepted.",
+                                      value=st["accepted"])
+            if st["speedup"] is not None:
+                yield GaugeMetricFamily("prunus_speculative_speedup", "Tokens per second of speculative steps over "
+                                        "plain decoding's (timed on steps of the target alone).", value=st["speedup"])
 
 
 class Metrics:

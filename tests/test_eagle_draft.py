@@ -186,3 +186,22 @@ def test_drafts_that_do_not_fit_are_refused_before_the_target_loads(dirs, tmp_pa
     assert_user_error(_cli(*args, "--speculative", other), "trained for another model")
     assert_user_error(_cli(*args, "--speculative", dirs["draft"], "--draft-tokens", "17"), "--draft-tokens")
     assert_user_error(_cli(*args, "--speculative", dirs["draft"], "--tp", "2"), "--speculative")
+    on_ort = ["generate", dirs["export"], "--prompt", "x", "--max-new-tokens", "2", "--no-native"]
+    assert_user_error(_cli(*on_ort, "--speculative", dirs["draft"]), "native kernels", "--speculative")
+
+
+def test_auto_finds_the_draft_beside_the_target_and_metrics_count_it(dirs, tmp_path):
+    from prunus.serve.metrics import Metrics
+
+    shutil.copytree(dirs["target"], tmp_path / "model")  # the same files: the same content hash
+    with Engine.load(tmp_path / "model", max_batch=1, threads=1, draft="auto") as e:
+        assert e.info["draft"] == "ngram"  # nothing trained for it beside it: prompt lookup
+    shutil.copytree(dirs["draft"], tmp_path / "model-eagle")
+    with Engine.load(tmp_path / "model", max_batch=1, threads=1, draft="auto", draft_tokens=3) as e:
+        assert e.info["draft"] == str(tmp_path / "model-eagle")
+        e.generate(PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True)
+        text = Metrics(e.scheduler).render().decode()
+        stats = e.info["speculative"]
+    assert f"prunus_speculative_drafted_tokens_total {float(stats['drafted'])}" in text
+    assert f"prunus_speculative_accepted_tokens_total {float(stats['accepted'])}" in text
+    assert stats["drafted"] > 0 and stats["adaptive"] is True
