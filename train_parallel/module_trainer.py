@@ -14,7 +14,7 @@ as one process. The run dir is the transformer's: ``run.json``, ``metrics.jsonl`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,35 +42,9 @@ from .parallel_dims import ParallelDims
 from .pipeline.module_pipeline import ModulePipeline
 from .pipeline.module_split import parse_split, split_stages
 from .tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, read_tp_plan
-from .run_dir import check_run_dir, init_run_dir, prior_state, publish_run_dir, raise_run_failure, run_location
-from .schedule import lr_at
-from .trainer import clip_grad_norm
-
-
-@dataclass
-class ModuleTrainResult:
-    run_dir: Path
-    model_dir: Path | None  # None when the run stopped early (stop_at), or on ranks other than 0
-    step: int
-    metrics: dict  # the last record (with the last evaluation's figures)
-    losses: list[float]  # the training loss of each step run in this invocation
-    best: dict | None = None  # the best checkpoint's record (checkpoint/best.py), None before any evaluation
-    model_from: str = "last"  # which weights the model dir holds: "last" or "best"
-
-
-def _optimizer(model: torch.nn.Module, cfg: ModuleTrainConfig, zero1_mesh) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0})
-              if g["params"]]
-    if not groups:
-        raise PrunusError("the module has nothing trainable (no parameter requires a gradient)")
-    if zero1_mesh is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_mesh.get_group(),
-                                       lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+from .run_dir import check_run_dir, init_run_dir, prior_state, publish_run_dir, run_location
+from .train_result import TrainResult
+from .trainer import Trainer, build_optimizer
 
 
 def _call(model, x):
@@ -148,8 +122,12 @@ def score_module(model: torch.nn.Module, task: Task, dataset, *, batch_size: int
     return task.summary(loss_sum, count, correct)
 
 
-class ModuleTrainer:
-    """One run (or its resumption) of a generic module on this rank; build it, then call :meth:`train`."""
+class ModuleTrainer(Trainer):
+    """One run (or its resumption) of a generic module on this rank; build it, then call :meth:`train`.
+
+    The generic spec's :class:`~.trainer.Trainer`: it builds its own model, layout and batches (a factory's
+    module on a Dataset's samples), and overrides the batch, forward-backward, evaluation, loop and model-dir
+    steps; the learning rate, the optimizer step, the run dir and failure clean-up are the Trainer's."""
 
     def __init__(self, module_or_spec, dataset, task: str, cfg: ModuleTrainConfig, *, val_dataset=None,
                  factory: ModuleFactory | None = None, resume: bool = False, overwrite: bool = False):
@@ -180,12 +158,12 @@ class ModuleTrainer:
         self.pipeline: ModulePipeline | None = None
         self.replicated: torch.nn.Module | None = None  # --dp-mode dataparallel: nn.DataParallel over the module
         self.model = self._parallelize(module)
-        self.optimizer = _optimizer(self.model, cfg, self.dims.zero1_mesh)
+        self.optimizers = [build_optimizer(self.model, cfg, self.dims.zero1_mesh)]
         self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints)
         self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
         self.best: dict | None = None  # the best checkpoint's record (checkpoints/best)
         if self.resume_from is not None:
-            self.state = load_checkpoint(self.resume_from, [self.model], [self.optimizer])
+            self.state = load_checkpoint(self.resume_from, [self.model], self.optimizers)
             self.state["samples"] = self.state["tokens"]
             self.start = self.state["step"]
             self._check_readers(self.state.get("data_readers"))
@@ -227,7 +205,12 @@ class ModuleTrainer:
         """The input of the dataset's first ``n`` samples, collated, on the device."""
         return to_device(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))])[0], self.device)
 
-    def _forward_backward(self, x, y) -> torch.Tensor:
+    def step_batches(self, step: int):
+        """The step's (input, target) on this rank: its share of the global batch (a pure function of the seed and
+        the step, or the stream's next)."""
+        return self.batches.batch(step)
+
+    def forward_backward_step(self, x, y) -> torch.Tensor:
         """The step's loss (the mean over its micro-batches), gradients accumulated."""
         if self.pipeline is not None:
             return self.pipeline.step(x, y)
@@ -244,10 +227,6 @@ class ModuleTrainer:
             was = "did not stream tar shards" if saved is None else f"streamed its shards with {saved} readers"
             raise PrunusError(f"--resume: the run {was} (ranks x data workers), now {mine}; resume with the same "
                               "--data, --nproc and --data-workers to continue its exact stream")
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
     def _settle(self, records: list[dict], metrics: MetricsLog | None) -> None:
         """The pending ``records``' losses (this rank's, as tensors) replaced by their means over the data-parallel
@@ -272,16 +251,11 @@ class ModuleTrainer:
         read here when None); returns its record for metrics.jsonl, whose ``loss`` is this rank's loss as a
         tensor until :meth:`_settle` averages it over the ranks."""
         cfg, t0 = self.cfg, time.perf_counter()
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = to_device(self.batches.batch(step), self.device) if batch is None else batch
+        lr = self._set_lr(step)
+        x, y = to_device(self.step_batches(step), self.device) if batch is None else batch
         self.model.train()
-        loss = self._forward_backward(x, y)
-        grad_norm = clip_grad_norm([self.model], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
-                                   self.dims.submesh_group("pp"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward_step(x, y)
+        grad_norm = self.optimizer_step([self.model])
         dt = time.perf_counter() - t0
         self.state["samples"] += cfg.batch_size
         self.state["tokens"] = self.state["samples"]  # the checkpoint's count of what was trained on
@@ -315,7 +289,7 @@ class ModuleTrainer:
     def _run_steps(self) -> None:
         metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from else None) if self.main else None
         # the next steps' batches are read (and, on CUDA, copied on a side stream) while this step computes
-        prefetch = Prefetcher(self.batches.batch, range(self.start, self.stop), device=self.device)
+        prefetch = Prefetcher(self.step_batches, range(self.start, self.stop), device=self.device)
         pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
         try:
             for step, batch in prefetch:
@@ -328,7 +302,7 @@ class ModuleTrainer:
                 if "val_loss" in record:
                     self._keep_best(done, record)
                 if save:
-                    self.checkpointer.save(done, [self.model], [self.optimizer], self.state)
+                    self.checkpointer.save(done, [self.model], self.optimizers, self.state)
         finally:
             prefetch.close()
             if metrics is not None:
@@ -382,16 +356,16 @@ class ModuleTrainer:
             print(f"model dir: {Path(self.cfg.out) / 'model'}{which}", flush=True)
         return path
 
-    def train(self) -> ModuleTrainResult:
+    def train(self) -> TrainResult:
         try:
             self._run_steps()
             model_dir = self.save_model() if self.stop == self.cfg.steps else None
             self._barrier()
         except BaseException as e:
-            raise_run_failure(e, self.run_dir, self.prior if self.main else None, self.cfg.out)
+            self._raise_failure(e)
         out = publish_run_dir(self.cfg, self.run_dir) if self.main else Path(self.cfg.out)
         model_from = "best" if self.cfg.model_from == "best" and self.best is not None else "last"
-        return ModuleTrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses,
+        return TrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses,
                                  self.best, model_from)
 
 
@@ -411,13 +385,13 @@ def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, ove
 
 
 @reports_collective_timeouts  # a hung rank: one line naming the rank and the collective
-def _train(cfg: ModuleTrainConfig, module_or_spec, dataset, task, **kwargs) -> ModuleTrainResult:
+def _train(cfg: ModuleTrainConfig, module_or_spec, dataset, task, **kwargs) -> TrainResult:
     return ModuleTrainer(module_or_spec, dataset, task, cfg, **kwargs).train()
 
 
 def train_module(module_or_spec, dataset, task: str = "classification", cfg: ModuleTrainConfig | None = None, *,
                  val_dataset=None, factory: ModuleFactory | None = None, resume: bool = False,
-                 overwrite: bool = False) -> ModuleTrainResult:
+                 overwrite: bool = False) -> TrainResult:
     """Train ``module_or_spec`` (an ``nn.Module`` built by a factory, or a spec ``"package.module:callable"``
     built with ``cfg.model_args``) on ``dataset`` for ``task``; score ``val_dataset`` when given. One process,
     or every rank torchrun started (DDP / FSDP2 by ``cfg.zero``); see the module docstring."""

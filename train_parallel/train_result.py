@@ -1,4 +1,4 @@
-"""What a training run returns, whichever loop ran it (the Trainer's or the parameter server's)."""
+"""What a training run returns, whichever kind and loop ran it (the Trainer's, a kind's, the parameter server's)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,5 @@ class TrainResult:
     step: int
     metrics: dict  # the last record (with the last evaluation's figures)
     losses: list[float]  # training loss of each step run in this invocation
+    best: dict | None = None  # a kept best checkpoint's record (checkpoint/best.py), None without one
+    model_from: str = "last"  # which weights the model dir holds: "last" or "best"

@@ -69,8 +69,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, zero1_mesh=None) -
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]  # LoRA trains matrices alone; DCP cannot save an empty group
+    if not groups:
+        raise PrunusError("the model has nothing trainable (no parameter requires a gradient)")
     optimizer_class = torch.optim.AdamW
-    if cfg.offload and cfg.zero in (0, 1):  # ZeRO-Offload (offload.py); FSDP: its CPUOffloadPolicy
+    if getattr(cfg, "offload", False) and cfg.zero in (0, 1):  # ZeRO-Offload (offload.py); FSDP: its CPUOffloadPolicy
         from .data_parallel.offload import OffloadedAdamW
 
         optimizer_class = OffloadedAdamW
@@ -421,16 +423,23 @@ class Trainer:
                 group["lr"] = lr
         return lr
 
+    def optimizer_step(self, parts) -> float:
+        """Clip the gradients of ``parts`` (the whole model's norm, over pipeline stages), step the optimizers and
+        clear the gradients; returns the norm before clipping."""
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = clip_grad_norm(parts, clip, self.dims.submesh_group("pp"))
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return grad_norm
+
     def train_step(self, step: int, micro_batches) -> dict:
         """One optimizer step (0-based ``step``); returns its record for metrics.jsonl."""
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = self._set_lr(step)
         loss, moe = self.forward_backward_step(micro_batches)
-        grad_norm = clip_grad_norm(self.par.parts, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"), self.pp_group)
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step(self.par.parts)
         loss_val = float(_all_mean(loss, self.dims)) if self.world > 1 else float(loss)
         dt = time.perf_counter() - t0
         done = step + 1
