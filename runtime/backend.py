@@ -17,6 +17,8 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   (:mod:`prunus.runtime.prefix_cache`);
 * ``verify(row, tokens)`` / ``truncate(row, length)``: where ``capabilities.verify`` says so, append tokens and return
   the logits after each (len, vocab), and keep a row's first ``length`` tokens (:mod:`prunus.runtime.speculative`);
+  ``verify_rows(rows, token_lists)`` where ``capabilities.verify_rows`` says so: the same for several rows in one
+  pass, a list of (len_i, vocab);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
@@ -48,6 +50,7 @@ class Capabilities:
     predict: bool = False  # a non-generative model: ``predict(batch)`` maps a batch of inputs to outputs, no cache
     prefix_cache: bool = False  # ``restore_prefix(row, ids)`` / ``store_prefix(row, ids)``: prunus.runtime.prefix_cache
     verify: bool = False  # ``verify(row, tokens)`` / ``truncate(row, length)``: speculative decoding can check drafts
+    verify_rows: bool = False  # ``verify_rows(rows, token_lists)``: several rows' drafts checked in one pass
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:

@@ -219,18 +219,19 @@ class GenaiSession:
         self.last_hidden = hidden
         return out
 
-    def verify(self, slot: int, held: int, tokens: list) -> np.ndarray:
-        """``tokens`` after the ``held`` positions of ``slot`` in one native pass; the logits after each of them
-        (len(tokens), vocab), a view valid until the next verify (speculative decoding)."""
+    def verify(self, start: int, held, token_lists: list) -> np.ndarray:
+        """Each of slots [start, start + len(token_lists)) goes on after its ``held[i]`` positions with its tokens, in
+        one native pass; the logits after every token, row after row (sum of the lengths, vocab), a view valid until
+        the next verify (speculative decoding)."""
         if self.native is None:
             raise ValueError("verify runs in the native kernels; this session has none")
-        if held + len(tokens) > self.max_len:
-            raise ValueError(f"{held} + {len(tokens)} positions exceed the buffer's {self.max_len}")
-        if self._verify_logits is None or len(self._verify_logits) < len(tokens):
-            self._verify_logits = np.empty((max(len(tokens), 17), self.vocab_size), np.float32)
-        ids = np.asarray([tokens], np.int64)
-        return self._native(ids, np.asarray([held], np.int32), [len(tokens)], slot, self._verify_logits,
-                            every_position=True)
+        counts = [len(t) for t in token_lists]
+        if max(int(h) + c for h, c in zip(held, counts)) > self.max_len:
+            raise ValueError(f"{counts} positions after {[int(h) for h in held]} exceed the buffer's {self.max_len}")
+        if self._verify_logits is None or len(self._verify_logits) < sum(counts):
+            self._verify_logits = np.empty((max(sum(counts), 17), self.vocab_size), np.float32)
+        return self._native(_padded(token_lists, max(counts)), np.asarray(held, np.int32), counts, start,
+                            self._verify_logits, every_position=True)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions to slot ``dst`` in every layer (compacting a block)."""

@@ -102,7 +102,8 @@ class GenaiBackend(BackendBase):
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
         # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
         return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
-                            prefix_cache=self.prefix is not None, verify=self.session.native is not None)
+                            prefix_cache=self.prefix is not None, verify=self.session.native is not None,
+                            verify_rows=self.session.native is not None)
 
     def describe(self) -> dict:
         return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}
@@ -196,10 +197,29 @@ class GenaiBackend(BackendBase):
         self._held([row], "verify")
         slot = self.slot_of[row]
         held = int(self.lengths[slot])
-        logits = self.session.verify(slot, held, tokens)
+        logits = self.session.verify(slot, [held], [tokens])
         self.lengths[slot] += len(tokens)
         self._report([row], [held], [len(tokens)])
         return torch.from_numpy(logits[:len(tokens)].copy())
+
+    def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's tokens after what it holds, every row in one native pass (the rows move to the block's first
+        slots, as a decode step's); the logits after each row's tokens, [(len_i, vocab)]."""
+        self._held(rows, "verify")
+        n = len(rows)
+        self._place(rows, 0)
+        order = sorted(range(n), key=lambda i: self.slot_of[rows[i]])  # the pass runs in slot order
+        held = [int(self.lengths[self.slot_of[rows[i]]]) for i in order]
+        logits = self.session.verify(0, held, [token_lists[i] for i in order])
+        out: list[torch.Tensor | None] = [None] * n
+        at = 0
+        for i, h in zip(order, held):
+            count = len(token_lists[i])
+            out[i] = torch.from_numpy(logits[at:at + count].copy())
+            self.lengths[self.slot_of[rows[i]]] = h + count
+            at += count
+        self._report([rows[i] for i in order], held, [len(token_lists[i]) for i in order])
+        return out
 
     def truncate(self, row: int, length: int) -> None:
         """Keep the row's first ``length`` tokens (rejected draft tokens' positions are overwritten later)."""

@@ -86,24 +86,44 @@ class Speculator:
     def step(self, row: int, seq: list[int], sampling: RowSampling, remaining: int) -> list[int]:
         """The next tokens of ``row`` (1 to k + 1 of them), whose cache holds ``seq`` but its last token;
         ``remaining``: tokens the request may still make."""
+        return self.step_rows([row], [seq], [sampling], [remaining])[0]
+
+    def step_rows(self, rows: list[int], seqs: list[list[int]], samplings: list[RowSampling],
+                  remaining: list[int]) -> list[list[int]]:
+        """:meth:`step` for several rows, their drafts checked in one pass of the target (``verify_rows``)."""
         start = time.perf_counter()
-        k = max(0, min(self.k, remaining - 1, self.target.max_len - len(seq)))
+        cap = self.target.max_len - max(len(s) for s in seqs)  # every row's drafts fit the pass's padded width
+        drafted = [self._draft(row, seq, sampling, min(left - 1, cap))
+                   for row, seq, sampling, left in zip(rows, seqs, samplings, remaining)]
+        pieces = [[seq[-1]] + d for seq, (d, _) in zip(seqs, drafted)]
+        if len(rows) == 1:
+            logits_rows = [self.target.verify(rows[0], pieces[0])]
+        else:
+            logits_rows = self.target.verify_rows(rows, pieces)
+        seconds = (time.perf_counter() - start) / len(rows)
+        out = []
+        for row, seq, sampling, (drafts, q), logits in zip(rows, seqs, samplings, drafted, logits_rows):
+            if is_greedy(sampling):
+                accepted, extra = accept_greedy(drafts, logits)
+            else:
+                accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
+            self.target.truncate(row, len(seq) + accepted)
+            self.drafter.rollback(row, len(seq) + accepted)
+            self.rows[row].record(len(drafts), accepted, seconds)
+            self._count(len(drafts), accepted, seconds)
+            out.append(drafts[:accepted] + [extra])
+        return out
+
+    def _draft(self, row: int, seq: list[int], sampling: RowSampling, room: int):
+        """(drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its request or
+        the cache, the row's own k when adaptive."""
+        k = max(0, min(self.k, room))
         policy = self.rows.setdefault(row, RowPolicy())
         if self.adaptive and k:
             k = policy.k(k, self._plain_s)
-        greedy = is_greedy(sampling)
-        drafts, q = self.drafter.propose(row, seq, k, None if greedy else sampling) if k else ([], None)
-        logits = self.target.verify(row, [seq[-1]] + drafts)
-        if greedy:
-            accepted, extra = accept_greedy(drafts, logits)
-        else:
-            accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
-        self.target.truncate(row, len(seq) + accepted)
-        self.drafter.rollback(row, len(seq) + accepted)
-        seconds = time.perf_counter() - start
-        policy.record(len(drafts), accepted, seconds)
-        self._count(len(drafts), accepted, seconds)
-        return drafts[:accepted] + [extra]
+        if not k:
+            return [], None
+        return self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling)
 
     def _count(self, drafted: int, accepted: int, seconds: float) -> None:
         s = self.stats

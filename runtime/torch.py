@@ -68,7 +68,7 @@ class TorchBackend(BackendBase):
         return Capabilities(max_batch=self.n_slots, extend=True, prefill_chunk=self.prefill_chunk,
                             tunable_threads=self.device.type == "cpu",  # see prunus.serve.pass_threads
                             warm_up=bool(self.compile), device_sampling=self.device.type != "cpu",
-                            prefix_cache=self.prefix is not None, verify=True)
+                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True)
 
     def release(self, row: int) -> None:
         """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
@@ -136,6 +136,20 @@ class TorchBackend(BackendBase):
         logits = self.model(x, cache=step, positions=step.positions)[0].float()
         self._report([row], step.start_cpu.tolist(), [len(tokens)])
         return logits
+
+    @torch.inference_mode()
+    def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's ``tokens`` appended after what it holds, all rows in one pass (right-padded; each row sees its
+        own keys only); the logits after each row's tokens, [(len_i, vocab) float32]."""
+        counts = [len(t) for t in token_lists]
+        width = max(counts)
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, t in enumerate(token_lists):
+            x[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        step = self.cache.step(rows, q_len=width, n_new=counts)
+        logits = self.model(x.to(self.device), cache=step, positions=step.positions).float()
+        self._report(rows, step.start_cpu.tolist(), counts)
+        return [logits[i, :n] for i, n in enumerate(counts)]
 
     def warm_up(self, set_threads=None) -> None:
         """With ``compile``, compile the decode graphs now (prunus.runtime.compiled_decode). A compile that

@@ -23,9 +23,11 @@ requests after it) and again when it leaves (prompt and answer, for the next tur
 that shares at least half its prompt with one being prefilled waits, holding its row, until that one's blocks are
 cached, so a burst of requests with one long system prompt computes it once.
 
-With a speculator (:mod:`prunus.runtime.speculative`) a decode step of a lone request drafts tokens and checks them
-in one pass; while more than one request decodes, the step is the plain batched one (the draft catches up later),
-as it is for a request with logits processing (``SamplingParams.logits``).
+With a speculator (:mod:`prunus.runtime.speculative`) a decode step drafts tokens for every decoding request and
+checks them all in one pass (``verify_rows``, where the backend has it; else only a lone request speculates and
+several decode plainly together, the draft catching up later). Each row drafts as many tokens as its own running
+acceptance makes worth checking, none where speculation measured slower than plain decoding. A request with logits
+processing (``SamplingParams.logits``) decodes plainly, in a pass of its own beside the speculative rows'.
 """
 
 from __future__ import annotations
@@ -255,12 +257,14 @@ class Scheduler:
         return fresh
 
     def _decode(self) -> None:
-        if self.speculator is not None and len(self.active) == 1:
-            slot, r = next(iter(self.active.items()))
-            if r.params.logits is None:  # penalties, logit_bias and logprobs decode plainly
-                self._speculate(slot, r)
-                return
         rows = sorted(self.active)
+        if self.speculator is not None:
+            spec = [s for s in rows if self.active[s].params.logits is None]  # penalties, logprobs...: plainly
+            if spec and (len(spec) == 1 or self.caps.verify_rows):
+                rows = [s for s in rows if s not in spec]
+                self._speculate(spec)
+                if not rows:
+                    return
         reqs = [self.active[s] for s in rows]
         self._set_threads(len(rows))
         logits = self.backend.decode(rows, [r.last_token for r in reqs])
@@ -268,20 +272,23 @@ class Scheduler:
         self._sample(reqs, logits)
         self._retire(reqs)
 
-    def _speculate(self, slot: int, r: Request) -> None:
-        """One speculative step of a lone request: the tokens the speculator accepted, and the one it sampled."""
-        self._set_threads(1 + self.speculator.k)
-        sampling = RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
-        tokens = self.speculator.step(slot, r.prompt_ids + r.generated, sampling,
-                                      r.params.max_new_tokens - len(r.generated))
+    def _speculate(self, slots: list[int]) -> None:
+        """One speculative step of ``slots``' requests, their drafts checked in one pass: for each, the tokens the
+        speculator accepted and the one it sampled."""
+        reqs = [self.active[s] for s in slots]
+        self._set_threads(len(slots) * (1 + self.speculator.k))
+        samplings = [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in reqs]
+        out = self.speculator.step_rows(slots, [r.prompt_ids + r.generated for r in reqs], samplings,
+                                        [r.params.max_new_tokens - len(r.generated) for r in reqs])
         self.steps += 1
-        for t in tokens:
-            r.last_token = t
-            r.add_token(t)
-            self.tokens_generated += 1
-            if r.done:
-                break
-        self._retire([r])
+        for r, tokens in zip(reqs, out):
+            for t in tokens:
+                r.last_token = t
+                r.add_token(t)
+                self.tokens_generated += 1
+                if r.done:
+                    break
+        self._retire(reqs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         logits = process(reqs, logits)  # per-row penalties, logit_bias, min_tokens (prunus.serve.logits_processors)

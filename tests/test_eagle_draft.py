@@ -139,6 +139,8 @@ def test_sampled_tokens_follow_the_targets_distribution(dirs, where):
 
 
 def test_verify_gives_plain_logits_and_hidden_states_natively(dirs):
+    """One row's drafts checked natively give its plain decode steps' logits and hidden states bit for bit, and
+    several rows checked in one pass each give what they give alone."""
     from prunus.runtime.ort_genai import GenaiBackend
 
     with Engine.load(dirs["export"], max_batch=1, threads=1, native=True) as e:
@@ -157,6 +159,15 @@ def test_verify_gives_plain_logits_and_hidden_states_natively(dirs):
         assert torch.equal(backend.decode([0], [10])[0], plain[1])
         with pytest.raises(ValueError):
             backend.truncate(0, 9)
+    with Engine.load(dirs["export"], max_batch=3, threads=1, native=True) as e:  # several rows in one pass
+        backend = e.backend
+        backend.prefill([0, 1, 2], [[5, 6, 7, 8], [9, 10], [3, 1, 4, 1, 5]])
+        pieces = [[9, 10, 11], [12], [2, 6]]
+        together = backend.verify_rows([2, 0, 1], [pieces[2], pieces[0], pieces[1]])
+        for row, piece in ((0, pieces[0]), (1, pieces[1]), (2, pieces[2])):
+            backend.truncate(row, int(backend.lengths[backend.slot_of[row]]) - len(piece))
+        alone = [backend.verify(row, piece) for row, piece in enumerate(pieces)]
+        assert all(torch.equal(a, b) for a, b in zip(alone, [together[1], together[2], together[0]]))
 
 
 def test_drafts_that_do_not_fit_are_refused_before_the_target_loads(dirs, tmp_path, assert_user_error, monkeypatch):
