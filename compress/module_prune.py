@@ -9,15 +9,25 @@ channel of the layer cut) or by the group's norm (``group_norm``: every tensor l
 * ``by: params`` / ``by: flops``: pruning goes on in small steps until the parameter count / the FLOPs of
   one forward fall to ``1 - amount`` of the input's (or pruning cannot go on).
 
-An ``nn.MultiheadAttention`` (alone or inside ``nn.TransformerEncoderLayer``) is cut through torch-pruning's
-attention pruner: it narrows the embedding width the layer shares with the residual stream (the rows of
-``in_proj_weight``'s query, key and value blocks at the same indices, its columns, ``out_proj``), keeping the
-number of heads, so every cut is rounded to a multiple of the heads (each head keeps ``embed_dim / num_heads``).
-torch-pruning's head removal (``prune_num_heads``) applies to separate query / key / value ``nn.Linear``
-layers, not to the fused ``in_proj_weight``. Recurrent layers (``nn.GRU``, ``nn.LSTM``, ``nn.RNN`` and their
-cells) are refused in one line: torch-pruning has no GRU / RNN pruner (it leaves them whole) and its LSTM
-pruner cuts the gate blocks inconsistently. A pass that cuts nothing is refused (nothing is written) unless
-``allow_unchanged`` is set.
+Attention keeps its heads; every head loses the same share of its width, so each keeps its own channels:
+
+* an ``nn.MultiheadAttention`` (alone or inside ``nn.TransformerEncoderLayer``) is cut through torch-pruning's
+  attention pruner, which narrows the embedding width the layer shares with the residual stream (the rows of
+  ``in_proj_weight``'s query, key and value blocks at the same indices, its columns, ``out_proj``). Its heads are
+  given to torch-pruning as channel groups, so the same offsets are cut inside every head: a cut at arbitrary
+  indices (torch-pruning's default) would leave the heads re-split over channels of other heads.
+* a user attention module (an integer ``num_heads`` beside a fused ``qkv`` projection or separate ``q_proj`` /
+  ``k_proj`` / ``v_proj``: :func:`prunus.models.module_reshape.attention_projections`) gets torch-pruning's
+  ``num_heads``, which cuts the queries, keys and values of every head alike, and its integer ``head_dim`` (if it
+  holds one) follows.
+
+Whole heads are not removed: ``nn.MultiheadAttention`` computes its heads over the width it shares with the residual
+stream, so torch-pruning's ``prune_num_heads`` does not apply to it, and a model dir records only the cut shapes
+(``pruned_shapes``), from which a changed head count could not be told apart from narrower heads on reload.
+Recurrent layers (``nn.GRU``, ``nn.LSTM``, ``nn.RNN`` and their cells) are refused in one line: torch-pruning has no
+GRU / RNN pruner (it leaves them whole) and its LSTM pruner (1.6) keeps ``weight_hh``'s rows of the first gate only and
+cuts ``weight_ih`` along its inputs instead of its gates. A layer of the user's own that fails its forward after the cut is named in one line
+(:mod:`.prune_failure`). A pass that cuts nothing is refused (nothing is written) unless ``allow_unchanged`` is set.
 
 The layer(s) producing the module's output keep their outputs (a classifier keeps its classes). An optional
 fine-tune (``finetune_steps``) then trains the pruned module with the generic trainer on the task's data.
@@ -25,8 +35,6 @@ The result is saved with its cut shapes recorded (:mod:`prunus.models.module_res
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -81,9 +89,18 @@ def check_prunable(model: nn.Module) -> None:
                               f"weights); use distill_module into a smaller {kind}, or export the module unpruned")
 
 
-def head_multiple(model: nn.Module) -> int:
-    """What every cut is rounded to: the least common multiple of the attention layers' head counts (1)."""
-    return math.lcm(1, *(m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)))
+def head_groups(model: nn.Module) -> dict:
+    """Each ``nn.MultiheadAttention``'s heads as torch-pruning's channel groups: a width it cuts loses the same
+    channels of every head, so each head keeps its own (a cut at arbitrary indices would re-split the rest into
+    heads)."""
+    return {m: m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
+
+def user_heads(model: nn.Module) -> dict:
+    """torch-pruning's ``num_heads`` for each user attention module's query / key / value projections."""
+    from prunus.models.module_reshape import attention_projections
+
+    return {p: mod.num_heads for mod, projections in attention_projections(model).items() for p in projections}
 
 
 def _importance(tp, name: str):
@@ -112,27 +129,43 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
     try:
         pruner = tp.pruner.MetaPruner(model, example, importance=_importance(tp, importance), pruning_ratio=ratio,
                                       iterative_steps=steps, ignored_layers=keep, global_pruning=False,
-                                      round_to=head_multiple(model))
+                                      out_channel_groups=head_groups(model), in_channel_groups=head_groups(model),
+                                      num_heads=user_heads(model))
         for _ in range(steps):
             pruner.step()
             if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
                 break
-        with torch.no_grad():
-            model(example)  # a cut torch-pruning left inconsistent fails here, not in the report's scoring
-    except PrunusError:
-        raise
     except Exception as e:  # noqa: BLE001 - a module torch-pruning cannot trace: one line with the reason
         from prunus.models.module_factory import reason
 
         raise PrunusError(f"prune_channels: torch-pruning could not prune the module ({reason(e)}); use a module "
                           "whose forward torch can trace, or another pass") from None
+    from prunus.models.module_reshape import sync_head_dims
+
+    sync_head_dims(model)
+    check_cut_runs(model, example)
     after = {k: _count(tp, model, example, k) for k in ("params", "flops")}
     return {"params_before": int(before["params"]), "params_after": int(after["params"]),
             "flops_before": int(before["flops"]), "flops_after": int(after["flops"])}
 
 
+def check_cut_runs(model: nn.Module, example: torch.Tensor) -> None:
+    """One line naming the layer (and its type) that fails its forward after the cut; a cut torch-pruning left
+    inconsistent fails here, not in the report's scoring."""
+    from prunus.models.module_factory import reason
+
+    from .prune_failure import failing_layer
+
+    failed = failing_layer(model, example)
+    if failed is not None:
+        name, kind, e = failed
+        raise PrunusError(f"prune_channels: layer {name} ({kind}) fails after torch-pruning's cut ({reason(e)}); "
+                          "nothing was written; a layer that keeps a size of its own (a head width, a fixed reshape) "
+                          "cannot be cut: derive its sizes from its weights' shapes, or use distill_module") from None
+
+
 def prune_channels_pass(model: nn.Module, ctx, amount: float = 0.5, by: str = "channels",
-                        importance: str = "magnitude", finetune_steps: int = 0, lr: float = 1e-3,
+                        importance: str = "magnitude", finetune_steps: int = 0, lr: float = 3e-3,
                         batch_size: int = 32, allow_unchanged: bool = False) -> nn.Module:
     """The ``prune_channels`` pass of a generic module's compress run (``ctx``: a ModuleContext); a module
     left whole is refused unless ``allow_unchanged``."""

@@ -7,7 +7,9 @@ empty tensor of the recorded shape, the layer's size attributes - ``out_channels
 ``in_features``, ... - set to match) so the stored weights then load strictly. An ``nn.MultiheadAttention``
 (alone or in an ``nn.TransformerEncoderLayer``) keeps its heads: ``embed_dim`` follows its output projection,
 ``head_dim`` is ``embed_dim / num_heads`` (a cut that leaves heads of unequal size is refused), ``kdim`` /
-``vdim`` follow the key / value projections.
+``vdim`` follow the key / value projections. A user attention module (an integer ``num_heads`` beside a fused
+``qkv`` projection or separate ``q_proj`` / ``k_proj`` / ``v_proj``, :func:`attention_projections`) keeps its heads
+too; an integer ``head_dim`` it holds follows the query width (:func:`sync_head_dims`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,39 @@ def apply_shapes(module: torch.nn.Module, shapes: dict, where: str, fix: str) ->
         _sync_sizes(mod)
         if isinstance(mod, torch.nn.MultiheadAttention):
             _sync_attention(mod, where, fix)
+    sync_head_dims(module)
     return module
+
+
+# a user attention module's projections: a fused one (its outputs: queries, keys, values) or one each
+FUSED, SEPARATE = ("qkv", "in_proj", "c_attn"), (("q_proj", "k_proj", "v_proj"), ("q", "k", "v"),
+                                                  ("query", "key", "value"))
+
+
+def attention_projections(module: torch.nn.Module) -> dict[torch.nn.Module, list[torch.nn.Linear]]:
+    """Every user attention module of ``module`` (not ``nn.MultiheadAttention``): one with an integer
+    ``num_heads`` and a fused ``nn.Linear`` ``qkv`` (``in_proj``, ``c_attn``) or separate ``q_proj`` / ``k_proj`` /
+    ``v_proj`` (``q`` / ``k`` / ``v``, ``query`` / ``key`` / ``value``), mapped to those projections."""
+    found = {}
+    for mod in module.modules():
+        heads = getattr(mod, "num_heads", None)
+        if isinstance(mod, torch.nn.MultiheadAttention) or not isinstance(heads, int) or isinstance(heads, bool):
+            continue
+        fused = [getattr(mod, n) for n in FUSED if isinstance(getattr(mod, n, None), torch.nn.Linear)]
+        separate = [[getattr(mod, n, None) for n in names] for names in SEPARATE]
+        separate = [p for p in separate if all(isinstance(x, torch.nn.Linear) for x in p)]
+        if fused or separate:
+            found[mod] = fused[:1] or separate[0]
+    return found
+
+
+def sync_head_dims(module: torch.nn.Module) -> None:
+    """A user attention module keeps its heads; an integer ``head_dim`` it holds follows its (cut) query width:
+    ``qkv`` outputs / 3 / ``num_heads``, or ``q_proj`` outputs / ``num_heads``."""
+    for mod, projections in attention_projections(module).items():
+        width = projections[0].out_features // (3 if len(projections) == 1 else 1)
+        if isinstance(getattr(mod, "head_dim", None), int) and width % mod.num_heads == 0:
+            mod.head_dim = width // mod.num_heads
 
 
 def _sync_attention(mha: torch.nn.MultiheadAttention, where: str, fix: str) -> None:
