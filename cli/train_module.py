@@ -16,7 +16,6 @@ import sys
 import click
 
 from prunus.artifacts.errors import PrunusError
-from prunus.artifacts.validate import short
 from prunus.train_parallel.config import TrainConfig
 from prunus.train_parallel.module_config import ModuleTrainConfig
 
@@ -92,23 +91,16 @@ def resume_module_config(given: dict, options: dict) -> ModuleTrainConfig:
     """A resumed run's settings: those its run.json records < the flags given; a flag that changes a setting
     the run is defined by (not in MODULE_RESUMABLE) is one line naming it."""
     from prunus.models.module_factory import parse_model_args
-    from prunus.train_parallel.run_dir import differing_setting, read_run_config
+    from prunus.train_parallel.run_dir import check_same_run, read_run_config, resume_config
 
     _refuse_transformer_flags(given)
-    out = options["out"]
-    saved = read_run_config(out, expect=ModuleTrainConfig)
-    settings = {**saved.to_dict(), "stop_at": None, "out": out}  # an early stop belongs to its own invocation
-    settings.update({k: v for k, v in given.items() if k in _MODULE_FIELDS})
+    overrides = {k: v for k, v in given.items() if k in _MODULE_FIELDS}
     if "module_spec" in given:
-        settings["model"] = given["module_spec"]
+        overrides["model"] = given["module_spec"]
     if "model_args_text" in given:
-        settings["model_args"] = parse_model_args(given["model_args_text"])
-    cfg = ModuleTrainConfig.from_dict(settings, source="the command line")
-    k = differing_setting(cfg, saved)
-    if k is not None:
-        flag = {"model": "--model", "model_args": "--model-args"}.get(k, "--" + k.replace("_", "-"))
-        raise PrunusError(f"--resume: {flag} {short(cfg.to_dict()[k])} differs from the run in {out} "
-                          f"({short(saved.to_dict()[k])}); drop it (the run's own is used) or start a new run in another --out")
+        overrides["model_args"] = parse_model_args(given["model_args_text"])
+    cfg = resume_config(options["out"], ModuleTrainConfig, **overrides)
+    check_same_run(cfg, read_run_config(options["out"]), options["out"])  # before the dry run too
     cfg.validate()
     return cfg
 

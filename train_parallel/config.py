@@ -74,6 +74,12 @@ class RunSettings:
     timeout_s: float = _doc(600.0, "Collective timeout in seconds: a hang ends with an error naming the rank.",
                             flag="--timeout")
 
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """How messages name setting ``name``: its command-line flag (the field's ``flag``, else --NAME)."""
+        meta = next((f.metadata for f in dataclasses.fields(cls) if f.name == name), {})
+        return meta.get("flag", "--" + name.replace("_", "-"))
+
     def validate_run(self) -> None:
         """Ranges of the settings every kind shares (types are checked by check_dataclass)."""
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "keep_checkpoints", "nproc",
@@ -116,7 +122,7 @@ class TrainConfig(RunSettings):
                               choices=tuple(PRESETS))
     init_from: str | None = _doc(None, "Fine-tune: start from this prunus model dir's weights (its config.json defines "
                                        "the model; schedule, optimizer and steps start at 0).")
-    model: dict = _doc(dict, "Overrides of the preset's fields (ModelConfig names).", cli=False)
+    model: dict = _doc(dict, "Overrides of the preset's fields (ModelConfig names).", cli=False, flag="model")
     data: str | None = _doc(None, "Text file, dir of text files, or .bin tokens; or instruction rows: .jsonl / .parquet "
                                   "with {text}, {prompt, completion} or {messages} (packed, loss on completions). "
                                   "Default: the built-in corpus.")

@@ -67,6 +67,15 @@ def differing_setting(cfg, saved) -> str | None:
     return next((k for k, v in theirs.items() if k not in cfg.RESUMABLE and k != "out" and mine.get(k) != v), None)
 
 
+def check_same_run(cfg, saved, out: str | Path) -> None:
+    """One line naming the flag when ``cfg`` changes a setting the ``saved`` run is defined by."""
+    k = differing_setting(cfg, saved)
+    if k is not None:
+        raise PrunusError(f"resume=True: {cfg.flag(k)} {short(cfg.to_dict()[k])} differs from the run in {out} "
+                          f"({short(saved.to_dict()[k])}); drop it (the run's own is used) or start a new run in "
+                          "another out dir")
+
+
 def staging_dir(out: str | Path) -> Path:
     """Where an overwriting run is written until it is complete."""
     out = Path(out)
@@ -93,9 +102,10 @@ def run_location(cfg, *, resume: bool, overwrite: bool) -> tuple[Path, bool, boo
     return out, resume, overwrite
 
 
-def resume_config(run_dir: str | Path, **overrides):
-    """The saved settings of the run in ``run_dir`` (its kind's settings dataclass), with ``overrides`` applied."""
-    saved = read_run_config(run_dir)
+def resume_config(run_dir: str | Path, expect: type | None = None, **overrides):
+    """The saved settings of the run in ``run_dir`` (its kind's settings dataclass; ``expect``: refused unless this
+    one), with ``overrides`` applied."""
+    saved = read_run_config(run_dir, expect)
     settings = saved.to_dict()
     settings["stop_at"] = None  # an early stop belongs to the invocation that asked for it
     settings.update(overrides, out=str(run_dir))
@@ -111,11 +121,7 @@ def check_run_dir(cfg, *, resume: bool, overwrite: bool, run_dir: str | Path | N
     check_output(out, cfg.inputs())
     work = Path(run_dir) if run_dir is not None else out
     if resume:
-        saved = read_run_config(work, expect=type(cfg))
-        k = differing_setting(cfg, saved)
-        if k is not None:
-            raise PrunusError(f"resume=True: {k} is {short(cfg.to_dict()[k])} but the run in {out} used "
-                              f"{short(saved.to_dict()[k])}; keep it or start a new run in another out dir")
+        check_same_run(cfg, read_run_config(work, expect=type(cfg)), out)
         ckpts = list_checkpoints(work)
         if not ckpts:
             raise PrunusError(f"resume=True: no checkpoint in {work / 'checkpoints'}; start a new run without resume=True")
