@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import click
 from click.core import ParameterSource
@@ -18,6 +19,7 @@ from prunus.train_parallel.config import TrainConfig
 
 from .command_line import command_line
 from .config_options import config_options
+from .train_module import best_line
 
 # model flags: overrides of the preset's fields (TrainConfig.model): option -> (ModelConfig field, type, help)
 MODEL_OPTIONS = {
@@ -92,27 +94,43 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
                   plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, nnodes: str | None,
                   max_restarts: int, rdzv_endpoint: str | None, resume: bool, overwrite: bool, **options):
     """Train a model (the transformer, or with --model any torch.nn.Module); the final model dir is OUT/model."""
-    from .train_module import is_module_resume, train_module_command, transformer_options
+    from .train_module import is_module_resume, module_run_config, transformer_options
 
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-    from prunus.models.device import check_device
-
     if options.get("module_spec") is not None or is_module_resume(options, resume):  # any nn.Module (a factory's)
-        if not dry_run:  # a dry run plans for any machine
-            check_device(options["device"])
         refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,
                    "--world-size": world_size is not None, "--rank": plan_rank != 0, "--nnodes": nnodes}
-        return train_module_command(ctx, given, options, resume=resume, overwrite=overwrite, refused=refused,
-                                    dry_run=dry_run)
-    options = transformer_options(given, options)
-    given = {k: v for k, v in given.items() if k in options}
-    cfg = resolve_config(given, options, config_file, resume)
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed first)
+        cfg = module_run_config(given, options, resume=resume, refused=refused)
+        argv = command_line(ctx, given, None, resume, overwrite)
+        if dry_run:
+            from prunus.train_parallel.launch.module_dry_run import module_memory_plan
+
+            from .train_module import print_module_plan
+
+            return print_module_plan(module_memory_plan(cfg, argv))
+    else:
+        options = transformer_options(given, options)
+        given = {k: v for k, v in given.items() if k in options}
+        cfg = resolve_config(given, options, config_file, resume)
+        argv = command_line(ctx, given, config_file, resume, overwrite)
+        if _plan_only(cfg, argv, print_config=print_config, dry_run=dry_run, world_size=world_size, plan_rank=plan_rank,
+                      print_slurm=print_slurm, nodes=nodes, gpus_per_node=gpus_per_node,
+                      elastic=(nnodes, max_restarts, rdzv_endpoint)):
+            return
+    _run(ctx, cfg, argv, resume=resume, overwrite=overwrite, elastic=(nnodes, max_restarts, rdzv_endpoint))
+
+
+def _plan_only(cfg, argv: list[str], *, print_config: bool, dry_run: bool, world_size: int | None, plan_rank: int,
+               print_slurm: bool, nodes: int, gpus_per_node: int, elastic: tuple) -> bool:
+    """The transformer's planning actions (--print-config, --dry-run, --print-slurm): done when one was asked."""
+    nnodes, max_restarts, rdzv_endpoint = elastic
     if print_config:
         from prunus.train_parallel.config_file import to_toml
 
         click.echo(to_toml(cfg), nl=False)
-        return
-    if dry_run:
+    elif dry_run:
         from rich.console import Console
 
         from prunus.train_parallel.launch.dry_run import memory_plan
@@ -124,33 +142,38 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
             hosts = check_elastic(cfg, nnodes, max_restarts, rdzv_endpoint, need_endpoint=False)[1]
             world_size = world_size or hosts * cfg.nproc
         Console().print(render_plan(memory_plan(cfg, world_size or cfg.nproc, rank=plan_rank)))
-        return
-    if print_slurm:
+    elif print_slurm:
         from prunus.train_parallel.launch.slurm import sbatch_script
 
-        elastic = (nnodes, max_restarts, rdzv_endpoint) if nnodes else None
-        click.echo(sbatch_script(cfg, nodes, gpus_per_node, command_line(ctx, given, config_file, resume, overwrite),
-                                 elastic=elastic), nl=False)
-        return
-    check_device(cfg.device)  # one line for a device torch cannot use here (--print-slurm above plans for others)
-    launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
-    if nnodes and not launched:
+        click.echo(sbatch_script(cfg, nodes, gpus_per_node, argv, elastic=elastic if nnodes else None), nl=False)
+    return print_config or dry_run or print_slurm
+
+
+def _run(ctx: click.Context, cfg, argv: list[str], *, resume: bool, overwrite: bool, elastic: tuple) -> None:
+    """Run ``cfg``'s kind (its spec's train entry) here, or start its ranks: torchrun's agent over --nproc processes
+    (the spec's preflight first: bad input is one line before any process starts) or an elastic job's."""
+    from prunus.models.device import check_device
+    from prunus.models.spec import get_spec
+
+    check_device(cfg.device)  # one line for a device torch cannot use here (the plans above are for any machine)
+    spec, launched = get_spec(cfg.KIND), "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if elastic[0] and not launched:
         from prunus.train_parallel.launch.elastic import launch_elastic
 
-        ctx.exit(launch_elastic(cfg, ["train", *command_line(ctx, given, config_file, resume, overwrite)], nnodes,
-                                max_restarts, rdzv_endpoint))
+        ctx.exit(launch_elastic(cfg, ["train", *argv], *elastic))
     if cfg.nproc > 1 and not launched:
-        from prunus.train_parallel.launch.launch import launch_local
-        from prunus.train_parallel.trainer import preflight
+        from prunus.train_parallel.launch.launch import launch_ranks
 
-        preflight(cfg, resume=resume, overwrite=overwrite)  # bad input: one line here, before any process starts
-        ctx.exit(launch_local(cfg, ["train", *command_line(ctx, given, config_file, resume, overwrite)]))
-    from prunus.train_parallel import train
-
-    result = train(cfg, resume=resume, overwrite=overwrite)
-    if result.model_dir is not None:  # the progress output already named the model dir, with its scores
-        model_line = [] if cfg.progress else [f"model dir: {result.model_dir}"]
-        click.echo("\n".join([f"run dir:   {result.run_dir}", *model_line, f"loss plot: {result.run_dir / 'loss.png'}"]))
+        spec.load("preflight")(cfg, resume=resume, overwrite=overwrite)
+        ctx.exit(launch_ranks(cfg.nproc, ["train", *argv]))
+    result = spec.load("train")(cfg, resume=resume, overwrite=overwrite)
+    if result.model_dir is None and (int(os.environ.get("RANK", "0")) != 0 or spec.name == "transformer"):
+        return  # another rank, or stopped early where the transformer's trainer said so
+    stopped = f" (stopped at step {result.step}; continue with --resume)" if result.model_dir is None else ""
+    plot = result.run_dir / "loss.png"
+    click.echo("\n".join([f"run dir:   {result.run_dir}{stopped}",
+                          *([f"model dir: {result.model_dir}"] if result.model_dir and not cfg.progress else []),
+                          *([f"loss plot: {plot}"] if result.model_dir and plot.is_file() else []), *best_line(result)]))
 
 
 def _module_options() -> list[click.Option]:

@@ -10,8 +10,6 @@ checked before torch is imported; the current directory is importable, as under 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import click
 
@@ -19,7 +17,6 @@ from prunus.artifacts.errors import PrunusError
 from prunus.train_parallel.config import TrainConfig
 from prunus.train_parallel.module_config import ModuleTrainConfig
 
-from .command_line import command_line
 from .config_options import config_options
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -123,37 +120,12 @@ def print_module_plan(plan: dict) -> None:
     console.print(f"would run: {plan['command']}", soft_wrap=True)
 
 
-def train_module_command(ctx: click.Context, given: dict, options: dict, *, resume: bool, overwrite: bool,
-                         refused: dict, dry_run: bool = False) -> None:
-    """Train the generic module ``--model`` names (``dry_run``: print its memory plan and launch command instead);
-    ``refused``: the transformer-only actions asked for."""
+def module_run_config(given: dict, options: dict, *, resume: bool, refused: dict) -> ModuleTrainConfig:
+    """A generic module's settings from the flags (``refused``: the transformer-only actions asked for)."""
     for flag, asked in refused.items():
         if asked:
             raise PrunusError(f"{flag} plans a transformer run; drop it with --model")
-    cfg = resume_module_config(given, options) if resume else module_config(given, options)
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())  # the factory's module may sit in the current directory (installed packages first)
-    if dry_run:
-        from prunus.train_parallel.launch.module_dry_run import module_memory_plan
-
-        return print_module_plan(module_memory_plan(cfg, command_line(ctx, given, None, resume, overwrite)))
-    from prunus.data.module_datasets import train_test_datasets
-    from prunus.train_parallel.module_trainer import preflight_module, train_module
-
-    train, val = train_test_datasets(cfg.data, cfg.test_data, cfg.val_fraction, cfg.shuffle_buffer, task=cfg.task)
-    launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
-    if cfg.nproc > 1 and not launched:
-        from prunus.train_parallel.launch.launch import launch_ranks
-
-        preflight_module(cfg, train, resume=resume, overwrite=overwrite)  # bad input: one line, before any rank starts
-        ctx.exit(launch_ranks(cfg.nproc, ["train", *command_line(ctx, given, None, resume, overwrite)]))
-    result = train_module(cfg.model, train, cfg.task, cfg, val_dataset=val, resume=resume, overwrite=overwrite)
-    if result.model_dir is None and int(os.environ.get("RANK", "0")) == 0:
-        click.echo("\n".join([f"run dir:   {result.run_dir} (stopped at step {result.step}; continue with --resume)",
-                              *best_line(result)]))
-    elif result.model_dir is not None:  # the progress lines already named the model dir
-        click.echo("\n".join([f"run dir:   {result.run_dir}", *([] if cfg.progress else [f"model dir: {result.model_dir}"]),
-                              *best_line(result)]))
+    return resume_module_config(given, options) if resume else module_config(given, options)
 
 
 def best_line(result) -> list[str]:

@@ -62,7 +62,7 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (
               _MOD + "hf_convert:to_hf", _MOD + "model_dir:save_model", _MOD + "model_dir:load_model",
               "prunus.export.export_dir:export_model", "prunus.compress.run:compress",
               "prunus.data.evaluate_model_dir:evaluate_model_dir"),
-    ModelSpec("module", "generic module", _TP + "module_config:ModuleTrainConfig", _TP + "module_trainer:train_module",
+    ModelSpec("module", "generic module", _TP + "module_config:ModuleTrainConfig", _TP + "module_trainer:train_from_config",
               _TP + "module_trainer:preflight_module", _TP + "launch.module_dry_run:module_memory_plan",
               _TP + "data_parallel.any_module:parallelize_any", _TP + "pipeline.module_split:split_stages",
               _TP + "tensor_parallel.module_plan:apply_tp_plan", None, _MOD + "module_dir:save_module",

@@ -369,11 +369,20 @@ class ModuleTrainer(Trainer):
                                  self.best, model_from)
 
 
-def preflight_module(cfg: ModuleTrainConfig, train_dataset, *, resume: bool, overwrite: bool) -> None:
+def config_datasets(cfg: ModuleTrainConfig) -> tuple:
+    """(train, held-out) datasets of the data ``cfg.data`` (and ``cfg.test_data``) names: the spec's batch source."""
+    from prunus.data.module_datasets import train_test_datasets
+
+    return train_test_datasets(cfg.data, cfg.test_data, cfg.val_fraction, cfg.shuffle_buffer, task=cfg.task)
+
+
+def preflight_module(cfg: ModuleTrainConfig, train_dataset=None, *, resume: bool, overwrite: bool) -> None:
     """Every check the ranks of ``cfg.nproc`` would make first, here, before any starts: the run dir, the task,
-    the data's batch split, the factory building its module, and the module fitting the data."""
+    the data's batch split (``train_dataset``, else the data ``cfg.data`` names), the factory building its module,
+    and the module fitting the data."""
     cfg.validate()
     task = get_task(cfg.task)
+    train_dataset = config_datasets(cfg)[0] if train_dataset is None else train_dataset
     check_pair(train_dataset, "--data")
     step_batches(train_dataset, cfg.batch_size, seed=cfg.seed, world=max(1, cfg.nproc // (cfg.pp * cfg.tp)),
                  workers=cfg.data_workers)
@@ -398,3 +407,10 @@ def train_module(module_or_spec, dataset, task: str = "classification", cfg: Mod
     cfg = cfg or ModuleTrainConfig()
     return _train(cfg, module_or_spec, dataset, task, val_dataset=val_dataset, factory=factory, resume=resume,
                   overwrite=overwrite)
+
+
+def train_from_config(cfg: ModuleTrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """The run ``cfg`` describes on its own (``prunus train --model``): the module its factory builds, on the data
+    ``cfg.data`` names (the spec's train entry, as :func:`~.trainer.train` is the transformer's)."""
+    train, val = config_datasets(cfg)
+    return train_module(cfg.model, train, cfg.task, cfg, val_dataset=val, resume=resume, overwrite=overwrite)
