@@ -155,10 +155,12 @@ class IngressApp:
             if start is None:
                 raise ReplicaFailed("it sent no answer")
             if _streamed(start):
-                return await _relay_stream(start, messages, send)
+                return await _relay_stream(start, messages, send, watch)
             body = []
             while (m := await _next(messages)) is not None:
                 body.append(m.get("body", b""))
+                if not m.get("more_body"):
+                    break
             await send(start)
             await send({"type": "http.response.body", "body": b"".join(body)})
         finally:
@@ -181,13 +183,18 @@ def _streamed(start: dict) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.get("headers", []))
 
 
-async def _relay_stream(start: dict, messages, send) -> None:
-    """A streamed answer as it comes; a failure after it began ends it with an error event and ``[DONE]``."""
+async def _relay_stream(start: dict, messages, send, watch) -> None:
+    """A streamed answer as it comes; a failure after it began ends it with an error event and ``[DONE]`` (unless
+    the client left: ``watch`` is done)."""
     await send(start)
     try:
         while (m := await _next(messages)) is not None:
             await send(m)
+            if not m.get("more_body"):
+                return  # complete: the client may close now, which is no failure
     except ReplicaFailed as e:
+        if watch.done():
+            return
         print(f"prunus serve: a stream was cut: {e}", file=sys.stderr, flush=True)
         error = {"error": {"message": f"the replica serving this stream stopped ({e})", "type": "server_error",
                            "code": "replica_failed"}}
