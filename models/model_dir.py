@@ -22,6 +22,7 @@ from prunus.artifacts.manifest_schema import sha256_file  # noqa: F401 (re-expor
 from prunus.artifacts.safetensors_header import check_shapes, read_header
 from .llama import Transformer
 from .model_dir_fit import check_config_fits_header, check_dtype_kinds
+from .spec import TRANSFORMER, get_spec
 from .model_dir_manifest import (CONFIG, FORMAT, MANIFEST, WEIGHTS, dir_hash, parent_entry, read_config_json,  # noqa: F401
                                  read_manifest, verify_model_dir, versions, write_manifest)
 from .quant_registry import count_params, quantized_layout
@@ -96,17 +97,17 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     one from the memory-mapped file to that device; None leaves it on the meta device (streamed from the file
     at each forward). ``device`` then holds the buffers.
 
-    A generic module dir (config.json ``"kind": "module"``, :mod:`.module_dir`) is rebuilt by importing its
+    Another kind's dir is read by its spec's loader (:mod:`.spec`): a generic module dir (config.json ``"kind":
+    "module"``, :mod:`.module_dir`) is rebuilt by importing its
     factory, which runs code: only when ``trust_factory`` trusts it (True, the spec or a list of specs,
     :func:`~.module_factory.is_trusted`); None (the default) means the caller reads transformer dirs only.
     A config.json without ``kind`` is the transformer."""
     path = Path(path)
     if verify:
         verify_model_dir(path)
-    if "kind" in (config := read_config_json(path)):
-        from .module_dir import load_module
-
-        return load_module(path, config, trust_factory=trust_factory, device=device, dtype=dtype)
+    spec = get_spec((config := read_config_json(path)).get("kind"))
+    if spec.name != TRANSFORMER:  # another kind's loader (a generic module: module_dir.load_module)
+        return spec.load("model_dir_loader")(path, config, trust_factory=trust_factory, device=device, dtype=dtype)
     cfg, config = read_config(path)
     compression = CompressionState.from_json(config.get("compression"), source=str(path / CONFIG))
     weights = inside(path, WEIGHTS, fix="re-create the model dir")  # inside the dir, a regular file
