@@ -36,6 +36,7 @@ from prunus.models.int4 import INT4_SCHEME, check_group_size, dequantize_int4, q
 from prunus.models.quant_registry import handler
 from prunus.models.quantized_int4 import Int4Linear
 
+from .gguf_scales import round_scales
 from .int4_clip import CLIPS, grid_params
 from .options import INT4_ALGORITHMS as ALGORITHMS
 from .select import DEFAULT_EXCLUDE, check_named, exclude_list, float_linears, given_exclude, is_excluded, resolve_blocks
@@ -108,9 +109,13 @@ def calibration(ctx, algorithm: str, n_calib) -> list[torch.Tensor]:
 
 def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = None, symmetric: bool = True,
               act_order: bool = False, damp: float = 0.01, int8: str | list | tuple = (),
-              exclude: str | list | tuple | None = None, n_calib: int = 8, float_zero: bool = False, clip: str = "none"):
-    """Quantize ``model`` in place as described in the module docstring; returns it."""
+              exclude: str | list | tuple | None = None, n_calib: int = 8, float_zero: bool = False, clip: str = "none",
+              gguf_scales: bool = False):
+    """Quantize ``model`` in place as described in the module docstring; returns it. ``gguf_scales``: scales
+    rounded so that GGUF's Q4_0 / Q4_1 / Q8_0 blocks hold the weights exactly (:mod:`prunus.compress.gguf_scales`)."""
     check_args(model, algorithm, symmetric, act_order, damp, float_zero, clip)
+    if gguf_scales and float_zero:
+        raise PrunusError("quantize: gguf_scales needs integer zero points (Q4_1 holds z·s as a half); drop float_zero")
     int4_names, int8_names, skipped = choose_modules(model, exclude, int8)
     groups = {n: check_group_size(group_size, model.get_submodule(n).in_features, f"quantize {n}") for n in int4_names}
     batches = calibration(ctx, algorithm, n_calib)
@@ -152,6 +157,10 @@ def int4_pass(model, ctx, *, algorithm: str = "rtn", group_size: int | None = No
             hessians = gptq_hessians(model, int4_names, batches)
         for name in int4_names:
             replace(name, hessians.pop(name, None))
+        if gguf_scales:  # after GPTQ, whose later columns compensate the earlier ones' rounding to the fitted scales
+            round_scales(model, int8_names + int4_names)
+            info["gguf_scales"] = True
+            info["modules"].update({n: model.get_submodule(n).spec() for n in int8_names + int4_names})
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
     store(info)
     if ctx is not None:

@@ -29,6 +29,7 @@ from prunus.models.quantized_int4 import WeightOnlyInt4QuantHandler
 from prunus.models.schemes import SCHEMES
 
 from .calibrate import input_absmax
+from .gguf_scales import round_scales
 from .int4 import int4_pass
 from .options import check_calibration
 from .select import float_linears, given_exclude
@@ -43,9 +44,11 @@ def linear_names(model: nn.Module, exclude=()) -> tuple[list[str], list[str]]:
 
 def eight_bit_pass(model, ctx, *, scheme: str, granularity: str = "per_channel", group_size: int | None = None,
                    calibration: str = "minmax", percentile: float = 99.99, n_calib: int = 8,
-                   exclude: str | list | tuple | None = None):
+                   exclude: str | list | tuple | None = None, gguf_scales: bool = False):
     """Replace every float Linear not in ``exclude`` by a QuantizedLinear of the int8 / float8 ``scheme``, in
-    place; record the layout in the model's CompressionState (``quantization``). Returns ``model``."""
+    place; record the layout in the model's CompressionState (``quantization``). Returns ``model``.
+    ``gguf_scales``: int8 scales rounded to half values, so GGUF's Q8_0 holds the weights exactly
+    (:mod:`prunus.compress.gguf_scales`)."""
     scheme_handler = handler(scheme)
     scheme_handler.check(granularity, group_size)
     check_calibration(calibration, percentile)
@@ -72,7 +75,11 @@ def eight_bit_pass(model, ctx, *, scheme: str, granularity: str = "per_channel",
             q = scheme_handler.quantize(model.get_submodule(name), granularity, group_size,
                                         input_scale=input_scales.get(name))
             model.set_submodule(name, q)
+            if gguf_scales:
+                round_scales(model, [name])
             info["modules"][name] = scheme_handler.spec(q)
+    if gguf_scales:
+        info["gguf_scales"] = True
     info["excluded"] = sorted(set(info.get("excluded", [])) | set(skipped))
     state.quantization = info
     return model

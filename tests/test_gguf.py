@@ -421,3 +421,48 @@ def test_sentencepiece_tokenizer_round_trips_and_matches_transformers(tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     for text in texts:
         assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text), text
+
+
+@pytest.mark.parametrize("passes", [
+    {"scheme": "int8-weight-only"},
+    {"scheme": "int8-weight-only", "granularity": "per_group", "group_size": 32},
+    {"scheme": "int4-weight-only", "group_size": 32, "symmetric": True, "int8": ["output"], "exclude": []},
+    {"scheme": "int4-weight-only", "algorithm": "hqq", "group_size": 64, "symmetric": False, "int8": ["output"],
+     "exclude": []},
+], ids=["int8-channel", "int8-g32", "int4-sym-g32", "int4-hqq-g64"])
+def test_gguf_scales_put_every_stored_weight_into_blocks_exactly(tmp_path, passes):
+    """A quantize pass with ``gguf_scales: true`` leaves scales GGUF's Q8_0 / Q4_0 / Q4_1 hold as they are: every
+    stored Linear is written as blocks (none falls back to F32), each reads back as the very weights the dir
+    holds, and the file's model gives the dir's argmax. The rounding moves the logits little."""
+    from prunus.compress.quantize import quantize_pass
+
+    src = make_model_dir(tmp_path / "m", tie=True)
+    plain = quantize_pass(load_model(src), None, **passes)
+    model = quantize_pass(load_model(src), None, gguf_scales=True, **passes)
+    qdir = save_model(model, tmp_path / "q", tokenizer=load_model_tokenizer(src), stage="compress", parent=src)
+    to_gguf(qdir, tmp_path / "q.gguf", type="q8_0")
+    types = _types(tmp_path / "q.gguf")
+    stored = {n: t for n, t in types.items() if n.startswith("blk.") and "norm" not in n or n == "output.weight"}
+    assert stored and all(t in ("Q8_0", "Q4_0", "Q4_1") for t in stored.values()), stored
+    q, back = load_model(qdir), load_model(from_gguf(tmp_path / "q.gguf", tmp_path / "back"))
+    for name, m in q.named_modules():
+        if hasattr(m, "dequantize"):
+            assert torch.equal(back.state_dict()[f"{name}.weight"], m.dequantize()), name
+    assert json.loads((qdir / "config.json").read_text())["compression"]["quantization"]["gguf_scales"] is True
+    tokens = torch.randint(0, GQA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).argmax(-1), q(tokens).argmax(-1))
+        quantized = (plain(tokens) - load_model(src)(tokens)).abs().max()  # what quantizing moved the logits
+        assert (q(tokens) - plain(tokens)).abs().max() < 0.3 * quantized  # scales moved by 2^-8 of themselves at most
+
+
+def test_gguf_scales_refuses_what_no_block_holds(tmp_path):
+    from prunus.artifacts.errors import PrunusError
+    from prunus.compress.quantize import quantize_pass
+
+    src = make_model_dir(tmp_path / "m")
+    with pytest.raises(PrunusError, match="gguf_scales needs integer zero points"):
+        quantize_pass(load_model(src), None, scheme="int4-weight-only", symmetric=False, float_zero=True,
+                      gguf_scales=True)
+    with pytest.raises(PrunusError, match="gguf_scales is for int8 and int4"):
+        quantize_pass(load_model(src), None, scheme="fp8-weight-only", gguf_scales=True)

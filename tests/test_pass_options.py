@@ -208,6 +208,12 @@ CASES = [
     Case("quantize", {**INT4, "symmetric": False}, "float_zero", False, True,
          lambda a, b: not mod(a).weight_zero.is_floating_point() and mod(b).weight_zero.is_floating_point()
          and quant(b)["modules"][WQ]["float_zero"] is True),
+    Case("quantize", EIGHT, "gguf_scales", False, True,  # Q8_0's d: a half value
+         lambda a, b: not torch.equal(mod(a).weight_scale, mod(a).weight_scale.half().float())
+         and torch.equal(mod(b).weight_scale, mod(b).weight_scale.half().float()) and quant(b)["gguf_scales"] is True),
+    Case("quantize", INT4, "gguf_scales", False, True,  # Q4_0's d: a half value
+         lambda a, b: not torch.equal(mod(a).weight_scale, mod(a).weight_scale.half().float())
+         and torch.equal(mod(b).weight_scale, mod(b).weight_scale.half().float()) and quant(b)["gguf_scales"] is True),
     Case("quantize", INT4, "clip", "none", "mse",
          lambda a, b: "clipped" not in a[1][0] and "ranges clipped by mse search" in b[1][0] and differ(a, b) is None),
     # smoothquant: the scales move into the norms, the float model computes the same
@@ -368,6 +374,7 @@ NO_EFFECT = {
     ("quantize", "damp"): {"scheme": "int4-weight-only", "damp": 0.1},  # rtn
     ("quantize", "float_zero"): {"scheme": "int4-weight-only", "float_zero": True},  # symmetric
     ("quantize", "clip"): {"scheme": "int4-weight-only", "algorithm": "hqq", "clip": "mse"},
+    ("quantize", "gguf_scales"): {"scheme": "fp8-weight-only", "gguf_scales": True},
     ("prune", "n_calib"): {"method": "magnitude", "n_calib": 4},
     ("prune", "scope"): {"method": "2:4", "scope": "row"},
     ("prune", "sparsity"): {"method": "2:4-magnitude", "sparsity": 0.5},
@@ -402,6 +409,7 @@ def test_the_same_options_where_they_act_are_taken():
                  ("quantize", "damp"): {"scheme": "int4-weight-only", "algorithm": "awq-gptq"},
                  ("quantize", "float_zero"): {"scheme": "int4-weight-only", "symmetric": False},
                  ("quantize", "clip"): {"scheme": "int4-weight-only", "algorithm": "gptq"},
+                 ("quantize", "gguf_scales"): {"scheme": "int8-weight-only"},
                  ("prune", "n_calib"): {"method": "wanda"}, ("prune", "scope"): {"method": "wanda"},
                  ("prune", "sparsity"): {"method": "magnitude"}, ("distill", "temperature"): {"kd_weight": 0.5},
                  ("distill", "reverse_kl"): {"kd_weight": 0.5}, ("prune_channels", "lr"): {"finetune_steps": 2},
