@@ -42,7 +42,7 @@ from .parallel_dims import ParallelDims
 from .pipeline.module_pipeline import ModulePipeline
 from .pipeline.module_split import parse_split, split_stages
 from .tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, read_tp_plan
-from .run_dir import check_run_dir, init_run_dir, prior_state, publish_run_dir, run_location
+from .run_dir import check_run_dir, publish_run_dir, run_location
 from .train_result import TrainResult
 from .trainer import Trainer, build_optimizer
 
@@ -149,9 +149,7 @@ class ModuleTrainer(Trainer):
         module, self.factory, cfg = _resolve_model(module_or_spec, cfg, factory)
         self.cfg, self.dataset, self.val_dataset = cfg, dataset, val_dataset
         self.device = launched if cfg.device == "auto" else torch.device(cfg.device)
-        self.run_dir, resume, self.overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
-        self.resume_from = check_run_dir(cfg, resume=resume, overwrite=self.overwrite, run_dir=self.run_dir)
-        self.overwrite, self.prior = self.overwrite and not resume, None
+        self._locate_run(resume, overwrite)
         module = module.to(self.device)
         check_fits(module, dataset, self.task, _call, "--data " + cfg.data if cfg.data else "dataset")
         self._barrier()  # every rank has checked the run dir and the data before rank 0 writes to it
@@ -175,9 +173,7 @@ class ModuleTrainer(Trainer):
         self.stop = cfg.stop_at or cfg.steps
         self.losses: list[float] = []
         self.record: dict = {}
-        if self.main:
-            self.prior = prior_state(self.run_dir, cfg)
-            init_run_dir(cfg, overwrite=self.overwrite, extra={}, run_dir=self.run_dir)
+        self._init_run_dir({})
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data

@@ -241,10 +241,7 @@ class Trainer:
         self.main = self.rank == 0
         self.cfg, self.dims, self.objective = cfg, dims, objective
         self.model_cfg = cfg.model_config()
-        # the dir this invocation writes: OUT, or a staging dir that replaces OUT once complete (--overwrite)
-        self.run_dir, resume, overwrite = run_location(cfg, resume=resume, overwrite=overwrite)
-        self.resume_from = check_run_dir(cfg, resume=resume, overwrite=overwrite, run_dir=self.run_dir)
-        self.prior: str | None = None  # what the run dir was before rank 0 first wrote to it (run_dir.prior_state)
+        self._locate_run(resume, overwrite)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
         self.seq_len = cfg.resolved_seq_len()
         self.tokenizer = run_tokenizer(cfg, self.model_cfg.vocab_size)
@@ -264,7 +261,9 @@ class Trainer:
             self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
             self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
             self.start, self.train_state = self._load_checkpoint()
-            self._init_run_dir(overwrite=overwrite and not resume)
+            self._init_run_dir({"model": self.model_cfg.to_dict(), "corpus": self.corpus.name,
+                                "train_tokens": len(self.corpus.train), "val_tokens": len(self.corpus.val),
+                                "world_size": self.world, "command": shlex.join(sys.argv)})
         except BaseException as e:
             self._loss_modules.close()
             self._raise_failure(e)
@@ -334,13 +333,19 @@ class Trainer:
                               "resume with the model it was written for") from None
         return state.pop("step"), state
 
-    def _init_run_dir(self, *, overwrite: bool) -> None:
+    def _locate_run(self, resume: bool, overwrite: bool) -> None:
+        """The dir this invocation writes (OUT, or a staging dir that replaces OUT once complete: --overwrite) and
+        the checkpoint it resumes from, checked; nothing is written yet."""
+        self.run_dir, resume, overwrite = run_location(self.cfg, resume=resume, overwrite=overwrite)
+        self.resume_from = check_run_dir(self.cfg, resume=resume, overwrite=overwrite, run_dir=self.run_dir)
+        self.fresh_dir = overwrite and not resume  # an overwriting run's staging dir, made anew
+        self.prior: str | None = None  # what the run dir was before rank 0 first wrote to it (run_dir.prior_state)
+
+    def _init_run_dir(self, extra: dict) -> None:
+        """The run dir and its run.json (``extra``: what the kind records beside the settings), made by rank 0."""
         if self.main:
             self.prior = prior_state(self.run_dir, self.cfg)
-            init_run_dir(self.cfg, overwrite=overwrite, run_dir=self.run_dir, extra={
-                "model": self.model_cfg.to_dict(), "corpus": self.corpus.name, "train_tokens": len(self.corpus.train),
-                "val_tokens": len(self.corpus.val), "world_size": self.world, "command": shlex.join(sys.argv),
-            })
+            init_run_dir(self.cfg, overwrite=self.fresh_dir, run_dir=self.run_dir, extra=extra)
         self._barrier()
 
     # -- one step ------------------------------------------------------------------------------------------------
