@@ -75,19 +75,11 @@ class ModuleContext:
 
 
 def evaluate(model: nn.Module, ctx: ModuleContext, batch_size: int = 64) -> dict:
-    """The held-out figures of ``model`` (the task's: val_loss, val_accuracy for classification)."""
-    loss = count = 0
-    correct = None
-    model.eval()
-    with torch.inference_mode():
-        for start in range(0, len(ctx.val), batch_size):
-            from torch.utils.data import default_collate
+    """The held-out figures of ``model`` on every held-out sample (the task's: val_loss, val_accuracy for
+    classification), as training's evaluation computes them."""
+    from prunus.train_parallel.module_trainer import score_module
 
-            x, y = default_collate([ctx.val[i] for i in range(start, min(len(ctx.val), start + batch_size))])
-            s, n, c = ctx.task.sums(model(x), y)
-            loss, count = loss + s, count + n
-            correct = None if c is None else (correct or 0) + c
-    return ctx.task.summary(loss, count, correct)
+    return score_module(model, ctx.task, ctx.val, batch_size=batch_size, max_samples=len(ctx.val))
 
 
 def latency_ms(model: nn.Module, x: torch.Tensor) -> float:
