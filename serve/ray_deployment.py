@@ -54,7 +54,8 @@ QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Ray Serve's per-
 class PrunusReplica:
     """One replica: an Engine and the one-process server's app over it (see the module docstring)."""
 
-    def __init__(self, path: str, load: dict, server_options: dict, address: tuple, board: str, sys_path=()):
+    def __init__(self, path: str, load: dict, server_options: dict, address: tuple, board: str, sys_path=(),
+                 adapters: dict | None = None, adapters_per_replica: int = 2):
         from prunus.serve import Engine
 
         sys.path.extend(p for p in sys_path if p not in sys.path)  # a trusted factory's module (--trust-factory)
@@ -66,8 +67,14 @@ class PrunusReplica:
         install(self.app, self.server.drain, self.server.error_body)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.stopped = threading.Event()
-        threading.Thread(target=self._push, args=(ray.get_actor(board, namespace=NAMESPACE),), daemon=True,
-                         name="prunus-metrics-push").start()
+        self.board = ray.get_actor(board, namespace=NAMESPACE)
+        threading.Thread(target=self._push, args=(self.board,), daemon=True, name="prunus-metrics-push").start()
+        self.adapters = dict(adapters or {})
+
+        async def adapter(name: str) -> _Adapter:  # Ray Serve's model multiplexing: at most this many loaded here
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.load_adapter, name, self.adapters[name])
+            return _Adapter(self.engine, name)
+        self.adapter = serve.multiplexed(max_num_models_per_replica=adapters_per_replica)(adapter)
 
     def describe(self) -> dict:
         """What the ingress needs to know of the app: its error shape and body limit."""
@@ -99,6 +106,9 @@ class PrunusReplica:
 
         async def send(message):
             await queue.put(message)
+        name = serve.get_multiplexed_model_id()
+        if name in self.adapters:  # a LoRA adapter's request: loaded here first (the least used one unloaded)
+            await self.adapter(name)
         scope = {**parcel.scope(), "server": tuple(self.server.server_address)}
         task = asyncio.ensure_future(self.app(scope, receive, send))
         task.add_done_callback(lambda _: queue.put_nowait(None))
@@ -110,10 +120,28 @@ class PrunusReplica:
             gone.set()  # the app sees the client leave: its engine rows are cancelled
 
     def __del__(self):
-        self.stopped.set()
+        if hasattr(self, "stopped"):
+            self.stopped.set()
+        board = getattr(self, "board", None)
+        if board is not None:
+            try:
+                board.drop.remote(self.name)  # its counts leave /metrics with it
+            except Exception:  # the board is gone too (the application is stopping)
+                pass
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+
+
+class _Adapter:
+    """A LoRA adapter loaded on a replica's engine; Ray Serve unloads it (``__del__``) when it evicts it."""
+
+    def __init__(self, engine, name: str):
+        self.engine, self.name = engine, name
+
+    def __del__(self):
+        if self.name in self.engine.adapter_names():
+            self.engine.unload_adapter(self.name)  # requests running with it finish with it
 
 
 def replica_server(engine, options: dict, address: tuple):
@@ -159,10 +187,16 @@ def application(path, load: dict, server_options: dict, settings: RaySettings, a
                                max_ongoing_requests=max(256, ongoing * settings.highest),
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, logging_config=QUIET)
     board = board_name(app_name)
-    ingress_settings = IngressSettings(access=server_options.get("access") or ServeAccess(), address=tuple(address), board=board)
+    load = dict(load)
+    adapters = load.pop("lora", None) or {}  # loaded where requests ask for them (Ray Serve's multiplexing)
+    if adapters:
+        load["prepare"] = None  # LoRA needs the torch backend
+    ingress_settings = IngressSettings(access=server_options.get("access") or ServeAccess(), address=tuple(address),
+                                       board=board, adapters=tuple(adapters))
     sys_path = [os.getcwd()] if load.get("trust_factory") else []
-    return ingress.bind(replica.bind(str(path), load, server_options, tuple(address), board, sys_path),
-                        ingress_settings)
+    return ingress.bind(replica.bind(str(path), load, server_options, tuple(address), board, sys_path,
+                                     {k: str(Path(v).resolve()) for k, v in adapters.items()},
+                                     settings.adapters_per_replica), ingress_settings)
 
 
 def start(settings: RaySettings, host: str = LOOPBACK, port: int = 8000) -> tuple[str, int]:
@@ -190,10 +224,10 @@ def deploy(path, load: dict, server_options: dict, settings: RaySettings, host: 
         raise PrunusError(f"{path}: no such model dir or export dir; give the dir prunus train, compress or export "
                           "wrote")
     host, port = start(settings, host, port)
-    board = ray.remote(num_cpus=0)(MetricsBoard).options(name=board_name(app_name), namespace=NAMESPACE,
-                                                         get_if_exists=True).remote()
+    board = _BOARDS.get(app_name) or ray.remote(num_cpus=0)(MetricsBoard).options(
+        name=board_name(app_name), namespace=NAMESPACE, get_if_exists=True).remote()
     ray.get(board.fresh.remote())  # up before the replicas look for it
-    _BOARDS[app_name] = board  # the board lives as long as this process holds it
+    _BOARDS[app_name] = board  # the board lives as long as this process holds this handle (its first)
     try:
         serve.run(application(path, load, server_options, settings, (host, port), app_name), name=app_name,
                   route_prefix="/", blocking=False)

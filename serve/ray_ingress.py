@@ -11,6 +11,9 @@ streamed by the proxy does not carry) and relays the replica's answer.
 * A replica that dies or fails under a request: an answer not begun is 503 with one line (``code: replica_failed``
   in OpenAI's shape, ``{"error": ...}`` on the Open Inference Protocol); a ``GET`` / ``HEAD`` (idempotent) is
   first retried once on another replica; a stream already begun ends with an error event and ``data: [DONE]``.
+* A request whose ``model`` names a LoRA adapter (``--lora NAME=DIR``) goes through Ray Serve's model
+  multiplexing: to a replica that has it loaded if one has, else one loads it first (at most
+  ``--adapters-per-replica`` on a replica, the least recently used unloaded).
 * A client that leaves cancels its request on the replica (Ray cancels the handle's call; the replica's app sees
   the disconnect and frees the engine's rows).
 """
@@ -65,6 +68,7 @@ class IngressSettings:
     oip: bool = False  # the Open Inference Protocol's error shape
     max_body_bytes: int = MAX_BODY_BYTES
     board: str = ""  # the metrics board actor's name (prunus.serve.ray_metrics)
+    adapters: tuple = ()  # LoRA adapter names: a request naming one goes where it is loaded (multiplexing)
 
 
 class ReplicaFailed(Exception):
@@ -147,7 +151,9 @@ class IngressApp:
 
     async def relay(self, parcel: Parcel, receive, send) -> None:
         """One try on a replica; ReplicaFailed when it fails before its answer began."""
-        stream = self.replicas.options(stream=True).forward.remote(parcel)
+        adapter = _named_model(parcel.body) if self.settings.adapters else None
+        how = {"multiplexed_model_id": adapter} if adapter in self.settings.adapters else {}
+        stream = self.replicas.options(stream=True, **how).forward.remote(parcel)
         watch = asyncio.ensure_future(_on_disconnect(receive, stream))
         try:
             messages = aiter(stream)
@@ -177,6 +183,15 @@ async def _next(messages):
         raise
     except Exception as e:  # the actor died, was unreachable, or its call failed
         raise ReplicaFailed(f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from None
+
+
+def _named_model(body: bytes) -> str | None:
+    """The ``model`` a JSON body names, if any."""
+    try:
+        model = json.loads(body).get("model") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 def _streamed(start: dict) -> bool:

@@ -44,6 +44,10 @@ class RaySettings:
     router: str = field(default="prefix", metadata=_help(
         "prefix: a request goes to the replica that saw the longest start of its prompt (its prefix cache may "
         "hold it), power of two choices when their loads differ; default: Ray Serve's own router.", type=ROUTERS))
+    adapters_per_replica: int = field(default=2, metadata=_help(
+        "With --lora: LoRA adapters a replica holds at once; a request for another loads it there, unloading the "
+        "least recently used (Ray Serve's model multiplexing routes a request to a replica holding its adapter).",
+        type=int))
     ray_cpus: int | None = field(default=None, metadata=_help(
         "CPUs of the local Ray cluster started here. Default: enough for the replicas and the ingress.", type=int))
 
@@ -58,6 +62,8 @@ class RaySettings:
             raise PrunusError(f"--target-ongoing {self.target_ongoing!r}: give a number of requests above 0")
         if self.router not in ROUTERS:
             raise PrunusError(f"--router {self.router!r}: give one of {', '.join(ROUTERS)}")
+        if not 1 <= self.adapters_per_replica <= 1024:
+            raise PrunusError(f"--adapters-per-replica {self.adapters_per_replica!r}: give 1 to 1024")
         if self.ray_cpus is not None and not 1 <= self.ray_cpus <= 4096:
             raise PrunusError(f"--ray-cpus {self.ray_cpus!r}: give 1 or more CPUs")
         if self.active and not self.lowest <= self.initial <= self.highest:

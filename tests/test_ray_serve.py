@@ -25,6 +25,9 @@ from prunus.models import Transformer, get_preset, save_model
 from prunus.serve.ray_prefix_tree import PrefixTree
 from prunus.serve.ray_settings import RaySettings
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_serve_lora import write_adapter  # noqa: E402
+
 pytestmark = pytest.mark.slow  # starts a Ray cluster
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -83,15 +86,27 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(model_dir):
-    """The URL of 2 replicas (0.5 CPU each, the prefix router, an API key) on a local cluster of 2 CPUs."""
+def adapters(model_dir):
+    """Two LoRA adapter dirs (PEFT's format) over the model: {name: dir}."""
+    from prunus.models import load_model
+
+    model = load_model(model_dir)
+    write_adapter(model, model_dir.parent / "a", 4, 8.0, ("attention.wq", "attention.wv"), 1)
+    write_adapter(model, model_dir.parent / "b", 2, 4.0, ("attention.wq", "feed_forward.w2"), 2)
+    return {"a": str(model_dir.parent / "a"), "b": str(model_dir.parent / "b")}
+
+
+@pytest.fixture(scope="module")
+def app(model_dir, adapters):
+    """The URL of 2 replicas (0.5 CPU each, the prefix router, an API key, two LoRA adapters of which a replica
+    holds one at a time) on a local cluster of 2 CPUs."""
     pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install 'prunus[ray]')")
     os.environ["RAY_NODE_IP_ADDRESS"] = "127.0.0.1"
     from prunus.serve.http_access import ServeAccess
     from prunus.serve.ray_deployment import deploy, stop
 
-    url = deploy(model_dir, LOAD, {"access": ServeAccess(api_key=KEY), "shutdown_grace": 2.0},
-                 RaySettings(replicas=2, replica_cpus=0.5, ray_cpus=2), port=0)
+    url = deploy(model_dir, {**LOAD, "lora": adapters}, {"access": ServeAccess(api_key=KEY), "shutdown_grace": 2.0},
+                 RaySettings(replicas=2, replica_cpus=0.5, ray_cpus=2, adapters_per_replica=1), port=0)
     yield url
     stop()
 
@@ -121,29 +136,35 @@ def _replica_counts(url: str) -> dict[str, float]:
             re.finditer(r'prunus_requests_total\{replica="([^"]+)",status="200"\} ([0-9.]+)', text)}
 
 
-def test_replicas_give_the_one_process_servers_greedy_tokens(app, model_dir):
+@pytest.fixture(scope="module")
+def one_process(model_dir, adapters):
+    """The URL of the one-process server of the same model, options and adapters."""
     from prunus.serve import Engine
     from prunus.serve.http_server import CompletionServer
 
-    with Engine.load(model_dir, **LOAD) as engine:
+    with Engine.load(model_dir, **{**LOAD, "lora": adapters}) as engine:
         server = CompletionServer(engine, "127.0.0.1", 0)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        try:
-            one = "http://%s:%d" % tuple(server.server_address[:2])
-            for prompt in PROMPTS:
-                mine = _call(one, "POST", "/v1/completions", {"model": "model", "prompt": prompt, "max_tokens": 12,
-                                                               "temperature": 0})
-                theirs = _complete(app, prompt, 12)
-                assert mine[0] == theirs[0] == 200, theirs
-                assert json.loads(theirs[1])["choices"][0]["text"] == json.loads(mine[1])["choices"][0]["text"]
-        finally:
-            server.shutdown()
-            server.server_close()
+        yield "http://%s:%d" % tuple(server.server_address[:2])
+        server.shutdown()
+        server.server_close()
+
+
+def _text(url: str, model: str, prompt: str, n: int, headers=None) -> str:
+    status, raw = _call(url, "POST", "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n,
+                                                         "temperature": 0}, headers)
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["text"]
+
+
+def test_replicas_give_the_one_process_servers_greedy_tokens(app, one_process):
+    for prompt in PROMPTS:
+        assert _text(app, "model", prompt, 12, AUTH) == _text(one_process, "model", prompt, 12)
     status, raw = _call(app, "POST", "/v1/completions", {"model": "model", "prompt": PROMPTS[0], "max_tokens": 4,
                                                          "temperature": 0, "stream": True}, AUTH)
     assert status == 200 and raw.rstrip().endswith("data: [DONE]")
     status, raw = _call(app, "GET", "/v1/models", headers=AUTH)
-    assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == ["model"]
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "model"
 
 
 def test_a_repeated_prompt_start_goes_to_one_replica(app):
@@ -154,6 +175,18 @@ def test_a_repeated_prompt_start_goes_to_one_replica(app):
     after = _replica_counts(app)
     gained = sorted(after.get(r, 0) - before.get(r, 0) for r in after)
     assert len(after) == 2 and gained == [0, 6], (before, after)
+
+
+def test_an_adapters_requests_go_where_it_is_loaded_with_its_tokens(app, one_process, adapters):
+    for name in adapters:
+        assert _text(app, name, PROMPTS[0], 6, AUTH) == _text(one_process, name, PROMPTS[0], 6)
+    time.sleep(2)  # the replicas report which adapters they hold
+    before = _replica_counts(app)
+    for prompt in PROMPTS[1:]:
+        status, raw = _call(app, "POST", "/v1/completions", {"model": "a", "prompt": prompt, "max_tokens": 2}, AUTH)
+        assert status == 200, raw
+    after = _replica_counts(app)
+    assert sorted(after[r] - before.get(r, 0) for r in after) == [0, len(PROMPTS) - 1], (before, after)
 
 
 def test_the_guards_answer_as_on_one_process(app):
