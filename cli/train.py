@@ -1,9 +1,12 @@
-"""prunus train: train a model from a preset, in one process or many.
+"""prunus train: train a model (the transformer from a preset, or with --model any nn.Module), in one process or many.
 
-The options are made from :class:`~prunus.train_parallel.config.TrainConfig`'s fields: name, type
-(from the annotation), default and help text (the field's ``metadata["help"]``). A new setting is
-one field there; only the options that are not settings (launching, planning, MoE model flags)
-are written here.
+The options are made from the settings dataclasses' fields (:class:`~prunus.train_parallel.config.TrainConfig`,
+and :class:`~prunus.train_parallel.module_config.ModuleTrainConfig`'s own): name, type (from the annotation),
+default and help text (the field's ``metadata["help"]``). A new setting is one field there; only the options that
+are not settings (launching, planning, MoE model flags, --model / --model-args) are written here. ``--model`` and
+``--model-args`` are read by a literal parser, never evaluated, and checked before torch is imported; the current
+directory is importable for the factory, as under ``python -m``. Every kind runs through its spec
+(:mod:`prunus.models.spec`): its preflight, its train entry, its dry run.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import sys
 import click
 from click.core import ParameterSource
 
+from prunus.artifacts.errors import PrunusError
+from prunus.models.spec import get_spec
 from prunus.train_parallel.config import TrainConfig
+from prunus.train_parallel.module_config import ModuleTrainConfig
 
 from .command_line import command_line
 from .config_options import config_options
-from .train_module import best_line
 
 # model flags: overrides of the preset's fields (TrainConfig.model): option -> (ModelConfig field, type, help)
 MODEL_OPTIONS = {
@@ -65,6 +70,85 @@ EXTRA_OPTIONS = [
 ]
 
 
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+_MODULE_FIELDS = {f.name for f in dataclasses.fields(ModuleTrainConfig)}
+
+
+
+def module_options() -> list[click.Option]:
+    """--model, --model-args and one option per ModuleTrainConfig field that TrainConfig has no option for."""
+    own = [o for o in config_options(ModuleTrainConfig) if o.name not in _TRAIN_FIELDS]
+    return [
+        click.Option(["--model", "module_spec"], default=None, metavar="PACKAGE.MODULE:CALLABLE",
+                     help="Train any torch.nn.Module this factory builds (with --data and --task), instead of the "
+                          "transformer; --batch-size then counts samples."),
+        click.Option(["--model-args", "model_args_text"], default=None, metavar="K=V,...",
+                     help="With --model: the factory's keyword arguments, e.g. num_classes=10,width=32 (JSON values; "
+                          "a bare word is a string)."),
+        *own,
+    ]
+
+
+# the click parameters only a generic module's run takes
+MODULE_ONLY = ("module_spec", "model_args_text", *sorted(_MODULE_FIELDS - _TRAIN_FIELDS - {"model", "model_args"}))
+
+
+def transformer_options(given: dict, options: dict) -> dict:
+    """The options of a transformer run: the generic module's own refused when given (one line), then dropped."""
+    for name in MODULE_ONLY:
+        if name in given and not (name == "task" and given[name] == "causal-lm"):
+            flag = {"module_spec": "--model", "model_args_text": "--model-args"}.get(name, "--" + name.replace("_", "-"))
+            raise PrunusError(f"{flag} applies to a generic module; add --model package.module:callable (without it, "
+                              "prunus train trains the transformer)")
+    return {k: v for k, v in options.items() if k not in MODULE_ONLY}
+
+
+def is_module_resume(options: dict, resume: bool) -> bool:
+    """Whether ``--resume`` continues a generic module's run in ``--out`` (its run.json says so)."""
+    if not resume:
+        return False
+    from prunus.train_parallel.run_dir import run_kind
+
+    return run_kind(options["out"]) == ModuleTrainConfig.KIND
+
+
+def _refuse_transformer_flags(given: dict) -> None:
+    extra = [k for k in given if k not in _MODULE_FIELDS and k not in MODULE_ONLY]
+    if extra:
+        flag = "--" + extra[0].replace("_", "-")
+        raise PrunusError(f"{flag} applies to the transformer, not to a generic module (--model); drop it (a module "
+                          "trains with --nproc, --zero, --sync-batchnorm, --grad-accum, --pp-split or --tp with --tp-plan)")
+
+
+def module_run_config(given: dict, options: dict, *, resume: bool, refused: dict) -> ModuleTrainConfig:
+    """A generic module's settings: ModuleTrainConfig's defaults (on --resume: those its run.json records) < the
+    flags given. Transformer-only flags and planning actions (``refused``) are one line, and so is a flag that
+    changes a setting the resumed run is defined by."""
+    from prunus.models.module_factory import parse_model_args, parse_spec
+    from prunus.train_parallel.run_dir import check_same_run, read_run_config, resume_config
+
+    for flag, asked in refused.items():
+        if asked:
+            raise PrunusError(f"{flag} plans a transformer run; drop it with --model")
+    _refuse_transformer_flags(given)
+    settings = {k: v for k, v in given.items() if k in _MODULE_FIELDS}
+    if not resume or "module_spec" in given:
+        settings["model"] = options["module_spec"]
+        parse_spec(settings["model"], "--model")
+    if not resume or "model_args_text" in given:
+        settings["model_args"] = parse_model_args(options["model_args_text"])
+    if resume:
+        cfg = resume_config(options["out"], ModuleTrainConfig, **settings)
+        check_same_run(cfg, read_run_config(options["out"]), options["out"])  # before the dry run too
+    else:
+        cfg = ModuleTrainConfig(**settings)
+    if cfg.data is None:
+        raise PrunusError("--model needs --data: an ImageFolder directory, or e.g. "
+                          "synthetic:classification?n=256&shape=3x32x32&classes=10")
+    cfg.validate()
+    return cfg
+
+
 def resolve_config(given: dict, options: dict, config_file: str | None, resume: bool) -> TrainConfig:
     """The run's settings: defaults < the TOML file < flags given; on --resume the saved ones < flags given.
 
@@ -94,8 +178,6 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
                   plan_rank: int, print_slurm: bool, nodes: int, gpus_per_node: int, nnodes: str | None,
                   max_restarts: int, rdzv_endpoint: str | None, resume: bool, overwrite: bool, **options):
     """Train a model (the transformer, or with --model any torch.nn.Module); the final model dir is OUT/model."""
-    from .train_module import is_module_resume, module_run_config, transformer_options
-
     given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if options.get("module_spec") is not None or is_module_resume(options, resume):  # any nn.Module (a factory's)
         refused = {"--config": config_file, "--print-config": print_config, "--print-slurm": print_slurm,
@@ -105,11 +187,13 @@ def train_command(ctx: click.Context, config_file: str | None, print_config: boo
         cfg = module_run_config(given, options, resume=resume, refused=refused)
         argv = command_line(ctx, given, None, resume, overwrite)
         if dry_run:
-            from prunus.train_parallel.launch.module_dry_run import module_memory_plan
+            from rich.console import Console
 
-            from .train_module import print_module_plan
+            from prunus.train_parallel.launch.dry_run_table import render_module_plan
 
-            return print_module_plan(module_memory_plan(cfg, argv))
+            plan = get_spec(cfg.KIND).load("dry_run")(cfg, argv)
+            Console().print(render_module_plan(plan))
+            return Console().print(f"would run: {plan['command']}", soft_wrap=True)
     else:
         options = transformer_options(given, options)
         given = {k: v for k, v in given.items() if k in options}
@@ -153,8 +237,6 @@ def _run(ctx: click.Context, cfg, argv: list[str], *, resume: bool, overwrite: b
     """Run ``cfg``'s kind (its spec's train entry) here, or start its ranks: torchrun's agent over --nproc processes
     (the spec's preflight first: bad input is one line before any process starts) or an elastic job's."""
     from prunus.models.device import check_device
-    from prunus.models.spec import get_spec
-
     check_device(cfg.device)  # one line for a device torch cannot use here (the plans above are for any machine)
     spec, launched = get_spec(cfg.KIND), "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if elastic[0] and not launched:
@@ -176,11 +258,20 @@ def _run(ctx: click.Context, cfg, argv: list[str], *, resume: bool, overwrite: b
                           *([f"loss plot: {plot}"] if result.model_dir and plot.is_file() else []), *best_line(result)]))
 
 
-def _module_options() -> list[click.Option]:
-    from .train_module import module_options
-
-    return module_options()
+def best_line(result) -> list[str]:
+    """The run's last line: its best step, where its weights are kept, and which weights the model dir holds."""
+    best = result.best
+    if best is None:
+        return []
+    where = result.run_dir / "checkpoints" / "best"
+    if result.model_dir is None:
+        holds = "the model dir is written at the last step"
+    elif result.model_from == "best":
+        holds = "the model dir holds it"
+    else:
+        holds = "the model dir holds the last step's (--model-from best for this one)"
+    return [f"best:      step {best['step']:,} ({best['metric']} {best['value']:.4f}) in {where}; {holds}"]
 
 
 command = click.Command("train", callback=click.pass_context(train_command),
-                        params=[*config_options(), *EXTRA_OPTIONS, *_module_options()], help=train_command.__doc__)
+                        params=[*config_options(), *EXTRA_OPTIONS, *module_options()], help=train_command.__doc__)

@@ -1,4 +1,5 @@
-"""The dry run's memory plan (:func:`prunus.train_parallel.launch.dry_run.memory_plan`) as a table for the terminal."""
+"""The dry run's memory plans as tables for the terminal: the transformer's (:func:`.dry_run.memory_plan`, one rank) and a
+generic module's (:func:`.module_dry_run.module_memory_plan`, every rank)."""
 
 from __future__ import annotations
 
@@ -51,4 +52,21 @@ def render_plan(plan: dict):
         block = comm.get("layers.0", 0)
         table.add_row("tp traffic sent per micro-step (one block)", f"{block:,}", _gib(block))
         table.add_row("tp traffic sent per micro-step (all layers)", f"{sum(comm.values()):,}", _gib(sum(comm.values())))
+    return table
+
+
+MODULE_COLUMNS = ("params", "gathered", "grads", "ddp_buckets", "optimizer", "buffers", "total_peak")
+
+
+def render_module_plan(plan: dict):
+    """A generic module's plan (:func:`~.module_dry_run.module_memory_plan`) as one rich Table: a row a rank."""
+    from rich.table import Table
+
+    table = Table(title=f"dry run: {plan['layout']}, {plan['world_size']} rank(s), {plan['params_total']:,} parameters "
+                        f"({plan['param_bytes_total']:,} bytes); bytes per rank, activations not counted",
+                  title_justify="left")
+    for name in ("rank", *MODULE_COLUMNS):
+        table.add_column(name, justify="right")
+    for row in plan["ranks"]:
+        table.add_row(str(row["rank"]), *(f"{row[c]:,}" for c in MODULE_COLUMNS))
     return table
