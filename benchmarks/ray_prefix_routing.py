@@ -15,7 +15,7 @@ the replicas' own metrics (``GET /metrics``, labelled ``replica``); then the rat
 never fail the run; the machine is named, and the load average at the start and end says how busy it was.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.ray_prefix_routing [--clients 8] [--requests 6] [--systems 6]
-        [--rounds 1] [--json F]
+        [--rounds 2] [--imbalance 2] [--json F]
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def run_router(router: str, path: Path, args, work) -> dict:
 
     load = {"backend": "torch", "max_batch": 4, "max_queue": 256, "compile": False, "threads": 1,
             "prefix_cache_mb": args.cache_mb}
-    settings = RaySettings(replicas=2, replica_cpus=args.replica_cpus, router=router, ray_cpus=args.ray_cpus)
+    settings = RaySettings(replicas=2, replica_cpus=args.replica_cpus, router=router, ray_cpus=args.ray_cpus,
+                           imbalance=args.imbalance)
     url = deploy(path, load, {"shutdown_grace": 1.0}, settings, port=args.port)
     port = int(url.rsplit(":", 1)[1])
     try:
@@ -179,7 +180,8 @@ def main() -> None:
     ap.add_argument("--cache-mb", type=float, default=None, help="prefix cache per replica (default: half the prompts)")
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the local Ray cluster (default: enough for both)")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--imbalance", type=int, default=2, help="the prefix router's load imbalance threshold")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

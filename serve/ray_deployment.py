@@ -178,7 +178,8 @@ def application(path, load: dict, server_options: dict, settings: RaySettings, a
                                        "target_ongoing_requests": settings.target_ongoing}}
                if settings.autoscaling else {"num_replicas": settings.initial})
     router = ({"request_router_config": RequestRouterConfig(
-        request_router_class="prunus.serve.ray_router.PrefixAffinityRouter")} if settings.router == "prefix" else {})
+        request_router_class="prunus.serve.ray_router.PrefixAffinityRouter",
+        request_router_kwargs={"imbalanced_threshold": settings.imbalance})} if settings.router == "prefix" else {})
     grace = float(server_options.get("shutdown_grace", 5.0))
     replica = serve.deployment(PrunusReplica, name="PrunusReplica", max_ongoing_requests=ongoing,
                                ray_actor_options={"num_cpus": settings.replica_cpus},

@@ -67,7 +67,7 @@ def request_text(pending_request: PendingRequest | None) -> str | None:
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """See the module docstring; ``request_router_kwargs`` set the thresholds."""
 
-    def initialize_state(self, imbalanced_threshold: float = 4, match_rate_threshold: float = 0.1, **kwargs):
+    def initialize_state(self, imbalanced_threshold: float = 2, match_rate_threshold: float = 0.1, **kwargs):
         self.imbalanced_threshold, self.match_rate_threshold = imbalanced_threshold, match_rate_threshold
         self.tree = PrefixTree()
 

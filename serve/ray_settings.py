@@ -44,6 +44,9 @@ class RaySettings:
     router: str = field(default="prefix", metadata=_help(
         "prefix: a request goes to the replica that saw the longest start of its prompt (its prefix cache may "
         "hold it), power of two choices when their loads differ; default: Ray Serve's own router.", type=ROUTERS))
+    imbalance: int = field(default=2, metadata=_help(
+        "With --router prefix: when the busiest replica has more than this many requests in progress above the "
+        "idlest, the power of two choices decides instead of the prompt's prefix.", type=int))
     adapters_per_replica: int = field(default=2, metadata=_help(
         "With --lora: LoRA adapters a replica holds at once; a request for another loads it there, unloading the "
         "least recently used (Ray Serve's model multiplexing routes a request to a replica holding its adapter).",
@@ -62,6 +65,8 @@ class RaySettings:
             raise PrunusError(f"--target-ongoing {self.target_ongoing!r}: give a number of requests above 0")
         if self.router not in ROUTERS:
             raise PrunusError(f"--router {self.router!r}: give one of {', '.join(ROUTERS)}")
+        if not 0 <= self.imbalance <= 100_000:
+            raise PrunusError(f"--imbalance {self.imbalance!r}: give 0 or more requests")
         if not 1 <= self.adapters_per_replica <= 1024:
             raise PrunusError(f"--adapters-per-replica {self.adapters_per_replica!r}: give 1 to 1024")
         if self.ray_cpus is not None and not 1 <= self.ray_cpus <= 4096:

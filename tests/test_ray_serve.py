@@ -2,8 +2,9 @@
 tens of seconds on 2 cores), two replicas of a tiny random model behind one address. Greedy tokens equal the
 one-process server's; a repeated prompt start goes to one replica (the prefix-aware router); the API key and Host
 guards answer as on one process, /metrics too; /metrics holds every replica's registry, labelled; killing a
-replica under load loses no request (each ends answered or with a one-line error) and Ray Serve starts another.
-The prefix tree, the settings and the CLI's one-line refusals are checked without Ray."""
+replica under load loses no request (each ends answered or with a one-line error) and Ray Serve starts another; a
+LoRA adapter's requests (Ray Serve's multiplexing) give the one-process tokens and stay where it is loaded; a generic
+module answers the Open Inference Protocol from replicas. The prefix tree, the settings and the CLI's one-line refusals are checked without Ray."""
 
 from __future__ import annotations
 
@@ -257,3 +258,34 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app):
         time.sleep(1)
     assert replicas.get("RUNNING", 0) == 2, replicas
     assert all(_complete(app, p, 2)[0] == 200 for p in PROMPTS)
+
+
+def test_a_generic_module_answers_the_open_inference_protocol_from_replicas(app, tmp_path, monkeypatch):
+    """Last: the application is replaced by one serving a generic module (its factory trusted; the replicas import
+    it from the current directory, as prunus serve --trust-factory does)."""
+    import numpy as np
+    from ray import serve
+
+    from prunus.models.module_dir import save_module
+    from prunus.models.module_factory import build_module
+    from prunus.serve import Engine
+    from prunus.serve.ray_deployment import APP_NAME, deploy
+
+    factory = "test_serve_predict:tiny"
+    monkeypatch.chdir(Path(__file__).parent)
+    torch.manual_seed(0)
+    save_module(build_module(factory, {}), tmp_path / "gm", stage="test", task="regression",
+                input={"shape": [6], "dtype": "float32"})
+    x = np.arange(12, dtype=np.float32).reshape(2, 6) / 10
+    with Engine.load(tmp_path / "gm", trust_factory=factory, threads=1) as engine:
+        want = engine.predict(x)
+    serve.delete(APP_NAME)
+    url = deploy(tmp_path / "gm", {"trust_factory": factory, "threads": 1, "max_batch": 8}, {},
+                 RaySettings(replicas=2, replica_cpus=0.5, ray_cpus=2), port=int(app.rsplit(":", 1)[1]))
+    body = {"inputs": [{"name": "input", "shape": [2, 6], "datatype": "FP32", "data": x.reshape(-1).tolist()}]}
+    status, raw = _call(url, "POST", "/v2/models/gm/infer", body)
+    assert status == 200, raw
+    assert np.array_equal(np.array(json.loads(raw)["outputs"][0]["data"], dtype=np.float32), want.reshape(-1))
+    status, raw = _call(url, "POST", "/v2/models/other/infer", body)
+    assert status == 404 and list(json.loads(raw)) == ["error"] and "'gm'" in json.loads(raw)["error"]
+    assert _call(url, "GET", "/v2/health/ready")[0] == 200
