@@ -9,7 +9,8 @@ each prompt, timed in alternating rounds:
 * ``ngram kK``: prompt-lookup drafting (no model);
 * ``eagle V kK``: the draft with its head cut to (or widened to) the ``V`` most frequent tokens, ``--vocab``: the
   trained block with the target's head rows of the first ``V`` ids of its frequency ranking (the trained draft's
-  own ranking continued by the target's remaining ids, in id order), ``K`` drafted tokens per step.
+  own ranking continued by the target's remaining ids, in id order), at most ``K`` drafted tokens per step (each row
+  its own k, plain decoding where speculation measured slower; ``--fixed``: K at every step).
 
 Prompts: English prose (the first held-out topic of ``pydoc_data.topics``) and Python code (Python's ``json``
 package source), both text that ``benchmarks/draft_corpus.py`` leaves out of a draft's training corpus. Prints each
@@ -19,7 +20,7 @@ plain. ``--plot`` writes speedup against the draft vocabulary. Timings never fai
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.eagle --target EXPORT_DIR --draft DRAFT_DIR --model MODEL_DIR
         [--vocab 4096,16384,49152] [--draft-tokens 3] [--threads 1,2] [--new-tokens 96] [--rounds 2]
-        [--prompt-chars 1500] [--plot eagle.png]
+        [--prompt-chars 1500] [--plot eagle.png] [--fixed]
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def prompts(chars: int) -> dict[str, str]:
     return {"prose": prose_documents()[1][0].decode("utf-8")[:chars], "code": inspect.getsource(json)[:chars]}
 
 
-def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: int) -> dict:
+def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: int, fixed: bool) -> dict:
     from prunus.serve import Engine
 
     common = dict(max_batch=1, max_len=None, threads=threads)
@@ -87,6 +88,9 @@ def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: i
     for vocab, d in drafts.items():
         for k in ks:
             engines[f"eagle {vocab} k{k}"] = Engine.load(target, draft=d, draft_tokens=k, **common)
+    for e in engines.values():
+        if e.speculator is not None:
+            e.speculator.adaptive = not fixed  # fixed: every step drafts k tokens, whatever it measures
     return engines
 
 
@@ -182,6 +186,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of each prompt")
     ap.add_argument("--plot", default=None, help="write speedup against vocabulary to this PNG")
+    ap.add_argument("--fixed", action="store_true", help="draft k tokens at every step (no per-row choice of k, "
+                    "no switching off where speculation loses)")
     args = ap.parse_args()
     from prunus.models.eagle_draft import load_eagle_draft
 
@@ -194,10 +200,11 @@ def main() -> None:
     print(machine_line())
     print(f"target: {args.target}\ndraft: {args.draft} (trained over {trained['vocab']} tokens, {trained['steps']} "
           f"steps x {trained['batch_size']} x {trained['seq_len']} tokens of {trained['corpus']})\nbatch 1, greedy, "
-          f"{args.new_tokens} new tokens, drafted tokens per step {args.draft_tokens}")
+          f"{args.new_tokens} new tokens, drafted tokens per step {args.draft_tokens}"
+          f"{' (fixed)' if args.fixed else ' at most (each row its own k; plain where speculation loses)'}")
     results = {}
     for threads in (int(t) for t in args.threads.split(",")):
-        engines = engines_for(Path(args.target), drafts, ks, threads)
+        engines = engines_for(Path(args.target), drafts, ks, threads, args.fixed)
         print(f"\n== {threads} thread(s) per pass, runtime {engines['plain'].info['runtime']}")
         for label, prompt in prompts(args.prompt_chars).items():
             results[(threads, label)] = figures = measure(engines, prompt, args.new_tokens, args.rounds)

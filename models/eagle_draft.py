@@ -50,9 +50,10 @@ class EagleDraft(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cache=None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, embeds (batch, seq, dim) -> (features (batch, seq, dim), logits over the draft vocabulary).
-        ``cache``: any :class:`prunus.models.kv_cache.KVCacheProtocol` (layer id 0); ``positions`` as the target's."""
+        ``cache``: any :class:`prunus.models.kv_cache.KVCacheProtocol` (layer id 0); ``positions`` as the target's;
+        ``last_only``: the last position's features and logits only (drafting reads nothing else)."""
         x = self.fc(torch.cat([hidden, embeds], dim=-1))
         if positions is None:
             start = cache.seq_len if cache is not None else 0
@@ -64,7 +65,7 @@ class EagleDraft(nn.Module):
         x = self.block(x, cos, sin, cache)
         if cache is not None:
             cache.advance(x.shape[1])
-        features = self.norm(x)
+        features = self.norm(x[:, -1:] if last_only else x)
         return features, self.head(features)
 
 

@@ -10,7 +10,10 @@ the next state), then drafts on from its own guesses one token per pass. After t
 
 The draft cache is indexed from the first position a row's states start at (rotary attention sees only relative
 positions, so the index serves as the position). A gap in the reported states (a prompt prefix restored from the
-prefix cache reports none) starts the row's draft cache afresh after it.
+prefix cache reports none) starts the row's draft cache afresh after it, and so do more than ``MAX_CATCH_UP`` unread
+states (a long prompt, a row that decoded plainly for a while): the draft then reads the last ``MAX_CATCH_UP`` of
+them only, a pass that stays cheap beside the target's (the target's states carry the earlier context; the draft
+only proposes, and the target checks every token).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from prunus.models.eagle_draft import EagleDraft
 
 from .batch_cache import BatchKVCache
 from .sampling import RowSampling, sampling_probs
+
+
+MAX_CATCH_UP = 64  # target states the draft reads at most before drafting (see EagleDrafter.propose)
 
 
 class EagleDrafter:
@@ -56,7 +62,7 @@ class EagleDrafter:
     def _pass(self, row: int, hidden: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.cache.step([row], q_len=len(tokens))
         embeds = self.embed(torch.tensor(tokens, dtype=torch.long)).float()
-        features, logits = self.draft(hidden[None], embeds[None], cache=step, positions=step.positions)
+        features, logits = self.draft(hidden[None], embeds[None], cache=step, positions=step.positions, last_only=True)
         return features[0, -1], logits[0, -1].float()
 
     def _choose(self, logits: torch.Tensor, sampling: RowSampling | None, vocab: int):
@@ -76,6 +82,10 @@ class EagleDrafter:
         n, pending = len(seq), self.pending[row]
         if pending is None or self._expected(row) != n - 1 or not k:
             return [], None
+        if len(pending) > MAX_CATCH_UP:  # a long prompt, or a row that decoded plainly a while: its recent states,
+            pending = self.pending[row] = pending[-MAX_CATCH_UP:]  # the draft's cache started afresh before them
+            self.base[row], self.fed[row] = n - 1 - MAX_CATCH_UP, 0
+            self.cache.lengths[row] = 0
         first = self.base[row] + self.fed[row]
         feature, logits = self._pass(row, pending, seq[first + 1:n])
         self.fed[row] += len(pending)

@@ -17,7 +17,13 @@ accepted drafts and one token of the target's own come out, and both caches are 
 
 All draws use the request's own generator, so a seed gives the same tokens again (not the tokens of plain
 sampling with that seed: the draws are different ones). ``stats`` (live, in the engine's info) counts steps,
-drafted and accepted tokens and the acceptance rate.
+drafted and accepted tokens, the acceptance rate and, once a step of the target alone was timed, the speedup.
+
+Drafters: :class:`DraftModel`, prompt lookup, and an EAGLE draft head over the target's own hidden states
+(:mod:`prunus.runtime.eagle_drafter`). :meth:`Speculator.step_rows` steps several rows at once, their drafts checked
+in one ``verify_rows`` pass (the continuous batch, :mod:`prunus.serve.scheduler`). With ``adaptive`` each row drafts
+as many tokens as its running acceptance makes worth checking, and none for a while where its speculative steps
+measured slower than plain decoding (:class:`RowPolicy`).
 """
 
 from __future__ import annotations

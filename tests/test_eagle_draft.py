@@ -102,6 +102,18 @@ def test_greedy_tokens_are_plain_decodings(dirs, where):
         assert _greedy(e) == want
 
 
+def test_a_capped_catch_up_still_gives_plain_tokens(dirs, monkeypatch):
+    """Past MAX_CATCH_UP unread states (a long prompt) the draft reads the last ones only: drafts change, tokens not."""
+    from prunus.runtime import eagle_drafter
+
+    monkeypatch.setattr(eagle_drafter, "MAX_CATCH_UP", 3)
+    with Engine.load(dirs["target"], max_batch=1, threads=1) as plain:
+        want = _greedy(plain)
+    with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=3) as e:
+        e.speculator.adaptive = False
+        assert _greedy(e) == want and e.info["speculative"]["drafted"] > 0
+
+
 def _exact_three(engine, prompt_ids: list[int], sampling: RowSampling) -> dict:
     """p(a) p(b | a) p(c | a, b) of the first three tokens, from the engine's own plain prefill logits (the first is
     sampled after the prompt's pass, the next two come from one speculative step of one drafted token)."""
