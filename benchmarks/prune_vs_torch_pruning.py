@@ -43,8 +43,8 @@ def prune_prunus(model_dir: Path, data: str, out: Path, args, seed: int) -> dict
     """prunus's pass through its Python API (what ``prunus compress --recipe`` runs)."""
     from prunus.compress.module_compress import compress_module
 
-    args = {"amount": args.amount, "importance": args.importance, "finetune_steps": args.finetune_steps,
-            "lr": args.lr, "batch_size": BATCH}
+    args = {"amount": args.amount, "finetune_steps": args.finetune_steps, "lr": args.lr, "batch_size": BATCH,
+            **({"importance": args.importance} if args.importance else {})}
     report = compress_module(model_dir, [("prune_channels", args)], out, data=data, trust_factory=True,
                              latency=False, seed=seed)
     row = report["rows"][-1]
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--amount", type=float, default=0.5, help="share of channels prunus cuts")
     parser.add_argument("--finetune-steps", type=int, default=150, help="fine-tune steps after pruning (batch 64)")
-    parser.add_argument("--importance", default="magnitude", help="prunus's importance (magnitude, group_norm)")
+    parser.add_argument("--importance", default=None, help="prunus's importance (default: the pass's own, taylor)")
     parser.add_argument("--lr", type=float, default=3e-3, help="fine-tune learning rate (both)")
     parser.add_argument("--seeds", type=int, default=1, help="repeat with seeds 0..N-1 (training and fine-tune)")
     parser.add_argument("--only", default=None, help="comma-separated model names")

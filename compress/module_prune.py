@@ -3,9 +3,12 @@
 torch-pruning traces the module on an example input and groups every tensor that must lose the same channels
 together: a conv's output channels with the BatchNorm after it, the next conv's input channels, and every
 branch a residual addition joins. Groups are ranked by weight magnitude (``magnitude``: the L2 norm of each
-channel of the layer cut) or by the group's norm (``group_norm``: every tensor losing the channel), and the lowest channels cut, until the target:
+channel of the layer cut), by the group's norm (``group_norm``: every tensor losing the channel) or by the
+group's first-order Taylor estimate of the task's loss without the channel (``taylor``: ``|weight * gradient|``
+on samples of the training split, :mod:`.prune_taylor`), and the lowest channels cut, until the target:
 
-* ``by: channels``: ``amount`` of every prunable layer's channels removed;
+* ``by: channels``: ``amount`` of every prunable layer's channels removed, in ``ROUNDS`` equal steps with the
+  ranking redone after each;
 * ``by: params`` / ``by: flops``: pruning goes on in small steps until the parameter count / the FLOPs of
   one forward fall to ``1 - amount`` of the input's (or pruning cannot go on).
 
@@ -42,9 +45,10 @@ from torch import nn
 from prunus.artifacts.errors import PrunusError
 
 PRUNE_BY = ("channels", "params", "flops")
-IMPORTANCES = ("magnitude", "group_norm")
+IMPORTANCES = ("magnitude", "group_norm", "taylor")
 EXTRA = "prune"
 MAX_STEPS = 50  # the steps of a params / flops target
+ROUNDS = 5  # the steps of a channels target (the ranking, and taylor's gradients, redone after each)
 
 
 def torch_pruning():
@@ -105,9 +109,12 @@ def user_heads(model: nn.Module) -> dict:
 
 def _importance(tp, name: str):
     """``magnitude``: the L2 norm of each channel of the layer being cut; ``group_norm``: the L2 norm over the
-    whole group (every tensor that loses the channel), averaged."""
+    whole group (every tensor that loses the channel), averaged; ``taylor``: ``|weight * gradient|`` of the task's
+    loss over the whole group (:mod:`.prune_taylor`)."""
     if name == "magnitude":
         return tp.importance.MagnitudeImportance(p=2, group_reduction="first")
+    if name == "taylor":
+        return tp.importance.GroupTaylorImportance(group_reduction="mean")
     return tp.importance.GroupMagnitudeImportance(p=2, group_reduction="mean")
 
 
@@ -117,14 +124,18 @@ def _count(tp, model, example, by: str) -> float:
 
 
 def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5, by: str = "channels",
-                   importance: str = "magnitude") -> dict:
-    """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after)."""
+                   importance: str = "magnitude", taylor=None, rounds: int = ROUNDS) -> dict:
+    """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after).
+    ``taylor``: the :class:`~.prune_taylor.TaylorBatches` whose gradients ``importance: taylor`` ranks by."""
     tp = torch_pruning()
+    if (importance == "taylor") != (taylor is not None):
+        raise PrunusError("prune_channels: importance taylor ranks by the gradients of TaylorBatches; pass taylor= "
+                          "with it (and only with it)")
     check_prunable(model)
     model.eval()
     keep = output_layers(model, example)
     before = {k: _count(tp, model, example, k) for k in ("params", "flops")}
-    steps = 1 if by == "channels" else MAX_STEPS
+    steps = rounds if by == "channels" else MAX_STEPS
     ratio = amount if by == "channels" else 0.95
     try:
         pruner = tp.pruner.MetaPruner(model, example, importance=_importance(tp, importance), pruning_ratio=ratio,
@@ -132,14 +143,19 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                                       out_channel_groups=head_groups(model), in_channel_groups=head_groups(model),
                                       num_heads=user_heads(model))
         for _ in range(steps):
+            if taylor is not None:
+                taylor.accumulate(model)
             pruner.step()
             if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
                 break
     except Exception as e:  # noqa: BLE001 - a module torch-pruning cannot trace: one line with the reason
         from prunus.models.module_factory import reason
 
-        raise PrunusError(f"prune_channels: torch-pruning could not prune the module ({reason(e)}); use a module "
-                          "whose forward torch can trace, or another pass") from None
+        check_cut_runs(model, example)  # a layer failing after an earlier round's cut is named
+        raise PrunusError(f"prune_channels: torch-pruning could not prune the module ({reason(e)}); nothing was "
+                          "written; use a module whose forward torch can trace, or another pass") from None
+    finally:
+        model.zero_grad(set_to_none=True)
     from prunus.models.module_reshape import sync_head_dims
 
     sync_head_dims(model)
@@ -165,14 +181,19 @@ def check_cut_runs(model: nn.Module, example: torch.Tensor) -> None:
 
 
 def prune_channels_pass(model: nn.Module, ctx, amount: float = 0.5, by: str = "channels",
-                        importance: str = "magnitude", finetune_steps: int = 0, lr: float = 3e-3,
+                        importance: str = "taylor", finetune_steps: int = 0, lr: float = 3e-3,
                         batch_size: int = 32, allow_unchanged: bool = False) -> nn.Module:
     """The ``prune_channels`` pass of a generic module's compress run (``ctx``: a ModuleContext); a module
     left whole is refused unless ``allow_unchanged``."""
     if by not in PRUNE_BY or importance not in IMPORTANCES:
         raise PrunusError(f"prune_channels: by {by!r} / importance {importance!r}; choose by from "
                           f"{', '.join(PRUNE_BY)} and importance from {', '.join(IMPORTANCES)}")
-    done = prune_channels(model, ctx.example(), amount, by, importance)
+    taylor = None
+    if importance == "taylor":
+        from .prune_taylor import TaylorBatches
+
+        taylor = TaylorBatches(ctx.train, ctx.task.loss)
+    done = prune_channels(model, ctx.example(), amount, by, importance, taylor)
     if done["params_after"] == done["params_before"] and not allow_unchanged:
         raise PrunusError(f"prune_channels: torch-pruning found no channel of {ctx.source} it could cut at amount "
                           f"{amount:g} (params {done['params_before']:,} -> {done['params_after']:,}); nothing was "

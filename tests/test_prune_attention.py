@@ -143,3 +143,30 @@ def test_the_1d_cnn_regressor_prunes_fine_tunes_and_reloads(tmp_path):
     loaded = load_module(tmp_path / "o", trust_factory=True)
     assert report["rows"][1]["params"] == sum(p.numel() for p in loaded.parameters()) < report["rows"][0]["params"]
     assert loaded[1].out_channels == 4 and loaded(torch.randn(2, 16)).shape == (2, 1)
+
+
+def _silent_units():
+    """Hidden units 0 and 1 have the largest input weights but no path to the output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight[:2] *= 10
+        model[0].bias[:2] = 1.0
+        model[2].weight[:, :2] = 0
+    return model
+
+
+def test_taylor_ranks_by_the_loss_where_magnitude_ranks_by_the_weights():
+    from prunus.compress.prune_taylor import TaylorBatches
+    from prunus.models.tasks import get_task
+
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    kept = {}
+    for importance in ("magnitude", "taylor"):
+        model = _silent_units()
+        marked = model[0].weight[:, 0].clone()  # each hidden unit's first input weight names it
+        taylor = TaylorBatches(data, get_task("regression").loss) if importance == "taylor" else None
+        prune_channels(model, torch.randn(2, 4), 0.5, importance=importance, taylor=taylor)
+        kept[importance] = sorted(int((marked == w).nonzero()) for w in model[0].weight[:, 0])
+        assert all(p.grad is None for p in model.parameters())
+    assert kept == {"magnitude": [0, 1], "taylor": [2, 3]}
