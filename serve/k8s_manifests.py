@@ -119,9 +119,9 @@ def check_carried(given: dict) -> None:
         raise PrunusError("--lora names adapter dirs on this machine, which the pod does not have; drop --lora "
                           "(copy the adapters into the image and add --lora to the manifest's command by hand)")
     draft = given.get("draft")
-    if draft is not None and draft != "ngram":
+    if draft is not None and draft not in ("ngram", "auto"):
         raise PrunusError(f"--speculative {short(draft)} names a draft dir on this machine, which the pod does not "
-                          "have; give --speculative ngram or drop it")
+                          "have; give --speculative ngram or auto (a draft beside the model in the image), or drop it")
     if given.get("device") not in (None, "cpu", "auto"):
         raise PrunusError(f"--device {short(given['device'])}: --print-k8s writes manifests for CPU nodes; "
                           "drop --device")
