@@ -208,13 +208,23 @@ def start(settings: RaySettings, host: str = LOOPBACK, port: int = 8000) -> tupl
             port = s.getsockname()[1]
     if not ray.is_initialized():
         if settings.ray_address is not None:
-            ray.init(address=settings.ray_address, logging_level="WARNING")
+            _join(settings.ray_address)
         else:
             os.environ.setdefault("RAY_NODE_IP_ADDRESS", LOOPBACK)
             cpus = settings.ray_cpus or max(2, math.ceil(settings.highest * settings.replica_cpus + INGRESS_CPUS))
-            ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=LOOPBACK, logging_level="WARNING")
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
+                     logging_level="WARNING")  # local: a new cluster, even beside a running `ray start`
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
     return host, port
+
+
+def _join(address: str) -> None:
+    try:
+        ray.init(address=address, logging_level="WARNING")
+    except (ConnectionError, RuntimeError) as e:
+        raise PrunusError(f"--ray-address {address}: cannot join that Ray cluster ({_last_line(str(e))[:200]}); start "
+                          "one with `ray start --head`, and with token authentication (Ray's default) give its token "
+                          "(RAY_AUTH_MODE=token, and ~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
 
 
 def deploy(path, load: dict, server_options: dict, settings: RaySettings, host: str = LOOPBACK, port: int = 8000,
@@ -247,13 +257,14 @@ def _last_line(text: str) -> str:
 
 
 def stop(app_name: str = APP_NAME, *, shutdown_ray: bool = True) -> None:
-    """Delete the application (its replicas drain), stop Serve, and Ray when this process started it."""
+    """Delete the application (its replicas drain) and its metrics board; stop Serve and Ray too when this process
+    started them (``shutdown_ray``), never on a cluster it joined."""
     serve.delete(app_name)
-    serve.shutdown()
     board = _BOARDS.pop(app_name, None)
     if board is not None:
         ray.kill(board)
     if shutdown_ray:
+        serve.shutdown()
         ray.shutdown()
 
 
@@ -268,7 +279,11 @@ def run(path, load: dict, server_options: dict, settings: RaySettings, host: str
     try:
         url = deploy(path, load, server_options, settings, host, port)
     except BaseException:
-        stop(shutdown_ray=started_here) if ray.is_initialized() else None
+        if ray.is_initialized():
+            try:
+                stop(shutdown_ray=started_here)
+            except Exception as e:  # what failed to start may not stop cleanly; the first error is the one to say
+                echo(f"prunus serve: stopping after a failed start: {type(e).__name__}")
         raise
     scaling = (f"{settings.lowest} to {settings.highest} replicas (autoscaling, {settings.initial} at the start)"
                if settings.autoscaling else f"{settings.initial} replica{'s' * (settings.initial > 1)}")
