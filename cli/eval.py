@@ -18,7 +18,8 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
     from rich.console import Console
     from rich.table import Table
 
-    from prunus.train_parallel.module_eval import evaluate_module_dir, evaluate_module_export
+    from prunus.models.spec import spec_of_dir
+    from prunus.train_parallel.module_eval import evaluate_module_export
     from prunus.train_parallel.module_onnx import is_module_export
 
     if data is None:
@@ -33,7 +34,7 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
             raise PrunusError(f"--trust-factory: {model_dir} is an export dir, scored without its factory; drop it")
         r = evaluate_module_export(model_dir, data, record=record, plot=plot, **options)
     else:
-        r = evaluate_module_dir(model_dir, data, trust_factory=trust_factory, record=record, device=device,
+        r = spec_of_dir(model_dir).load("evaluate")(model_dir, data, trust_factory=trust_factory, record=record, device=device,
                                 plot=plot, **options)
     whole = options.get("val_fraction") == 1.0
     table = Table(title=f"prunus eval {model_dir}", show_header=False)
@@ -105,11 +106,10 @@ def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: i
     from rich.console import Console
     from rich.table import Table
 
-    from prunus.data import evaluate_model_dir
-    from prunus.models.spec import TRANSFORMER, dir_kind
+    from prunus.models.spec import TRANSFORMER, get_spec, spec_of_dir
 
     module_opts = {"batch_size": batch_size, "max_samples": max_samples, "val_fraction": val_fraction}
-    if (dir_kind(model_dir) or TRANSFORMER) != TRANSFORMER:
+    if spec_of_dir(model_dir).name != TRANSFORMER:
         for flag, value in (("--seq-len", seq_len), ("--max-tokens", max_tokens)):
             if value is not None:
                 raise PrunusError(f"{flag} applies to a transformer; {model_dir} holds a generic module: drop it "
@@ -123,7 +123,7 @@ def command(model_dir: str, data: str | None, seq_len: int | None, max_tokens: i
                           f"module); {model_dir} is not one: drop it")
 
     given = {"max_tokens": max_tokens} if max_tokens is not None else {}
-    r = evaluate_model_dir(model_dir, data=data, seq_len=seq_len, record=not no_record, device=resolve_device(device),
+    r = get_spec(TRANSFORMER).load("evaluate")(model_dir, data=data, seq_len=seq_len, record=not no_record, device=resolve_device(device),
                            **given)
     table = Table(title=f"prunus eval {model_dir}", show_header=False)
     table.add_row("corpus", r["eval_corpus"])

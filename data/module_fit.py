@@ -16,6 +16,8 @@ from torch.utils.data import default_collate
 
 from prunus.artifacts.errors import PrunusError
 
+from .prefetch import to_device
+
 MISFITS = (RuntimeError, IndexError, ValueError, TypeError)  # what torch raises for a wrong shape, dtype or class
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -64,17 +66,6 @@ def _check_classes(output, dataset, source: str) -> None:
         raise PrunusError(f"{source}: {have} classes, but the module scores {scores}; build it with {have} outputs "
                           f"(e.g. --model-args num_classes={have}, as its factory names it) or give data of at most "
                           f"{scores} classes")
-
-
-def to_device(obj, device):
-    """A batch (a tensor, or lists / tuples / dicts of them) on ``device``; anything else as it is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 def check_fits(module: nn.Module, dataset, task, call: Callable, source: str = "--data") -> None:

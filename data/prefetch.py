@@ -33,9 +33,10 @@ def tensors(batch) -> list[torch.Tensor]:
     return []
 
 
-def to_device(batch, device: torch.device):
+def to_device(batch, device: torch.device | str):
+    """A batch (a tensor, lists / tuples / dicts / a dataclass of them) on ``device``; anything else as it is."""
     if isinstance(batch, torch.Tensor):
-        if device.type == "cuda":
+        if torch.device(device).type == "cuda":
             return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, dict):

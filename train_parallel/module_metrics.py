@@ -13,7 +13,7 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 from prunus.data.global_batches import eval_batches
-from prunus.data.module_fit import to_device
+from prunus.data.prefetch import to_device
 
 MAX_PLOT_CLASSES = 200  # a larger matrix is reported as a table only
 DPI = 100

@@ -25,23 +25,25 @@ from torch.utils.data import default_collate
 
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
 from prunus.data.tables import model_dir_files
-from prunus.data.module_fit import check_fits, to_device
+from prunus.data.module_fit import check_fits
+from prunus.data.prefetch import to_device
 from prunus.data.prefetch import Prefetcher
-from prunus.models.module_dir import input_spec, save_module
+from prunus.models.module_dir import input_spec
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
+from prunus.models.spec import get_spec
 from prunus.models.tasks import Task, get_task
 
 from .checkpoint.best import best_figure, improves, load_best, read_best, save_best
 from .checkpoint.checkpoint import Checkpointer, load_checkpoint
-from .data_parallel.any_module import broadcast_from_first, parallelize_any, unwrapped
+from .data_parallel.any_module import broadcast_from_first, unwrapped
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
 from .parallel_dims import ParallelDims
 from .pipeline.module_pipeline import ModulePipeline
 from .pipeline.module_split import parse_split, split_stages
-from .tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, read_tp_plan
+from .tensor_parallel.module_plan import check_tp_plan, read_tp_plan
 from .run_dir import check_run_dir, publish_run_dir, run_location
 from .train_result import TrainResult
 from .trainer import Trainer, build_optimizer
@@ -133,6 +135,7 @@ class ModuleTrainer(Trainer):
                  factory: ModuleFactory | None = None, resume: bool = False, overwrite: bool = False):
         cfg = replace(cfg, task=task)
         cfg.validate()
+        self.spec = get_spec(cfg.KIND)  # the generic kind's entries (prunus.models.spec): layout, model dir
         check_pair(dataset, "dataset")
         if val_dataset is not None:
             check_pair(val_dataset, "val_dataset")
@@ -177,7 +180,7 @@ class ModuleTrainer(Trainer):
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data
-        parallelism (:func:`parallelize_any`). Every rank starts from the first rank's weights."""
+        parallelism (the spec's ``parallelize``: :func:`.data_parallel.any_module.parallelize_any`). Every rank starts from the first rank's weights."""
         cfg, dims = self.cfg, self.dims
         plan = check_layout(module, cfg)
         if cfg.dp_mode == "dataparallel":  # one process: the forward replicated over every GPU, the module kept plain
@@ -186,7 +189,7 @@ class ModuleTrainer(Trainer):
             self.replicated = apply_dataparallel(module)
             return module
         if dims.pp == 1 and dims.tp == 1:
-            return parallelize_any(module, dims, sync_batchnorm=cfg.sync_batchnorm)
+            return self.spec.load("parallelize")(module, dims, sync_batchnorm=cfg.sync_batchnorm)
         broadcast_from_first(module, dist.group.WORLD)
         if dims.pp > 1:
             self.pipeline = ModulePipeline(module, parse_split(cfg.pp_split), dims.submesh_group("pp"),
@@ -195,7 +198,7 @@ class ModuleTrainer(Trainer):
                                                cfg.batch_size // cfg.microbatches))
             return self.pipeline.part
         example = self._example(1)
-        return apply_tp_plan(module, plan, dims.submesh("tp"), lambda m: _call(m, example))
+        return self.spec.load("tp_plan")(module, plan, dims.submesh("tp"), lambda m: _call(m, example))
 
     def _example(self, n: int):
         """The input of the dataset's first ``n`` samples, collated, on the device."""
@@ -344,7 +347,7 @@ class ModuleTrainer(Trainer):
             metrics = {**self.best.get("figures", {}), "best_step": self.best["step"]}
         metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
                        task=self.task.name)
-        path = save_module(fresh, self.run_dir / "model", stage="train", factory=self.factory, task=self.task.name,
+        path = self.spec.load("model_dir_writer")(fresh, self.run_dir / "model", stage="train", factory=self.factory, task=self.task.name,
                            input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned,
                            extra_files=model_dir_files(self.dataset))  # a table's labels.json
         if self.cfg.progress:

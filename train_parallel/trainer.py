@@ -37,9 +37,10 @@ from prunus.data.packing import (IGNORE_INDEX, PackedBatch, PackedCorpus, get_pa
                                   packed_eval_batches)
 from prunus.data.prefetch import to_device
 from prunus.artifacts.errors import PrunusError
-from prunus.models import Transformer, load_tokenizer, save_model
+from prunus.models import Transformer, load_tokenizer
 from prunus.models.moe import moe_aux_loss, moe_dropped
 from prunus.models.quant_registry import is_quantized
+from prunus.models.spec import get_spec
 
 from .checkpoint.checkpoint import Checkpointer, list_checkpoints, load_checkpoint, load_model_weights
 from .checkpoint.checkpoint_reader import CheckpointUnreadable
@@ -54,7 +55,7 @@ from .launch.launch import env_ranks, init_distributed, reports_collective_timeo
 from .lora import apply_lora, check_lora, merge_lora
 from .metrics import MetricsLog, read_metrics
 from .parallel_dims import ParallelDims
-from .parallelize import Parallelized, cross_entropy, local_value, parallelize, resolve_layout
+from .parallelize import Parallelized, cross_entropy, local_value, resolve_layout
 from .pipeline.pipeline_parallel import pipeline_score
 from .plot import plot_loss_curves
 from .progress import TrainProgress
@@ -240,6 +241,7 @@ class Trainer:
         self.rank, self.world, launched_device = init_distributed(cfg.timeout_s)
         self.main = self.rank == 0
         self.cfg, self.dims, self.objective = cfg, dims, objective
+        self.spec = get_spec(cfg.KIND)  # the model kind's entries (prunus.models.spec): layout, model dir
         self.model_cfg = cfg.model_config()
         self._locate_run(resume, overwrite)
         self._barrier()  # every rank has checked the run dir before rank 0 writes to it
@@ -308,9 +310,9 @@ class Trainer:
         model, dims, cfg = self.model, self.dims, self.cfg
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device).train()
-            return parallelize(model, dims, cfg, self.device)
+            return self.spec.load("parallelize")(model, dims, cfg, self.device)
         model.train()
-        par = parallelize(model, dims, cfg, self.device, wrap_ddp=False)  # DDP wraps materialized weights only
+        par = self.spec.load("parallelize")(model, dims, cfg, self.device, wrap_ddp=False)  # DDP wraps materialized weights only
         load_init_weights(par.parts, cfg.init_from, self.device, load=self.resume_from is None)
         reset_adapters(par.parts, cfg)  # LoRA adapters built on the meta device: their initial values
         if dims.ddp_enabled:
@@ -584,7 +586,7 @@ class Trainer:
             if self.cfg.save_adapter:
                 save_adapter(model, self.cfg, self.run_dir / "adapter")
             model = merge_lora(model)
-        model_dir = save_model(
+        model_dir = self.spec.load("model_dir_writer")(
             model.cpu(), self.run_dir / "model", tokenizer=self.tokenizer, stage="train", overwrite=True,
             parent=self.cfg.init_from,  # fine-tuning: the manifest names the model dir it started from
             metrics={"val_loss": record["val_loss"], "val_bpb": record["val_bpb"], "train_steps": self.stop,

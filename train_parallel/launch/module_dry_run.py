@@ -59,7 +59,7 @@ def _adam(params, numel=lambda p: p.numel()) -> int:
 
 
 def _groups(module: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The trainer's optimizer groups: decayed (2+ dims), then the rest (see module_trainer._optimizer)."""
+    """The trainer's optimizer groups: decayed (2+ dims), then the rest (see trainer.build_optimizer)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     return [g for g in ([p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]) if g]
 
