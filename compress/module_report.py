@@ -3,8 +3,6 @@ held-out loss), parameters, bytes of the weights and CPU latency per row, as mar
 
 from __future__ import annotations
 
-import json
-
 
 def quality(row: dict) -> tuple[str, float]:
     """(label, value) of a row's quality: top-1 accuracy (%) where the task judges it, else the loss."""
@@ -52,11 +50,3 @@ def module_figure(report: dict):
     ax.grid(alpha=0.3)
     place_point_labels(fig, ax, xs, ys, [str(i) for i in range(len(rows))])
     return fig
-
-
-def module_report_files(report: dict) -> dict[str, bytes]:
-    from prunus.train_parallel.plot import figure_png
-
-    return {"report.json": (json.dumps(report, indent=2) + "\n").encode(),
-            "report.md": render_module_markdown(report).encode(),
-            "report.png": figure_png(module_figure(report))}

@@ -208,20 +208,17 @@ def report_figure(report: dict):
     return fig
 
 
-def render_png(report: dict) -> bytes:
+def report_files(report: dict) -> dict[str, bytes]:
+    """report.json, report.md and report.png of a compression report (a generic module's: its task's quality)."""
     from prunus.train_parallel.plot import figure_png
 
-    return figure_png(report_figure(report))
-
-
-def report_files(report: dict) -> dict[str, bytes]:
+    markdown, figure = render_markdown, report_figure
     if report.get("kind") == "module":  # a generic module: accuracy / loss instead of bits per byte
-        from .module_report import module_report_files
+        from .module_report import module_figure, render_module_markdown as markdown
 
-        return module_report_files(report)
-    return {"report.json": (json.dumps(report, indent=2) + "\n").encode(),
-            "report.md": render_markdown(report).encode(),
-            "report.png": render_png(report)}
+        figure = module_figure
+    return {"report.json": (json.dumps(report, indent=2) + "\n").encode(), "report.md": markdown(report).encode(),
+            "report.png": figure_png(figure(report))}
 
 
 def report_header(ctx) -> dict:
