@@ -10,7 +10,7 @@ streamed by the proxy does not carry) and relays the replica's answer.
   ``replica`` (:mod:`prunus.serve.ray_metrics`).
 * A replica that dies or fails under a request: an answer not begun is 503 with one line (``code: replica_failed``
   in OpenAI's shape, ``{"error": ...}`` on the Open Inference Protocol); a ``GET`` / ``HEAD`` (idempotent) is
-  first retried once on another replica; a stream already begun ends with an error event and ``data: [DONE]``.
+  first retried once; a stream already begun ends with an error event and ``data: [DONE]``.
 * A request whose ``model`` names a LoRA adapter (``--lora NAME=DIR``) goes through Ray Serve's model
   multiplexing: to a replica that has it loaded if one has, else one loads it first (at most
   ``--adapters-per-replica`` on a replica, the least recently used unloaded).
