@@ -32,7 +32,7 @@ import torch
 
 from benchmarks._prune_models import KINDS, stacked, train
 from benchmarks.any_model_digits import ort_session, quantize_peer
-from benchmarks.harness import alternating_samples, machine_line, ms, show, write_results
+from benchmarks.harness import alternating_samples, machine_line, show, spread, write_results
 
 
 def compressed(kind, model_dir: Path, data: str, root: Path, args) -> dict[str, Path]:
@@ -95,18 +95,25 @@ def run_kind(kind, root: Path, args) -> dict:
     return {"metric": kind.metric, "graphs": rows}
 
 
+def us(samples: list[float]) -> str:
+    """Median [interquartile range] of seconds, in microseconds."""
+    lo, mid, hi = spread(samples)
+    return f"{mid * 1e6:,.0f} [{lo * 1e6:,.0f}–{hi * 1e6:,.0f}]"
+
+
 def report(results: dict) -> None:
     med = lambda v: float(np.median(v))  # noqa: E731
     for name, r in results.items():
         g = r["graphs"]
         show(f"{name} (held-out {r['metric']}; ONNX Runtime, 1 thread)",
-             ["graph", r["metric"], "bytes", "ms batch 1", "ms batch 64"],
-             [[k, f"{v['metric']:.4f}", f"{v['bytes']:,}", ms(v["latency_b1"]), ms(v["latency_b64"])]
+             ["graph", r["metric"], "bytes", "µs batch 1", "µs batch 64"],
+             [[k, f"{v['metric']:.4f}", f"{v['bytes']:,}", us(v["latency_b1"]), us(v["latency_b64"])]
               for k, v in g.items()], width=110)
         a, b = g["prunus int8"], g["quantize_static int8"]
-        print(f"ratio prunus int8 / quantize_static: {r['metric']} {a['metric'] / b['metric']:.3f}, latency batch 1 "
+        better = a["metric"] / b["metric"] if r["metric"] == "accuracy" else b["metric"] / a["metric"]
+        print(f"prunus int8 / quantize_static: quality {better:.3f} (above 1: prunus better), latency batch 1 "
               f"{med(a['latency_b1']) / med(b['latency_b1']):.3f}, batch 64 "
-              f"{med(a['latency_b64']) / med(b['latency_b64']):.3f}")
+              f"{med(a['latency_b64']) / med(b['latency_b64']):.3f} (below 1: prunus faster)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks._prune_models import KINDS, metric, stacked, train
-from benchmarks.harness import machine_line, show, write_results
+from benchmarks.harness import machine_line, overlap, show, write_results
 
 BATCH = 64
 
@@ -128,13 +128,15 @@ def report(results: dict) -> None:
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("dense", "prunus", "torch-pruning")}
         ratios = [better_ratio(r) for r in runs]
+        noise = "≈ " if overlap([r["prunus"] for r in runs], [r["torch-pruning"] for r in runs]) else ""
         r0 = runs[0]
         rows.append([name, runs[0]["metric"], f"{r0['params_before']:,}", f"{r0['params_prunus']:,}",
                      f"{r0['params_peer']:,}", f"{med['dense']:.4f}", f"{med['prunus']:.4f}",
-                     f"{med['torch-pruning']:.4f}", " ".join(f"{x:.3f}" for x in ratios)])
+                     f"{med['torch-pruning']:.4f}", noise + " ".join(f"{x:.3f}" for x in ratios)])
     show("prune + fine-tune at the same parameter count (held-out; median over seeds)",
          ["model", "metric", "params", "prunus params", "peer params", "trained", "prunus", "torch-pruning",
           "ratio per seed (>1: prunus better)"], rows, width=160)
+    print("≈: prunus's and torch-pruning's ranges over the seeds overlap (a difference within noise)")
 
 
 def main(argv: list[str] | None = None) -> None:
