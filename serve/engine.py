@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from prunus.artifacts.errors import PrunusError
-from prunus.runtime.load_options import PREFILL_AUTO, LoadOptions, ServingFeatures
 from prunus.runtime.registry import load_runtime
 
 from . import events
 from .dynamic_batcher import DynamicBatcher, as_torch_future
+from .engine_options import EngineOptions
 from .request import GenerationResult, Request, SamplingParams, StreamToken
 from .scheduler import Scheduler
 
@@ -72,15 +72,17 @@ class Engine:
         _OPEN.add(self)
 
     @classmethod
-    def load(cls, path: str | Path, backend: str | None = None, *, tp: int = 1, device: str = "cpu",
-             max_batch: int = 8, max_len: int | None = None, max_queue: int | None = None,
-             dtype: str | None = None, threads: int | None = None, compile: bool | str = "auto",
-             prefill_chunk: int | str | None = PREFILL_AUTO, device_map=None, max_memory=None,
-             prompt_graph: bool = False, native: bool | str = "auto", kv_dtype: str = "f32", trust_factory=None,
-             max_delay_ms: float = 2.0, prefix_cache_mb: float | None = None, draft: str | Path | None = None,
-             draft_tokens: int = 4, lora: dict | None = None, prepare=None) -> "Engine":
+    def load(cls, path: str | Path, backend: str | None = None, *, options: EngineOptions | None = None,
+             **keywords) -> "Engine":
         """A model dir (plain or compressed) or an export dir; ``backend`` defaults to the one it needs, and the
         runtime that loads it is the row of :mod:`prunus.runtime.registry` that recognises it.
+
+        The settings come as keywords or as one ``options=EngineOptions(...)``
+        (:mod:`prunus.serve.engine_options`), never both: ``tp=1, device="cpu", max_batch=8, max_len=None``
+        (the artifact's), ``max_queue=None, dtype=None, threads=None, compile="auto", prefill_chunk="auto",
+        device_map=None, max_memory=None, prompt_graph=False, native="auto", kv_dtype="f32",
+        trust_factory=None, max_delay_ms=2.0, prefix_cache_mb=None, draft=None, draft_tokens=4, lora=None,
+        prepare=None``.
 
         ``threads``: CPU threads per forward pass of the in-process torch backend (by default
         each pass gets 1 or all of them, whichever was faster when timed at load,
@@ -112,33 +114,35 @@ class Engine:
         :func:`prunus.export.prepared_path` serves a transformer model dir on a CPU from its ONNX Runtime genai
         export, made once and cached (``prunus serve`` passes it by default), unless an option needs the torch
         backend; the info's ``prepared`` says which, and why."""
-        options = LoadOptions(tp=tp, device=device, max_batch=max_batch, max_len=max_len, dtype=dtype, threads=threads,
-                              compile=compile, prefill_chunk=prefill_chunk, device_map=device_map,
-                              max_memory=max_memory, prompt_graph=prompt_graph, native=native, kv_dtype=kv_dtype,
-                              trust_factory=trust_factory, features=ServingFeatures(prefix_cache_mb, draft, draft_tokens))
+        if options is None:
+            options = EngineOptions.from_keywords(backend, **keywords)
+        elif keywords or backend is not None:
+            raise TypeError("Engine.load() takes options=EngineOptions(...) or keywords, not both")
+        return cls._load(Path(path), options)
+
+    @classmethod
+    def _load(cls, path: Path, options: EngineOptions) -> "Engine":
+        load, lora, features = options.load, options.lora, options.features
         prepared = None
-        if prepare is not None:
-            path, prepared = prepare(path, backend, options, bool(lora))
-        loaded = load_runtime(path, backend, options)
+        if options.prepare is not None:
+            path, prepared = options.prepare(path, options.backend, load, bool(lora))
+        loaded = load_runtime(path, options.backend, load)
         if prepared is not None:  # the info names the dir asked for; its prepared export is the entry's
             loaded.info.update(path=prepared.get("from", loaded.info["path"]), prepared=prepared)
-        if lora:
-            try:
-                _attach_lora(loaded.backend, lora)
-            except BaseException:
-                loaded.backend.close()
-                raise
         speculator = None
-        if draft is not None:
-            from prunus.runtime.speculative import load_speculator
+        try:
+            if lora:
+                _attach_lora(loaded.backend, lora)
+            if features.draft is not None:
+                from prunus.runtime.speculative import load_speculator
 
-            try:
-                speculator = load_speculator(path, loaded.backend, loaded.info.get("draft", draft), draft_tokens)
-            except BaseException:
-                loaded.backend.close()
-                raise
-        return cls(loaded.backend, loaded.tokenizer, max_queue=max_queue, info=loaded.info, threads=threads,
-                   max_delay_ms=max_delay_ms, speculator=speculator)
+                speculator = load_speculator(path, loaded.backend, loaded.info.get("draft", features.draft),
+                                             features.draft_tokens)
+        except BaseException:
+            loaded.backend.close()
+            raise
+        return cls(loaded.backend, loaded.tokenizer, max_queue=options.max_queue, info=loaded.info,
+                   threads=load.threads, max_delay_ms=options.max_delay_ms, speculator=speculator)
 
     # --- non-generative models ------------------------------------------------------------
 

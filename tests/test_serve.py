@@ -60,6 +60,25 @@ def test_greedy_equals_models_generate_alone_and_batched(engine, reference):
     assert r.time_to_first_token_s > 0 and r.decode_tokens_per_s > 0 and r.total_s >= r.time_to_first_token_s
 
 
+def test_one_options_object_loads_the_same_engine(model_dir, reference):
+    """Engine.load(path, options=EngineOptions(...)) is Engine.load(path, **keywords): the same backend and tokens;
+    both at once, or a keyword that is no setting, is refused."""
+    from prunus.runtime.load_options import LoadOptions, ServingFeatures
+    from prunus.serve.engine_options import EngineOptions
+
+    options = EngineOptions("torch", LoadOptions(max_batch=2, compile=False, features=ServingFeatures(draft_tokens=3)),
+                            max_queue=16)
+    assert EngineOptions.from_keywords("torch", max_batch=2, compile=False, draft_tokens=3, max_queue=16) == options
+    with Engine.load(model_dir, options=options) as e:
+        assert e.info["max_batch"] == 2 and e.info["runtime"] == "torch"
+        p = PROMPTS[0]
+        assert e.generate(p, max_new_tokens=N_NEW).token_ids[:len(reference[p])] == reference[p]
+    with pytest.raises(TypeError, match="not both"):
+        Engine.load(model_dir, options=options, max_batch=4)
+    with pytest.raises(TypeError, match="max_batches"):
+        Engine.load(model_dir, max_batches=4)
+
+
 def test_continuous_batching_joins_and_leaves(engine, reference):
     """Requests submitted while others decode join at the next step and get the tokens they get alone."""
     long = engine.submit(PROMPTS[2], max_new_tokens=N_NEW, ignore_eos=True)
