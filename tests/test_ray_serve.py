@@ -202,6 +202,28 @@ def test_the_guards_answer_as_on_one_process(app):
     assert status == 400 and "\n" not in json.loads(raw)["error"]["message"]
 
 
+def _tokens_made(url: str) -> float:
+    time.sleep(1.2)  # a replica pushes its registry every 0.5 s
+    text = _call(url, "GET", "/metrics", headers=AUTH)[1]
+    return sum(float(v) for v in re.findall(r'prunus_tokens_generated_total\{replica="[^"]+"\} ([0-9.e+]+)', text))
+
+
+def test_a_client_leaving_a_stream_cancels_it_on_the_replica(app):
+    host, port = re.match(r"http://([^:]+):(\d+)", app).groups()
+    before = _tokens_made(app)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "model", "prompt": "x", "max_tokens": 480, "min_tokens": 480, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(2)  # the client leaves after its first event
+    conn.close()
+    time.sleep(3)
+    made = _tokens_made(app) - before
+    print(f"a stream left after its first event: {made:g} of its 480 tokens made")
+    assert 0 < made < 400, made  # the rest were never made
+
+
 def test_metrics_hold_every_replica_labelled(app):
     before = sum(_replica_counts(app).values())
     for prompt in PROMPTS:
