@@ -26,8 +26,7 @@ from torch.utils.data import default_collate
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
 from prunus.data.tables import model_dir_files
 from prunus.data.module_fit import check_fits
-from prunus.data.prefetch import to_device
-from prunus.data.prefetch import Prefetcher
+from prunus.data.prefetch import Prefetcher, to_device
 from prunus.models.module_dir import input_spec
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
@@ -180,7 +179,8 @@ class ModuleTrainer(Trainer):
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data
-        parallelism (the spec's ``parallelize``: :func:`.data_parallel.any_module.parallelize_any`). Every rank starts from the first rank's weights."""
+        parallelism (the spec's ``parallelize``: :func:`.data_parallel.any_module.parallelize_any`). Every rank
+        starts from the first rank's weights."""
         cfg, dims = self.cfg, self.dims
         plan = check_layout(module, cfg)
         if cfg.dp_mode == "dataparallel":  # one process: the forward replicated over every GPU, the module kept plain
