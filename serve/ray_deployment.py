@@ -242,13 +242,27 @@ def deploy(path, load: dict, server_options: dict, settings: RaySettings, host: 
     try:
         serve.run(application(path, load, server_options, settings, (host, port), app_name), name=app_name,
                   route_prefix="/", blocking=False)
-    except RuntimeError as e:  # a replica failed to start: its error's last line (a PrunusError's own line)
-        raise PrunusError(f"the replicas of {path} did not start: {_last_line(str(e))}") from None
+    except RuntimeError as e:  # a replica failed to start: the error it raised (a PrunusError's own line)
+        raise PrunusError(f"the replicas of {path} did not start: "
+                          f"{_replica_error(app_name) or _last_line(str(e))}") from None
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _replica_error(app_name: str) -> str | None:
+    """The message of the last exception a replica's constructor raised, from Serve's status of the deployment."""
+    import re
+
+    try:
+        deployment = serve.status().applications[app_name].deployments.get("PrunusReplica")
+    except Exception:  # no status to read
+        return None
+    lines = [line.strip() for line in (deployment.message if deployment else "").splitlines()]
+    errors = [line.split(": ", 1)[1] for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return errors[-1][:300] if errors else None
 
 
 def _last_line(text: str) -> str:

@@ -311,3 +311,15 @@ def test_a_generic_module_answers_the_open_inference_protocol_from_replicas(app,
     status, raw = _call(url, "POST", "/v2/models/other/infer", body)
     assert status == 404 and list(json.loads(raw)) == ["error"] and "'gm'" in json.loads(raw)["error"]
     assert _call(url, "GET", "/v2/health/ready")[0] == 200
+
+
+def test_replicas_that_cannot_load_are_one_line_naming_why(app, tmp_path):
+    from ray import serve
+
+    from prunus.artifacts.errors import PrunusError
+    from prunus.serve.ray_deployment import APP_NAME, deploy
+
+    serve.delete(APP_NAME)
+    with pytest.raises(PrunusError, match=r"did not start: .*no config\.json") as info:
+        deploy(tmp_path, {}, {}, RaySettings(replicas=1, replica_cpus=0.5), port=int(app.rsplit(":", 1)[1]))
+    assert "\n" not in str(info.value)
