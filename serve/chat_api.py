@@ -37,7 +37,7 @@ from starlette.background import BackgroundTask
 from .http_guard import BadRequest
 from .logprobs import chat_logprobs
 from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
-    constraint, engine_kwargs, sse, submit, usage
+    constraint, sampling_params, sse, submit, usage
 from .openai_schema import OPENAI_ROLES, SDK_FIELDS, ChatCompletionRequest
 from .tool_calls import call_schema, check_tools, parse_tool_calls, template_messages
 from .request import StreamToken
@@ -122,8 +122,8 @@ async def chat(server, req: ChatCompletionRequest, request: Request):
             check_context(engine, len(ids), 1, field)
     check_context(engine, len(ids), max_tokens, field)
     grammar = await compile_grammar(server, asked, request.receive)
-    requests = submit(engine, [ids], engine_kwargs(req, server.defaults, max_tokens, top, grammar,
-                                                       engine.backend.vocab_size), req.n)
+    requests = submit(engine, [ids], sampling_params(req, server.defaults, max_tokens, top, grammar,
+                                                     engine.backend.vocab_size, engine.adapter_names()), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

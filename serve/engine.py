@@ -168,30 +168,29 @@ class Engine:
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop: str | list[str] | None = None, ignore_eos: bool = False, logits=None,
-               stop_token_ids=(), adapter: str | None = None) -> Request:
+               stop_token_ids=(), adapter: str | None = None, *, params: SamplingParams | None = None) -> Request:
         """Queue one prompt (text, or token ids); read its ``events`` or wait with :meth:`result`.
         ``logits``: a :class:`prunus.serve.logits_processors.LogitsSettings` (penalties, logit_bias, min_tokens,
         logprobs); ``stop_token_ids``: more tokens that end the request, besides the model's own; ``adapter``: the
-        name of a loaded LoRA adapter to run with (None: the base)."""
+        name of a loaded LoRA adapter to run with (None: the base). Or all of it as one ``params``
+        (:class:`prunus.serve.request.SamplingParams`, the HTTP routes' one parse of a request): checked here,
+        once, with the prompt against the context."""
         if self._closed:
             raise PrunusError("the engine is closed; load it again")
         if self.backend.capabilities.predict:
             raise PrunusError("this engine serves a non-generative model; use predict, not generate or stream")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logits).check()
-        if logits is not None:
-            logits.check(self.backend.vocab_size)
-        extra_stops = tuple(stop_token_ids or ())
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.backend.vocab_size
-               for t in extra_stops):
-            raise PrunusError(f"stop_token_ids must be token ids in [0, {self.backend.vocab_size})")
+        if params is None:
+            stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logits,
+                                    tuple(stop_token_ids or ()), adapter)
+        params.check(self.backend.vocab_size)
         ids = self.encode(prompt)
-        if len(ids) + max_new_tokens > self.max_len:
+        if len(ids) + params.max_new_tokens > self.max_len:
             raise PrunusError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context of "
                 f"{self.max_len} tokens; shorten the prompt or lower max_new_tokens")
-        stops = () if ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ())) + extra_stops
-        lora = self.lora_adapter(adapter) if adapter is not None else None
+        stops = () if params.ignore_eos else tuple(getattr(self.tokenizer, "stop_ids", ())) + params.stop_token_ids
+        lora = self.lora_adapter(params.adapter) if params.adapter is not None else None
         return self.scheduler.submit(Request(ids, params, self.tokenizer, stop_ids=stops, adapter=lora))
 
     def embed(self, texts, pooling: str = "last", normalize: bool = True, adapter: str | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from .asgi_guard import ClientGone, RequestGuard, log_client
 from .http_guard import BadRequest
 from .logprobs import completion_logprobs, joined
 from .openai_generate import Choice, sse_stream, cancel, check_context, check_model, collect, compile_grammar, \
-    constraint, engine_kwargs, sse, submit, usage
+    constraint, sampling_params, sse, submit, usage
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prompt_logprobs import prompt_logprobs
 from .request import StreamToken
@@ -119,13 +119,14 @@ async def complete(server, req: CompletionRequest, request: Request):
     for ids in prompts:
         check_context(engine, len(ids), max_tokens, "max_tokens")
     grammar = await compile_grammar(server, constraint(req), request.receive)
-    kwargs = engine_kwargs(req, server.defaults, max_tokens, req.logprobs, grammar, engine.backend.vocab_size)
+    params = sampling_params(req, server.defaults, max_tokens, req.logprobs, grammar, engine.backend.vocab_size,
+                             engine.adapter_names())
     echoed = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given] if req.echo else None
     echo_logprobs = None
     if req.echo and req.logprobs is not None:  # the prompts' own, by a teacher-forced pass (off the event loop)
         echo_logprobs = await loop.run_in_executor(server.pool, lambda: [completion_logprobs(
             engine.tokenizer, ids, prompt_logprobs(engine, ids, req.logprobs)) for ids in prompts])
-    requests = submit(engine, prompts, kwargs, req.n)
+    requests = submit(engine, prompts, params, req.n)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
     if req.stream:

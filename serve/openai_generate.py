@@ -11,6 +11,7 @@ submitted (``n`` per prompt, each an independent row), and their events gathered
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from .http_guard import BadRequest
 from .integer_keys import token_id
 from .logits_processors import MAX_LOGIT_BIAS, LogitsSettings, TokenLogprob
 from .openai_schema import Sampling
-from .request import GenerationResult, Request, StreamToken
+from .request import GenerationResult, Request, SamplingParams, StreamToken
 
 
 @dataclass
@@ -123,10 +124,11 @@ async def compile_grammar(server, asked: tuple[str, object, str] | None, receive
         raise BadRequest(status, str(e), kind, param=field_name, headers={"Retry-After": "1"} if status != 400 else None) from None
 
 
-def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None,
-                  vocab_size: int | None = None) -> dict:
-    """Engine.submit's settings for one sample of ``req``; fields it leaves out take ``defaults``.
-    ``vocab_size``: the model's, which ``logit_bias`` keys must lie below."""
+def sampling_params(req: Sampling, defaults: dict, max_tokens: int, logprobs: int | None, grammar=None,
+                    vocab_size: int | None = None, adapters=()) -> SamplingParams:
+    """The request's one parse: its sampling fields (those it leaves out take ``defaults``), ``max_tokens``,
+    logprobs, grammar, extra stop tokens and, where ``model`` names one of ``adapters``, the LoRA adapter it runs
+    with (``logit_bias`` keys below ``vocab_size``); :meth:`prunus.serve.engine.Engine.submit` checks the rest once (400 on a value out of range)."""
     def pick(name, fallback=None):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
@@ -135,30 +137,28 @@ def engine_kwargs(req: Sampling, defaults: dict, max_tokens: int, logprobs: int 
                               "it", param="min_tokens")
     logits = LogitsSettings(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                             repetition_penalty=pick("repetition_penalty", 1.0),
-                            logit_bias=_logit_bias(req.logit_bias, vocab_size),
-                            min_tokens=req.min_tokens, logprobs=logprobs, grammar=grammar)
+                            logit_bias=_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens, logprobs=logprobs,
+                            grammar=grammar)
     uses = logits.changes_logits or logprobs is not None
     top_k = pick("top_k")
-    return {"max_new_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p"),
-            "top_k": 0 if top_k == -1 else top_k, "seed": req.seed, "stop": req.stop,
-            "logits": logits if uses else None, "stop_token_ids": tuple(req.stop_token_ids or ()),
-            "model": getattr(req, "model", None)}
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    model = getattr(req, "model", None)
+    return SamplingParams(max_tokens, pick("temperature", 1.0), 0 if top_k == -1 else top_k, pick("top_p"), req.seed,
+                          stop, False, logits if uses else None, tuple(req.stop_token_ids or ()),
+                          model if model is not None and model in adapters else None)
 
 
-def submit(engine, prompts: list[list[int]], kwargs: dict, n: int) -> list[Request]:
-    """``n`` rows per prompt, prompt-major; on any refusal (a full queue: 429) the rows already queued are cancelled."""
+def submit(engine, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Request]:
+    """``n`` rows per prompt, prompt-major (sample ``j`` seeded ``seed + j``); on any refusal (a full queue: 429)
+    the rows already queued are cancelled."""
     requests = []
-    kwargs = dict(kwargs)
-    name = kwargs.pop("model", None)  # a LoRA adapter's name picks it (prunus.serve.lora_routes)
-    if name is not None and name in engine.adapter_names():
-        kwargs["adapter"] = name
     try:
         for ids in prompts:
             for j in range(n):
-                seed = kwargs["seed"]
+                seed = params.seed
                 if seed is not None and j:
                     seed = seed + j if seed + j < 2**64 else seed - j
-                requests.append(engine.submit(ids, **{**kwargs, "seed": seed}))
+                requests.append(engine.submit(ids, params=dataclasses.replace(params, seed=seed)))
     except BaseException:
         for r in requests:
             r.cancelled.set()

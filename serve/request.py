@@ -34,8 +34,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # run to max_new_tokens (benchmarks)
     logits: object = None  # a prunus.serve.logits_processors.LogitsSettings: penalties, logit_bias, logprobs
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request, besides the model's own
+    adapter: str | None = None  # the name of a loaded LoRA adapter to run with (None: the base)
 
-    def check(self) -> "SamplingParams":
+    def check(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Every field in range, in one place (``vocab_size``: the model's, which token ids must lie below);
+        returns ``self``."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise PrunusError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not 0 <= self.temperature < 1e6:
@@ -50,7 +54,12 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise PrunusError(f"stop={list(self.stop)!r} must be up to {MAX_STOP_STRINGS} non-empty strings")
         if self.logits is not None:
-            self.logits.check()
+            self.logits.check(vocab_size)
+        bound = vocab_size if vocab_size is not None else 2**31
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < bound for t in self.stop_token_ids):
+            raise PrunusError(f"stop_token_ids must be token ids in [0, {bound})")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise PrunusError(f"adapter={self.adapter!r} must be the name of a loaded LoRA adapter")
         return self
 
 
