@@ -11,7 +11,9 @@ Two deployments make one Ray Serve application, on the proxy's address (``127.0.
   of the one-process server, and builds that server's own app (:func:`prunus.serve.openai_app.build_app`, or the
   Open Inference Protocol's :func:`prunus.serve.oip_server.build_oip_app`) with its guards and its drain; it answers
   :meth:`PrunusReplica.forward` calls, an HTTP request at a time, by running the app on it in process. It pushes
-  its metrics to the application's board (:mod:`prunus.serve.ray_metrics`).
+  its metrics to the application's board (:mod:`prunus.serve.ray_metrics`). LoRA adapters (``--lora``) are loaded
+  where requests name them, through Ray Serve's model multiplexing (``@serve.multiplexed``,
+  ``serve.get_multiplexed_model_id``), at most ``--adapters-per-replica`` on a replica.
 * ``PrunusIngress`` (``@serve.ingress``, one replica): the ASGI app the proxy calls
   (:mod:`prunus.serve.ray_ingress`), which hands each request to a replica through a deployment handle routed by
   the prefix-aware router (:mod:`prunus.serve.ray_router`) or Ray's own (``--router default``), and answers
@@ -172,7 +174,7 @@ class PrunusIngress:
 def application(path, load: dict, server_options: dict, settings: RaySettings, address: tuple,
                 app_name: str = APP_NAME):
     """The bound Ray Serve application of the module docstring."""
-    ongoing = int(load.get("max_batch", 8)) + int(load.get("max_queue") or 64)  # the engine's own 429 beyond
+    ongoing = int(load.get("max_batch", 8)) + int(load.get("max_queue") or 64)  # what an engine holds; more wait in Ray
     scaling = ({"autoscaling_config": {"min_replicas": settings.lowest, "max_replicas": settings.highest,
                                        "initial_replicas": settings.initial,
                                        "target_ongoing_requests": settings.target_ongoing}}
