@@ -15,7 +15,12 @@ from typing import Callable
 from .backend_names import BACKENDS  # noqa: F401 (the CLI reads it here)
 from .load_options import LoadOptions
 
-PREFIX_CACHE_RUNTIMES = ("torch", "ort_genai", "native")  # the runtimes whose backends hold a prefix cache
+# What a row may declare it accepts beyond plain decoding: (the load setting, in words, the flag that asks for it)
+FEATURES = {"prefix_cache": ("prefix caching", "--prefix-cache-mb"),
+            "draft": ("speculative decoding", "--speculative"),
+            "device_map": ("a device map", "--device-map"),
+            "prompt_graph": ("the prompt graph", "--prompt-graph"),
+            "kv_f16": ("a float16 KV cache", "--kv-dtype f16")}
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Runtime:
     module: str  # prunus.runtime.<module>, whose load(path, config, options) -> Loaded
     loads: str  # what it recognises, in words
     recognises: Callable[[dict, LoadOptions], bool]
+    accepts: frozenset = frozenset()  # the FEATURES it serves; asked of a row that lacks one, the load is refused
 
     def load(self, path: Path, config: dict, options: LoadOptions) -> Loaded:
         return importlib.import_module(f"prunus.runtime.{self.module}").load(path, config, options)
@@ -61,11 +67,11 @@ RUNTIMES = (
     Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
             lambda c, o: "export" not in c and o.tp > 1),
     Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",
-            lambda c, o: "export" not in c),
+            lambda c, o: "export" not in c, frozenset({"prefix_cache", "draft", "device_map"})),
     Runtime("native", "onnxruntime", "native", "an ONNX genai export dir, native=True (decode in prunus's kernels)",
-            lambda c, o: _genai(c) and o.native is True),
+            lambda c, o: _genai(c) and o.native is True, frozenset({"prefix_cache", "draft", "prompt_graph", "kv_f16"})),
     Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
-            lambda c, o: _genai(c)),
+            lambda c, o: _genai(c), frozenset({"prefix_cache", "prompt_graph"})),
     Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
             lambda c, o: _export(c).get("format") in ("onnx", "tensorrt")),
     Runtime("tensorrt", "tensorrt", "tensorrt", "a TensorRT export dir (prefill.plan / decode.plan)",
@@ -76,6 +82,25 @@ RUNTIMES = (
 def find_runtime(backend: str, config: dict, options: LoadOptions) -> Runtime:
     """The first row serving under ``backend`` that recognises the artifact's config.json."""
     return next(r for r in RUNTIMES if r.backend == backend and r.recognises(config, options))
+
+
+def asked(options: LoadOptions) -> set[str]:
+    """The FEATURES ``options`` ask of a runtime."""
+    wanted = {"prefix_cache": bool(options.features.prefix_cache_mb), "draft": options.features.draft is not None,
+              "device_map": options.device_map is not None, "prompt_graph": bool(options.prompt_graph),
+              "kv_f16": options.kv_dtype == "f16"}
+    return {name for name, on in wanted.items() if on}
+
+
+def check_accepted(path: Path, runtime: Runtime, wanted: set[str]) -> None:
+    """One line naming the first feature asked of ``runtime`` that its row does not declare, where it is served
+    instead and the flag to drop (never ignored)."""
+    for name in sorted(wanted - runtime.accepts):
+        from prunus.artifacts.errors import PrunusError
+
+        words, flag = FEATURES[name]
+        where = "; ".join(r.loads for r in RUNTIMES if name in r.accepts)
+        raise PrunusError(f"{path}: {words} is not served for {runtime.loads}, only for: {where}; drop {flag}")
 
 
 def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) -> Loaded:
@@ -95,15 +120,7 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     chosen = resolve_native(path, backend, config, options)  # native="auto" settled, with why it is off
     runtime = find_runtime(backend, config, chosen[0])
     features = options.features
-    if (features.prefix_cache_mb and runtime.name not in PREFIX_CACHE_RUNTIMES) or (
-            features.draft is not None and runtime.name not in ("torch", "native")):
-        from prunus.artifacts.errors import PrunusError
-
-        if features.draft is not None:
-            raise PrunusError(f"{path}: speculative decoding serves a transformer model dir on the torch backend or a "
-                              f"genai export on the native kernels, not {runtime.loads}; drop --speculative")
-        raise PrunusError(f"{path}: prefix caching serves a transformer model dir on the torch backend or an ONNX "
-                          f"Runtime genai export, not {runtime.loads}; drop --prefix-cache-mb")
+    check_accepted(path, runtime, asked(options))
     if features.draft is not None:
         from .eagle_drafter import AUTO, check_draft, find_draft
 

@@ -136,7 +136,7 @@ def test_speculative_decoding_on_a_genai_export_needs_the_native_kernels(export_
     in one line naming its flag."""
     from prunus.artifacts.errors import PrunusError
 
-    refusal = r"speculative decoding serves .* native kernels, not .*drop --speculative"
+    refusal = r"speculative decoding is not served for an ONNX export dir .*only for: .*prunus's kernels.*drop --speculative"
     with pytest.raises(PrunusError, match=refusal) as e:
         Engine.load(export_dir, max_batch=1, max_len=96, threads=1, native=False, draft="ngram")
     assert "\n" not in str(e.value)

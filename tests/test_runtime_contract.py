@@ -208,3 +208,26 @@ def test_sampling_greedy_rows_take_the_argmax_and_seeded_rows_repeat():
     again = [RowSampling(), RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(5))]
     first, second = sample(logits, seeded), sample(logits, again)
     assert first == second and first[0] == 1
+
+
+def test_a_feature_a_runtime_row_does_not_declare_is_refused_naming_the_rows_that_do():
+    """Each runtime row declares what it accepts (prefix cache, draft, device map, prompt graph, f16 KV cache); a
+    load asking a row for anything else is one line naming the rows that serve it and the flag to drop."""
+    from pathlib import Path
+
+    from prunus.artifacts.errors import PrunusError
+    from prunus.runtime.load_options import LoadOptions, ServingFeatures
+    from prunus.runtime.registry import FEATURES, RUNTIMES, asked, check_accepted
+
+    declared = set().union(*(r.accepts for r in RUNTIMES))
+    assert declared == set(FEATURES)
+    assert asked(LoadOptions()) == set()
+    wanted = asked(LoadOptions(device_map="auto", kv_dtype="f16", prompt_graph=True,
+                               features=ServingFeatures(prefix_cache_mb=8, draft="ngram")))
+    assert wanted == set(FEATURES)
+    tp = next(r for r in RUNTIMES if r.name == "torch_tp")
+    with pytest.raises(PrunusError, match=r"^m: a device map is not served for a model dir with tp > 1 .*only for: "
+                                          r"a model dir, plain or compressed.*; drop --device-map$"):
+        check_accepted(Path("m"), tp, {"device_map"})
+    for row in RUNTIMES:
+        check_accepted(Path("m"), row, set(row.accepts))  # what a row declares passes
