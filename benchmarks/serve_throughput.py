@@ -573,7 +573,8 @@ def demo_sections(args, figures: list) -> None:
     http_section(args, figures)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's settings: sections 1-5 (prunus's own), section 6 (--peer llamacpp) and its peers."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--demo-model", default="runs/demo/model", help="the model of sections 1-4 and the first of section 5")
     ap.add_argument("--model", action="append", default=[], metavar="DIR|smollm2",
@@ -627,7 +628,11 @@ def main() -> None:
     ap.add_argument("--onnx-graphs", default="genai,torch", type=lambda v: [g for g in v.split(",") if g],
                     help="with --peer llamacpp: the ONNX graphs whose fp32 / int8 / int4 exports are timed "
                          "(genai, torch; default both)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = arguments().parse_args()
     figures = []
     print(machine_line())
     if args.peer == "llamacpp":
