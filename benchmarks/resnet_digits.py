@@ -121,7 +121,8 @@ def compress_rows(model_dir: Path, data: Path, out: Path, args, train_xy, val_xy
     from prunus.models.model_dir import load_model
 
     example = train_xy[0][:2]
-    prune = {"amount": 0.5, "finetune_steps": args.finetune_steps, "lr": 1e-3, "batch_size": 64}
+    prune = {"amount": 0.5, "importance": "magnitude", "finetune_steps": args.finetune_steps, "lr": 1e-3,
+             "batch_size": 64}  # the peer's importance
     student = {"student": SPEC, "student_args": {"width": args.student_width}, "steps": args.distill_steps,
                "lr": 3e-3, "batch_size": 64}
     rows = {}
