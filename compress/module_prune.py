@@ -127,6 +127,8 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                    importance: str = "magnitude", taylor=None, rounds: int = ROUNDS) -> dict:
     """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after).
     ``taylor``: the :class:`~.prune_taylor.TaylorBatches` whose gradients ``importance: taylor`` ranks by."""
+    from prunus.models.module_reshape import sync_head_dims
+
     tp = torch_pruning()
     if (importance == "taylor") != (taylor is not None):
         raise PrunusError("prune_channels: importance taylor ranks by the gradients of TaylorBatches; pass taylor= "
@@ -146,8 +148,11 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
             if taylor is not None:
                 taylor.accumulate(model)
             pruner.step()
+            sync_head_dims(model)  # before the next round's gradients or count run the module
             if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
                 break
+    except PrunusError:
+        raise
     except Exception as e:  # noqa: BLE001 - a module torch-pruning cannot trace: one line with the reason
         from prunus.models.module_factory import reason
 
@@ -156,9 +161,6 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                           "written; use a module whose forward torch can trace, or another pass") from None
     finally:
         model.zero_grad(set_to_none=True)
-    from prunus.models.module_reshape import sync_head_dims
-
-    sync_head_dims(model)
     check_cut_runs(model, example)
     after = {k: _count(tp, model, example, k) for k in ("params", "flops")}
     return {"params_before": int(before["params"]), "params_after": int(after["params"]),

@@ -170,3 +170,17 @@ def test_taylor_ranks_by_the_loss_where_magnitude_ranks_by_the_weights():
         kept[importance] = sorted(int((marked == w).nonzero()) for w in model[0].weight[:, 0])
         assert all(p.grad is None for p in model.parameters())
     assert kept == {"magnitude": [0, 1], "taylor": [2, 3]}
+
+
+@pytest.mark.parametrize("by", ["channels", "params"])
+def test_a_user_attention_module_prunes_through_the_pass_and_reloads(by, tmp_path):
+    """The pass's default (taylor, in rounds): the head width follows every round, and the dir reloads."""
+    torch.manual_seed(0)
+    src = save_module(build_module("test_prune_attention:user_vit", {}), tmp_path / "src", stage="train",
+                      task="classification", input={"shape": [5, 8], "dtype": "float32"})
+    report = compress(src, [("prune_channels", {"amount": 0.5, "by": by})], tmp_path / "o",
+                      data="synthetic:classification?n=24&shape=5x8&classes=3&val=8", trust_factory=True,
+                      latency=False)
+    loaded = load_module(tmp_path / "o", trust_factory=True)
+    assert loaded.attn.num_heads == 4 and loaded.attn.head_dim * 4 * 3 == loaded.attn.qkv.out_features
+    assert report["rows"][1]["params"] == sum(p.numel() for p in loaded.parameters()) < report["rows"][0]["params"]
