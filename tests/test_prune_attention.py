@@ -53,6 +53,28 @@ def user_vit(fixed=False):
     return UserViT(fixed)
 
 
+class SeparateAttention(UserAttention):
+    """Llama's layout: q_proj, k_proj, v_proj, o_proj, heads by num_heads and head_dim."""
+
+    def __init__(self, dim=16, heads=4):
+        nn.Module.__init__(self)
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        split = lambda t: t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        out = nn.functional.scaled_dot_product_attention(split(self.q_proj(x)), split(self.k_proj(x)),
+                                                         split(self.v_proj(x)))
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def separate_vit():
+    model = UserViT()
+    model.attn = SeparateAttention()
+    return model
+
+
 def cnn1d():
     return nn.Sequential(nn.Unflatten(1, (1, -1)), nn.Conv1d(1, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(),
                          nn.Conv1d(8, 16, 3, stride=2, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
@@ -65,6 +87,7 @@ KINDS = {  # spec -> an input batch
     "test_module_prune_kinds:mlp": lambda: torch.randn(3, 6),
     "test_prune_attention:cnn1d": lambda: torch.randn(3, 16),
     "test_prune_attention:user_vit": lambda: torch.randn(3, 5, 8),
+    "test_prune_attention:separate_vit": lambda: torch.randn(3, 5, 8),
 }
 
 
