@@ -190,10 +190,10 @@ def cached_int4(model_dir: Path, cache: Path) -> Path:
     from prunus.models import load_model, load_model_tokenizer, save_model
 
     root, fresh = _export_root(model_dir, cache)
-    int4_dir = root / "int4-rtn-g32-head8"
-    if not fresh(int4_dir):
+    int4_dir = root / "int4-rtn-g32-head8-gguf"
+    if not fresh(int4_dir):  # scales GGUF holds (gguf_scales): its Q4_0 / Q8_0 file runs these very weights
         model = quantize_pass(load_model(model_dir), None, scheme="int4-weight-only", group_size=32, symmetric=True,
-                              exclude=(), int8=("output",))
+                              exclude=(), int8=("output",), gguf_scales=True)
         save_model(model, int4_dir, tokenizer=load_model_tokenizer(model_dir), stage="compress", parent=model_dir,
                    overwrite=True, command="benchmarks/serve_throughput.py (quantize int4-weight-only rtn, group 32, int8 head)")
     return int4_dir
@@ -358,7 +358,7 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
     out = [Contender("prunus torch Engine", model_dir, "fp32")]
     jobs = [("fp32", "fp32", model_dir, "fp32", root / "onnx-fp32", "fp32"),
             ("int8", "int8", model_dir, "int8", root / "onnx-int8", "int8"),
-            ("int4", "int4", int4_dir, None, None, "int4-rtn-g32-head8")]
+            ("int4", "int4", int4_dir, None, None, "int4-rtn-g32-head8-gguf")]
     jobs += [(f"int4 {d.name.removeprefix('int4-')}", "int4", d, None, None, d.name) for d in int4_models]
     for graph in graphs:
         for name, precision, src, asked, reuse, folder in jobs:
