@@ -127,7 +127,7 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                    importance: str = "magnitude", taylor=None, rounds: int = ROUNDS) -> dict:
     """Cut ``model``'s channels in place (see the module docstring); returns what it did (counts before/after).
     ``taylor``: the :class:`~.prune_taylor.TaylorBatches` whose gradients ``importance: taylor`` ranks by."""
-    from prunus.models.module_reshape import sync_head_dims
+    from prunus.models.module_reshape import sync_head_dims, tied_head_dims
 
     tp = torch_pruning()
     if (importance == "taylor") != (taylor is not None):
@@ -135,7 +135,7 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
                           "with it (and only with it)")
     check_prunable(model)
     model.eval()
-    keep = output_layers(model, example)
+    keep, tied = output_layers(model, example), tied_head_dims(model)
     before = {k: _count(tp, model, example, k) for k in ("params", "flops")}
     steps = rounds if by == "channels" else MAX_STEPS
     ratio = amount if by == "channels" else 0.95
@@ -148,7 +148,7 @@ def prune_channels(model: nn.Module, example: torch.Tensor, amount: float = 0.5,
             if taylor is not None:
                 taylor.accumulate(model)
             pruner.step()
-            sync_head_dims(model)  # before the next round's gradients or count run the module
+            sync_head_dims(model, tied)  # before the next round's gradients or count run the module
             if by != "channels" and _count(tp, model, example, by) <= (1 - amount) * before[by]:
                 break
     except PrunusError:

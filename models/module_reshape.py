@@ -9,7 +9,8 @@ empty tensor of the recorded shape, the layer's size attributes - ``out_channels
 ``head_dim`` is ``embed_dim / num_heads`` (a cut that leaves heads of unequal size is refused), ``kdim`` /
 ``vdim`` follow the key / value projections. A user attention module (an integer ``num_heads`` beside a fused
 ``qkv`` projection or separate ``q_proj`` / ``k_proj`` / ``v_proj``, :func:`attention_projections`) keeps its heads
-too; an integer ``head_dim`` it holds follows the query width (:func:`sync_head_dims`).
+too; an integer ``head_dim`` it holds, if ``head_dim * num_heads`` is the query width, follows that width
+(:func:`sync_head_dims`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _owner(module: torch.nn.Module, name: str, where: str, fix: str):
 
 def apply_shapes(module: torch.nn.Module, shapes: dict, where: str, fix: str) -> torch.nn.Module:
     """Resize the entries of ``module`` that ``shapes`` names (see the module docstring); returns it."""
+    tied = tied_head_dims(module)
     for name, shape in shapes.items():
         owner, leaf = _owner(module, name, where, fix)
         old = owner._parameters.get(leaf, owner._buffers.get(leaf))
@@ -81,7 +83,7 @@ def apply_shapes(module: torch.nn.Module, shapes: dict, where: str, fix: str) ->
         _sync_sizes(mod)
         if isinstance(mod, torch.nn.MultiheadAttention):
             _sync_attention(mod, where, fix)
-    sync_head_dims(module)
+    sync_head_dims(module, tied)
     return module
 
 
@@ -107,12 +109,25 @@ def attention_projections(module: torch.nn.Module) -> dict[torch.nn.Module, list
     return found
 
 
-def sync_head_dims(module: torch.nn.Module) -> None:
-    """A user attention module keeps its heads; an integer ``head_dim`` it holds follows its (cut) query width:
-    ``qkv`` outputs / 3 / ``num_heads``, or ``q_proj`` outputs / ``num_heads``."""
-    for mod, projections in attention_projections(module).items():
-        width = projections[0].out_features // (3 if len(projections) == 1 else 1)
-        if isinstance(getattr(mod, "head_dim", None), int) and width % mod.num_heads == 0:
+def _query_width(projections: list[torch.nn.Linear]) -> int:
+    return projections[0].out_features // (3 if len(projections) == 1 else 1)
+
+
+def tied_head_dims(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The user attention modules whose integer ``head_dim`` times ``num_heads`` is their query width (``qkv``
+    outputs / 3, or ``q_proj`` outputs): the ones :func:`sync_head_dims` keeps so after a cut."""
+    return [mod for mod, projections in attention_projections(module).items()
+            if isinstance(getattr(mod, "head_dim", None), int) and not isinstance(mod.head_dim, bool)
+            and mod.head_dim * mod.num_heads == _query_width(projections)]
+
+
+def sync_head_dims(module: torch.nn.Module, tied: list[torch.nn.Module]) -> None:
+    """Each module of ``tied`` (:func:`tied_head_dims`, taken before the cut) keeps its heads; its ``head_dim``
+    follows its (cut) query width."""
+    projections = attention_projections(module)
+    for mod in tied:
+        width = _query_width(projections[mod])
+        if width % mod.num_heads == 0:
             mod.head_dim = width // mod.num_heads
 
 
