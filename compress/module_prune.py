@@ -21,8 +21,8 @@ Attention keeps its heads; every head loses the same share of its width, so each
   indices (torch-pruning's default) would leave the heads re-split over channels of other heads.
 * a user attention module (an integer ``num_heads`` beside a fused ``qkv`` projection or separate ``q_proj`` /
   ``k_proj`` / ``v_proj``: :func:`prunus.models.module_reshape.attention_projections`) gets torch-pruning's
-  ``num_heads``, which cuts the queries, keys and values of every head alike, and its integer ``head_dim`` (if it
-  holds one) follows.
+  ``num_heads``, which cuts the queries, keys and values of every head alike; its integer ``head_dim``, where
+  ``head_dim * num_heads`` was the query width, follows.
 
 Whole heads are not removed: ``nn.MultiheadAttention`` computes its heads over the width it shares with the residual
 stream, so torch-pruning's ``prune_num_heads`` does not apply to it, and a model dir records only the cut shapes
