@@ -28,8 +28,7 @@ from benchmarks.harness import alternating_rounds, machine_line, median_range
 
 _WORKER = r"""
 import json, sys, tempfile
-tree, kind, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-sys.path.insert(0, tree)
+kind, steps = sys.argv[1], int(sys.argv[2])
 out = tempfile.mkdtemp() + "/run"
 if kind == "module":
     from prunus.data.synthetic import synthetic_datasets
@@ -55,9 +54,9 @@ def mlp(d_in: int = 64, width: int = 256, classes: int = 10) -> nn.Module:
 
 
 def _one(tree: Path, kind: str, steps: int, threads: int) -> float | None:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads)}
-    r = subprocess.run([sys.executable, "-c", _WORKER, str(tree), kind, str(steps)], capture_output=True, text=True,
-                       env=env, cwd=ROOT)  # the factory's module: this checkout's benchmarks
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(tree)}
+    r = subprocess.run([sys.executable, "-c", _WORKER, kind, str(steps)], capture_output=True, text=True, env=env,
+                       cwd=ROOT)  # prunus from ``tree`` (first on the path); the factory's module from this checkout
     if r.returncode != 0:
         print(f"  {kind} failed in {tree}: {r.stderr.strip().splitlines()[-1:]}", flush=True)
         return None
