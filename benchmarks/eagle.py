@@ -147,7 +147,7 @@ def report(label: str, n_prompt: int, figures: dict) -> None:
         print(line)
 
 
-def plot(results: dict, path: str, k: int) -> None:
+def plot(results: dict, path: str, k: int, fixed: bool = False) -> None:
     """Speedup over plain decoding against the draft vocabulary, a line per (threads, prompt)."""
     from statistics import median
 
@@ -166,7 +166,7 @@ def plot(results: dict, path: str, k: int) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft head vocabulary (most frequent tokens)")
     ax.set_ylabel("decode tokens/s over plain decoding")
-    ax.set_title(f"EAGLE draft, {k} drafted tokens per step, batch 1, greedy")
+    ax.set_title(f"EAGLE draft, {'' if fixed else 'at most '}{k} drafted tokens per step, batch 1, greedy")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -212,7 +212,7 @@ def main() -> None:
         for e in engines.values():
             e.close()
     if args.plot:
-        plot(results, args.plot, ks[-1])
+        plot(results, args.plot, ks[-1], args.fixed)
         print(f"\nwrote {args.plot}")
 
 
