@@ -52,7 +52,7 @@ def print_report(console, report: dict) -> None:
 
 def print_module_report(console, report: dict) -> None:
     """A generic module's report: the task's quality, params, MB and latency per row."""
-    from prunus.compress.module_report import quality
+    from prunus.compress.report import quality
 
     rows = report["rows"]
     columns = [Column("#", priority=1), Column("pass", justify="left", text=True), Column("val loss", priority=3),

@@ -208,15 +208,61 @@ def report_figure(report: dict):
     return fig
 
 
+def quality(row: dict) -> tuple[str, float]:
+    """(label, value) of a row's quality: top-1 accuracy (%) where the task judges it, else the loss."""
+    if "val_accuracy" in row:
+        return "top-1 accuracy (%)", 100 * row["val_accuracy"]
+    return "held-out loss", row["val_loss"]
+
+
+def render_module_markdown(report: dict) -> str:
+    rows = report["rows"]
+    label = quality(rows[0])[0]
+    head = ["#", "pass", "val loss", label, "params", "MB", *(["latency (ms)"] if "latency_ms" in rows[0] else [])]
+    lines = [f"# Compression report: {report['source']}", "",
+             f"task {report['task']}, held-out samples of {report['data']}: {rows[0]['val_samples']:,}; latency: "
+             f"median CPU forward of one batch, {report.get('threads')} threads", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(rows):
+        cells = [str(i), r["pass"], f"{r['val_loss']:.4f}", f"{quality(r)[1]:.2f}", f"{r['params']:,}",
+                 f"{r['bytes'] / 1e6:.3f}", *([f"{r['latency_ms']:.2f}"] if "latency_ms" in r else [])]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- row {i} ({r['pass']}): {line}" for i, r in enumerate(rows) for line in r.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def module_figure(report: dict):
+    """Quality against the weights' size, one numbered point per row."""
+    import matplotlib.pyplot as plt
+
+    from prunus.train_parallel.plot import place_point_labels, plain_ticks, span_limits
+
+    rows = report["rows"]
+    xs = [r["bytes"] / 1e6 for r in rows]
+    ys = [quality(r)[1] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110, layout="constrained")
+    ax.plot(xs, ys, "-o", color="tab:blue")
+    ax.set_xlim(*span_limits(xs, min_span=0.1 * max(xs)))
+    ax.set_ylim(*span_limits(ys, min_span=1.0))
+    ax.set_xlabel("weights (MB)")
+    ax.set_ylabel(quality(rows[0])[0])
+    ax.set_title("quality against size, pass by pass: " + ", ".join(f"{i} {r['pass']}" for i, r in enumerate(rows)),
+                 fontsize=8, wrap=True)
+    plain_ticks(ax)
+    ax.grid(alpha=0.3)
+    place_point_labels(fig, ax, xs, ys, [str(i) for i in range(len(rows))])
+    return fig
+
+
 def report_files(report: dict) -> dict[str, bytes]:
     """report.json, report.md and report.png of a compression report (a generic module's: its task's quality)."""
     from prunus.train_parallel.plot import figure_png
 
     markdown, figure = render_markdown, report_figure
     if report.get("kind") == "module":  # a generic module: accuracy / loss instead of bits per byte
-        from .module_report import module_figure, render_module_markdown as markdown
-
-        figure = module_figure
+        markdown, figure = render_module_markdown, module_figure
     return {"report.json": (json.dumps(report, indent=2) + "\n").encode(), "report.md": markdown(report).encode(),
             "report.png": figure_png(figure(report))}
 
