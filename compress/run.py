@@ -74,6 +74,26 @@ def check_arguments(model_dir: Path, passes, out: Path, *, data, max_quality_dro
             check_int_range(value, name, 1, 2**63 - 1)
 
 
+def _apply_pass(name: str, args: dict, model, ctx, bar, console, progress: bool) -> tuple:
+    """One pass on ``model``, the bar stopped while it runs (a pass may show its own progress: distillation trains);
+    returns (the model it made, the notes it left, its seconds). The model's CompressionState records it."""
+    extra = {"progress": False} if not progress and PASSES[name].shows_progress else {}
+    bar.stop()
+    if progress:
+        console.print(f"[bold]pass {pass_label(name, args)}[/bold]")
+    ctx.take_notes()
+    t0 = time.perf_counter()
+    model = run_pass(get_pass(name), name, model, ctx, {**args, **extra})
+    seconds = round(time.perf_counter() - t0, 2)
+    notes = ctx.take_notes()
+    if progress:
+        for line in notes:
+            console.print(f"  {line}")
+    bar.start()
+    compression_state(model).record_pass(name, args, notes)
+    return model, notes, seconds
+
+
 def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None = None,
              max_quality_drop: float | None = None, overwrite: bool = False, seed: int = 0,
              seq_len: int | None = None, eval_tokens: int = DEFAULT_EVAL_TOKENS, max_corpus_bytes: int | None = 16 << 20,
@@ -86,15 +106,15 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
     model_dir, out = Path(model_dir), Path(out)
     spec = spec_of_dir(model_dir)
     if spec.name != TRANSFORMER:  # another kind's passes: its spec's runner (a generic nn.Module: module_compress)
-        return spec.load("compress")(model_dir, passes, out, data=data, trust_factory=trust_factory, overwrite=overwrite,
-                               seed=seed, latency=latency, recipe_text=recipe_text, command=command)
+        return spec.load("compress")(model_dir, passes, out, data=data, trust_factory=trust_factory,
+                                     overwrite=overwrite, seed=seed, latency=latency, recipe_text=recipe_text,
+                                     command=command)
     check_arguments(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
                     seed=seed, seq_len=seq_len, eval_tokens=eval_tokens, max_corpus_bytes=max_corpus_bytes)
     start = time.perf_counter()
     ctx = build_context(model_dir, data=data, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         eval_tokens=eval_tokens)
-    teacher = ctx.teacher
-    prompts = prompts_from(ctx, teacher)
+    teacher, prompts = ctx.teacher, prompts_from(ctx, ctx.teacher)
     reference = greedy(teacher, prompts)
     console = Console(stderr=True)
     rows, pass_seconds = [], []
@@ -110,21 +130,8 @@ def compress(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | P
         torch.manual_seed(seed)
         for name, args in passes:
             label = pass_label(name, args)
-            fn = get_pass(name)
-            extra = {"progress": False} if not progress and PASSES[name].shows_progress else {}
-            bar.stop()  # a pass may show its own progress (distillation trains)
-            if progress:
-                console.print(f"[bold]pass {label}[/bold]")
-            ctx.take_notes()
-            t0 = time.perf_counter()
-            model = run_pass(fn, name, model, ctx, {**args, **extra})
-            pass_seconds.append(round(time.perf_counter() - t0, 2))
-            notes = ctx.take_notes()
-            if progress:
-                for line in notes:
-                    console.print(f"  {line}")
-            bar.start()
-            compression_state(model).record_pass(name, args, notes)
+            model, notes, seconds = _apply_pass(name, args, model, ctx, bar, console, progress)
+            pass_seconds.append(seconds)
             bar.advance(task)
             bar.update(task, description=f"score {label}")
             row = report_row(label, model, ctx, reference=reference, prompts=prompts, base=rows[0], latency=latency,
