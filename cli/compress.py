@@ -136,7 +136,8 @@ def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) ->
 @click.option("--eval-tokens", type=int, default=None,
               help="Held-out tokens scored per report row. Default: the same slice prunus eval scores.")
 @click.option("--seq-len", type=int, default=None,
-              help="Evaluation window in tokens. Default: the model's context, at most 1024.")
+              help="Evaluation window in tokens. Default: the model's context, at most 1024. With --distill eagle: the "
+                   "training window (default 256).")
 @click.option("--max-corpus-bytes", type=int, default=16 << 20, show_default=True,
               help="Read at most this many bytes of the corpus (calibration and evaluation draw from them).")
 @click.option("--no-latency", is_flag=True, help="Skip the CPU latency columns.")
@@ -155,8 +156,12 @@ def command(model_dir, recipe, quantize, prune, distill, distill_steps, distill_
     distill_args = {k: v for k, v in (("steps", distill_steps), ("batch_size", distill_batch_size), ("lr", distill_lr))
                     if v is not None}
     if distill is not None and distill.split(":")[0] == "eagle":  # a draft head for the model, not a smaller model
+        unused = [flag for flag, v in (("--max-quality-drop", max_quality_drop), ("--eval-tokens", eval_tokens),
+                                       ("--no-latency", no_latency), ("--trust-factory", trust_factory)) if v]
+        if unused:
+            raise PrunusError(f"{', '.join(unused)} apply to compressing a model, not to --distill {distill}; drop them")
         return eagle_command(model_dir, distill, distill_args, recipe or quantize or prune, out=out, data=data,
-                             seed=seed, max_corpus_bytes=max_corpus_bytes, overwrite=overwrite)
+                             seed=seed, max_corpus_bytes=max_corpus_bytes, overwrite=overwrite, seq_len=seq_len)
     passes, text = passes_from(recipe, quantize, prune, distill, distill_args)
     given = {"eval_tokens": eval_tokens} if eval_tokens is not None else {}
     try:

@@ -229,3 +229,12 @@ def test_auto_finds_the_draft_beside_the_target_and_metrics_count_it(dirs, tmp_p
     assert f"prunus_speculative_drafted_tokens_total {float(stats['drafted'])}" in text
     assert f"prunus_speculative_accepted_tokens_total {float(stats['accepted'])}" in text
     assert stats["drafted"] > 0 and stats["adaptive"] is True
+
+
+def test_compress_options_that_do_not_apply_to_a_draft_are_refused(dirs, tmp_path, assert_user_error):
+    base = ["compress", dirs["target"], "--distill", "eagle", "--out", tmp_path / "d"]
+    assert_user_error(_cli(*base, "--eval-tokens", "100"), "--eval-tokens", "--distill eagle")
+    assert_user_error(_cli(*base, "--quantize", "int8"), "drop --recipe, --quantize and --prune")
+    assert_user_error(_cli("compress", dirs["target"], "--distill", "eagle:size=3", "--out", tmp_path / "d"),
+                      "eagle[:vocab=N]")
+    assert not (tmp_path / "d").exists()
