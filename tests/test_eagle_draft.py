@@ -102,6 +102,22 @@ def test_greedy_tokens_are_plain_decodings(dirs, where):
         assert _greedy(e) == want
 
 
+@pytest.mark.parametrize("where", ["target", "export"])
+def test_a_row_with_logits_processing_decodes_plainly_beside_speculative_rows(dirs, where):
+    from prunus.serve.logits_processors import LogitsSettings
+
+    extra = {"native": True} if where == "export" else {}
+    penalised = dict(max_new_tokens=N_NEW, ignore_eos=True, logits=LogitsSettings(repetition_penalty=1.3, logprobs=0))
+    with Engine.load(dirs[where], max_batch=3, threads=1, **extra) as plain:
+        want = [plain.generate(PROMPTS[0], **penalised).token_ids] + _greedy(plain)[1:]
+    with Engine.load(dirs[where], max_batch=3, threads=1, draft=dirs["draft"], draft_tokens=3, **extra) as e:
+        e.speculator.adaptive = False
+        first = e.submit(PROMPTS[0], **penalised)
+        rest = [e.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in PROMPTS[1:]]
+        got = [e.wait(r).token_ids for r in [first, *rest]]
+        assert got == want and e.info["speculative"]["drafted"] > 0
+
+
 def test_a_capped_catch_up_still_gives_plain_tokens(dirs, monkeypatch):
     """Past MAX_CATCH_UP unread states (a long prompt) the draft reads the last ones only: drafts change, tokens not."""
     from prunus.runtime import eagle_drafter
