@@ -212,11 +212,15 @@ def test_drafts_that_do_not_fit_are_refused_before_the_target_loads(dirs, tmp_pa
     config["model"]["dim"] *= 2
     (wide / "config.json").write_text(json.dumps(config))
 
+    retok = tmp_path / "retok"
+    shutil.copytree(dirs["draft"], retok)
+    (retok / "tokenizer.json").write_text("{}")
+
     def never(*a, **k):
         raise AssertionError("the target was loaded")
 
     monkeypatch.setattr(native_choice, "load_chosen", never)
-    for draft, needle in ((other, "trained for another model"), (wide, "dim")):
+    for draft, needle in ((other, "trained for another model"), (wide, "dim"), (retok, "tokenizer")):
         with pytest.raises(PrunusError, match=needle) as e:
             Engine.load(dirs["target"], draft=draft)
         assert "\n" not in str(e.value)
