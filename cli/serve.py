@@ -234,8 +234,11 @@ def _serve(path, backend, tp, device, host, port, max_batch, max_queue, max_len,
 def _serve_replicas(path, load: dict, ray: RaySettings, host: str, port: int, **server_options) -> None:
     """--replicas / --ray-address: the same server in replicas on Ray Serve (prunus.serve.ray_deployment), until
     Ctrl-C or SIGTERM."""
+    import os
+
     from prunus.serve.ray_settings import require_ray
 
+    ray.check_load(load, os.cpu_count())
     require_ray()
     from prunus.serve.ray_deployment import run
 

@@ -102,6 +102,24 @@ class RaySettings:
         given = {f.name: options.get(f.name) for f in fields(cls)}
         return cls(**{k: v for k, v in given.items() if v is not None})
 
+    def check_load(self, load: dict, machine_cpus: int | None) -> None:
+        """One line, before Ray starts, for what a replica cannot take (``tp`` worker processes, a device map:
+        a replica is one process of fractional CPUs) or for more replica CPUs than a local cluster has."""
+        if (load.get("tp") or 1) > 1:
+            raise PrunusError("--tp runs worker processes beside one server; a replica on Ray Serve is one process: "
+                              "drop --tp, or scale with --replicas")
+        if load.get("device_map") is not None:
+            raise PrunusError("--device-map places one model across devices in one process; replicas on Ray Serve "
+                              "each hold the whole model: drop --device-map")
+        if self.ray_address is not None:
+            return  # a cluster of its own size: Ray Serve says when replicas cannot be placed
+        need = self.highest * self.replica_cpus
+        have = self.ray_cpus or machine_cpus
+        if have is not None and need > have:
+            raise PrunusError(f"{self.highest} replicas of {self.replica_cpus:g} CPUs need {need:g} CPUs and "
+                              f"{'--ray-cpus gives' if self.ray_cpus else 'this machine has'} {have}; lower "
+                              "--replicas / --max-replicas or --replica-cpus")
+
     def given_without_replicas(self) -> str | None:
         """The flag of an autoscaling / router option given without --replicas or --ray-address (else None)."""
         if self.active:

@@ -71,6 +71,12 @@ def test_cli_refuses_ray_options_in_one_line(tmp_path, assert_user_error, monkey
     assert_user_error(result, "--max-replicas applies to replicas on Ray Serve")
     result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "2", "--print-k8s"])
     assert_user_error(result, "--print-k8s")
+    result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "2", "--tp", "2"])
+    assert_user_error(result, "drop --tp")
+    result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "2", "--device-map", "auto"])
+    assert_user_error(result, "drop --device-map")
+    result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "4", "--replica-cpus", "2", "--ray-cpus", "4"])
+    assert_user_error(result, "4 replicas of 2 CPUs need 8 CPUs and --ray-cpus gives 4")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "2"])
     assert_user_error(result, "prunus[ray]")
@@ -166,6 +172,16 @@ def test_replicas_give_the_one_process_servers_greedy_tokens(app, one_process):
     assert status == 200 and raw.rstrip().endswith("data: [DONE]")
     status, raw = _call(app, "GET", "/v1/models", headers=AUTH)
     assert status == 200 and json.loads(raw)["data"][0]["id"] == "model"
+
+
+def test_openais_own_client_is_answered_by_the_replicas(app, one_process):
+    """OpenAI's Python client against the replicas: the same greedy text as the one-process server."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=app + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    answer = client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert answer.choices[0].text == _text(one_process, "model", PROMPTS[1], 8)
+    chunks = client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == answer.choices[0].text
 
 
 def test_a_repeated_prompt_start_goes_to_one_replica(app):
