@@ -70,7 +70,7 @@ def test_train_refuses_the_device_before_any_run_dir(tmp_path, device, assert_us
     out = tmp_path / "run"
     assert_user_error(run("train", "--preset", "tiny", "--steps", "1", "--out", out, "--device", device), "--device")
     assert not out.exists()
-    module = ["train", "--model", "torch.nn:Linear", "--model-args", '{"in_features": 4, "out_features": 2}',
+    module = ["train", "--model", "torch.nn:Linear", "--model-args", "in_features=4,out_features=2",
               "--data", "synthetic:regression?n=8&shape=4&outputs=2", "--out", out, "--device", device]
     assert_user_error(run(*module), f"--device {device!r}: ")
     assert not out.exists()
