@@ -164,10 +164,11 @@ def test_over_cap_constraints_are_one_fast_400(server, field, value):
 
 @pytest.mark.slow
 def test_an_at_cap_schema_compiles_well_under_the_deadline(server):
-    """Under the default caps with 40% of the default deadline: the worker's compile must finish in 4 s (about
-    2.3 s on a busy 2-core machine); the serving process's own compile follows (as long again)."""
+    """Under the default caps with 60% of the default deadline: the worker's compile must finish in 6 s (about
+    2.3 s alone on a 2-core EPYC, over 4 s while the other test worker loads both cores); the serving process's
+    own compile follows (as long again)."""
     default = GrammarLimits()
-    limits(server, timeout_s=0.4 * default.timeout_s)
+    limits(server, timeout_s=0.6 * default.timeout_s)
     tokenizer, vocab = server.engine.tokenizer, server.engine.backend.vocab_size
     schema = at_cap(default)
     check_schema(schema, default, "guided_json")  # at every cap, past none
