@@ -25,7 +25,8 @@ followed; where that fails, the dir is served by the torch Engine with one line 
 Serving takes it as a step before the load: ``Engine.load(MODEL_DIR, prepare=prepared_path)`` (what ``prunus serve``
 does; the serve stage never imports the export stage itself). The torch Engine stays a choice (``--backend torch``,
 or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a
-dtype override, ``compile``, LoRA adapters, speculative decoding, or a model the genai graph does not support (the
+dtype override, ``compile``, LoRA adapters, speculative decoding with a draft model dir (prompt lookup and EAGLE
+drafts are verified by the export's native kernels), or a model the genai graph does not support (the
 reason is the info's ``prepared.skipped``).
 """
 
@@ -85,8 +86,29 @@ def skipped(backend: str | None, options: LoadOptions, lora: bool) -> str | None
                (options.dtype is not None, f"dtype={options.dtype}"),
                (options.compile is True, "compile=True"),
                (lora, "LoRA adapters are served by the torch backend"),
-               (options.features.draft is not None, "speculative decoding runs on the torch backend"))
+               (not native_draft(options.features.draft, options.native),
+                "speculative decoding runs on the torch backend where the native kernels cannot verify the draft"))
     return next((why for hit, why in reasons if hit), None)
+
+
+def native_draft(draft, native) -> bool:
+    """Whether a prepared export can serve ``draft``: none, or prompt lookup ("ngram") or an EAGLE draft dir (its
+    config.json says so) where the native kernels run and are not turned off (``native``); a draft model dir of the
+    target's tokenizer is the torch Engine's."""
+    if draft is None:
+        return True
+    from prunus.native.build import cpu_supported
+
+    if native is False or cpu_supported() is not None:
+        return False
+    if str(draft) == "ngram":
+        return True
+    try:
+        from prunus.models.model_dir_manifest import read_config_json
+
+        return isinstance(read_config_json(Path(draft)).get("eagle"), dict)
+    except PrunusError:
+        return False
 
 
 def entry_problem(out: Path, parent_hash: str) -> str | None:

@@ -123,6 +123,13 @@ class Engine:
     @classmethod
     def _load(cls, path: Path, options: EngineOptions) -> "Engine":
         load, lora, features = options.load, options.lora, options.features
+        if features.draft is not None and str(features.draft) == "auto":  # beside the dir asked for, not its export
+            from dataclasses import replace
+
+            from prunus.runtime.eagle_drafter import find_draft
+
+            features = replace(features, draft=find_draft(path))
+            load = replace(load, features=features)
         prepared = None
         if options.prepare is not None:
             path, prepared = options.prepare(path, options.backend, load, bool(lora))

@@ -258,3 +258,27 @@ def test_compress_options_that_do_not_apply_to_a_draft_are_refused(dirs, tmp_pat
     assert_user_error(_cli("compress", dirs["target"], "--distill", "eagle:size=3", "--out", tmp_path / "d"),
                       "eagle[:vocab=N]")
     assert not (tmp_path / "d").exists()
+
+
+def test_a_model_dir_speculates_on_its_prepared_exports_native_kernels(dirs, tmp_path, monkeypatch):
+    """`prunus serve MODEL_DIR --speculative auto|EAGLE_DIR` on a CPU: the dir is served from its prepared genai export
+    and the native kernels verify the drafts (auto finds the draft beside the model dir, not beside the cached
+    export), with plain decoding's greedy tokens; a draft model dir stays on the torch Engine."""
+    from prunus.export import prepared_path
+    from prunus.export.prepared import skipped
+    from prunus.runtime.load_options import LoadOptions, ServingFeatures
+
+    monkeypatch.setenv("PRUNUS_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copytree(dirs["target"], tmp_path / "model")
+    shutil.copytree(dirs["draft"], tmp_path / "model-eagle")
+    with Engine.load(tmp_path / "model", max_batch=2, threads=1, prepare=prepared_path) as plain:
+        want = _greedy(plain)
+    with Engine.load(tmp_path / "model", max_batch=2, threads=1, prepare=prepared_path, draft="auto",
+                     draft_tokens=3) as e:
+        assert e.info["runtime"] == "native" and "export" in e.info["prepared"]
+        assert e.info["draft"] == str(tmp_path / "model-eagle")
+        assert _greedy(e) == want
+        assert e.info["speculative"]["drafted"] > 0
+    model_draft = LoadOptions(features=ServingFeatures(draft=str(dirs["target"])))
+    assert "torch backend" in skipped(None, model_draft, False)
+    assert skipped(None, LoadOptions(native=False, features=ServingFeatures(draft="ngram")), False) is not None

@@ -77,7 +77,7 @@ def test_the_key_follows_what_the_dir_holds(model_dir, tmp_path):
 
 @pytest.mark.parametrize("kwargs, reason", [({"backend": "torch"}, "--backend torch"),
                                             ({"dtype": "bfloat16"}, "dtype=bfloat16"),
-                                            ({"draft": "ngram"}, "speculative decoding")])
+                                            ({"draft": "ngram", "native": False}, "speculative decoding")])
 def test_options_that_need_torch_keep_it_and_say_why(model_dir, cache, kwargs, reason):
     with Engine.load(model_dir, threads=1, prepare=prepared_path, **kwargs) as engine:
         assert engine.info["runtime"] == "torch" and reason in engine.info["prepared"]["skipped"]
