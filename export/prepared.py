@@ -97,9 +97,9 @@ def native_draft(draft, native) -> bool:
     target's tokenizer is the torch Engine's."""
     if draft is None:
         return True
-    from prunus.native.build import cpu_supported
+    from prunus.runtime.native_choice import cpu_problem
 
-    if native is False or cpu_supported() is not None:
+    if native is False or cpu_problem() is not None:
         return False
     if str(draft) == "ngram":
         return True

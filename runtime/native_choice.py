@@ -29,6 +29,13 @@ def is_genai(config: dict) -> bool:
     return export.get("format") == "onnx" and export.get("graph") == "genai"
 
 
+def cpu_problem() -> str | None:
+    """Why this CPU cannot run the native kernels at all (None: it can), for a stage that may not import them."""
+    from prunus.native.build import cpu_supported
+
+    return cpu_supported()
+
+
 def native_off(path: Path, options: LoadOptions) -> str | None:
     """Why a genai export at ``path`` is not decoded natively under native="auto" (None: it is tried natively).
     The checks that cost nothing come first; a build or a weights file that fails later falls back too
