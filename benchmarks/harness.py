@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from prunus.native.build import cpu_model  # one reading of the CPU's name (the kernels' plan cache keys on it too)
+
 NOTE = "ms: median [interquartile range] of the repetitions; ≈: the two spreads overlap, a difference within noise"
 
 
@@ -135,24 +137,6 @@ def goal(v: float | None, ok) -> str:
 
 
 # --- the machine and the results file ------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    """The CPU's model name, from /proc/cpuinfo or lscpu; the platform's word for it elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
 
 def machine() -> dict:
     """What a figure depends on besides the code: CPU, threads, ``OMP_WAIT_POLICY``, torch when it is loaded."""

@@ -43,14 +43,22 @@ FIX = "or set XDG_CACHE_HOME to a dir of your own, or serve without --native"
 
 
 def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (for reports and cache keys)."""
+    """The CPU's model name, from /proc/cpuinfo or lscpu; the platform's word for it elsewhere (for reports,
+    benchmark figures and cache keys)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_supported() -> str | None:

@@ -38,6 +38,15 @@ from .registry import Loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+
+def right_padded(pieces: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Token-id lists as one (rows, longest) long tensor padded with 0 on the right, and their lengths."""
+    lengths = [len(p) for p in pieces]
+    tokens = torch.zeros(len(pieces), max(lengths), dtype=torch.long)
+    for i, p in enumerate(pieces):
+        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens, lengths
+
 class TorchBackend(BackendBase):
     name = "torch"
 
@@ -141,12 +150,8 @@ class TorchBackend(BackendBase):
     def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
         """Each row's ``tokens`` appended after what it holds, all rows in one pass (right-padded; each row sees its
         own keys only); the logits after each row's tokens, [(len_i, vocab) float32]."""
-        counts = [len(t) for t in token_lists]
-        width = max(counts)
-        x = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, t in enumerate(token_lists):
-            x[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        step = self.cache.step(rows, q_len=width, n_new=counts)
+        x, counts = right_padded(token_lists)
+        step = self.cache.step(rows, q_len=x.shape[1], n_new=counts)
         logits = self.model(x.to(self.device), cache=step, positions=step.positions).float()
         self._report(rows, step.start_cpu.tolist(), counts)
         return [logits[i, :n] for i, n in enumerate(counts)]
@@ -201,12 +206,8 @@ class TorchBackend(BackendBase):
 
     @torch.inference_mode()
     def _pass(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
-        lengths = [len(p) for p in pieces]
-        width = max(lengths)
-        tokens = torch.zeros(len(pieces), width, dtype=torch.long)
-        for i, p in enumerate(pieces):
-            tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        step = self.cache.step(rows, q_len=width, n_new=lengths)
+        tokens, lengths = right_padded(pieces)
+        step = self.cache.step(rows, q_len=tokens.shape[1], n_new=lengths)
         last = torch.tensor(lengths, device=self.device) - 1
         logits = self.model(tokens.to(self.device), cache=step, positions=step.positions, logits_at=last)
         self._report(rows, step.start_cpu.tolist(), lengths)

@@ -25,7 +25,11 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from .asgi_guard import MAX_BODY_BYTES
+from starlette.datastructures import Headers
+
+from .asgi_guard import MAX_BODY_BYTES, ClientGone, read_body
+from .http_guard import BadRequest
+from .http_server import BODY_TIMEOUT_S
 from .http_access import ServeAccess
 from .metrics import CONTENT_TYPE
 
@@ -90,21 +94,6 @@ async def send_error(send, settings: IngressSettings, status: int, message: str,
     await send({"type": "http.response.body", "body": body})
 
 
-async def read_body(receive, limit: int) -> bytes | None:
-    """The request body, or None when it is larger than ``limit`` (or the client left)."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            return None
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
 class IngressApp:
     """The ASGI app of the module docstring. ``replicas``: a handle to the replica deployment; ``board``: the
     metrics board's actor handle."""
@@ -119,11 +108,15 @@ class IngressApp:
             return
         if scope["path"] == "/metrics" and scope["method"] == "GET":
             return await self.metrics(scope, send)
-        body = await read_body(receive, self.settings.max_body_bytes)
-        if body is None:
-            return await send_error(send, self.settings, 413, f"the request body is larger than "
-                                    f"{self.settings.max_body_bytes} bytes (or the client left)", "body_too_large",
-                                    [(b"connection", b"close")])
+        headers = Headers(scope=scope)
+        try:  # the one server's body reader: Content-Length or chunked (411), its limit (413), its deadline (408)
+            sends_body = scope["method"] == "POST" or "content-length" in headers or "transfer-encoding" in headers
+            body = await read_body(receive, headers, BODY_TIMEOUT_S, self.settings.max_body_bytes) if sends_body else b""
+        except ClientGone:
+            return
+        except BadRequest as e:
+            return await send_error(send, self.settings, e.status, str(e), e.code or "bad_request",
+                                    [(k.lower().encode(), str(v).encode()) for k, v in e.headers.items()])
         parcel = Parcel.of(scope, body)
         for attempt in range(2 if parcel.method in IDEMPOTENT else 1):
             try:
@@ -135,8 +128,6 @@ class IngressApp:
                          "replica_failed", [(b"retry-after", b"1")])
 
     async def metrics(self, scope, send) -> None:
-        from starlette.datastructures import Headers
-
         from .ray_metrics import merge
 
         refusal = self.settings.access.refusal("GET", "/metrics", Headers(scope=scope), self.settings.address)

@@ -71,6 +71,9 @@ class RaySettings:
             raise PrunusError(f"--adapters-per-replica {self.adapters_per_replica!r}: give 1 to 1024")
         if self.ray_cpus is not None and not 1 <= self.ray_cpus <= 4096:
             raise PrunusError(f"--ray-cpus {self.ray_cpus!r}: give 1 or more CPUs")
+        if self.ray_address is not None and self.ray_cpus is not None:
+            raise PrunusError("--ray-cpus sizes the local Ray cluster prunus starts; --ray-address joins one of its "
+                              "own size: drop --ray-cpus")
         if self.active and not self.lowest <= self.initial <= self.highest:
             raise PrunusError(f"--min-replicas {self.lowest}, --replicas {self.initial} and --max-replicas "
                               f"{self.highest} must rise in that order; change one")

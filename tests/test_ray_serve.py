@@ -77,6 +77,8 @@ def test_cli_refuses_ray_options_in_one_line(tmp_path, assert_user_error, monkey
     assert_user_error(result, "drop --device-map")
     result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "4", "--replica-cpus", "2", "--ray-cpus", "4"])
     assert_user_error(result, "4 replicas of 2 CPUs need 8 CPUs and --ray-cpus gives 4")
+    result = runner.invoke(cli, ["serve", str(tmp_path), "--ray-address", "127.0.0.1:1", "--ray-cpus", "4"])
+    assert_user_error(result, "drop --ray-cpus")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     result = runner.invoke(cli, ["serve", str(tmp_path), "--replicas", "2"])
     assert_user_error(result, "prunus[ray]")
@@ -216,6 +218,8 @@ def test_the_guards_answer_as_on_one_process(app):
     assert _call(app, "GET", "/metrics", headers={**AUTH, "Host": "evil.example.com"})[0] == 403
     status, raw = _complete(app, "x", n=100_000)
     assert status == 400 and "\n" not in json.loads(raw)["error"]["message"]
+    status, raw = _call(app, "POST", "/v1/completions", {"model": "model", "prompt": "x" * (1 << 20)}, AUTH)
+    assert status == 413 and "larger than" in json.loads(raw)["error"]["message"]  # the ingress's body limit
 
 
 def _tokens_made(url: str) -> float:
