@@ -49,13 +49,13 @@ class GrammarLimits:
                             "characters of all enum and const values and property names of a schema", 16_384)
     max_regex: int = _cap("PRUNUS_GRAMMAR_MAX_REGEX",
                           "size of one regex with its repetitions written out ('.' and other wide classes "
-                          f"count {WIDE})", 2048)
-    max_regexes: int = _cap("PRUNUS_GRAMMAR_MAX_REGEXES", "the sizes of all of a schema's patterns", 4096)
-    max_optional: int = _cap("PRUNUS_GRAMMAR_MAX_OPTIONAL", "properties of one object that are not required", 256)
+                          f"count {WIDE})", 1024)
+    max_regexes: int = _cap("PRUNUS_GRAMMAR_MAX_REGEXES", "the sizes of all of a schema's patterns", 2048)
+    max_optional: int = _cap("PRUNUS_GRAMMAR_MAX_OPTIONAL", "properties of one object that are not required", 128)
     max_optionals: int = _cap("PRUNUS_GRAMMAR_MAX_OPTIONALS", "properties not required, in all of a schema's objects",
-                              1024)
+                              512)
     max_counted: int = _cap("PRUNUS_GRAMMAR_MAX_COUNTED",
-                            "properties of all of a schema's objects with minProperties or maxProperties", 64)
+                            "properties of all of a schema's objects with minProperties or maxProperties", 32)
 
     @classmethod
     def from_env(cls, environ=None) -> "GrammarLimits":

@@ -111,10 +111,10 @@ def test_regex_size_writes_repetitions_out():
     ({"enum": [f"{i:0500d}" for i in range(33)]}, "characters or more of enum / const values"),
     ({"type": "object", "properties": {"k" * 600: {"type": "integer"}}}, "property name of 600"),
     ({"type": "string", "pattern": "(.{0,1000}){0,1000}"}, "regex of size"),
-    ({"type": "object", "properties": {c: {"type": "string", "pattern": "[a-z]{2000}"} for c in "abc"}},
+    ({"type": "object", "properties": {c: {"type": "string", "pattern": "[a-z]{900}"} for c in "abc"}},
      "patterns of size"),
     ({"type": "object", "properties": {f"p{i}": {} for i in range(300)}}, "300 optional properties"),
-    ({"type": "array", "items": [{"type": "object", "properties": {f"p{i}": {} for i in range(200)}}] * 6},
+    ({"type": "array", "items": [{"type": "object", "properties": {f"p{i}": {} for i in range(100)}}] * 6},
      "optional properties or more in all"),
     ({"type": "object", "properties": {f"p{i}": {} for i in range(100)}, "minProperties": 50,
       "required": [f"p{i}" for i in range(100)]}, "minProperties / maxProperties"),
@@ -165,8 +165,8 @@ def test_over_cap_constraints_are_one_fast_400(server, field, value):
 @pytest.mark.slow
 def test_an_at_cap_schema_compiles_well_under_the_deadline(server):
     """Under the default caps with 60% of the default deadline: the worker's compile must finish in 6 s (about
-    2.3 s alone on a 2-core EPYC, over 4 s while the other test worker loads both cores); the serving process's
-    own compile follows (as long again)."""
+    2 s alone on an idle 2-core EPYC, so a loaded machine keeps headroom); the serving process's own compile
+    follows (as long again)."""
     default = GrammarLimits()
     limits(server, timeout_s=0.6 * default.timeout_s)
     tokenizer, vocab = server.engine.tokenizer, server.engine.backend.vocab_size
