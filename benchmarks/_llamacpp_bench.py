@@ -339,6 +339,7 @@ def compare(contenders: list[Contender], ggufs: dict[str, Path], peer: LlamaCppP
     summary = {r.label: {"kind": r.kind, "precision": r.precision,
                          "tokens_per_s": {f"{k} thr, batch {b}": med(v) for (k, b), v in r.tps.items()},
                          "ttft_s": {f"{k} thr": med(v) for k, v in r.ttft.items()}} for r in rs}
+    plot.parent.mkdir(parents=True, exist_ok=True)
     plot.with_suffix(".json").write_text(json.dumps({"summary": summary, "batch1": lines}, indent=1))
     print(f"   plot: {plot} (figures: {plot.with_suffix('.json')}); section took {time.perf_counter() - t0:.0f} s")
     return summary

@@ -22,9 +22,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from prunus.native.build import cpu_model  # one reading of the CPU's name (the kernels' plan cache keys on it too)
 
 NOTE = "ms: median [interquartile range] of the repetitions; ≈: the two spreads overlap, a difference within noise"
+
+
+def cpu_model() -> str:
+    """The CPU's name, as the kernels' plan cache keys on it. The peers' workers import this file from venvs of their
+    own without prunus, so prunus is imported here, when a figure is written."""
+    from prunus.native.build import cpu_model as read
+    return read()
 
 
 # --- rounds --------------------------------------------------------------------------------------------------------
