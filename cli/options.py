@@ -47,14 +47,15 @@ prompt_graph_option = click.option(
          "(faster first token, a second copy of the weights in memory).")
 native_option = click.option(
     "--native/--no-native", default=None,
-    help="Genai export: run it in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; compiled with "
-         "the machine's C compiler on first use), or in ONNX Runtime. Default: the kernels wherever they run "
-         "(x86-64 with AVX2), else ONNX Runtime; `prunus info EXPORT_DIR` says which.")
+    help="A model dir or genai export: run it in prunus's own CPU kernels (AVX2 up to AVX-512 VNNI and AMX, by the CPU; "
+         "compiled with the machine's C compiler on first use; a model dir's weights packed at load), or in ONNX "
+         "Runtime (an export; a model dir's prepared export) or torch. Default: the kernels wherever they run "
+         "(x86-64 with AVX2), else ONNX Runtime / torch; `prunus info EXPORT_DIR` says which.")
 prepare_option = click.option(
     "--prepare/--no-prepare", default=True, show_default=True,
-    help="A model dir on a CPU: serve its ONNX Runtime genai export, made once (parity-checked) and cached in "
-         "PRUNUS_CACHE_DIR (default ~/.cache/prunus), instead of the slower torch Engine; --no-prepare or "
-         "--backend torch keeps the torch Engine.")
+    help="A model dir on a CPU that the native kernels do not serve (--no-native, --prompt-graph): serve its ONNX "
+         "Runtime genai export, made once (parity-checked) and cached in PRUNUS_CACHE_DIR (default ~/.cache/prunus), "
+         "instead of the slower torch Engine; --no-prepare or --backend torch keeps the torch Engine.")
 kv_dtype_option = click.option(
     "--kv-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
     help="The native kernels' KV cache element type (a genai export); f16 halves its memory and bandwidth at long "

@@ -42,16 +42,15 @@ GENAI_IR_VERSION = 10
 
 
 def unsupported_features(cfg, modules: dict | None = None, precision: str = "fp32") -> list[str]:
-    """What in this model the genai graph does not build (empty: supported)."""
+    """What in this model the genai graph does not build (empty: supported): the architecture the native kernels do
+    not mirror either (:func:`prunus.runtime.native_tensors.unmirrored`), and the precision."""
+    from prunus.runtime.native_tensors import unmirrored
+
     checks = [
-        (cfg.n_experts > 0, "mixture of experts"), (cfg.qk_norm, "q/k norms"),
-        (cfg.attn_softcap is not None, "attention soft-capping"), (cfg.final_softcap is not None, "logit soft-capping"),
-        (cfg.hidden_act != "silu", f"{cfg.hidden_act} gates"), (cfg.norm_one_plus_weight, "(1 + w) norms"),
-        (cfg.scale_embeddings, "scaled embeddings"), (cfg.post_norms, "post-norms"),
         (precision not in ("fp32", "int8", "int4"), f"{precision} weights"),
         (any(m.scheme.startswith("fp8") for m in (modules or {}).values()), "fp8 weights"),
     ]
-    return [what for bad, what in checks if bad]
+    return unmirrored(cfg) + [what for bad, what in checks if bad]
 
 
 def check_genai_support(cfg, modules: dict | None = None, precision: str = "fp32") -> None:

@@ -1,9 +1,11 @@
-"""A model dir served on a CPU by the fastest runtime: its genai export, prepared once and cached, decoded by prunus's
-native kernels (or ONNX Runtime where they cannot run, :mod:`prunus.runtime.native_choice`).
+"""A model dir served on a CPU by the fastest runtime: prunus's native kernels reading the model dir itself
+(:mod:`prunus.runtime.native_backend`, no export), or, where they do not serve it (``--no-native``, ``--prompt-graph``,
+a CPU or weights the kernels do not take, :mod:`prunus.runtime.native_choice`), its genai export in ONNX Runtime,
+prepared once and cached.
 
 ``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: on SmolLM2-135M the genai
 export decodes 1.75-2.05x the torch Engine's tokens/s in ONNX Runtime, and more in the native kernels
-(docs/results.md). So the first time a model dir is served, :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
+(docs/results.md). So where the native kernels do not serve the dir, the first time it is served :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
 export's parity check against PyTorch: a graph that fails it is not served) into a cache dir, and every later
 serve of the same dir loads the cached export at once.
 
@@ -23,11 +25,11 @@ followed; where that fails, the dir is served by the torch Engine with one line 
 ``0o700``, its files and lock files ``0o600`` (:mod:`prunus.artifacts.cache_dir`).
 
 Serving takes it as a step before the load: ``Engine.load(MODEL_DIR, prepare=prepared_path)`` (what ``prunus serve``
-does; the serve stage never imports the export stage itself). The torch Engine stays a choice (``--backend torch``,
-or ``--no-prepare``), and is what serves whatever the export cannot: a GPU, tensor parallelism, a device map, a
-dtype override, ``compile``, LoRA adapters, speculative decoding with a draft model dir (prompt lookup and EAGLE
-drafts are verified by the export's native kernels), or a model the genai graph does not support (the
-reason is the info's ``prepared.skipped``).
+does; the serve stage never imports the export stage itself). Where the native kernels serve the dir itself
+(:func:`native_direct`) nothing is prepared, and the info's ``prepared.skipped`` says so. The torch Engine stays a
+choice (``--backend torch``, or ``--no-prepare --no-native``), and is what serves whatever neither can: a GPU, tensor
+parallelism, a device map, a dtype override, ``compile``, LoRA adapters, speculative decoding with the native kernels
+off, or a model the genai graph does not support (the reason is the info's ``prepared.skipped``).
 """
 
 from __future__ import annotations
@@ -91,24 +93,23 @@ def skipped(backend: str | None, options: LoadOptions, lora: bool) -> str | None
     return next((why for hit, why in reasons if hit), None)
 
 
+def native_direct(config: dict, options: LoadOptions) -> bool:
+    """Whether the native runtime serves the model dir itself (:mod:`prunus.runtime.native_backend`, its weights packed
+    at load), so that no export is prepared: native not turned off, no prompt graph (an ONNX Runtime graph), and
+    nothing the kernels cannot take (:func:`prunus.runtime.native_choice.model_dir_off`)."""
+    from prunus.runtime.native_choice import model_dir_off
+
+    return options.native is not False and not options.prompt_graph and model_dir_off(config, options) is None
+
+
 def native_draft(draft, native) -> bool:
-    """Whether a prepared export can serve ``draft``: none, or prompt lookup ("ngram") or an EAGLE draft dir (its
-    config.json says so) where the native kernels run and are not turned off (``native``); a draft model dir of the
-    target's tokenizer is the torch Engine's."""
+    """Whether the native kernels can serve ``draft`` (none, prompt lookup, an EAGLE draft dir or a draft model dir:
+    they verify drafts in one pass): where they run and are not turned off (``native``)."""
     if draft is None:
         return True
     from prunus.runtime.native_choice import cpu_problem
 
-    if native is False or cpu_problem() is not None:
-        return False
-    if str(draft) == "ngram":
-        return True
-    try:
-        from prunus.models.model_dir_manifest import read_config_json
-
-        return isinstance(read_config_json(Path(draft)).get("eagle"), dict)
-    except PrunusError:
-        return False
+    return native is not False and cpu_problem() is None
 
 
 def entry_problem(out: Path, parent_hash: str) -> str | None:
@@ -178,10 +179,13 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     if "export" in config or config.get("kind") == "module":
         return path, None
     why = skipped(backend, options, lora)
+    direct = why is None and native_direct(config, options)
     # a bad option is one line before minutes of export, checked against the backend that will serve the dir
-    options.check(resolve_backend(path, backend)[0] if why is not None else "onnxruntime")
+    options.check(resolve_backend(path, backend)[0] if why is not None or direct else "onnxruntime")
     if why is not None:
         return path, {"skipped": why}
+    if direct:
+        return path, {"skipped": "the native kernels read the model dir's weights directly"}
     from .parity import ParityFailed
 
     parent_hash = dir_hash(verify_model_dir(path)["files"])  # a dir that fails its manifest: one line, no fallback

@@ -1074,16 +1074,18 @@ static void layers(const Model *m, Pool *p, const Scratch *s, int T, const int32
 }
 
 /* A pass over b rows: row i's count[i] tokens ids[i * seq + j] at positions start[i] + j, in buffer slot
- * slot0 + i. Writes each row's last-token logits to logits (b, vocab), or with every_position the logits of every
- * token, row after row (sum of count, vocab). hidden, when not NULL: every token's final-norm output (the head's
- * input), row after row (sum of count, dim), what an EAGLE draft reads. Returns 0, -1 on a bad argument, -2 when
- * its buffers cannot be allocated. */
-int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
-                   const int32_t *count, int slot0, float *logits, int every_position, float *hidden) {
+ * slots[i] (the rows' slots distinct, in any order). Writes each row's last-token logits to logits (b, vocab), or
+ * with every_position the logits of every token, row after row (sum of count, vocab). hidden, when not NULL: every
+ * token's final-norm output (the head's input), row after row (sum of count, dim), what an EAGLE draft reads.
+ * Returns 0, -1 on a bad argument, -2 when its buffers cannot be allocated. */
+int prunus_forward_at(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
+                      const int32_t *count, const int32_t *slots, float *logits, int every_position, float *hidden) {
     int T = 0;
     for (int i = 0; i < b; i++) {
         if (count[i] < 1 || count[i] > seq || start[i] < 0 || start[i] + count[i] > m->max_len ||
-            start[i] + count[i] > m->rope_len || slot0 + i >= m->n_slots) return -1;
+            start[i] + count[i] > m->rope_len || slots[i] < 0 || slots[i] >= m->n_slots) return -1;
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i]) return -1;
         T += count[i];
     }
     int ctx = 0;
@@ -1098,7 +1100,7 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
         for (int j = 0; j < count[i]; j++, t++) {
             int64_t id = ids[(size_t)i * seq + j];
             if (id < 0 || id >= m->vocab) bad = 1;
-            slot[t] = slot0 + i; pos[t] = start[i] + j;
+            slot[t] = slots[i]; pos[t] = start[i] + j;
             memcpy(s.h + (size_t)t * m->dim, m->emb + (size_t)(bad ? 0 : id) * m->dim, m->dim * sizeof(float));
             if (j == count[i] - 1) last[i] = t;
         }
@@ -1115,6 +1117,18 @@ int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, 
     return bad ? -1 : 0;
 }
 
+/* prunus_forward_at with row i in buffer slot slot0 + i */
+int prunus_forward(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
+                   const int32_t *count, int slot0, float *logits, int every_position, float *hidden) {
+    if (b < 0 || slot0 < 0) return -1;
+    int32_t *slots = malloc(sizeof(int32_t) * (b > 0 ? b : 1));
+    if (!slots) return -2;
+    for (int i = 0; i < b; i++) slots[i] = slot0 + i;
+    int rc = prunus_forward_at(m, p, b, seq, ids, start, count, slots, logits, every_position, hidden);
+    free(slots);
+    return rc;
+}
+
 /* one linear layer alone, for tests and the kernel benchmark: y (m, n) = x (m, k) @ W^T */
 void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     int kb = L->k / 32;
@@ -1126,7 +1140,7 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 7; }
+int prunus_abi(void) { return 8; }
 
 /* PLAN_ROWS: the length of a Linear's plan */
 int prunus_plan_rows(void) { return PLAN_ROWS; }

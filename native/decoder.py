@@ -84,6 +84,7 @@ class NativeDecoder:
         self.pool = self.lib.prunus_pool_new(self.threads)
         self._start = np.zeros(n_slots, np.int32)
         self._count = np.zeros(n_slots, np.int32)
+        self._slots = np.zeros(n_slots, np.int32)
         self.plan, self._plan_arrays = None, {}
 
     def use_plan(self, plan) -> None:
@@ -107,7 +108,8 @@ class NativeDecoder:
 
     def forward(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray,
                 every_position: bool = False, hidden: np.ndarray | None = None) -> np.ndarray:
-        """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i``; writes
+        """ids (b, seq) int64: row i's ``count[i]`` tokens at positions ``start[i]...``, in slot ``slot0 + i`` (or, with
+        ``slot0`` a sequence of b distinct slots, in slot ``slot0[i]``: rows need not be consecutive slots); writes
         and returns ``logits[:b]``, each row's last-token logits (``every_position``: ``logits[:sum(count)]``, every
         token's, row after row). ``hidden``: a C-contiguous float32 (>= sum(count), dim) array that receives every
         token's final-norm output, row after row (what an EAGLE draft reads)."""
@@ -125,14 +127,21 @@ class NativeDecoder:
         if hidden is not None and (hidden.dtype != np.float32 or hidden.shape[0] < total or hidden.ndim != 2
                                    or hidden.shape[1] != self.packed.emb.shape[1] or not hidden.flags.c_contiguous):
             raise ValueError(f"hidden must be a C-contiguous float32 ({total}, dim) array")
-        rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
-                                     self._start.ctypes.data, self._count.ctypes.data, slot0, logits.ctypes.data,
-                                     int(every_position), None if hidden is None else hidden.ctypes.data)
+        out = None if hidden is None else hidden.ctypes.data
+        if isinstance(slot0, (int, np.integer)):
+            rc = self.lib.prunus_forward(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
+                                         self._start.ctypes.data, self._count.ctypes.data, int(slot0),
+                                         logits.ctypes.data, int(every_position), out)
+        else:
+            self._slots[:b] = slot0
+            rc = self.lib.prunus_forward_at(ctypes.addressof(self.model), self.pool, b, seq, ids.ctypes.data,
+                                            self._start.ctypes.data, self._count.ctypes.data, self._slots.ctypes.data,
+                                            logits.ctypes.data, int(every_position), out)
         if rc == -2:
             raise MemoryError(f"native pass: no memory for the buffers of {rows} rows")
         if rc != 0:
             raise ValueError(f"native pass refused: a token id outside the vocabulary, a row past the buffer's "
-                             f"{self.max_len} positions or slots past {self.n_slots}")
+                             f"{self.max_len} positions, slots past {self.n_slots} or a slot twice")
         return logits[:rows]
 
     def close(self) -> None:

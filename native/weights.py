@@ -17,6 +17,7 @@ export whose graph the kernels do not mirror records why in the file, and is ref
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -140,14 +141,23 @@ class _Spec:
 class WeightsFile:
     """A native weights file's checked header and metadata; :meth:`read` one tensor after the checks."""
 
-    def __init__(self, path: Path, dims: dict):
+    def __init__(self, path: Path, dims: dict, tensors: dict | None = None, meta: dict | None = None):
+        """``tensors`` / ``meta``: the same tensors and metadata in memory (numpy arrays by name, float32 or uint8), as
+        a model dir's weights give them (:mod:`prunus.runtime.native_tensors`); ``path`` then only names them."""
         self.path, self.dims = Path(path), dims
         for key in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
             value = dims.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise PrunusError(f"{path}: the export's config.json gives {key} {short(value)}, not a size from 1 "
                                   "to 2**31 - 1; re-create the export dir")
-        self.header, meta, self.data_start = read_layout(path, FIX)
+        self.arrays = tensors
+        if tensors is None:
+            self.header, meta, self.data_start = read_layout(path, FIX)
+        else:
+            dtypes = {v: k for k, v in NUMPY.items()}
+            self.header = {n: {"dtype": dtypes.get(a.dtype.newbyteorder("<"), str(a.dtype)), "shape": list(a.shape)}
+                           for n, a in tensors.items()}
+            self.data_start, meta = 0, dict(meta or {})
         self.used: set[str] = set()
         if meta.get("format") != NATIVE_FORMAT:
             self.bad(f"has format {short(meta.get('format'))}, not {NATIVE_FORMAT}")
@@ -167,10 +177,12 @@ class WeightsFile:
         self.tied = meta["tied_head"] == "true"
 
     def bad(self, what: str):
-        raise PrunusError(f"{self.path}: {what}; {FIX}")
+        fix = FIX if self.arrays is None else "re-create the model dir (its weights disagree with its config.json)"
+        raise PrunusError(f"{self.path}: {what}; {fix}")
 
     def refuse(self, what: str):
-        raise PrunusError(f"{self.path}: the native decoder cannot run this export: it {what}; serve it without "
+        what_dir = "export" if self.arrays is None else "model dir"
+        raise PrunusError(f"{self.path}: the native decoder cannot run this {what_dir}: it {what}; serve it without "
                           "--native")
 
     def _int(self, meta: dict, key: str, lo: int, hi: int) -> int:
@@ -201,9 +213,17 @@ class WeightsFile:
         self.used.add(name)
         return got
 
+    def opened(self):
+        """The handle :meth:`read` reads from (None for tensors in memory)."""
+        return contextlib.nullcontext() if self.arrays is not None else open(self.path, "rb")
+
     def read(self, name: str, handle) -> np.ndarray:
         """Tensor ``name``'s data from the open file ``handle``: the byte count the header was checked for."""
         e = self.header[name]
+        if self.arrays is not None:
+            a = np.ascontiguousarray(self.arrays[name])
+            check_finite(a.reshape(-1), f"{self.path}: tensor {short(name, 120)}", DAMAGED)
+            return a
         count = math.prod(e["shape"])
         handle.seek(self.data_start + e["data_offsets"][0])
         a = np.fromfile(handle, NUMPY[e["dtype"]], count)
@@ -324,7 +344,18 @@ def _check_dims(f: WeightsFile) -> tuple[int, int]:
 def read_native_weights(path: str | Path, dims: dict) -> PackedModel:
     """The packed weights of a native weights file (``dims``: n_layers, n_kv_heads, head_dim, vocab_size, from the
     export's config.json). Every tensor is checked before any is read."""
-    f = WeightsFile(path, dims)
+    return pack_weights(WeightsFile(path, dims))
+
+
+def pack_tensors(where: str | Path, tensors: dict, meta: dict, dims: dict) -> PackedModel:
+    """The packed weights of a native weights file's tensors and metadata held in memory (a model dir's, computed by
+    :mod:`prunus.runtime.native_tensors`; ``where`` names them in errors), checked as a file's are."""
+    return pack_weights(WeightsFile(Path(where), dims, tensors, meta))
+
+
+def pack_weights(f: WeightsFile) -> PackedModel:
+    """The packed weights of a checked :class:`WeightsFile` (every tensor checked before any is read)."""
+    dims = f.dims
     dim, _ = _check_dims(f)
     hidden = f.linear(f"layers.0.feed_forward.w2").k
     layers = [_layer_specs(f, i, dim, hidden) for i in range(dims["n_layers"])]
@@ -340,7 +371,7 @@ def read_native_weights(path: str | Path, dims: dict) -> PackedModel:
     unread = f.unread()
     if unread:
         f.bad(f"holds tensor {short(unread[0])}, which no layer reads")
-    with open(f.path, "rb") as h:
+    with f.opened() as h:
         emb = f.read("tok_embeddings.weight", h)
         model = PackedModel(dict(dims, n_heads=f.n_heads, hidden=hidden), eps=f.eps, scale=f.scale, emb=emb,
                             cos=f.read("rope.cos", h), sin=f.read("rope.sin", h), norm=f.read("norm.weight", h))

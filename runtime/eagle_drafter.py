@@ -185,7 +185,7 @@ def target_embed(backend):
         from prunus.models.eagle_draft import target_embeds
 
         return lambda ids: target_embeds(model, ids.to(backend.device)).float().cpu()
-    emb = backend.session.native.packed.emb
+    emb = backend.packed.emb  # the native runtime's (prunus.runtime.native_backend)
     return lambda ids: torch.from_numpy(emb[ids.numpy()])
 
 
@@ -196,15 +196,15 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
     from prunus.artifacts.errors import PrunusError
     from prunus.models.eagle_draft import load_eagle_draft
 
-    if not hasattr(backend, "report_hidden") or (backend.name == "onnxruntime" and backend.session.native is None):
+    if not hasattr(backend, "report_hidden"):
         raise PrunusError(f"--speculative {draft}: an EAGLE draft reads the target's hidden states, which the "
                           f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
                           "the native kernels")
     model, _ = load_eagle_draft(draft)
-    if backend.name == "onnxruntime":  # its linear layers in the native int8 kernels too, on the target's pool
+    if backend.name == "native":  # its linear layers in the native int8 kernels too, on the target's pool
         from .eagle_native import native_linears
 
-        model = native_linears(model, backend.session.native)
+        model = native_linears(model, backend.decoder)
     drafter = EagleDrafter(model, target_embed(backend), backend.n_slots, backend.max_len)
     backend.report_hidden(drafter.take_hidden)
     return drafter

@@ -9,8 +9,9 @@ from prunus.artifacts.errors import PrunusError
 
 PREFILL_CHUNK = 256  # tokens per row per prefill pass of the torch backend; see prunus.serve.engine.Engine.load
 PREFILL_AUTO = "auto"  # prefill_chunk left to the backend: PREFILL_CHUNK on torch, its own on a genai export
-NATIVE_AUTO = "auto"  # native left to the load: a genai export on an x86-64 CPU the kernels run on (native_choice)
+NATIVE_AUTO = "auto"  # native left to the load: a model dir or genai export on a CPU the kernels run on (native_choice)
 DTYPES = ("float32", "bfloat16", "float16")
+NATIVE_BACKENDS = ("torch", "onnxruntime")  # whose artifacts the native kernels load: a model dir, a genai export
 
 
 MAX_DRAFT_TOKENS = 16
@@ -81,7 +82,7 @@ class LoadOptions:
     device_map: object = None
     max_memory: object = None
     prompt_graph: bool = False
-    native: bool | str = NATIVE_AUTO  # a genai export in prunus's native kernels: True, False, or "auto" (where they run)
+    native: bool | str = NATIVE_AUTO  # a model dir / genai export in prunus's kernels: True, False, or "auto" (where they run)
     kv_dtype: str = "f32"  # the native decoder's KV cache: "f32", or "f16" (half the memory; its own buffers)
     trust_factory: object = None  # a generic module dir's factory may be imported (prunus.models.module_factory)
     features: ServingFeatures = ServingFeatures()  # prefix caching, speculative decoding
@@ -99,18 +100,20 @@ class LoadOptions:
             raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
         if not (isinstance(self.native, bool) or self.native == NATIVE_AUTO):
             raise PrunusError(f"native={self.native!r}: choose True, False or 'auto' (--native / --no-native)")
-        for wanted, name in ((self.prompt_graph, "prompt_graph"), (self.native is True, "native")):
-            if wanted and backend != "onnxruntime":
-                raise PrunusError(f"{name} applies to an ONNX Runtime export dir, not the {backend} backend; "
-                                  f"drop it (--{name.replace('_', '-')})")
+        if self.prompt_graph and backend != "onnxruntime":
+            raise PrunusError(f"prompt_graph applies to an ONNX Runtime export dir, not the {backend} backend; "
+                              "drop it (--prompt-graph)")
+        if self.native is True and backend not in NATIVE_BACKENDS:
+            raise PrunusError(f"native applies to a model dir or an ONNX Runtime genai export dir, not the {backend} "
+                              "backend; drop it (--native)")
         if self.kv_dtype not in ("f32", "f16"):
             raise PrunusError(f"kv_dtype={self.kv_dtype!r}: choose 'f32' or 'f16' (--kv-dtype)")
         if self.kv_dtype == "f16" and self.native is False:
             raise PrunusError("kv_dtype='f16' is the native decoder's KV cache; drop native=False (--no-native) or "
                               "drop it (--kv-dtype)")
-        if self.kv_dtype == "f16" and backend != "onnxruntime":
-            raise PrunusError(f"kv_dtype='f16' is the native decoder's KV cache (a genai export), not the {backend} "
-                              "backend's; drop it (--kv-dtype)")
+        if self.kv_dtype == "f16" and backend not in NATIVE_BACKENDS:
+            raise PrunusError(f"kv_dtype='f16' is the native decoder's KV cache (a model dir or a genai export), not "
+                              f"the {backend} backend's; drop it (--kv-dtype)")
         if self.kv_dtype == "f16" and self.prompt_graph:
             raise PrunusError("prompt_graph runs prompts in ONNX Runtime, which cannot read the f16 KV cache "
                               "(kv_dtype='f16' runs every pass natively); drop one of them (--prompt-graph, --kv-dtype)")

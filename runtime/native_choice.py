@@ -1,12 +1,16 @@
-"""Whether a genai export is decoded by prunus's native kernels: ``native="auto"`` (the default) settled at load.
+"""Whether a model is decoded by prunus's native kernels: ``native="auto"`` (the default) settled at load.
 
-A genai export loads on the native runtime (:mod:`prunus.runtime.native`: every pass in prunus's own CPU kernels, no
-ONNX Runtime session in memory) wherever the kernels run: an x86-64 CPU with AVX2, FMA and F16C, a C compiler to
-build them once, an export that wrote ``native_weights.safetensors`` for a graph the kernels mirror, and no option
-that needs ONNX Runtime (``prompt_graph``: the prompt twin is an ONNX Runtime graph). Elsewhere it loads on ONNX
-Runtime (:mod:`prunus.runtime.ort_genai`), and the info's ``native`` says why, in one line. ``native=False``
-(``--no-native``) keeps ONNX Runtime; ``native=True`` (``--native``) asks for the kernels and is refused in one line
-where they cannot run. The ``kv_dtype="f16"`` cache exists only in the native kernels: it cannot fall back.
+The native runtime (:mod:`prunus.runtime.native_backend`: every pass in prunus's own CPU kernels, no ONNX Runtime
+session in memory) loads a genai export, and a transformer model dir directly (its stored float / int8 / int4
+weights packed at load), wherever the kernels run: an x86-64 CPU with AVX2, FMA and F16C, a C compiler to build them
+once, and weights the kernels mirror. A genai export also needs the ``native_weights.safetensors`` it wrote, a parity
+check that did not fail on them, and no option that needs ONNX Runtime (``prompt_graph``: the prompt twin is an ONNX
+Runtime graph); elsewhere it loads on ONNX Runtime (:mod:`prunus.runtime.ort_genai`). A model dir needs what the torch
+backend alone serves to be off (another device, tensor parallelism, a device map, a dtype, ``compile=True``, an
+explicit ``backend="torch"``); elsewhere it loads on torch. Either way the info's ``native`` says why, in one line.
+``native=False`` (``--no-native``) keeps ONNX Runtime / torch; ``native=True`` (``--native``) asks for the kernels and
+is refused in one line where they cannot run. The ``kv_dtype="f16"`` cache exists only in the native kernels: it
+cannot fall back.
 
 Why the kernels by default (SmolLM2-135M, docs/results.md, native decoder): decode tokens/s at batch 1 over the
 genai graph in ONNX Runtime 1.0-1.4x, peak memory no higher (``benchmarks/native_memory.py``).
@@ -54,13 +58,65 @@ def native_off(path: Path, options: LoadOptions) -> str | None:
     return recorded_native_off(path)  # kernels whose parity check failed are not what serves
 
 
-def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions) -> tuple[LoadOptions, str | None]:
-    """``options`` with native settled to True or False, and the reason it is off where "auto" turned it off."""
+def is_model_dir(config: dict) -> bool:
+    """A transformer model dir (not an export, not a generic module's dir)."""
+    return "export" not in config and config.get("kind") is None
+
+
+NATIVE_SCHEMES = ("int8-weight-only", "int4-weight-only")  # the stored schemes the kernels take
+
+
+def stored_off(config: dict) -> str | None:
+    """Why a model dir's architecture or stored weights are not the native kernels' (what they do not mirror, a
+    scheme that quantizes activations), or None."""
+    from prunus.models.compression_state import CompressionState
+    from prunus.models.config import ModelConfig
+
+    from .native_tensors import unmirrored
+
+    try:
+        missing = unmirrored(ModelConfig.from_dict(config.get("model") or {}, source="config.json"))
+        modules = CompressionState.from_json(config.get("compression")).quantized_modules
+    except (PrunusError, TypeError, ValueError):
+        return None  # the load names what is wrong
+    if missing:
+        return f"the native kernels do not mirror its {', '.join(missing)}"
+    schemes = sorted({str(m.get("scheme")) for m in modules.values()} - set(NATIVE_SCHEMES))
+    return f"its {schemes[0]} weights are not the native kernels' (int8 / int4 weight-only)" if schemes else None
+
+
+def model_dir_off(config: dict, options: LoadOptions, asked_backend: str | None = None) -> str | None:
+    """Why a transformer model dir is not decoded natively (None: it is tried natively): an option only the torch
+    backend serves, weights the kernels do not take, or a CPU they do not run on."""
+    from prunus.native.build import cpu_supported
+
+    reasons = ((asked_backend is not None, f"--backend {asked_backend} was asked for"),
+               (options.device != "cpu", f"it runs on {options.device}"),
+               (options.tp > 1, f"tp={options.tp} runs on the torch backend's workers"),
+               (options.device_map is not None, "a device map places it for the torch backend"),
+               (options.dtype is not None, f"dtype={options.dtype} is the torch backend's"),
+               (options.compile is True, "compile=True is the torch backend's"))
+    why = next((why for hit, why in reasons if hit), None) or stored_off(config)
+    if why is None and (cpu := cpu_supported()) is not None:
+        why = f"the native kernels need {cpu}"
+    return why
+
+
+def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions,
+                   asked_backend: str | None = None) -> tuple[LoadOptions, str | None]:
+    """``options`` with native settled to True or False, and the reason it is off where "auto" turned it off
+    (``asked_backend``: the backend the caller named, None where the artifact chose it)."""
+    model_dir = backend == "torch" and is_model_dir(config)
+    if options.native is True and model_dir and (why := model_dir_off(config, options, asked_backend)) is not None:
+        raise PrunusError(f"{path}: native=True decodes in prunus's kernels, and {why}; drop --native")
     if options.native != NATIVE_AUTO:
         return options, None
-    if backend != "onnxruntime" or not is_genai(config):
+    if model_dir:
+        why = model_dir_off(config, options, asked_backend)
+    elif backend == "onnxruntime" and is_genai(config):
+        why = native_off(path, options)
+    else:
         return replace(options, native=False), None
-    why = native_off(path, options)
     if why is None:
         return replace(options, native=True), None
     if options.kv_dtype == "f16":
@@ -85,7 +141,8 @@ def load_chosen(path: Path, config: dict, options: LoadOptions, resolved: tuple[
         runtime = find(chosen)
         loaded = runtime.load(path, config, chosen)
     note = None
-    if is_genai(config) and runtime.backend == "onnxruntime":
+    if is_genai(config) or is_model_dir(config) and runtime.name in ("native", "torch"):
         note = "on" if chosen.native is True else f"off: {why}" if why else "off: native=False (--no-native)"
+    if is_genai(config):
         loaded.info["native_parity"] = native_parity_line(path)
     return runtime, loaded, note

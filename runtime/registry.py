@@ -53,6 +53,10 @@ class Runtime:
     loads: str  # what it recognises, in words
     recognises: Callable[[dict, LoadOptions], bool]
     accepts: frozenset = frozenset()  # the FEATURES it serves; asked of a row that lacks one, the load is refused
+    also: tuple = ()  # other backends it serves under (the native kernels: a model dir's "torch" as well)
+
+    def serves(self, backend: str) -> bool:
+        return backend == self.backend or backend in self.also
 
     def load(self, path: Path, config: dict, options: LoadOptions) -> Loaded:
         return importlib.import_module(f"prunus.runtime.{self.module}").load(path, config, options)
@@ -66,10 +70,12 @@ RUNTIMES = (
             lambda c, o: _module(c) and _export(c).get("graph") == "module"),
     Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
             lambda c, o: "export" not in c and o.tp > 1),
+    Runtime("native", "onnxruntime", "native_backend",
+            "a model dir or an ONNX genai export dir, native=True (every pass in prunus's kernels)",
+            lambda c, o: o.native is True and (_genai(c) or "export" not in c and o.tp == 1),
+            frozenset({"prefix_cache", "draft", "kv_f16"}), also=("torch",)),
     Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",
             lambda c, o: "export" not in c, frozenset({"prefix_cache", "draft", "device_map"})),
-    Runtime("native", "onnxruntime", "native", "an ONNX genai export dir, native=True (decode in prunus's kernels)",
-            lambda c, o: _genai(c) and o.native is True, frozenset({"prefix_cache", "draft", "prompt_graph", "kv_f16"})),
     Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
             lambda c, o: _genai(c), frozenset({"prefix_cache", "prompt_graph"})),
     Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
@@ -81,7 +87,7 @@ RUNTIMES = (
 
 def find_runtime(backend: str, config: dict, options: LoadOptions) -> Runtime:
     """The first row serving under ``backend`` that recognises the artifact's config.json."""
-    return next(r for r in RUNTIMES if r.backend == backend and r.recognises(config, options))
+    return next(r for r in RUNTIMES if r.serves(backend) and r.recognises(config, options))
 
 
 def asked(options: LoadOptions) -> set[str]:
@@ -111,13 +117,14 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     from .artifact import resolve_backend
 
     path = Path(path)
+    asked_backend = backend
     backend, config = resolve_backend(path, backend)
     options.check(backend)
     options = replace(options, max_len=options.max_len_for(config))
     options.check_placement(backend)
     from .native_choice import load_chosen, resolve_native
 
-    chosen = resolve_native(path, backend, config, options)  # native="auto" settled, with why it is off
+    chosen = resolve_native(path, backend, config, options, asked_backend)  # native="auto" settled, with why it is off
     runtime = find_runtime(backend, config, chosen[0])
     features = options.features
     check_accepted(path, runtime, asked(options))

@@ -95,10 +95,12 @@ class Engine:
         {module: device}: the model's blocks placed across GPUs, the CPU and the disk (:mod:`prunus.runtime.device_map`).
         ``prompt_graph``: for a genai export of int8 / int4 weights, long prompt passes also through its prompt twin
         (:mod:`prunus.runtime.genai_prompt_graph`: float activations, faster prefill, a second copy of the weights).
-        ``native``: for a genai export, every pass in prunus's own CPU kernels (:mod:`prunus.runtime.native`, compiled
-        on first use; the CPU's kernel path is the info's ``native_isa``) with no ONNX Runtime session in memory:
-        "auto" (the default) wherever they run, else ONNX Runtime with the reason in the info's ``native``
-        (:mod:`prunus.runtime.native_choice`); True asks for them, False keeps ONNX Runtime. ``kv_dtype="f16"`` keeps
+        ``native``: for a transformer model dir (its weights packed at load, no export) or a genai export, every pass
+        in prunus's own CPU kernels (:mod:`prunus.runtime.native_backend`, compiled on first use; the CPU's kernel
+        path is the info's ``native_isa``) with no ONNX Runtime session in memory: "auto" (the default) wherever they
+        run and no option needs torch (``backend="torch"``, LoRA, a dtype, a device map, tp, compile) or ONNX Runtime,
+        else torch / ONNX Runtime with the reason in the info's ``native`` (:mod:`prunus.runtime.native_choice`);
+        True asks for them, False keeps torch / ONNX Runtime. ``kv_dtype="f16"`` keeps
         the native KV cache in float16 (half the memory and bandwidth at long contexts).
         A generic model dir (any ``nn.Module``; its factory imported only when ``trust_factory`` trusts it) or its
         ONNX export dir serves :meth:`predict` instead, with dynamic batching: up to ``max_batch`` rows of
@@ -111,9 +113,9 @@ class Engine:
         and acceptance. ``lora``: {name: PEFT adapter dir}, LoRA adapters served over the base per row
         (:mod:`prunus.runtime.lora_adapters`; the torch backend in one process); a request picks one by name.
         ``prepare``: a step run before the load, ``prepare(path, backend, options, has_lora) -> (path, info)``;
-        :func:`prunus.export.prepared_path` serves a transformer model dir on a CPU from its ONNX Runtime genai
-        export, made once and cached (``prunus serve`` passes it by default), unless an option needs the torch
-        backend; the info's ``prepared`` says which, and why."""
+        :func:`prunus.export.prepared_path` serves a transformer model dir on a CPU that the native kernels do not
+        serve from its ONNX Runtime genai export, made once and cached (``prunus serve`` passes it by default), unless
+        an option needs the torch backend; the info's ``prepared`` says which, and why."""
         if options is None:
             options = EngineOptions.from_keywords(backend, **keywords)
         elif keywords or backend is not None:
@@ -133,7 +135,13 @@ class Engine:
         prepared = None
         if options.prepare is not None:
             path, prepared = options.prepare(path, options.backend, load, bool(lora))
+        if lora and load.native == "auto":  # LoRA adapters are the torch backend's
+            from dataclasses import replace
+
+            load = replace(load, native=False)
         loaded = load_runtime(path, options.backend, load)
+        if lora and options.load.native == "auto" and "native" in loaded.info:
+            loaded.info["native"] = "off: LoRA adapters are served by the torch backend"
         if prepared is not None:  # the info names the dir asked for; its prepared export is the entry's
             loaded.info.update(path=prepared.get("from", loaded.info["path"]), prepared=prepared)
         speculator = None

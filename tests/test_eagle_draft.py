@@ -38,7 +38,13 @@ def dirs(trained_run, tmp_path_factory):
              "--max-corpus-bytes", "300000", "--out", root / "draft")
     assert r.exit_code == 0, r.output
     export_model(target, root / "export", progress=False)
-    return {"target": target, "draft": root / "draft", "export": root / "export", "root": root}
+    return {"target": target, "draft": root / "draft", "export": root / "export", "root": root, "native": target}
+
+
+def _extra(where: str) -> dict:
+    """How each place loads: the model dir on torch, the model dir natively (its weights packed at load), the
+    genai export natively."""
+    return {"target": {"backend": "torch"}, "native": {}, "export": {"native": True}}[where]
 
 
 def test_the_cli_writes_a_draft_with_its_lineage(dirs):
@@ -87,13 +93,13 @@ def _greedy(engine):
     return [engine.generate(p, max_new_tokens=N_NEW, ignore_eos=True).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("where", ["target", "export"])
+@pytest.mark.parametrize("where", ["target", "native", "export"])
 def test_greedy_tokens_are_plain_decodings(dirs, where):
-    extra = {"native": True} if where == "export" else {}
+    extra = _extra(where)
     with Engine.load(dirs[where], max_batch=2, threads=1, **extra) as plain:
         want = _greedy(plain)
     with Engine.load(dirs[where], max_batch=2, threads=1, draft=dirs["draft"], draft_tokens=3, **extra) as e:
-        assert e.info["runtime"] == ("native" if where == "export" else "torch")
+        assert e.info["runtime"] == ("torch" if where == "target" else "native")
         assert _greedy(e) == want
         stats = e.info["speculative"]
         assert stats["draft"] == "eagle" and stats["drafted"] > 0 and stats["steps"] > 0
@@ -106,7 +112,7 @@ def test_greedy_tokens_are_plain_decodings(dirs, where):
 def test_a_row_with_logits_processing_decodes_plainly_beside_speculative_rows(dirs, where):
     from prunus.serve.logits_processors import LogitsSettings
 
-    extra = {"native": True} if where == "export" else {}
+    extra = _extra(where)
     penalised = dict(max_new_tokens=N_NEW, ignore_eos=True, logits=LogitsSettings(repetition_penalty=1.3, logprobs=0))
     with Engine.load(dirs[where], max_batch=3, threads=1, **extra) as plain:
         want = [plain.generate(PROMPTS[0], **penalised).token_ids] + _greedy(plain)[1:]
@@ -123,9 +129,9 @@ def test_a_capped_catch_up_still_gives_plain_tokens(dirs, monkeypatch):
     from prunus.runtime import eagle_drafter
 
     monkeypatch.setattr(eagle_drafter, "MAX_CATCH_UP", 3)
-    with Engine.load(dirs["target"], max_batch=1, threads=1) as plain:
+    with Engine.load(dirs["target"], max_batch=1, threads=1, backend="torch") as plain:
         want = _greedy(plain)
-    with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=3) as e:
+    with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=3, backend="torch") as e:
         e.speculator.adaptive = False
         assert _greedy(e) == want and e.info["speculative"]["drafted"] > 0
 
@@ -150,7 +156,7 @@ def _exact_three(engine, prompt_ids: list[int], sampling: RowSampling) -> dict:
 
 @pytest.mark.parametrize("where", ["target", "export"])
 def test_sampled_tokens_follow_the_targets_distribution(dirs, where):
-    extra = {"native": True} if where == "export" else {}
+    extra = _extra(where)
     n, prompt = 600, PROMPTS[0]
     with Engine.load(dirs[where], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=2, **extra) as e:
         ids = e.encode(prompt)
@@ -169,10 +175,10 @@ def test_sampled_tokens_follow_the_targets_distribution(dirs, where):
 def test_verify_gives_plain_logits_and_hidden_states_natively(dirs):
     """One row's drafts checked natively give its plain decode steps' logits and hidden states bit for bit, and
     several rows checked in one pass each give what they give alone."""
-    from prunus.runtime.ort_genai import GenaiBackend
+    from prunus.runtime.native_backend import NativeBackend
 
     with Engine.load(dirs["export"], max_batch=1, threads=1, native=True) as e:
-        backend: GenaiBackend = e.backend
+        backend: NativeBackend = e.backend
         seen = []
         backend.report_hidden(lambda row, start, h: seen.append((start, h.clone())))
         backend.prefill([0], [[5, 6, 7, 8]])
@@ -193,7 +199,7 @@ def test_verify_gives_plain_logits_and_hidden_states_natively(dirs):
         pieces = [[9, 10, 11], [12], [2, 6]]
         together = backend.verify_rows([2, 0, 1], [pieces[2], pieces[0], pieces[1]])
         for row, piece in ((0, pieces[0]), (1, pieces[1]), (2, pieces[2])):
-            backend.truncate(row, int(backend.lengths[backend.slot_of[row]]) - len(piece))
+            backend.truncate(row, int(backend.lengths[row]) - len(piece))
         alone = [backend.verify(row, piece) for row, piece in enumerate(pieces)]
         assert all(torch.equal(a, b) for a, b in zip(alone, [together[1], together[2], together[0]]))
 
@@ -260,10 +266,10 @@ def test_compress_options_that_do_not_apply_to_a_draft_are_refused(dirs, tmp_pat
     assert not (tmp_path / "d").exists()
 
 
-def test_a_model_dir_speculates_on_its_prepared_exports_native_kernels(dirs, tmp_path, monkeypatch):
-    """`prunus serve MODEL_DIR --speculative auto|EAGLE_DIR` on a CPU: the dir is served from its prepared genai export
-    and the native kernels verify the drafts (auto finds the draft beside the model dir, not beside the cached
-    export), with plain decoding's greedy tokens; a draft model dir stays on the torch Engine."""
+def test_a_model_dir_speculates_on_the_native_kernels_with_no_export(dirs, tmp_path, monkeypatch):
+    """`prunus serve MODEL_DIR --speculative auto|EAGLE_DIR` on a CPU: the native kernels serve the dir's own weights
+    (no export prepared) and verify the drafts (auto finds the draft beside the model dir), with plain decoding's
+    greedy tokens; with a draft model dir as well."""
     from prunus.export import prepared_path
     from prunus.export.prepared import skipped
     from prunus.runtime.load_options import LoadOptions, ServingFeatures
@@ -275,10 +281,11 @@ def test_a_model_dir_speculates_on_its_prepared_exports_native_kernels(dirs, tmp
         want = _greedy(plain)
     with Engine.load(tmp_path / "model", max_batch=2, threads=1, prepare=prepared_path, draft="auto",
                      draft_tokens=3) as e:
-        assert e.info["runtime"] == "native" and "export" in e.info["prepared"]
+        assert e.info["runtime"] == "native" and "directly" in e.info["prepared"]["skipped"]
+        assert not (tmp_path / "cache" / "prepared").exists()
         assert e.info["draft"] == str(tmp_path / "model-eagle")
         assert _greedy(e) == want
         assert e.info["speculative"]["drafted"] > 0
     model_draft = LoadOptions(features=ServingFeatures(draft=str(dirs["target"])))
-    assert "torch backend" in skipped(None, model_draft, False)
+    assert skipped(None, model_draft, False) is None  # the native target verifies a draft model dir's drafts too
     assert skipped(None, LoadOptions(native=False, features=ServingFeatures(draft="ngram")), False) is not None

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with Engine.load(model_dir, max_batch=2, compile=False, threads=1) as engine:
+    with Engine.load(model_dir, max_batch=2, compile=False, threads=1, backend="torch") as engine:  # embeddings: torch
         yield engine
 
 

@@ -156,7 +156,7 @@ def test_engine_loads_the_twin_on_request_and_refuses_it_elsewhere(mixed, traine
         got = engine.generate([prompt], max_new_tokens=6, ignore_eos=True)[0].token_ids
         assert sess.prompt_session.runs == 1
     assert got == generate(model, torch.tensor([prompt]), 6)[0, len(prompt):].tolist()
-    with Engine.load(path.parent, max_batch=1, max_len=64, threads=1) as engine:  # off by default
+    with Engine.load(path.parent, max_batch=1, max_len=64, threads=1, native=False) as engine:  # off by default
         assert engine.backend.session.prompt_session is None
     with pytest.raises(PrunusError, match="prompt_graph applies to an ONNX Runtime export dir") as e:
         Engine.load(trained_run / "model", prompt_graph=True)

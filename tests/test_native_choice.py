@@ -19,6 +19,7 @@ from prunus.export import export_model
 from prunus.models import generate, save_model
 from prunus.native.build import unavailable
 from prunus.runtime.load_options import LoadOptions
+from prunus.runtime.native_backend import NativeBackend
 from prunus.serve import Engine
 
 WHY = unavailable()
@@ -41,15 +42,15 @@ def _load(path, **kwargs):
     engine = Engine.load(path, max_batch=1, max_len=32, threads=1, **kwargs)
     with engine:
         tokens = engine.wait(engine.submit(PROMPT, N, temperature=0.0, ignore_eos=True)).token_ids
-    return engine.info, engine.backend.session, tokens
+    return engine.info, engine.backend, tokens
 
 
 @needs_kernels
 def test_a_genai_export_runs_natively_by_default_with_one_copy_of_the_weights(export_dir):
     path, want = export_dir
-    info, session, tokens = _load(path)
+    info, backend, tokens = _load(path)
     assert info["runtime"] == "native" and info["native"] == "on" and info["native_isa"]
-    assert session is not None and tokens == want
+    assert isinstance(backend, NativeBackend) and tokens == want
     info, _, tokens = _load(path, native=False)
     assert info["runtime"] == "ort_genai" and info["native"] == "off: native=False (--no-native)" and tokens == want
 
@@ -58,9 +59,8 @@ def test_a_genai_export_runs_natively_by_default_with_one_copy_of_the_weights(ex
 def test_the_default_session_holds_no_onnx_runtime_session(export_dir):
     path, _ = export_dir
     with Engine.load(path, max_batch=2, max_len=32, threads=1) as engine:
-        session = engine.backend.session
-        assert session.session is None and session.prompt_session is None and session.native is not None
-        assert engine.info["native_prompt_tokens"] == 2 * 32
+        assert isinstance(engine.backend, NativeBackend) and not hasattr(engine.backend, "session")
+        assert "native_prompt_tokens" not in engine.info  # every pass native
 
 
 def test_an_export_without_native_weights_falls_back_with_the_reason(export_dir, tmp_path):
@@ -92,7 +92,7 @@ def test_a_native_load_refused_in_one_line_falls_back_only_under_auto(export_dir
 
     def no_compiler(where):
         raise PrunusError(f"{where}: the native decoder is compiled on first use and no C compiler was found")
-    monkeypatch.setattr("prunus.runtime.native.check_native", no_compiler)
+    monkeypatch.setattr("prunus.runtime.native_backend.check_native", no_compiler)
     info, _, tokens = _load(path)
     assert info["runtime"] == "ort_genai" and tokens == want
     assert info["native"].startswith("off: ") and "no C compiler was found" in info["native"]
@@ -136,17 +136,11 @@ def test_serve_says_which_runtime_serves(export_dir, monkeypatch):
 
 
 @needs_kernels
-def test_native_with_the_prompt_twin_keeps_both_runtimes(tmp_path_factory):
-    """--native --prompt-graph on an int8 export: ONNX Runtime's graph and twin beside the kernels, over the same
-    float32 buffers; prompts of up to 512 tokens run natively."""
-    from prunus.native.decoder import native_prompt_tokens
-
-    root = tmp_path_factory.mktemp("twin")
-    save_model(family_model("llama"), root / "model", stage="train")
-    export_model(root / "model", root / "int8", precision="int8", progress=False)
-    with Engine.load(root / "int8", native=True, prompt_graph=True, max_batch=2, max_len=128, threads=1) as engine:
-        session = engine.backend.session
-        assert session.session is not None and session.prompt_session is not None and session.native is not None
-        assert engine.info["native_prompt_tokens"] == native_prompt_tokens(session.native.packed) == 512
-        tokens = engine.wait(engine.submit(PROMPT, N, temperature=0.0, ignore_eos=True)).token_ids
-    assert len(tokens) == N
+def test_native_with_the_prompt_twin_is_refused_in_one_line(export_dir):
+    """The prompt twin is an ONNX Runtime graph, the native runtime holds no ONNX Runtime session: --native
+    --prompt-graph is one line naming where the prompt graph is served, before anything loads."""
+    path, _ = export_dir
+    with pytest.raises(PrunusError, match=r"the prompt graph is not served for a model dir or an ONNX genai export "
+                                          r"dir, native=True .*only for: an ONNX export dir whose export.graph is "
+                                          r"'genai'; drop --prompt-graph$"):
+        Engine.load(path, native=True, prompt_graph=True, max_len=32)

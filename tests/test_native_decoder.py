@@ -30,6 +30,8 @@ from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
 from prunus.runtime.ort_genai import GenaiBackend
+from prunus.runtime.native_backend import NativeBackend
+from prunus.runtime.load_options import LoadOptions
 
 from prunus.native.build import (ISA_ENV, ISAS, batch_invariant, default_isa, isa, isa_missing, library, set_isa,
                                  supported_isas, unavailable)
@@ -344,17 +346,15 @@ def export_dir(tmp_path_factory):
 
 
 def test_engine_serves_natively_with_joins_and_leaves(export_dir):
-    """Continuous batching through the native decoder: rows join, leave (their slots compacted by copies) and
+    """Continuous batching through the native decoder: rows join, leave (their slots free, nothing moves) and
     join again, and every request still gets torch's greedy tokens."""
     root, model = export_dir
     prompts = [[5, 6, 7], [9, 10, 11, 12], [40], [3, 1, 4, 1, 5], [8, 8]]
     lengths = [12, 3, 9, 5, 7]
     with Engine.load(root / "export", max_batch=3, max_len=64, native=True, threads=2) as engine:
-        assert engine.info["native_prompt_tokens"] == 3 * 64  # every pass native: prompts too
         assert engine.info["native_isa"] == isa() == default_isa()  # the CPU's default path
         assert engine.info["native"] == "on" and engine.info["runtime"] == "native"
-        assert engine.backend.session.native is not None
-        assert engine.backend.session.session is None  # no ONNX Runtime session: the weights are in memory once
+        assert isinstance(engine.backend, NativeBackend)  # no ONNX Runtime session: the weights are in memory once
         requests = [engine.submit(p, n, temperature=0.0, ignore_eos=True) for p, n in zip(prompts, lengths)]
         results = [engine.wait(r) for r in requests]
     with torch.no_grad():
@@ -372,8 +372,10 @@ def test_info_names_the_kernel_path_of_an_export(export_dir):
 
 def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user_error):
     root, _ = export_dir
-    with pytest.raises(PrunusError, match="native applies to an ONNX Runtime export dir"):
-        Engine.load(root / "model", native=True)
+    with pytest.raises(PrunusError, match="native=True decodes in prunus's kernels, and tp=2"):
+        Engine.load(root / "model", native=True, tp=2)
+    with pytest.raises(PrunusError, match="native applies to a model dir or an ONNX Runtime genai export dir"):
+        LoadOptions(native=True).check("tensorrt")
     torch_graphs = tmp_path / "torch"  # an export dir of torch graphs, as its config says (refused before reading)
     shutil.copytree(root / "export", torch_graphs)
     config = json.loads((torch_graphs / "config.json").read_text())
@@ -405,8 +407,8 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
     with pytest.raises(PrunusError, match="has a layer 0 [a-z]+ projection of 64 -> 64, not 32 -> 64"):
         read_native_weights(tmp_path / "wide.safetensors", genai_dims(model))
     runner = CliRunner()
-    assert_user_error(runner.invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--native"]),
-                      "native applies to an ONNX Runtime export dir")
+    ok = runner.invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--native", "--max-new-tokens", "4"])
+    assert ok.exit_code == 0, ok.output  # a model dir natively: its weights packed at load
     ok = runner.invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--native", "--max-new-tokens", "4",
                              "--temperature", "0"])
     assert ok.exit_code == 0, ok.output
@@ -531,15 +533,15 @@ def test_the_engine_serves_with_a_half_precision_kv_cache(export_dir, assert_use
     root, model = export_dir
     prompts, n = [[5, 6, 7], [9, 10, 11, 12]], 8
     with Engine.load(root / "export", max_batch=2, max_len=64, native=True, kv_dtype="f16", threads=1) as engine:
-        session = engine.backend.session
-        assert engine.info["kv_dtype"] == "f16" and session.session is None
-        assert all(buf.dtype == np.float16 for buf in session.k + session.v)
+        backend = engine.backend
+        assert engine.info["kv_dtype"] == "f16" and isinstance(backend, NativeBackend)
+        assert all(buf.dtype == np.float16 for buf in backend.k + backend.v)
         results = [engine.wait(engine.submit(p, n, temperature=0.0, ignore_eos=True)) for p in prompts]
     with torch.no_grad():
         for p, r in zip(prompts, results):
             assert r.token_ids == generate(model, torch.tensor([p]), n)[0, len(p):].tolist()
     with Engine.load(root / "export", max_batch=1, max_len=16, kv_dtype="f16") as engine:  # native by default
-        assert engine.info["native"] == "on" and engine.backend.session.k[0].dtype == np.float16
+        assert engine.info["native"] == "on" and engine.backend.k[0].dtype == np.float16
     with pytest.raises(PrunusError, match="kv_dtype='f16' is the native decoder's KV cache; drop native=False"):
         Engine.load(root / "export", native=False, kv_dtype="f16")
     with pytest.raises(PrunusError, match="kv_dtype='f8': choose 'f32' or 'f16'"):
@@ -547,5 +549,6 @@ def test_the_engine_serves_with_a_half_precision_kv_cache(export_dir, assert_use
     cli_run = CliRunner().invoke(cli, ["generate", str(root / "export"), "--prompt", "ab", "--kv-dtype", "f16",
                                        "--no-native"])
     assert_user_error(cli_run, "kv_dtype='f16' is the native decoder's KV cache")
-    cli_run = CliRunner().invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--kv-dtype", "f16"])
-    assert_user_error(cli_run, "kv_dtype='f16' is the native decoder's KV cache (a genai export), not the torch")
+    cli_run = CliRunner().invoke(cli, ["generate", str(root / "model"), "--prompt", "ab", "--kv-dtype", "f16",
+                                       "--backend", "torch"])
+    assert_user_error(cli_run, "kv_dtype='f16' is the native decoder's KV cache, and --backend torch was asked for")

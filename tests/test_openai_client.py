@@ -28,7 +28,7 @@ def served(tmp_path_factory):
     model.init_weights()
     path = save_model(model.eval(), root / "model", tokenizer=HFTokenizer(hf_tokenizer_dir(root / "tok", CHAT_TEMPLATE)),
                       stage="test")
-    with Engine.load(path, max_batch=4, threads=1) as engine:
+    with Engine.load(path, max_batch=4, threads=1, backend="torch") as engine:  # embeddings: the torch backend's
         server = CompletionServer(engine, port=0, access=ServeAccess(api_key="k3y"), served_model_names=["tiny"])
         threading.Thread(target=server.serve_forever, daemon=True).start()
         yield engine, openai.OpenAI(base_url=server.url + "/v1", api_key="k3y", max_retries=0, timeout=60)

@@ -1,6 +1,7 @@
-"""A model dir served from its prepared genai export (prunus.export.prepared), in the native kernels where they run
-(else ONNX Runtime): the same greedy tokens as the torch Engine, made once and cached by what the dir holds, the torch Engine kept where an option needs it or
-the export cannot be made, and ``prunus serve``'s default."""
+"""A model dir served on a CPU by the fastest runtime (prunus.export.prepared): the native kernels reading the dir
+itself where they run (no export written), else its prepared genai export in ONNX Runtime (``--no-native`` here):
+the same greedy tokens as the torch Engine, the export made once and cached by what the dir holds, the torch Engine
+kept where an option needs it or the export cannot be made, and ``prunus serve``'s default."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from prunus.serve.http_server import CompletionServer
 
 PROMPTS = ["The cat sat", "def f(x):"]
 NATIVE_WHY = cpu_supported()
-FASTEST = "native" if unavailable() is None else "ort_genai"  # the runtime a prepared export loads on by default
+FASTEST = "native" if unavailable() is None else "ort_genai"  # the runtime a model dir is served by by default
+PREPARED = {"native": False}  # where the prepared export (ONNX Runtime) is what serves
 
 
 @pytest.fixture()
@@ -44,17 +46,28 @@ def _tokens(engine) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=12)]
 
 
-def test_served_from_a_cached_export_with_the_torch_engines_tokens(model_dir, cache, monkeypatch):
-    with Engine.load(model_dir, threads=1) as plain:
+@pytest.mark.skipif(unavailable() is not None, reason=f"native kernels unavailable: {unavailable()}")
+def test_the_native_kernels_serve_the_dir_itself_with_no_export(model_dir, cache, monkeypatch):
+    monkeypatch.setattr("prunus.export.export_dir.export_model", lambda *a, **k: pytest.fail("exported"))
+    with Engine.load(model_dir, threads=1, backend="torch") as plain:
         want = _tokens(plain)
     with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
+        assert engine.info["runtime"] == "native" and engine.info["native"] == "on"
+        assert "directly" in engine.info["prepared"]["skipped"] and _tokens(engine) == want
+    assert not cache.exists()
+
+
+def test_served_from_a_cached_export_with_the_torch_engines_tokens(model_dir, cache, monkeypatch):
+    with Engine.load(model_dir, threads=1, backend="torch") as plain:
+        want = _tokens(plain)
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, **PREPARED) as engine:
         info = engine.info
-        assert info["runtime"] == FASTEST and info["path"] == str(model_dir)
-        assert info["native"] == ("on" if NATIVE_WHY is None else f"off: the native kernels need {NATIVE_WHY}")
+        assert info["runtime"] == "ort_genai" and info["path"] == str(model_dir)
+        assert info["native"] == "off: native=False (--no-native)"
         assert info["prepared"]["cached"] is False and info["prepared"]["export"].startswith(str(cache))
         assert _tokens(engine) == want
     monkeypatch.setattr("prunus.export.export_dir.export_model", lambda *a, **k: pytest.fail("exported twice"))
-    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, **PREPARED) as engine:
         assert engine.info["prepared"]["cached"] is True and _tokens(engine) == want
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [
         os.path.basename(info["prepared"]["export"])]
@@ -92,7 +105,7 @@ def test_an_export_that_cannot_be_made_falls_back_to_torch(model_dir, cache, mon
     def refuse(*a, **k):
         raise error
     monkeypatch.setattr("prunus.export.export_dir.export_model", refuse)
-    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, **PREPARED) as engine:
         assert engine.info["runtime"] == "torch"
         assert words in engine.info["prepared"]["skipped"]
     assert "serving" in capsys.readouterr().err  # one line says so
@@ -111,29 +124,34 @@ def test_serve_prepares_by_default_and_no_prepare_keeps_torch(model_dir, cache, 
         seen.append((self.engine.info["runtime"], self.model_name))
         raise KeyboardInterrupt
     monkeypatch.setattr(CompletionServer, "serve_forever", record)
-    for extra in ([], ["--no-prepare"]):
+    for extra in ([], ["--no-native"], ["--no-prepare", "--no-native"]):
         r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--max-batch", "1", *extra])
         assert r.exit_code == 0, r.output
-    assert seen == [(FASTEST, model_dir.name), ("torch", model_dir.name)]
+    assert seen == [(FASTEST, model_dir.name), ("ort_genai", model_dir.name), ("torch", model_dir.name)]
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"native kernels unavailable: {unavailable()}")
 def test_native_flags_apply_to_the_prepared_export(model_dir, cache, monkeypatch):
-    """--native / --no-native on a model dir choose the runtime of its prepared export (checked against that
-    backend, not the torch one); --native where the export cannot be made is one line, not a torch fallback."""
+    """--native on a model dir serves the dir itself in the kernels, --no-native its prepared export in ONNX Runtime
+    (checked against that backend, not the torch one); --native with --backend torch is one line; --native where the
+    kernels cannot serve the dir and its export cannot be made is one line, not a torch fallback."""
     with Engine.load(model_dir, threads=1, prepare=prepared_path, native=True) as engine:
-        assert engine.info["runtime"] == "native" and engine.backend.session.session is None
+        assert engine.info["runtime"] == "native" and "directly" in engine.info["prepared"]["skipped"]
         want = _tokens(engine)
     with Engine.load(model_dir, threads=1, prepare=prepared_path, native=False) as engine:
         assert engine.info["runtime"] == "ort_genai" and engine.info["native"] == "off: native=False (--no-native)"
         assert _tokens(engine) == want
-    with pytest.raises(PrunusError, match="native applies to an ONNX Runtime export dir"):
+    with pytest.raises(PrunusError, match="native=True decodes in prunus's kernels, and --backend torch was asked"):
         Engine.load(model_dir, threads=1, prepare=prepared_path, native=True, backend="torch")
 
     def refuse(*a, **k):
         raise PrunusError("the genai graph does not support this model")
     monkeypatch.setattr(prepared, "cache_key", lambda d: "other")  # not the cached export: it must be made
     monkeypatch.setattr("prunus.export.export_dir.export_model", refuse)
+    from prunus.runtime.load_options import LoadOptions
+
+    assert prepared_path(model_dir, None, LoadOptions(native=True), False)[0] == model_dir  # nothing exported
+    monkeypatch.setattr(prepared, "native_direct", lambda config, options: False)  # e.g. weights the kernels lack
     r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--native"])
     last = r.stderr.strip().splitlines()[-1]  # after the line saying the export is being made
     assert r.exit_code == 2 and last.startswith("Error: ") and "--native serves its genai export, which could not" in last
@@ -235,7 +253,7 @@ def test_a_symlinked_cache_dir_is_refused_and_the_dir_served_by_torch(model_dir,
     elsewhere.mkdir()
     cache.parent.mkdir(mode=0o700)
     cache.symlink_to(elsewhere, target_is_directory=True)
-    path, info = prepared_path(model_dir, None, LoadOptions(), False)
+    path, info = prepared_path(model_dir, None, LoadOptions(native=False), False)
     assert path == model_dir and "is a symlink" in info["skipped"] and exports == []
     assert list(elsewhere.iterdir()) == []
     err = capsys.readouterr().err.strip().splitlines()
@@ -294,8 +312,8 @@ def test_a_damaged_entry_is_prepared_again_and_served(model_dir, cache, good_ent
         (entry / "model.onnx").write_bytes(data[: len(data) // 2])
     else:
         (entry / ("prunus.json" if damage.startswith("half") else "native_weights.safetensors")).unlink()
-    with Engine.load(model_dir, threads=1, prepare=prepared_path) as engine:
-        assert engine.info["runtime"] == FASTEST and engine.info["prepared"]["cached"] is False
+    with Engine.load(model_dir, threads=1, prepare=prepared_path, **PREPARED) as engine:
+        assert engine.info["runtime"] == "ort_genai" and engine.info["prepared"]["cached"] is False
         assert len(_tokens(engine)) == len(PROMPTS)
     assert len(exports) == 1 and prepared.entry_problem(entry, _parent_hash(model_dir)) is None
 

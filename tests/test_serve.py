@@ -43,7 +43,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with Engine.load(model_dir, max_batch=4) as e:
+    with Engine.load(model_dir, max_batch=4, backend="torch") as e:  # the torch backend's scheduling and timing
         yield e
 
 
@@ -133,14 +133,14 @@ def test_pass_threads_are_tuned_per_pass_size_and_do_not_change_tokens(model_dir
     main_threads = torch.get_num_threads()
     torch.set_num_threads(2)  # new threads start from the main thread's setting: 1 against 2 is timed
     try:
-        with Engine.load(model_dir, max_batch=4) as e:
+        with Engine.load(model_dir, max_batch=4, backend="torch") as e:  # the torch backend tunes its threads
             plan = e.scheduler.threads
             assert set(plan.by_tokens) == {1, 4, 4 * 16}  # decode of 1 row, of 4, a prefill
             assert set(plan.by_tokens.values()) <= {1, 2} and e.info["threads"] == plan.describe()
             assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
         assert torch.get_num_threads() == 2  # the scheduler thread's settings stay its own
         for n in (1, 2):  # tokens do not depend on the thread count
-            with Engine.load(model_dir, max_batch=4, threads=n) as e:
+            with Engine.load(model_dir, max_batch=4, threads=n, backend="torch") as e:
                 assert e.scheduler.threads.by_tokens == {1: n}
                 assert [r.token_ids for r in e.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:3]]
     finally:

@@ -93,7 +93,7 @@ def test_scheduler_interleaves_a_long_prompts_chunks_with_decode_steps(model_dir
     """A 90-token prompt in chunks of 8 joins while a short request decodes: the short one gets a decode
     step between the long one's chunks, and both give the tokens they give alone."""
     short, long_ = prompts([3])[0], prompts([90], seed=2)[0]
-    with Engine.load(model_dir, max_batch=2, prefill_chunk=8, compile=False, threads=1) as engine:
+    with Engine.load(model_dir, max_batch=2, prefill_chunk=8, compile=False, threads=1, backend="torch") as engine:
         alone = [engine.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in ((short, 30), (long_, 5))]
         backend, calls = engine.backend, []
         for name in ("extend", "decode"):  # prefill runs its chunks through extend
