@@ -348,7 +348,7 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
     can be a contender: add one here (or pass ``--contender``) and it is timed, plotted and compared with
     llama.cpp at its precision. ``prompt_graph``: the int8 and int4 genai exports once more, served with their
     prompt twin (``Engine.load(prompt_graph=True)``). ``native``: every genai export once more, decoded in prunus's
-    own kernels (``Engine.load(native=True)``; with ``prompt_graph`` the quantized ones keep their twin too).
+    own kernels (``Engine.load(native=True)``: the native runtime holds no ONNX Runtime session, so no twin).
     ``int4_models``: more stored-int4 model dirs (``prunus compress --recipe int4-awq-gptq-g64``, say), exported and
     timed as the int4 dir is, labelled by their dir's name."""
     from benchmarks._llamacpp_peer import Contender
@@ -367,10 +367,8 @@ def llamacpp_contenders(model_dir: Path, cache: Path, graphs=("genai", "torch"),
                 out.append(Contender(f"prunus onnxruntime {graph} graph {name}", d, precision))
                 if prompt_graph and graph == "genai" and precision != "fp32":
                     out.append(Contender(f"prunus onnxruntime genai {name} + prompt graph", d, precision, True))
-                if native and graph == "genai":
-                    twin = prompt_graph and precision != "fp32"
-                    out.append(Contender(f"prunus native {name}" + (" + prompt graph" if twin else ""), d,
-                                         precision, twin, native=True))
+                if native and graph == "genai":  # the native runtime: every pass in the kernels, no twin
+                    out.append(Contender(f"prunus native {name}", d, precision, native=True))
     return out, int4_dir
 
 

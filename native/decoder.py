@@ -156,20 +156,6 @@ class NativeDecoder:
             pass
 
 
-def native_prompt_tokens(packed: PackedModel) -> int:
-    """With ``--native --prompt-graph`` (ONNX Runtime's session and the prompt twin loaded beside the kernels): the
-    most prompt tokens (all rows together) a pass runs natively rather than in ONNX Runtime. Without the twin every
-    pass is native (:class:`prunus.runtime.genai_session.GenaiSession`).
-
-    Measured by ``benchmarks/native_prefill.py`` on SmolLM2-135M (AMD EPYC, AVX2, 26 Nov, the four-row prompt
-    kernels), a 512-token prompt, native time over the genai graph's in ONNX Runtime at 1 / 2 threads: int8 0.67x /
-    0.82x, int4 1.04x / 0.79x; fp32 1.19x / 1.15x (no twin exists for a float graph). So quantized graphs take
-    prompts of up to 512 tokens natively (the longest measured); longer ones go to the twin. llama.cpp on the same
-    weights: docs/results.md (native decoder, prompts)."""
-    kinds = {lin.kind for layer in packed.layers for lin in layer.values() if isinstance(lin, PackedLinear)}
-    return 512 if kinds <= {"q8", "q4"} else 0
-
-
 def check_native(where: str) -> None:
     """Raise one PrunusError line when the native decoder cannot run here (CPU, compiler)."""
     try:

@@ -15,22 +15,16 @@ buffers. A prompt pass of at least its token threshold (rows x padded width) run
 every decode step run in the graph itself. The twin holds its own copy of the weights (about as much memory
 again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`).
 
-``native=True`` runs every pass, prompts included, in prunus's own kernels (:mod:`prunus.native.decoder`) over the
-export's native weights, and ONNX Runtime's session is not loaded: the weights are in memory once (the native
-runtime's default, :mod:`prunus.runtime.native_choice`). ``kv_dtype="f16"`` keeps the cache in float16 buffers
-(:mod:`prunus.native.decoder`). With ``prompt_twin=True`` as well, ONNX Runtime's session and the twin are loaded
-beside the kernels over the same float32 KV buffers (keys are rotated and laid out as GroupQueryAttention lays them,
-so either may run any pass): decode steps and prompt passes of at most ``native_prompt_tokens`` tokens run natively,
-longer prompts in the twin or the graph, whose threads then sleep between runs instead of spinning beside the
-native pool's.
+``native=True`` gives the native kernels' view of the same export instead (:class:`prunus.runtime.native.NativeSession`:
+the same ``prefill`` / ``decode`` over the native runtime, no ONNX Runtime session), as the parity check asks for it
+(:mod:`prunus.export.genai_parity`); the native runtime that serves is :mod:`prunus.runtime.native_backend`.
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
 
 :meth:`GenaiSession.extend` runs pieces of prompts after what their slots hold (chunked prefill, the rest of a
-prompt after a cached prefix): one native pass for all rows where the native kernels take it, else one ONNX Runtime
-pass per row (GroupQueryAttention takes several new tokens after a past at batch 1 only); the logits equal a whole
-prompt's (tests/test_genai_extend.py).
+prompt after a cached prefix): one ONNX Runtime pass per row (GroupQueryAttention takes several new tokens after a
+past at batch 1 only); the logits equal a whole prompt's (tests/test_genai_extend.py).
 
 The parity check's view of the same graph (every position's logits, greedy generation through a session) is
 :class:`prunus.export.genai_parity.GenaiGraphs`.
@@ -69,46 +63,33 @@ def prompt_twin_of(path_or_bytes, n_slots: int, max_len: int):
 
 
 class GenaiSession:
+    def __new__(cls, *args, native: bool = False, packed=None, **kwargs):
+        """``native=True``: the native kernels' session over the export's native weights (``packed``: already packed)
+        instead, :class:`prunus.runtime.native.NativeSession` (the module docstring)."""
+        if native:
+            from .native import NativeSession
+
+            return NativeSession(*args, packed=packed, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
-                 prompt_twin: bool = False, native: bool = False, packed=None, kv_dtype: str = "f32"):
+                 prompt_twin: bool = False, native: bool = False, packed=None):
+        # native / packed were taken by __new__ (a native session is a NativeSession; here native is False)
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
-        dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
-        if native and packed is None:  # the export's native weights, checked and packed before ONNX Runtime loads
-            from .native_decoder import pack_export
-
-            packed = pack_export(path_or_bytes, dims)
-        native_only = native and (kv_dtype == "f16" or twin is None)  # every pass native: no ONNX Runtime session
-        self.session = None if native_only else ort_session(path_or_bytes, threads, spinning and not native, config)
+        self.session = ort_session(path_or_bytes, threads, spinning, config)
         self.prompt_session, self.prompt_min_tokens = None, None
-        self.native, self.native_prompt_tokens = None, 0
-        self.want_hidden, self.last_hidden = False, None  # native passes' final-norm outputs (an EAGLE draft's input)
-        self._verify_logits = None
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
-        dtype = np.float16 if native and kv_dtype == "f16" else np.float32
-        self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(n_layers)]
         self.logits = np.zeros((n_slots, vocab_size), np.float32)
         self.step_ids = np.zeros((n_slots, 1), np.int64)
         self.seqlens = np.zeros(n_slots, np.int32)
         self.total = np.zeros((), np.int32)
         self._decode_bindings: dict[int, object] = {}
         if twin is not None:
-            self._load_prompt_twin(path_or_bytes, twin, threads, spinning and not native, config)
-        if native:
-            from prunus.native.decoder import native_prompt_tokens
-
-            from .native_decoder import native_decoder
-
-            self.native = native_decoder(path_or_bytes, dims, self.k, self.v, n_slots, max_len, threads, packed)
-            self.native_prompt_tokens = n_slots * max_len if native_only else native_prompt_tokens(self.native.packed)
-            if native_only:
-                return
-            # ONNX Runtime's first pass with sleeping threads is slow (SmolLM2 int4, a 5-token prompt at 2 threads:
-            # 212 ms, then 15 ms): pay it at load, not in the first request's first token
-            self.seqlens[:1], self.total[...] = 0, 1
-            self.session.run_with_iobinding(self._bind(self.step_ids[:1], 0))
+            self._load_prompt_twin(path_or_bytes, twin, threads, spinning, config)
 
     def _load_prompt_twin(self, path_or_bytes, twin, threads, spinning, config) -> None:
         """The twin's session (``twin``: :func:`prompt_twin_of`), run twice on a pass of its threshold: its first
@@ -152,9 +133,6 @@ class GenaiSession:
         if width > self.max_len:
             raise ValueError(f"a prompt of {width} tokens exceeds the buffer's {self.max_len} positions")
         ids = _padded(prompts, width)
-        if sum(lengths) <= self.native_prompt_tokens:
-            return self._native(ids, np.zeros(b, np.int32), lengths, start, self.logits)
-        self.last_hidden = None
         self.seqlens[:b] = np.asarray(lengths, np.int32) - 1
         self.total[...] = width
         session = self.session
@@ -168,10 +146,9 @@ class GenaiSession:
         of a prompt (chunked prefill, a prompt after its cached prefix); returns each piece's last-token logits, a
         view of the shared logits array (valid until the next pass).
 
-        The native kernels take every row at its own position in one pass. GroupQueryAttention takes a pass of
-        several new tokens after a past only at batch 1 ("batch_size must be 1 when sequence_length > 1 and past
-        context is given"), so in ONNX Runtime each row is its own pass (its slot bound alone: slots need not be
-        consecutive there), its logits into its own row of the shared array."""
+        GroupQueryAttention takes a pass of several new tokens after a past only at batch 1 ("batch_size must be 1
+        when sequence_length > 1 and past context is given"), so each row is its own pass (its slot bound alone:
+        slots need not be consecutive there), its logits into its own row of the shared array."""
         b = len(pieces)
         if start < 0 or start + b > self.n_slots:
             raise ValueError(f"slots [{start}, {start + b}) outside the buffer's {self.n_slots}")
@@ -180,9 +157,6 @@ class GenaiSession:
         if min(counts) < 1 or max(ends) > self.max_len:
             raise ValueError(f"pieces of 1 to {self.max_len} positions after what a row holds; got {counts} after "
                              f"{[int(h) for h in held]}")
-        if sum(counts) <= self.native_prompt_tokens:
-            return self._native(_padded(pieces, max(counts)), np.asarray(held, np.int32), counts, start, self.logits)
-        self.last_hidden = None
         for i, (piece, end) in enumerate(zip(pieces, ends)):
             self.seqlens[:1], self.total[...] = end - 1, end
             session = self.session
@@ -199,9 +173,6 @@ class GenaiSession:
         if int(np.max(lengths)) >= self.max_len:
             raise ValueError(f"a row is full: its {self.max_len} positions are used")
         self.step_ids[:b, 0] = tokens
-        if self.native is not None:
-            return self._native(self.step_ids[:b], lengths, np.ones(b, np.int32), 0, self.logits)
-        self.last_hidden = None
         self.seqlens[:b] = lengths
         self.total[...] = int(np.max(lengths)) + 1
         binding = self._decode_bindings.get(b)
@@ -209,29 +180,6 @@ class GenaiSession:
             binding = self._decode_bindings[b] = self._bind(self.step_ids[:b], 0)
         self.session.run_with_iobinding(binding)
         return self.logits[:b]
-
-    def _native(self, ids: np.ndarray, start, count, slot0: int, logits: np.ndarray, every_position: bool = False):
-        """A native pass; with ``want_hidden`` its final-norm outputs land in ``last_hidden`` (sum(count), dim)."""
-        hidden = None
-        if self.want_hidden:
-            hidden = np.empty((int(np.sum(count)), self.native.packed.emb.shape[1]), np.float32)
-        out = self.native.forward(ids, start, count, slot0, logits, every_position=every_position, hidden=hidden)
-        self.last_hidden = hidden
-        return out
-
-    def verify(self, start: int, held, token_lists: list) -> np.ndarray:
-        """Each of slots [start, start + len(token_lists)) goes on after its ``held[i]`` positions with its tokens, in
-        one native pass; the logits after every token, row after row (sum of the lengths, vocab), a view valid until
-        the next verify (speculative decoding)."""
-        if self.native is None:
-            raise ValueError("verify runs in the native kernels; this session has none")
-        counts = [len(t) for t in token_lists]
-        if max(int(h) + c for h, c in zip(held, counts)) > self.max_len:
-            raise ValueError(f"{counts} positions after {[int(h) for h in held]} exceed the buffer's {self.max_len}")
-        if self._verify_logits is None or len(self._verify_logits) < sum(counts):
-            self._verify_logits = np.empty((max(sum(counts), 17), self.vocab_size), np.float32)
-        return self._native(_padded(token_lists, max(counts)), np.asarray(held, np.int32), counts, start,
-                            self._verify_logits, every_position=True)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions to slot ``dst`` in every layer (compacting a block)."""
@@ -247,9 +195,7 @@ class GenaiSession:
 
     def close(self) -> None:
         self._decode_bindings.clear()
-        if self.native is not None:
-            self.native.close()
-        self.session = self.prompt_session = self.native = None
+        self.session = self.prompt_session = None
 
 
 def _padded(pieces: list, width: int) -> np.ndarray:

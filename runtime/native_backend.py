@@ -102,16 +102,15 @@ class NativeBackend(BackendBase):
             raise PrunusError(f"{verb} of row(s) {sorted(set(rows) - self.held)} that were never prefilled")
         return np.asarray(rows, np.int32)
 
-    def _pass(self, rows: list[int], pieces: list[list[int]], start: np.ndarray, every: bool = False) -> np.ndarray:
+    def run(self, rows: list[int], pieces: list[list[int]], start: np.ndarray, every: bool = False) -> np.ndarray:
         """One native pass: each row's piece at its positions ``start[i]...``; the last-token logits (every token's
-        with ``every``), the hidden states reported; the rows' lengths advanced."""
+        with ``every``), a view valid until the next pass; the hidden states reported; the rows' lengths set."""
         counts = np.fromiter((len(p) for p in pieces), np.int32, len(pieces))
         if counts.min() < 1 or int((start + counts).max()) > self.max_len:
             raise PrunusError(f"pieces of 1 to {self.max_len} positions after what a row holds; got "
                               f"{counts.tolist()} after {start.tolist()}")
         slots = np.asarray(rows, np.int32)
         total = int(counts.sum())
-        out = self.logits
         if every and self._every.shape[0] < total:
             self._every = np.zeros((max(total, 2 * self._every.shape[0]), self.vocab_size), np.float32)
         out = self._every if every else self.logits
@@ -130,16 +129,16 @@ class NativeBackend(BackendBase):
 
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         self._slots(rows, "prefill", fresh=True)
-        return torch.from_numpy(self._pass(rows, prompts, np.zeros(len(rows), np.int64)).copy())
+        return torch.from_numpy(self.run(rows, prompts, np.zeros(len(rows), np.int64)).copy())
 
     def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
         """Each row goes on after what it holds with its piece of a prompt, all rows in one pass."""
         slots = self._slots(rows, "extend")
-        return torch.from_numpy(self._pass(rows, pieces, self.lengths[slots].copy()).copy())
+        return torch.from_numpy(self.run(rows, pieces, self.lengths[slots].copy()).copy())
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         slots = self._slots(rows, "decode")
-        return torch.from_numpy(self._pass(rows, [[t] for t in tokens], self.lengths[slots].copy()).copy())
+        return torch.from_numpy(self.run(rows, [[t] for t in tokens], self.lengths[slots].copy()).copy())
 
     def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
         """Append ``tokens`` to ``row`` in one pass; the logits after each of them, (len(tokens), vocab)."""
@@ -148,7 +147,7 @@ class NativeBackend(BackendBase):
     def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
         """Each row's tokens after what it holds, every row in one pass; the logits after each row's tokens."""
         slots = self._slots(rows, "verify")
-        logits = self._pass(rows, token_lists, self.lengths[slots].copy(), every=True)
+        logits = self.run(rows, token_lists, self.lengths[slots].copy(), every=True)
         out, at = [], 0
         for tokens in token_lists:
             out.append(torch.from_numpy(logits[at:at + len(tokens)].copy()))

@@ -1,6 +1,5 @@
-"""A genai export's native weights packed for prunus's kernels, and a native decoder over KV buffers it shares
-with ONNX Runtime's graph (:class:`prunus.runtime.genai_session.GenaiSession`, the native runtime
-:mod:`prunus.runtime.native`)."""
+"""A genai export's native weights packed for prunus's kernels, and a native decoder over the native runtime's KV
+buffers with each linear layer's row grouping measured on this machine (:mod:`prunus.runtime.native_backend`)."""
 
 from __future__ import annotations
 

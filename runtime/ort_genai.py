@@ -10,16 +10,17 @@ active rows packed in slots ``[0, n)``:
 * prefill: the joining rows take the slots after the block (a row the scheduler hands out again
   first leaves its old slot), their prompts right-padded into one pass;
 * extend (chunked prefill, ``capabilities.extend``): each row goes on after what it holds with its piece of a
-  prompt; the rows move to the block's last slots, so the native kernels take them all in one pass at their own
-  positions (ONNX Runtime's GroupQueryAttention takes a piece after a past at batch 1 only: one pass per row there);
+  prompt, one pass per row (GroupQueryAttention takes a piece after a past at batch 1 only);
 * release: the row has left; the block's last row moves into its slot (one copy of that row's keys
   and values, per leave, never per step);
 * decode: the rows whose prompts are in, moved (where a row still prefilling holds one of them) into slots
   ``[0, n)`` by exchanging two rows' keys and values, once per row that joins; one pass over slots ``[0, n)``,
   ``input_ids`` in slot order and the logits back in the scheduler's row order;
 * restore_prefix / store_prefix (``prefix_cache_mb``): the prefix cache (:mod:`prunus.runtime.prefix_cache`) copies
-  cached blocks into a slot after the block, and a row's full blocks out, through tensors over the numpy buffers
-  (float32, or the native kernels' float16).
+  cached blocks into a slot after the block, and a row's full blocks out, through tensors over the numpy buffers.
+
+The native kernels serve a genai export in a runtime of their own, rows never compacted
+(:mod:`prunus.runtime.native_backend`).
 
 A decode step of an unchanged block therefore writes n token ids and n lengths into bound arrays and runs the
 graph; the binding of a batch size is built once and reused.
@@ -53,8 +54,7 @@ SPINNING = True
 # (ONNX Runtime); with --native 2.61 s whole, 2.35 s in chunks of 64 (one native pass each), longest pass 0.34 s. A
 # prompt in chunks of 64 costs no more than whole (its attention over the cached part is a small share of a pass,
 # and MatMulNBits's per-row work does not shrink with more rows), while every decode step beside it waits one
-# chunk's pass instead of the whole prompt's: 64 tokens (an int8 export runs its chunks natively, up to 512 prompt
-# tokens a pass: prunus.native.decoder.native_prompt_tokens). With --prompt-graph the chunk is the twin's threshold, so that a
+# chunk's pass instead of the whole prompt's: 64 tokens. With --prompt-graph the chunk is the twin's threshold, so that a
 # row's chunk reaches the twin.
 PREFILL_CHUNK_GENAI = 64
 
@@ -91,7 +91,6 @@ class GenaiBackend(BackendBase):
         self.row_at: list[int] = []  # buffer slot -> scheduler row, slots [0, n)
         self.lengths = np.zeros(n_slots, np.int64)  # tokens held per buffer slot
         self.prefix = None
-        self.hidden_sink = None  # report_hidden's callable
         if prefix_cache_mb:
             from .prefix_cache import ArrayRows, PrefixCache
 
@@ -102,8 +101,7 @@ class GenaiBackend(BackendBase):
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
         # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
         return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
-                            prefix_cache=self.prefix is not None, verify=self.session.native is not None,
-                            verify_rows=self.session.native is not None)
+                            prefix_cache=self.prefix is not None)
 
     def describe(self) -> dict:
         return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}
@@ -159,12 +157,11 @@ class GenaiBackend(BackendBase):
         logits = self.session.prefill(start, prompts)
         for i, p in enumerate(prompts):
             self.lengths[start + i] = len(p)
-        self._report(rows, [0] * len(rows), [len(p) for p in prompts])
         return torch.from_numpy(logits.copy())
 
     def extend(self, rows: list[int], pieces: list[list[int]]) -> torch.Tensor:
         """Each row goes on after what it holds with its piece of a prompt; the rows move to the block's end (the
-        rows decoding stay in its first slots) so that one native pass takes them all."""
+        rows decoding stay in its first slots)."""
         self._held(rows, "extend")
         at = len(self.row_at) - len(rows)
         self._place(rows, at)
@@ -173,7 +170,6 @@ class GenaiBackend(BackendBase):
         held = self.lengths[slots[order]]
         logits = self.session.extend(at, held, [pieces[i] for i in order])
         self.lengths[slots] += [len(p) for p in pieces]
-        self._report([rows[i] for i in order], held.tolist(), [len(pieces[i]) for i in order])
         out = np.empty((len(rows), self.vocab_size), np.float32)
         out[order] = logits
         return torch.from_numpy(out)
@@ -186,62 +182,9 @@ class GenaiBackend(BackendBase):
         by_slot = np.empty(n, np.int64)
         order = np.fromiter((self.slot_of[r] for r in rows), np.int64, n)
         by_slot[order] = tokens
-        starts = self.lengths[:n].tolist()
         logits = self.session.decode(self.lengths[:n], by_slot)
         self.lengths[:n] += 1
-        self._report(self.row_at[:n], starts, [1] * n)
         return torch.from_numpy(logits[order])  # fancy indexing copies: the buffer is reused next step
-
-    def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
-        """Append ``tokens`` to ``row`` in one native pass; the logits after each of them, (len(tokens), vocab)."""
-        self._held([row], "verify")
-        slot = self.slot_of[row]
-        held = int(self.lengths[slot])
-        logits = self.session.verify(slot, [held], [tokens])
-        self.lengths[slot] += len(tokens)
-        self._report([row], [held], [len(tokens)])
-        return torch.from_numpy(logits[:len(tokens)].copy())
-
-    def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """Each row's tokens after what it holds, every row in one native pass (the rows move to the block's first
-        slots, as a decode step's); the logits after each row's tokens, [(len_i, vocab)]."""
-        self._held(rows, "verify")
-        n = len(rows)
-        self._place(rows, 0)
-        order = sorted(range(n), key=lambda i: self.slot_of[rows[i]])  # the pass runs in slot order
-        held = [int(self.lengths[self.slot_of[rows[i]]]) for i in order]
-        logits = self.session.verify(0, held, [token_lists[i] for i in order])
-        out: list[torch.Tensor | None] = [None] * n
-        at = 0
-        for i, h in zip(order, held):
-            count = len(token_lists[i])
-            out[i] = torch.from_numpy(logits[at:at + count].copy())
-            self.lengths[self.slot_of[rows[i]]] = h + count
-            at += count
-        self._report([rows[i] for i in order], held, [len(token_lists[i]) for i in order])
-        return out
-
-    def truncate(self, row: int, length: int) -> None:
-        """Keep the row's first ``length`` tokens (rejected draft tokens' positions are overwritten later)."""
-        slot = self.slot_of[row]
-        if not 0 <= length <= int(self.lengths[slot]):
-            raise ValueError(f"row {row} holds {int(self.lengths[slot])} tokens; cannot truncate it to {length}")
-        self.lengths[slot] = length
-
-    def report_hidden(self, sink) -> None:
-        """From now on every native pass calls ``sink(row, start, hidden)`` for each row with the final-norm outputs
-        of the positions it computed (an EAGLE draft reads them, prunus.runtime.eagle_drafter)."""
-        self.hidden_sink = sink
-        self.session.want_hidden = True
-
-    def _report(self, rows: list[int], starts: list[int], counts: list[int]) -> None:
-        hidden = self.session.last_hidden
-        if self.hidden_sink is None or hidden is None:
-            return
-        at = 0
-        for row, start, n in zip(rows, starts, counts):
-            self.hidden_sink(row, int(start), torch.from_numpy(hidden[at:at + n]))
-            at += n
 
     def restore_prefix(self, row: int, ids: list[int]) -> int:
         """Start ``row`` with the longest cached prefix of ``ids`` in a slot after the block; the tokens it holds
@@ -261,9 +204,9 @@ class GenaiBackend(BackendBase):
         self.session.close()
 
 
-def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = False) -> Loaded:
-    """An export dir whose config.json says ``export.graph == "genai"`` (``options.prompt_graph``: with its prompt twin;
-    ``native``: decode in prunus's own kernels, :mod:`prunus.runtime.native`)."""
+def load_genai(path: Path, config: dict, options: LoadOptions) -> Loaded:
+    """An export dir whose config.json says ``export.graph == "genai"`` (``options.prompt_graph``: with its prompt
+    twin)."""
     from .genai_session import GenaiSession
 
     tokenizer = export_tokenizer(path, config)
@@ -273,21 +216,16 @@ def load_genai(path: Path, config: dict, options: LoadOptions, native: bool = Fa
     n_slots, max_len = options.max_batch, options.max_len
     try:
         session = GenaiSession(graph, **export_dims(path, export), n_slots=n_slots, max_len=max_len,
-                               threads=options.threads, spinning=SPINNING, prompt_twin=options.prompt_graph,
-                               native=native, kv_dtype=options.kv_dtype if native else "f32")
+                               threads=options.threads, spinning=SPINNING, prompt_twin=options.prompt_graph)
     except PrunusError:
         raise
     except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
         raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "re-create the export dir with prunus export") from None
-    # prunus's native kernels sum a row the same way at every row count; a prompt twin runs long prompts in float
-    invariant = not options.prompt_graph and (native or ort_batch_invariant(export))
+    invariant = not options.prompt_graph and ort_batch_invariant(export)  # a prompt twin runs long prompts in float
     info = {"precision": export.get("precision"), "batch_invariant": invariant}
     if options.prompt_graph:
         info["prompt_graph_min_tokens"] = session.prompt_min_tokens
-    if native:
-        info["native_prompt_tokens"] = session.native_prompt_tokens
-        info["kv_dtype"] = options.kv_dtype
     chunk = options.chunk_for(max(PREFILL_CHUNK_GENAI, session.prompt_min_tokens or 0))  # "auto": its own (above)
     backend = GenaiBackend(session, n_slots, max_len, prefill_chunk=chunk,
                            prefix_cache_mb=options.features.prefix_cache_mb)

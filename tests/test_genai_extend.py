@@ -19,7 +19,7 @@ from prunus.runtime.prefix_cache import BLOCK
 from prunus.serve import Engine
 
 NATIVE_WHY = unavailable()
-# (native, kv_dtype): ONNX Runtime alone, the native kernels beside it, the native kernels' float16 cache
+# (native, kv_dtype): ONNX Runtime, the native runtime, the native runtime's float16 cache
 NEEDS_NATIVE = pytest.mark.skipif(NATIVE_WHY is not None, reason=f"native kernels unavailable: {NATIVE_WHY}")
 MODES = [(False, "f32"), pytest.param(True, "f32", marks=NEEDS_NATIVE), pytest.param(True, "f16", marks=NEEDS_NATIVE)]
 # float32 logits of the same sums in another order (ONNX Runtime's per-row pass, native's tiles); float16 keys and
@@ -44,11 +44,19 @@ def _backend(export_dir, native: bool, kv_dtype: str, **kw) -> GenaiBackend:
 
     dims = genai_dims(load_model(export_dir.parent / "model"))
     dims = {k: dims[k] for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
-    session = GenaiSession(export_dir / GENAI_GRAPH, **dims, n_slots=3, max_len=96, threads=1, native=native,
-                           kv_dtype=kv_dtype)
-    if native:  # every pass in the native kernels where they run, else in ONNX Runtime: both paths of extend
-        session.native_prompt_tokens = session.n_slots * session.max_len
+    if native:  # the native runtime over the export's native weights: every pass in the kernels, rows are slots
+        from prunus.native.weights import native_weights_file, read_native_weights
+        from prunus.runtime.native_backend import NativeBackend
+
+        packed = read_native_weights(native_weights_file(export_dir), dims)
+        return NativeBackend(packed, 3, 96, threads=1, kv_dtype=kv_dtype, **kw)
+    session = GenaiSession(export_dir / GENAI_GRAPH, **dims, n_slots=3, max_len=96, threads=1)
     return GenaiBackend(session, 3, 96, **kw)
+
+
+def _slots(backend, rows: list[int]) -> list[int]:
+    """Where ``rows`` are held: the genai backend's slots, the native runtime's rows themselves."""
+    return [backend.slot_of[r] for r in rows] if hasattr(backend, "slot_of") else rows
 
 
 @pytest.mark.parametrize("native, kv_dtype", MODES)
@@ -69,7 +77,7 @@ def test_extend_gives_the_logits_of_a_whole_prompt(export_dir, native, kv_dtype)
     assert np.abs(got[0] - want[0]).max() < scale and np.abs(got[1] - want[2]).max() < scale
     assert np.abs(got_b - want[1]).max() < scale
     assert np.abs(got_step - want_step).max() < scale
-    assert list(chunked.lengths[[chunked.slot_of[r] for r in (0, 1, 2)]]) == [len(a), len(b) + 1, len(c)]
+    assert list(chunked.lengths[_slots(chunked, [0, 1, 2])]) == [len(a), len(b) + 1, len(c)]
 
 
 def test_onnx_runtime_extends_row_by_row_exactly(export_dir):

@@ -30,6 +30,7 @@ from prunus.runtime.genai_session import GenaiSession
 from prunus.models import generate, load_model, save_model
 from prunus.serve import Engine
 from prunus.runtime.ort_genai import GenaiBackend
+from prunus.runtime.native import NativeSession
 from prunus.runtime.native_backend import NativeBackend
 from prunus.runtime.load_options import LoadOptions
 
@@ -204,12 +205,9 @@ def _session(model, path, n_slots: int, max_len: int, native: bool, threads: int
                         vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=threads, native=native)
 
 
-def _native_prefill(sess: GenaiSession, prompts) -> np.ndarray:
-    """Every prompt through the native kernels, whatever the routing threshold."""
-    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
-    return sess.native.forward(ids, np.zeros(len(prompts), np.int32), [len(p) for p in prompts], 0, sess.logits).copy()
+def _native_prefill(sess, prompts) -> np.ndarray:
+    """Every prompt through the native kernels of a native session (``GenaiSession(..., native=True)``)."""
+    return sess.prefill(0, prompts).copy()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
@@ -274,8 +272,7 @@ def test_quantized_graphs_are_as_close_to_torch_as_onnx_runtimes(kernel_path, tr
     err_ort = np.abs(ort.prefill(0, PROMPTS) - ref).max()
     err_native = np.abs(_native_prefill(nat, PROMPTS) - ref).max()
     assert 0 < err_native <= 1.5 * err_ort
-    assert nat.native_prompt_tokens == len(PROMPTS) * 48  # every prompt native: no ONNX Runtime session
-    assert nat.session is None
+    assert isinstance(nat, NativeSession) and not hasattr(nat, "session")  # no ONNX Runtime session
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 2, 96), (8, 2, 128)])
