@@ -93,13 +93,28 @@ def skipped(backend: str | None, options: LoadOptions, lora: bool) -> str | None
     return next((why for hit, why in reasons if hit), None)
 
 
-def native_direct(config: dict, options: LoadOptions) -> bool:
+def native_direct(path: Path, config: dict, options: LoadOptions) -> bool:
     """Whether the native runtime serves the model dir itself (:mod:`prunus.runtime.native_backend`, its weights packed
     at load), so that no export is prepared: native not turned off, no prompt graph (an ONNX Runtime graph), and
     nothing the kernels cannot take (:func:`prunus.runtime.native_choice.model_dir_off`)."""
     from prunus.runtime.native_choice import model_dir_off
 
-    return options.native is not False and not options.prompt_graph and model_dir_off(config, options) is None
+    return options.native is not False and not options.prompt_graph and model_dir_off(path, config, options) is None
+
+
+def _native_checked(path: Path, parent_hash: str, options: LoadOptions, progress: bool) -> bool:
+    """Whether the kernels' parity check of the dir (kept, or run now: :mod:`prunus.export.native_dir_parity`) let
+    them serve it; where it failed under native="auto" the dir's export is prepared instead (native=True: served
+    natively all the same, as asked)."""
+    from .native_dir_parity import native_dir_record
+
+    record = native_dir_record(path, parent_hash, progress)
+    if record.get("passed") is not False or options.native is True:
+        return True
+    if progress:
+        print(f"prunus: the native kernels failed their parity check on {path} ({', '.join(record.get('failed') or [])});"
+              " preparing its ONNX Runtime export", file=sys.stderr, flush=True)
+    return False
 
 
 def native_draft(draft, native) -> bool:
@@ -179,16 +194,16 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     if "export" in config or config.get("kind") == "module":
         return path, None
     why = skipped(backend, options, lora)
-    direct = why is None and native_direct(config, options)
+    direct = why is None and native_direct(path, config, options)
     # a bad option is one line before minutes of export, checked against the backend that will serve the dir
     options.check(resolve_backend(path, backend)[0] if why is not None or direct else "onnxruntime")
     if why is not None:
         return path, {"skipped": why}
-    if direct:
-        return path, {"skipped": "the native kernels read the model dir's weights directly"}
     from .parity import ParityFailed
 
     parent_hash = dir_hash(verify_model_dir(path)["files"])  # a dir that fails its manifest: one line, no fallback
+    if direct and _native_checked(path, parent_hash, options, progress):
+        return path, {"skipped": "the native kernels read the model dir's weights directly"}
     try:
         out, cached = prepare(path, progress, parent_hash)
     except (PrunusError, ParityFailed) as e:  # served as it is, by the torch Engine: the reason is kept

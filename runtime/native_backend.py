@@ -188,22 +188,32 @@ class NativeBackend(BackendBase):
         self.decoder.close()
 
 
-def _model_dir_weights(path: Path) -> tuple[PackedModel, object, str]:
-    """(packed weights, tokenizer, precision) of a transformer model dir, read directly (manifest verified)."""
-    from prunus.models import load_model, load_model_tokenizer
+def pack_model(path: Path, model) -> PackedModel:
+    """The native weights of ``model``, loaded from the model dir at ``path``, packed in memory."""
     from prunus.native.weights import pack_tensors
 
     from .native_tensors import model_dir_tensors
 
-    model = load_model(path).float()
     cfg = model.config
     dims = {"n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size}
     tensors, meta = model_dir_tensors(model)
-    packed = pack_tensors(path / "model.safetensors", tensors, meta, dims)
+    return pack_tensors(Path(path) / "model.safetensors", tensors, meta, dims)
+
+
+def _model_dir_weights(path: Path) -> tuple[PackedModel, object, str]:
+    """(packed weights, tokenizer, precision) of a transformer model dir, read directly (manifest verified)."""
+    from prunus.models import load_model, load_model_tokenizer
+
+    model = load_model(path).float()
+    packed = pack_model(path, model)
+    return packed, load_model_tokenizer(path), packed_precision(packed)
+
+
+def packed_precision(packed: PackedModel) -> str:
+    """"int4" where any linear layer holds int4 codes, else "int8" where any holds int8 codes, else "fp32"."""
     kinds = {lin.kind for layer in packed.layers for lin in layer.values() if hasattr(lin, "kind")}
-    precision = "int4" if "q4" in kinds else "int8" if "q8" in kinds else "fp32"
-    return packed, load_model_tokenizer(path), precision
+    return "int4" if "q4" in kinds else "int8" if "q8" in kinds else "fp32"
 
 
 def _export_weights(path: Path, config: dict) -> tuple[PackedModel, object, str]:

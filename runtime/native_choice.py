@@ -25,7 +25,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 
 from .load_options import NATIVE_AUTO, LoadOptions
-from .native_parity import native_parity_line, recorded_native_off
+from .native_parity import native_parity_line, recorded_dir_native_off, recorded_native_off
 
 
 def is_genai(config: dict) -> bool:
@@ -85,9 +85,12 @@ def stored_off(config: dict) -> str | None:
     return f"its {schemes[0]} weights are not the native kernels' (int8 / int4 weight-only)" if schemes else None
 
 
-def model_dir_off(config: dict, options: LoadOptions, asked_backend: str | None = None) -> str | None:
+def model_dir_off(path: Path, config: dict, options: LoadOptions, asked_backend: str | None = None,
+                  parity: bool = True) -> str | None:
     """Why a transformer model dir is not decoded natively (None: it is tried natively): an option only the torch
-    backend serves, weights the kernels do not take, or a CPU they do not run on."""
+    backend serves, weights the kernels do not take, a CPU they do not run on, or their kept parity check of the dir
+    failed (:func:`prunus.runtime.native_parity.recorded_dir_native_off`; ``parity=False``: not asked, as where the
+    kernels were asked for by name)."""
     from prunus.native.build import cpu_supported
 
     reasons = ((asked_backend is not None, f"--backend {asked_backend} was asked for"),
@@ -99,7 +102,7 @@ def model_dir_off(config: dict, options: LoadOptions, asked_backend: str | None 
     why = next((why for hit, why in reasons if hit), None) or stored_off(config)
     if why is None and (cpu := cpu_supported()) is not None:
         why = f"the native kernels need {cpu}"
-    return why
+    return why or (recorded_dir_native_off(path) if parity else None)
 
 
 def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions,
@@ -107,12 +110,12 @@ def resolve_native(path: Path, backend: str, config: dict, options: LoadOptions,
     """``options`` with native settled to True or False, and the reason it is off where "auto" turned it off
     (``asked_backend``: the backend the caller named, None where the artifact chose it)."""
     model_dir = backend == "torch" and is_model_dir(config)
-    if options.native is True and model_dir and (why := model_dir_off(config, options, asked_backend)) is not None:
+    if options.native is True and model_dir and (why := model_dir_off(path, config, options, asked_backend, parity=False)) is not None:
         raise PrunusError(f"{path}: native=True decodes in prunus's kernels, and {why}; drop --native")
     if options.native != NATIVE_AUTO:
         return options, None
     if model_dir:
-        why = model_dir_off(config, options, asked_backend)
+        why = model_dir_off(path, config, options, asked_backend)
     elif backend == "onnxruntime" and is_genai(config):
         why = native_off(path, options)
     else:

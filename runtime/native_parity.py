@@ -6,6 +6,12 @@ the genai graph in ONNX Runtime *and* in prunus's native kernels on this CPU's k
 with the same limits (:mod:`prunus.export.served_parity`), and writes both under ``runtimes`` in ``parity.json``.
 At load, ``native="auto"`` does not choose kernels whose recorded check failed (:func:`recorded_native_off`); the
 engine's info and ``prunus info`` show each runtime's figures (:func:`native_parity_line`).
+
+A model dir the native runtime serves directly has no export to record it: ``prunus serve`` checks the kernels on it
+once, with the export's limits (:mod:`prunus.export.native_dir_parity`), and keeps the record in the kernels' cache,
+named by the dir's content hash, this CPU's kernel path and prunus's version (:func:`dir_verdict_path`); a load under
+``native="auto"`` reads it there (:func:`recorded_dir_native_off`): kernels whose check of that dir failed do not
+serve it.
 """
 
 from __future__ import annotations
@@ -57,14 +63,50 @@ def _num(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
 
 
-def recorded_native_off(export_dir: Path) -> str | None:
-    """Why ``native="auto"`` must not choose the kernels for this export: their recorded parity check failed."""
-    native = runtime_parity(export_dir).get("native")
+def _failed(native, what: str) -> str | None:
+    """Why a failed record ``native`` keeps the kernels off (None: it did not fail)."""
     if not isinstance(native, dict) or native.get("passed") is not False:
         return None
-    tol = native.get("tolerances") or {}
-    bad = ", ".join(f"{k} {_num(native.get(k), '.4g')} (limit {tol.get(k)})" for k in native.get("failed") or [])
-    return f"the export's parity check failed on the native kernels ({native.get('isa')}: {bad or 'no figures'})"
+    tol = native.get("tolerances") if isinstance(native.get("tolerances"), dict) else {}
+    failed = native.get("failed") if isinstance(native.get("failed"), list) else []
+    bad = ", ".join(f"{k} {_num(native.get(k), '.4g')} (limit {tol.get(k)})" for k in failed)
+    return f"{what} parity check failed on the native kernels ({native.get('isa')}: {bad or 'no figures'})"
+
+
+def recorded_native_off(export_dir: Path) -> str | None:
+    """Why ``native="auto"`` must not choose the kernels for this export: their recorded parity check failed."""
+    return _failed(runtime_parity(export_dir).get("native"), "the export's")
+
+
+def dir_verdict_path(parent_hash: str) -> Path:
+    """Where the native kernels' parity record of a model dir of content hash ``parent_hash`` is kept, for this CPU's
+    kernel path and this prunus version."""
+    import hashlib
+
+    import prunus
+    from prunus.artifacts.cache_dir import xdg_base
+
+    key = hashlib.sha256(f"{parent_hash}|{chosen_isa()}|{prunus.__version__}".encode()).hexdigest()[:24]
+    return xdg_base() / "native" / "parity" / f"{key}.json"
+
+
+def dir_parity(model_dir: Path) -> dict | None:
+    """The kept parity record of the native kernels on ``model_dir`` (None: not checked on this path yet, or the
+    record is unreadable or another dir's)."""
+    from prunus.models.model_dir_manifest import dir_hash, read_manifest
+
+    try:
+        parent = dir_hash(read_manifest(model_dir)["files"])
+        path = dir_verdict_path(parent)
+        record = read_json_object(path, fix="remove it") if path.is_file() else None
+    except (PrunusError, KeyError, TypeError, AttributeError, OSError):
+        return None
+    return record if isinstance(record, dict) and record.get("parent") == parent else None
+
+
+def recorded_dir_native_off(model_dir: Path) -> str | None:
+    """Why ``native="auto"`` must not serve a model dir in the kernels: their kept parity check of it failed."""
+    return _failed(dir_parity(model_dir), "the model dir's")
 
 
 def native_parity_line(export_dir: Path) -> str:

@@ -155,3 +155,37 @@ def test_options_only_torch_serves_keep_a_model_dir_on_torch(dirs):
             assert e.info["runtime"] == "torch" and why in e.info["native"], e.info["native"]
     with Engine.load(model_dir, max_batch=1, max_len=32, threads=1, kv_dtype="f16") as e:
         assert e.info["runtime"] == "native" and e.backend.k[0].dtype == np.float16
+
+
+def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp_path, monkeypatch):
+    """A model dir served natively by `prunus serve` has the kernels checked on it with the export's limits, once per
+    content and kernel path (kept in the kernels' cache); a kept failure keeps native="auto" off that dir, with the
+    figures in the reason, and `prunus serve` prepares its ONNX Runtime export instead."""
+    import json
+
+    from prunus.export import prepared_path
+    from prunus.export import native_dir_parity
+    from prunus.runtime.load_options import LoadOptions
+    from prunus.runtime.native_parity import dir_parity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("PRUNUS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, _ = dirs["int4"]
+    assert dir_parity(model_dir) is None
+    path, info = prepared_path(model_dir, None, LoadOptions(), False, progress=False)
+    record = dir_parity(model_dir)
+    assert path == model_dir and "directly" in info["skipped"] and record["passed"] is True
+    assert record["checked"] and record["precision"] == "int4" and 0.9 <= record["top1_agreement"] <= 1
+    monkeypatch.setattr(native_dir_parity, "check_native_dir", lambda d: pytest.fail("checked twice"))
+    assert prepared_path(model_dir, None, LoadOptions(), False, progress=False)[0] == model_dir
+    kept = next((tmp_path / "xdg" / "prunus" / "native" / "parity").glob("*.json"))
+    kept.write_text(json.dumps({**record, "passed": False, "failed": ["max_abs_logits"], "max_abs_logits": 9.0}))
+    with Engine.load(model_dir, max_batch=1, max_len=32, threads=1) as e:
+        assert e.info["runtime"] == "torch"
+        assert "the model dir's parity check failed on the native kernels" in e.info["native"]
+        assert "max_abs_logits 9 (limit" in e.info["native"]
+    with Engine.load(model_dir, max_batch=1, max_len=32, threads=1, native=True) as e:
+        assert e.info["runtime"] == "native"  # asked for by name: served, as asked
+    monkeypatch.setattr("prunus.export.export_dir.export_model", lambda *a, **k: pytest.fail("prepared"))
+    with pytest.raises(BaseException, match="prepared"):  # under auto the export is prepared instead
+        prepared_path(model_dir, None, LoadOptions(), False, progress=False)

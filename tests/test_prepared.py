@@ -151,7 +151,7 @@ def test_native_flags_apply_to_the_prepared_export(model_dir, cache, monkeypatch
     from prunus.runtime.load_options import LoadOptions
 
     assert prepared_path(model_dir, None, LoadOptions(native=True), False)[0] == model_dir  # nothing exported
-    monkeypatch.setattr(prepared, "native_direct", lambda config, options: False)  # e.g. weights the kernels lack
+    monkeypatch.setattr(prepared, "native_direct", lambda path, config, options: False)  # e.g. weights the kernels lack
     r = CliRunner().invoke(cli, ["serve", str(model_dir), "--port", "0", "--native"])
     last = r.stderr.strip().splitlines()[-1]  # after the line saying the export is being made
     assert r.exit_code == 2 and last.startswith("Error: ") and "--native serves its genai export, which could not" in last
