@@ -25,7 +25,7 @@ from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.native_layout import NATIVE_WEIGHTS
 
 from .load_options import NATIVE_AUTO, LoadOptions
-from .native_parity import native_parity_line, recorded_dir_native_off, recorded_native_off
+from .native_parity import dir_parity_line, native_parity_line, recorded_dir_native_off, recorded_native_off
 
 
 def is_genai(config: dict) -> bool:
@@ -148,4 +148,6 @@ def load_chosen(path: Path, config: dict, options: LoadOptions, resolved: tuple[
         note = "on" if chosen.native is True else f"off: {why}" if why else "off: native=False (--no-native)"
     if is_genai(config):
         loaded.info["native_parity"] = native_parity_line(path)
+    elif runtime.name == "native":
+        loaded.info["native_parity"] = dir_parity_line(path)
     return runtime, loaded, note

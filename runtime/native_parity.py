@@ -109,9 +109,18 @@ def recorded_dir_native_off(model_dir: Path) -> str | None:
     return _failed(dir_parity(model_dir), "the model dir's")
 
 
-def native_parity_line(export_dir: Path) -> str:
-    """One line for the engine's info: what the export's check of the native kernels found, and on which path."""
-    native = runtime_parity(export_dir).get("native")
+def dir_parity_line(model_dir: Path) -> str:
+    """One line for the engine's info: what the kept check of the native kernels on a model dir found."""
+    native = dir_parity(model_dir)
+    if native is None:
+        return "not checked on this kernel path yet (prunus serve checks a model dir once before serving it natively)"
+    return native_parity_line(model_dir, native)
+
+
+def native_parity_line(export_dir: Path, native: dict | None = None) -> str:
+    """One line for the engine's info: what the export's check of the native kernels found (``native``: a record
+    given instead), and on which path."""
+    native = runtime_parity(export_dir).get("native") if native is None else native
     if not isinstance(native, dict):
         return "not checked (an export of an older prunus: re-export to check the native kernels)"
     if not native.get("checked", True):

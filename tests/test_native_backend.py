@@ -172,10 +172,14 @@ def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp
     monkeypatch.setenv("PRUNUS_CACHE_DIR", str(tmp_path / "cache"))
     model_dir, _ = dirs["int4"]
     assert dir_parity(model_dir) is None
+    with Engine.load(model_dir, max_batch=1, max_len=32, threads=1) as e:
+        assert e.info["native_parity"].startswith("not checked on this kernel path yet")
     path, info = prepared_path(model_dir, None, LoadOptions(), False, progress=False)
     record = dir_parity(model_dir)
     assert path == model_dir and "directly" in info["skipped"] and record["passed"] is True
     assert record["checked"] and record["precision"] == "int4" and 0.9 <= record["top1_agreement"] <= 1
+    with Engine.load(model_dir, max_batch=1, max_len=32, threads=1) as e:
+        assert e.info["native_parity"].startswith(f"passed on {record['isa']} (top-1 ")
     monkeypatch.setattr(native_dir_parity, "check_native_dir", lambda d: pytest.fail("checked twice"))
     assert prepared_path(model_dir, None, LoadOptions(), False, progress=False)[0] == model_dir
     kept = next((tmp_path / "xdg" / "prunus" / "native" / "parity").glob("*.json"))
