@@ -19,8 +19,7 @@ def _module_eval(model_dir: str, data: str | None, trust_factory: bool, options:
     from rich.table import Table
 
     from prunus.models.spec import spec_of_dir
-    from prunus.train_parallel.module_eval import evaluate_module_export
-    from prunus.train_parallel.module_onnx import is_module_export
+    from prunus.train_parallel.held_out_eval import evaluate_module_export, is_module_export
 
     if data is None:
         raise PrunusError(f"{model_dir} holds a generic module (or its export): pass --data (an image folder, tar shards, a table "

@@ -45,7 +45,7 @@ def architecture(fields: dict) -> dict:
 def model_tables(path: Path) -> list:
     from prunus.models import read_manifest
     from prunus.models.spec import TRANSFORMER, dir_kind
-    from prunus.train_parallel.module_onnx import is_module_export
+    from prunus.train_parallel.held_out_eval import is_module_export
 
     if is_module_export(path):
         return module_export_tables(path)
@@ -87,7 +87,7 @@ def module_export_tables(path: Path) -> list:
     manifest, every file checked against the manifest first; nothing imported, the graph not loaded."""
     from prunus.artifacts.validate import read_dir_json
     from prunus.models.module_summary import input_text
-    from prunus.train_parallel.module_onnx import read_module_export
+    from prunus.train_parallel.held_out_eval import read_module_export
 
     config, manifest, graph = read_module_export(path)
     export = config["export"]

@@ -63,11 +63,11 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (
               "prunus.export.export_dir:export_model", "prunus.compress.run:compress",
               "prunus.data.evaluate_model_dir:evaluate_model_dir"),
     ModelSpec("module", "generic module", _TP + "module_config:ModuleTrainConfig",
-              _TP + "module_trainer:train_from_config", _TP + "module_trainer:preflight_module", _TP + "launch.module_dry_run:module_memory_plan",
-              _TP + "data_parallel.any_module:parallelize_any", _TP + "pipeline.module_split:split_stages",
-              _TP + "tensor_parallel.module_plan:apply_tp_plan", None, _MOD + "module_dir:save_module",
+              _TP + "module_trainer:train_from_config", _TP + "module_trainer:preflight_module", _TP + "launch.dry_run:module_memory_plan",
+              _TP + "data_parallel.data_parallel:parallelize_any", _TP + "pipeline.split_pipeline:split_stages",
+              _TP + "tensor_parallel.plan_file:apply_tp_plan", None, _MOD + "module_dir:save_module",
               _MOD + "module_dir:load_module", "prunus.export.module_export:export_module",
-              "prunus.compress.module_compress:compress_module", _TP + "module_eval:evaluate_module_dir"),
+              "prunus.compress.module_compress:compress_module", _TP + "held_out_eval:evaluate_module_dir"),
 )}
 ENTRIES = tuple(f.name for f in fields(ModelSpec) if f.name not in ("name", "title"))
 

@@ -547,7 +547,7 @@ def test_a_tp_plan_naming_a_convolution_is_refused(tmp_path, assert_user_error):
 
 
 def test_pipeline_stages_keep_the_whole_modules_names_and_outputs():
-    from prunus.train_parallel.pipeline.module_split import split_stages
+    from prunus.train_parallel.pipeline.split_pipeline import split_stages
 
     torch.manual_seed(0)
     model = resnet().eval()

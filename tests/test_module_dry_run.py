@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from prunus.cli.main import cli
-from prunus.train_parallel.launch.module_dry_run import fsdp_shard_numel, module_memory_plan
+from prunus.train_parallel.launch.dry_run import fsdp_shard_numel, module_memory_plan
 from prunus.train_parallel.module_config import ModuleTrainConfig
 
 SPEC = "test_any_model:two_linear"

@@ -105,7 +105,7 @@ def token_data(monkeypatch):
         return (Tokens(48, 0), Tokens(24, 1000)) if spec == TOKENS else real(spec, *args, **kwargs)
 
     monkeypatch.setattr(datasets, "module_datasets", module_datasets)
-    import prunus.train_parallel.module_eval as module_eval
+    import prunus.train_parallel.held_out_eval as module_eval
 
     if hasattr(module_eval, "module_datasets"):
         monkeypatch.setattr(module_eval, "module_datasets", module_datasets)

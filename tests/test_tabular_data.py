@@ -16,7 +16,7 @@ from torch import nn
 
 from prunus.cli.main import cli
 from prunus.data.module_datasets import module_datasets
-from prunus.train_parallel.module_metrics import DPI, plot_inches
+from prunus.train_parallel.task_report import DPI, plot_inches
 
 SIZES = ["--steps", "6", "--batch-size", "8", "--warmup-steps", "1", "--eval-every", "3", "--ckpt-every", "0",
          "--lr", "0.01", "--no-progress"]

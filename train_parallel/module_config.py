@@ -88,7 +88,7 @@ class ModuleTrainConfig(RunSettings):
     @property
     def pp(self) -> int:
         """Pipeline stages: one more than the split points."""
-        from prunus.train_parallel.pipeline.module_split import parse_split
+        from prunus.train_parallel.pipeline.split_pipeline import parse_split
 
         return len(parse_split(self.pp_split)) + 1 if self.pp_split is not None else 1
 
@@ -102,7 +102,7 @@ class ModuleTrainConfig(RunSettings):
         if self.tp_plan is not None and self.tp == 1:
             raise PrunusError("--tp-plan needs --tp N (N ranks share each planned Linear)")
         if self.pp > 1:
-            from prunus.train_parallel.pipeline.module_pipeline import check_module_schedule
+            from prunus.train_parallel.pipeline.split_pipeline import check_module_schedule
 
             check_module_schedule(self.pp_schedule, self.pp, self.microbatches, self.batch_size)
             if self.grad_accum > 1:

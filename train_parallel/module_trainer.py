@@ -4,8 +4,8 @@ The module (or a factory spec that builds it, :mod:`prunus.models.module_factory
 ``Dataset`` of (input, target) samples for a task (:mod:`prunus.models.tasks`: the loss and the held-out
 figures) with the engine's data parallelism: one process (``grad_accum`` micro-steps a step), DDP (``zero``
 0 / 1) or FSDP2 (``zero`` 2 / 3) over every rank torchrun or ``--nproc`` started, BatchNorm optionally
-synchronised; or a pipeline split before user-named children (``pp_split``, :mod:`.pipeline.module_pipeline`),
-or tensor parallelism by a user plan (``tp_plan``, :mod:`.tensor_parallel.module_plan`). Every layout sees the same
+synchronised; or a pipeline split before user-named children (``pp_split``, :mod:`.pipeline.split_pipeline`),
+or tensor parallelism by a user plan (``tp_plan``, :mod:`.tensor_parallel.plan_file`). Every layout sees the same
 global batch per step (:class:`prunus.data.global_batches.GlobalBatches`), so it trains to the same losses
 as one process. The run dir is the transformer's: ``run.json``, ``metrics.jsonl``, ``checkpoints/step-N``
 (reloadable under any layout) and, at the end, ``model/``: a generic model dir that records the factory.
@@ -35,14 +35,13 @@ from prunus.models.tasks import Task, get_task
 
 from .checkpoint.best import best_figure, improves, load_best, read_best, save_best
 from .checkpoint.checkpoint import Checkpointer, load_checkpoint
-from .data_parallel.any_module import broadcast_from_first, unwrapped
+from .data_parallel.data_parallel import broadcast_from_first, unwrapped
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
 from .parallel_dims import ParallelDims
-from .pipeline.module_pipeline import ModulePipeline
-from .pipeline.module_split import parse_split, split_stages
-from .tensor_parallel.module_plan import check_tp_plan, read_tp_plan
+from .pipeline.split_pipeline import ModulePipeline, parse_split, split_stages
+from .tensor_parallel.plan_file import check_tp_plan, read_tp_plan
 from .run_dir import check_run_dir, publish_run_dir, run_location
 from .train_result import TrainResult
 from .trainer import Trainer, build_optimizer
@@ -179,7 +178,7 @@ class ModuleTrainer(Trainer):
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         """What the step trains on this rank: the pipeline's stage, the module under the TP plan, or under data
-        parallelism (the spec's ``parallelize``: :func:`.data_parallel.any_module.parallelize_any`). Every rank
+        parallelism (the spec's ``parallelize``: :func:`.data_parallel.data_parallel.parallelize_any`). Every rank
         starts from the first rank's weights."""
         cfg, dims = self.cfg, self.dims
         plan = check_layout(module, cfg)

@@ -9,15 +9,22 @@
 
 FSDP shards over ``dp_shard`` and replicates over ``dp_replicate`` (HSDP) when the mesh has both.
 ZeRO-1's optimizer is built with the others, in ``trainer.build_optimizer``.
+
+Any ``nn.Module`` (the generic kind, :func:`parallelize_any`) is left as the user wrote it: every rank first
+takes rank 0's parameters and buffers, then DDP wraps it, or FSDP2 shards the whole module as one unit (a
+generic module has no known blocks), its BatchNorm optionally synchronised (:mod:`.sync_batchnorm`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from prunus.artifacts.errors import PrunusError
+
+from .sync_batchnorm import convert_sync_batchnorm
 
 
 def apply_ddp(model, dp_mesh):
@@ -38,3 +45,31 @@ def apply_fsdp(model, dp_mesh, *, zero: int, bf16: bool = False, cpu_offload: bo
         # the last block is gathered again right away for backward: keep it unsharded
         fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
+
+
+@torch.no_grad()
+def broadcast_from_first(module: torch.nn.Module, group) -> None:
+    """Every parameter and buffer of ``module`` set to the group's first rank's values."""
+    src = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=src, group=group)
+
+
+def parallelize_any(module: torch.nn.Module, dims, *, sync_batchnorm: bool = False) -> torch.nn.Module:
+    """``module`` (on its device) under the data parallelism ``dims`` (a ParallelDims) asks for; returns what the
+    training step calls: the module itself (one process, or sharded in place by FSDP2) or its DDP wrapper."""
+    if dims.dp_cp == 1:
+        return module
+    mesh = dims.data_parallel_mesh
+    broadcast_from_first(module, mesh.get_group())
+    if sync_batchnorm:
+        module = convert_sync_batchnorm(module, mesh.get_group())
+    if dims.fsdp_enabled:
+        fully_shard(module, mesh=mesh, reshard_after_forward=dims.zero == 3)
+        return module
+    return apply_ddp(module, mesh)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards in place: the module itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

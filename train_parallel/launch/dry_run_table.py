@@ -1,5 +1,5 @@
 """The dry run's memory plans as tables for the terminal: the transformer's (:func:`.dry_run.memory_plan`, one rank) and a
-generic module's (:func:`.module_dry_run.module_memory_plan`, every rank)."""
+generic module's (:func:`.dry_run.module_memory_plan`, every rank)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ MODULE_COLUMNS = ("params", "gathered", "grads", "ddp_buckets", "optimizer", "bu
 
 
 def render_module_plan(plan: dict):
-    """A generic module's plan (:func:`~.module_dry_run.module_memory_plan`) as one rich Table: a row a rank."""
+    """A generic module's plan (:func:`~.dry_run.module_memory_plan`) as one rich Table: a row a rank."""
     from rich.table import Table
 
     table = Table(title=f"dry run: {plan['layout']}, {plan['world_size']} rank(s), {plan['params_total']:,} parameters "

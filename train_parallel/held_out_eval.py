@@ -4,19 +4,83 @@ The module is rebuilt by its factory (imported only when trusted, :func:`prunus.
 the data spec read as ``prunus train --data`` reads it (its held-out split), and the figures computed by
 :func:`.module_trainer.score_module`: ``val_loss`` (cross-entropy for classification, mean squared error for
 regression, the task's loss otherwise), ``val_accuracy`` (top-1) for classification, ``val_samples``; and by
-:mod:`.module_metrics` a classifier's confusion matrix and per-class report (its PNG with ``plot``) or a
+:mod:`.task_report` a classifier's confusion matrix and per-class report (its PNG with ``plot``) or a
 regressor's MSE / MAE / R². A table's labels are mapped to the classes the model dir's ``labels.json`` records.
-``val_fraction`` 1.0 scores the whole of ``data`` (a separate test set).
+``val_fraction`` 1.0 scores the whole of ``data`` (a separate test set). A generic module's ONNX export dir
+(:mod:`prunus.export.module_export`) is scored alike: its files checked against its manifest, its graph run in
+ONNX Runtime behind the ``nn.Module`` interface the scoring calls (:class:`OnnxModule`); nothing in it imported.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from prunus.artifacts.errors import PrunusError
 from prunus.artifacts.validate import short
 
 MAX_BATCH, MAX_SAMPLES = 65_536, 1 << 30
+# ONNX Runtime's input type -> the numpy dtype a batch is fed as
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+
+
+def is_module_export(path: str | Path) -> bool:
+    """Whether ``path``'s config.json is a generic module's export (kind "module" with an ``export`` key)."""
+    from prunus.models.model_dir import read_config_json
+
+    try:
+        config = read_config_json(path)
+    except PrunusError:
+        return False
+    return config.get("kind") == "module" and isinstance(config.get("export"), dict)
+
+
+def read_module_export(path: Path) -> tuple[dict, dict, Path]:
+    """(config.json, the manifest, the graph's path inside the dir), every file checked against the manifest."""
+    from prunus.runtime.artifact import export_graph_paths, read_artifact_config, verify_export_dir
+
+    config = read_artifact_config(path)
+    export = config.get("export")
+    if config.get("kind") != "module" or not isinstance(export, dict) or export.get("graph") != "module":
+        raise PrunusError(f"{path}: not a generic module's export dir (config.json kind module, export.graph module); "
+                          "give one written by prunus export from a generic model dir")
+    if export.get("format") != "onnx":
+        raise PrunusError(f"{path}: a {export.get('format')!r} export; prunus eval scores ONNX export dirs")
+    manifest = verify_export_dir(path, export)
+    graph = export_graph_paths(path, export, names=("model",))["model"]
+    return config, manifest, graph
+
+
+class OnnxModule(torch.nn.Module):
+    """The graph at ``graph`` in ONNX Runtime (CPU), called as the module it was exported from: a batch tensor in,
+    the output tensor out. A batch the graph refuses raises ValueError (the trainer's misfit types)."""
+
+    def __init__(self, graph: Path, threads: int | None = None):
+        super().__init__()
+        from prunus.runtime.ort_session import ort_session
+
+        try:
+            self.session = ort_session(graph, threads)
+        except PrunusError:
+            raise
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types for an unreadable graph
+            first = (str(e).splitlines() or [""])[0][:200]
+            raise PrunusError(f"{graph}: ONNX Runtime cannot load it ({type(e).__name__}: {first}); re-create the "
+                              "export dir with prunus export") from None
+        spec = self.session.get_inputs()[0]
+        self.input, self.dtype = spec.name, _ORT_TYPES.get(spec.type, np.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = np.ascontiguousarray(x.detach().cpu().numpy().astype(self.dtype, copy=False))
+        try:
+            out = self.session.run(None, {self.input: batch})[0]
+        except Exception as e:  # noqa: BLE001 - onnxruntime's own types for a shape or type it does not take
+            first = (str(e).splitlines() or [""])[0]
+            raise ValueError(first[-200:]) from None
+        return torch.from_numpy(np.asarray(out))
 
 
 def _check_request(batch_size: int, max_samples: int, val_fraction: float) -> None:
@@ -47,7 +111,7 @@ def _score(model, path: Path, data: str, task, val, labels: dict, *, batch_size:
     """(the scalar figures to record, all the figures) of ``model`` (a module, or an ONNX graph run as one)."""
     from prunus.data.module_fit import check_fits, data_classes
 
-    from .module_metrics import class_names, confusion_png, module_report, per_class
+    from .task_report import class_names, confusion_png, module_report, per_class
     from .module_trainer import _call, score_module
 
     check_fits(model, val, task, _call, f"--data {data}")  # the classes the module scores, the input it takes
@@ -99,14 +163,12 @@ def evaluate_module_export(path, data: str, *, batch_size: int = 64, max_samples
                            val_fraction: float = 0.1, record: bool = True, plot: str | Path | None = None,
                            threads: int | None = None) -> dict:
     """The held-out figures of a generic module's ONNX export dir (:mod:`prunus.export.module_export`), its graph
-    run in ONNX Runtime (:class:`.module_onnx.OnnxModule`), scored as :func:`evaluate_module_dir` scores the
+    run in ONNX Runtime (:class:`OnnxModule`), scored as :func:`evaluate_module_dir` scores the
     model dir: the same figures, recorded in the export dir's manifest with ``record``. No factory is imported;
     a task that is a loss function (``package.module:fn``) is refused."""
     from prunus.artifacts.atomic import atomic_write_json
     from prunus.artifacts.manifest_schema import MANIFEST
     from prunus.models.tasks import get_task
-
-    from .module_onnx import OnnxModule, read_module_export
 
     _check_request(batch_size, max_samples, val_fraction)
     path = Path(path)
