@@ -85,6 +85,15 @@ class LlamaCppPeer(WorkerProcess):
     def generate(self, name: str, prompts: list[list[int]], n_new: int, threads: int, n_seq: int) -> dict:
         return self.call(op="generate", name=name, prompts=prompts, n_new=n_new, threads=threads, n_seq=n_seq)
 
+    def spec_load(self, name: str, path: Path, n_ctx: int, lookup_k: int) -> None:
+        """llama-cpp-python's high-level ``Llama`` over ``path``, with its prompt lookup drafting ``lookup_k``
+        tokens a step (0: plain)."""
+        self.call(op="spec_load", name=name, path=str(path), n_ctx=n_ctx, lookup_k=lookup_k)
+
+    def spec_generate(self, name: str, prompt: list[int], n_new: int, threads: int) -> dict:
+        """{"seconds": first new token to last, "tokens"}: greedy ``Llama.generate`` (timed inside the worker)."""
+        return self.call(op="spec_generate", name=name, prompt=prompt, n_new=n_new, threads=threads)
+
 
 def cached_ggufs(sources: dict[str, Path], root: Path) -> dict[str, Path]:
     """{precision: GGUF file} written by prunus's ``to_gguf`` from ``sources`` ({precision: prunus model dir}),

@@ -1,4 +1,4 @@
-"""llama.cpp decode worker for ``benchmarks/serve_throughput.py --peer llamacpp``.
+"""llama.cpp decode worker for ``benchmarks/serve_throughput.py --peer llamacpp`` and ``benchmarks/eagle.py``.
 
 Runs in any interpreter that imports ``llama_cpp`` (llama-cpp-python), often a venv of its own,
 and drives llama.cpp through its low-level C API: one ``llama_batch`` per step that holds one
@@ -11,7 +11,13 @@ Protocol (``_worker_process``): one JSON request per line on stdin, one JSON ans
     {"op": "load", "name", "path", "n_seq", "n_ctx_seq"} -> {"n_vocab"}
     {"op": "generate", "name", "n_seq", "threads", "prompts": [[ids]], "n_new"}
         -> {"seconds", "ttft", "tokens": [[ids]]}   (timed here, so the pipe is not in the figure)
+    {"op": "spec_load", "name", "path", "n_ctx", "lookup_k"}     -> {}
+    {"op": "spec_generate", "name", "prompt": [ids], "n_new", "threads"}
+        -> {"seconds", "tokens": [ids]}   (seconds from the first new token to the last: prefill left out)
     {"op": "quit"}
+
+``spec_*`` drive llama-cpp-python's high-level ``Llama`` instead (``benchmarks/eagle.py --llamacpp-python``): its
+greedy ``generate``, plain or speculating with its own prompt lookup (``LlamaPromptLookupDecoding``).
 
 A failure answers {"error": "..."}. llama.cpp's own log is kept off stdout: its last lines go into
 the error of a load that fails.
@@ -117,7 +123,40 @@ def generate(name: str, prompts: list[list[int]], n_new: int, threads: int, n_se
     return MODELS[name].generate(prompts, n_new, threads, n_seq)
 
 
+SPEC: dict[str, L.Llama] = {}
+
+
+def spec_load(name: str, path: str, n_ctx: int, lookup_k: int) -> dict:
+    """A high-level ``Llama`` over ``path``: plain when ``lookup_k`` is 0, else drafting with llama-cpp-python's
+    ``LlamaPromptLookupDecoding(num_pred_tokens=lookup_k)`` (its defaults otherwise: n-grams of 2 down to 1)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_k) if lookup_k else None
+    LOG.clear()
+    SPEC[name] = L.Llama(model_path=path, n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=1, n_threads_batch=1,
+                         draft_model=draft, logits_all=bool(lookup_k), verbose=False)
+    # logits_all: a draft model makes Llama keep every position's logits, but its score buffer is sized by the
+    # argument (n_batch rows without it), too small for a prompt longer than n_batch
+    return {}
+
+
+def spec_generate(name: str, prompt: list[int], n_new: int, threads: int) -> dict:
+    """``n_new`` greedy tokens after ``prompt`` (no stop at end of text), from a fresh cache. Timed as prunus's
+    ``decode_tokens_per_s`` is: from the moment the first new token is out (after prefill) to the last one."""
+    llm = SPEC[name]
+    L.llama_set_n_threads(llm.ctx, threads, threads)
+    llm.reset()  # the prompt is prefilled again, not taken from the previous call's cache
+    tokens, stamps = [], []
+    for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+        if len(tokens) >= n_new:
+            break
+    return {"seconds": stamps[-1] - stamps[0], "tokens": tokens}
+
+
 if __name__ == "__main__":
     L.llama_log_set(_keep, None)
     L.llama_backend_init()
-    serve({"info": info, "load": load, "generate": generate}, sys.stdin, sys.stdout)
+    serve({"info": info, "load": load, "generate": generate, "spec_load": spec_load, "spec_generate": spec_generate},
+          sys.stdin, sys.stdout)

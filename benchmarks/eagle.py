@@ -18,14 +18,27 @@ contender's decode tokens/s (median and range), acceptance, tokens per step, the
 the target's per plain token (measured inside the runs), whether its tokens equal plain decoding's, and the ratio to
 plain. ``--plot`` writes speedup against the draft vocabulary. Timings never fail the run.
 
+``--llamacpp-python PY --gguf FILE`` adds llama.cpp's own decoding of the same prompt tokens, on a GGUF of the same
+target weights (Q8_0 beside an int8 export, F32 beside an fp32 one), in a worker process run by ``PY`` (an interpreter
+with llama-cpp-python, ``benchmarks/_llamacpp_worker.py``), alternating with the contenders above:
+
+* ``llama.cpp plain``: llama-cpp-python's ``Llama.generate``, greedy;
+* ``llama.cpp lookup kK``: the same with its own prompt lookup, ``LlamaPromptLookupDecoding(num_pred_tokens=K)``
+  as the ``Llama``'s draft model (K: the largest ``--draft-tokens``).
+
+Both are timed as prunus's ``decode_tokens_per_s`` is: the tokens after the first over the seconds from the first
+new token out (prefill done) to the last. Each row prints how many leading tokens equal prunus plain's (and, for
+lookup, llama.cpp plain's), the lookup/plain ratio and the ratio to prunus plain.
+
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.eagle --target EXPORT_DIR --draft DRAFT_DIR --model MODEL_DIR
         [--vocab 4096,16384,49152] [--draft-tokens 3] [--threads 1,2] [--new-tokens 96] [--rounds 2]
-        [--prompt-chars 1500] [--plot eagle.png] [--fixed]
+        [--prompt-chars 1500] [--plot eagle.png] [--fixed] [--llamacpp-python PY --gguf FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +83,48 @@ class Timed:
         return drafts, q
 
 
+class LlamaCppRows:
+    """llama.cpp's own greedy decoding on ``gguf`` in the peer worker: plain, and speculating with llama-cpp-python's
+    prompt lookup (``k`` drafted tokens a step). ``contenders`` gives timed calls for ``measure``; ``tokens`` keeps
+    each row's last tokens."""
+
+    def __init__(self, python: str, gguf: Path, k: int):
+        from benchmarks._llamacpp_peer import LlamaCppPeer
+
+        self.peer, self.gguf, self.k = LlamaCppPeer(python), gguf, k
+        self.names = {"llama.cpp plain": 0, f"llama.cpp lookup k{k}": k}
+        self.version, self.n_ctx, self.tokens = self.peer.info()["version"], 0, {}
+
+    def load(self, n_ctx: int) -> None:
+        """Both rows' ``Llama`` with ``n_ctx`` positions (once; again only if a longer context is needed)."""
+        if n_ctx > self.n_ctx:
+            for name, k in self.names.items():
+                self.peer.spec_load(name, self.gguf, n_ctx, k)
+            self.n_ctx = n_ctx
+
+    def contenders(self, ids: list[int], new_tokens: int, threads: int) -> dict:
+        def row(name):
+            def go():
+                r = self.peer.spec_generate(name, ids, new_tokens, threads)
+                self.tokens[name] = r["tokens"]
+                return (len(r["tokens"]) - 1) / r["seconds"] if r["seconds"] > 0 else None
+            return go
+        return {name: row(name) for name in self.names}
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share before they first differ."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def prompts(chars: int) -> dict[str, str]:
     import inspect
     import json
@@ -94,8 +149,9 @@ def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: i
     return engines
 
 
-def measure(engines: dict, prompt: str, new_tokens: int, rounds: int) -> dict:
-    """{contender: figures} for one prompt: tokens/s of each round, acceptance, tokens per step, draft cost."""
+def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict | None = None) -> dict:
+    """{contender: figures} for one prompt: tokens/s of each round, acceptance, tokens per step, draft cost;
+    ``peer``: more contenders ({name: call giving tokens/s}, llama.cpp's), alternating with the engines."""
     from benchmarks.harness import alternating_rounds
 
     tokens: dict[str, list[int]] = {}
@@ -111,9 +167,12 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int) -> dict:
             return r.decode_tokens_per_s
         return go
 
-    got = alternating_rounds({k: contender(k) for k in engines}, rounds)
+    got = alternating_rounds({**{k: contender(k) for k in engines}, **(peer or {})}, rounds)
     out = {}
     for name, speeds in got.items():
+        if name not in engines:
+            out[name] = {"speeds": speeds}
+            continue
         fig = {"speeds": speeds, "same": tokens[name] == tokens["plain"]}
         if name != "plain":
             s, b = engines[name].info["speculative"], before[name]
@@ -126,7 +185,17 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int) -> dict:
         out[name] = fig
     for t in timers.values():
         t.drafter.propose = t.inner
+    out["plain"]["tokens"] = tokens["plain"]
     return out
+
+
+def peer_figures(figures: dict, llama: LlamaCppRows) -> None:
+    """Adds to llama.cpp's rows in ``figures`` how many leading tokens equal prunus plain's (and llama.cpp plain's)."""
+    plain = figures["plain"]["tokens"]
+    ref = llama.tokens.get("llama.cpp plain", [])
+    for name in llama.names:
+        got = llama.tokens.get(name, [])
+        figures[name].update(equal=leading_equal(got, plain), n=len(got), equal_llama=leading_equal(got, ref))
 
 
 def report(label: str, n_prompt: int, figures: dict) -> None:
@@ -139,12 +208,30 @@ def report(label: str, n_prompt: int, figures: dict) -> None:
     print(f"\nprompt: {label} ({n_prompt} tokens)")
     for name, f in figures.items():
         line = f"  {name:{width}s} {median_range(f['speeds'], '.1f')} tokens/s"
+        if name.startswith("llama.cpp"):
+            print(line + peer_line(name, f, figures, plain))
+            continue
         if name != "plain":
             line += (f", acceptance {f['acceptance']:.2f}, {f['per_step']:.2f} tokens per step, same tokens as plain: "
                      f"{'yes' if f['same'] else 'no'}, ratio to plain {median(f['speeds']) / plain:.2f}")
         if "draft_s_per_token" in f:
             line += f", draft cost per token {f['draft_s_per_token'] * plain:.2f} of the target's"
         print(line)
+
+
+def peer_line(name: str, f: dict, figures: dict, plain: float) -> str:
+    """The end of a llama.cpp row: tokens equal to prunus plain's, its ratio to llama.cpp plain and to prunus plain."""
+    from statistics import median
+
+    if not f["speeds"]:
+        return ""
+    line = f", first {f['equal']} of {f['n']} tokens equal to prunus plain's"
+    mine = median(f["speeds"])
+    lplain = figures.get("llama.cpp plain", {}).get("speeds")
+    if name != "llama.cpp plain" and lplain:
+        line += (f", first {f['equal_llama']} equal to llama.cpp plain's, lookup/plain ratio "
+                 f"{mine / median(lplain):.2f}")
+    return line + f", ratio to prunus plain {mine / plain:.2f}"
 
 
 def plot(results: dict, path: str, k: int, fixed: bool = False) -> None:
@@ -172,9 +259,7 @@ def plot(results: dict, path: str, k: int, fixed: bool = False) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    from benchmarks.harness import machine_line
-
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="a genai export dir (native kernels) or a model dir (torch)")
     ap.add_argument("--draft", required=True, help="an EAGLE draft dir trained for the target")
@@ -188,7 +273,40 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write speedup against vocabulary to this PNG")
     ap.add_argument("--fixed", action="store_true", help="draft k tokens at every step (no per-row choice of k, "
                     "no switching off where speculation loses)")
-    args = ap.parse_args()
+    ap.add_argument("--llamacpp-python", default=None, help="an interpreter with llama-cpp-python: adds llama.cpp "
+                    "plain and prompt-lookup rows (with --gguf)")
+    ap.add_argument("--gguf", default=None, help="the GGUF of the target's weights llama.cpp runs (with "
+                    "--llamacpp-python): Q8_0 beside an int8 export, F32 beside an fp32 one")
+    return ap.parse_args()
+
+
+def llama_rows(args: argparse.Namespace, k: int) -> LlamaCppRows | None:
+    """The llama.cpp rows the options ask for, or None; a wrong combination or file ends the run in one line."""
+    from benchmarks._llamacpp_peer import peer_python
+
+    def fail(msg: str):
+        print(f"benchmarks.eagle: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if args.gguf is None and args.llamacpp_python is None:
+        return None
+    if args.gguf is None or args.llamacpp_python is None:
+        fail("--gguf and --llamacpp-python go together: give the GGUF file llama.cpp runs and the interpreter that "
+             "has llama-cpp-python, or neither")
+    if not Path(args.gguf).is_file():
+        fail(f"--gguf {args.gguf}: no such file; write one with prunus convert --to-gguf MODEL_DIR --out FILE")
+    python, why = peer_python(args.llamacpp_python)
+    if python is None:
+        fail(why)
+    return LlamaCppRows(python, Path(args.gguf), k)
+
+
+def main() -> None:
+    from benchmarks.harness import machine_line
+
+    args = parse_args()
+    ks = [int(k) for k in args.draft_tokens.split(",")]
+    llama = llama_rows(args, ks[-1])
     from prunus.models.eagle_draft import load_eagle_draft
 
     trained = load_eagle_draft(args.draft)[1]["eagle"]
@@ -196,24 +314,43 @@ def main() -> None:
     vocabs = [int(v) for v in args.vocab.split(",")] if args.vocab else [trained["vocab"]]
     drafts = {v: Path(args.draft) if v == trained["vocab"] else resized_draft(Path(args.draft), Path(args.model), v,
                                                                                tmp / f"draft-{v}") for v in vocabs}
-    ks = [int(k) for k in args.draft_tokens.split(",")]
     print(machine_line())
     print(f"target: {args.target}\ndraft: {args.draft} (trained over {trained['vocab']} tokens, {trained['steps']} "
           f"steps x {trained['batch_size']} x {trained['seq_len']} tokens of {trained['corpus']})\nbatch 1, greedy, "
           f"{args.new_tokens} new tokens, drafted tokens per step {args.draft_tokens}"
           f"{' (fixed)' if args.fixed else ' at most (each row its own k; plain where speculation loses)'}")
+    if llama is not None:
+        print(f"llama.cpp: llama-cpp-python {llama.version} on {llama.gguf}, Llama.generate greedy, plain and "
+              f"LlamaPromptLookupDecoding(num_pred_tokens={llama.k})")
+    try:
+        results = run(args, drafts, ks, llama)
+    finally:
+        if llama is not None:
+            llama.close()
+    if args.plot:
+        plot(results, args.plot, ks[-1], args.fixed)
+        print(f"\nwrote {args.plot}")
+
+
+def run(args: argparse.Namespace, drafts: dict[int, Path], ks: list[int], llama: LlamaCppRows | None) -> dict:
+    """{(threads, prompt label): figures}, each thread count's table printed as it is measured."""
     results = {}
     for threads in (int(t) for t in args.threads.split(",")):
         engines = engines_for(Path(args.target), drafts, ks, threads, args.fixed)
         print(f"\n== {threads} thread(s) per pass, runtime {engines['plain'].info['runtime']}")
-        for label, prompt in prompts(args.prompt_chars).items():
-            results[(threads, label)] = figures = measure(engines, prompt, args.new_tokens, args.rounds)
-            report(label, len(engines["plain"].encode(prompt)), figures)
+        texts = prompts(args.prompt_chars)
+        ids = {label: engines["plain"].encode(p) for label, p in texts.items()}
+        if llama is not None:
+            llama.load(max(map(len, ids.values())) + args.new_tokens + ks[-1] + 16)
+        for label, prompt in texts.items():
+            peer = llama.contenders(ids[label], args.new_tokens, threads) if llama is not None else None
+            results[(threads, label)] = figures = measure(engines, prompt, args.new_tokens, args.rounds, peer)
+            if llama is not None:
+                peer_figures(figures, llama)
+            report(label, len(ids[label]), figures)
         for e in engines.values():
             e.close()
-    if args.plot:
-        plot(results, args.plot, ks[-1], args.fixed)
-        print(f"\nwrote {args.plot}")
+    return results
 
 
 if __name__ == "__main__":
