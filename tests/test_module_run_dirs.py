@@ -58,6 +58,8 @@ def test_resume_from_the_run_dir_alone(stopped_run, tmp_path, assert_user_error)
     assert result.exit_code == 0, result.output
     steps = [json.loads(line)["step"] for line in (stopped_run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6] and (stopped_run / "model" / "prunus.json").is_file()
+    saved = json.loads((stopped_run / "checkpoints" / "step-6" / "train_state.json").read_text())
+    assert saved["step"] == 6 and saved["samples"] == 48  # the step saved, not the one resumed from
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("best:") and "checkpoints/best" in last and "--model-from best" in last
     assert_user_error(_run("train", "--resume", "--out", str(tmp_path)), "holds no run")

@@ -34,8 +34,9 @@ from prunus.models.spec import get_spec
 from prunus.models.tasks import Task, get_task
 
 from .checkpoint.best import best_figure, improves, load_best, read_best, save_best
-from .checkpoint.checkpoint import Checkpointer, load_checkpoint
+from .checkpoint.checkpoint import Checkpointer
 from .data_parallel.data_parallel import broadcast_from_first, unwrapped
+from .data_parallel.modes import dp_mode
 from .launch.launch import init_distributed, reports_collective_timeouts
 from .metrics import MetricsLog
 from .module_config import ModuleTrainConfig
@@ -155,22 +156,20 @@ class ModuleTrainer(Trainer):
         check_fits(module, dataset, self.task, _call, "--data " + cfg.data if cfg.data else "dataset")
         self._barrier()  # every rank has checked the run dir and the data before rank 0 writes to it
         self.pipeline: ModulePipeline | None = None
-        self.replicated: torch.nn.Module | None = None  # --dp-mode dataparallel: nn.DataParallel over the module
         self.model = self._parallelize(module)
+        self.forward_module = dp_mode(cfg).forward_module(self.model)  # dataparallel: nn.DataParallel's replicas
         self.optimizers = [build_optimizer(self.model, cfg, self.dims.zero1_mesh)]
         self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints)
-        self.start, self.state = 0, {"tokens": 0, "samples": 0, "elapsed_s": 0.0}
+        self.start, self.train_state = self._load_checkpoint([self.model])
+        self.train_state["samples"] = self.train_state["tokens"]  # a module's count of what was trained on
         self.best: dict | None = None  # the best checkpoint's record (checkpoints/best)
         if self.resume_from is not None:
-            self.state = load_checkpoint(self.resume_from, [self.model], self.optimizers)
-            self.state["samples"] = self.state["tokens"]
-            self.start = self.state["step"]
-            self._check_readers(self.state.get("data_readers"))
+            self._check_readers(self.train_state.get("data_readers"))
             self.best = read_best(self.run_dir)
             if self.best is not None and self.best["step"] > self.start:  # from steps this resumption runs again
                 self.best = None
         if hasattr(self.batches, "readers"):  # a stream's position depends on its number of readers
-            self.state["data_readers"] = self.batches.readers
+            self.train_state["data_readers"] = self.batches.readers
         self.stop = cfg.stop_at or cfg.steps
         self.losses: list[float] = []
         self.record: dict = {}
@@ -183,9 +182,6 @@ class ModuleTrainer(Trainer):
         cfg, dims = self.cfg, self.dims
         plan = check_layout(module, cfg)
         if cfg.dp_mode == "dataparallel":  # one process: the forward replicated over every GPU, the module kept plain
-            from .data_parallel.data_parallel_single import apply_dataparallel
-
-            self.replicated = apply_dataparallel(module)
             return module
         if dims.pp == 1 and dims.tp == 1:
             return self.spec.load("parallelize")(module, dims, sync_batchnorm=cfg.sync_batchnorm)
@@ -214,7 +210,7 @@ class ModuleTrainer(Trainer):
             return self.pipeline.step(x, y)
         n, total = self.cfg.grad_accum, torch.zeros((), device=self.device)
         for xm, ym in zip(_split(x, n), _split(y, n)):
-            loss = self.task.loss(_call(self.model if self.replicated is None else self.replicated, xm), ym)
+            loss = self.task.loss(_call(self.forward_module, xm), ym)
             (loss / n).backward()
             total += loss.detach().float()
         return total / n
@@ -255,13 +251,13 @@ class ModuleTrainer(Trainer):
         loss = self.forward_backward_step(x, y)
         grad_norm = self.optimizer_step([self.model])
         dt = time.perf_counter() - t0
-        self.state["samples"] += cfg.batch_size
-        self.state["tokens"] = self.state["samples"]  # the checkpoint's count of what was trained on
-        self.state["elapsed_s"] += dt
+        self.train_state["samples"] += cfg.batch_size
+        self.train_state["tokens"] = self.train_state["samples"]  # the checkpoint's count of what was trained on
+        self.train_state["elapsed_s"] += dt
         done = step + 1
         record = {"step": done, "loss": loss.detach().float(), "lr": lr, "grad_norm": grad_norm,
-                  "samples_per_s": cfg.batch_size / dt, "elapsed_s": self.state["elapsed_s"],
-                  "samples": self.state["samples"]}
+                  "samples_per_s": cfg.batch_size / dt, "elapsed_s": self.train_state["elapsed_s"],
+                  "samples": self.train_state["samples"]}
         if self.val_dataset is not None and (done % cfg.eval_every == 0 or done == self.stop):
             record.update(self.evaluate())
         return record
@@ -300,7 +296,7 @@ class ModuleTrainer(Trainer):
                 if "val_loss" in record:
                     self._keep_best(done, record)
                 if save:
-                    self.checkpointer.save(done, [self.model], self.optimizers, self.state)
+                    self.checkpointer.save(done, [self.model], self.optimizers, self.train_state)
         finally:
             prefetch.close()
             if metrics is not None:
@@ -344,7 +340,7 @@ class ModuleTrainer(Trainer):
         metrics = {k: v for k, v in self.record.items() if k.startswith("val_")}
         if from_best:
             metrics = {**self.best.get("figures", {}), "best_step": self.best["step"]}
-        metrics.update(train_steps=self.stop, train_samples=self.state["samples"], world_size=self.world,
+        metrics.update(train_steps=self.stop, train_samples=self.train_state["samples"], world_size=self.world,
                        task=self.task.name)
         path = self.spec.load("model_dir_writer")(fresh, self.run_dir / "model", stage="train", factory=self.factory, task=self.task.name,
                            input=_input_spec(self.dataset), metrics=metrics, overwrite=True, pruned_shapes=pruned,

@@ -262,7 +262,7 @@ class Trainer:
             self.forward_module = dp_mode(cfg).forward_module(self.par.parts[0])
             self.optimizers = [build_optimizer(part, cfg, dims.zero1_mesh) for part in self.par.parts]
             self.checkpointer = Checkpointer(self.run_dir, cfg.keep_checkpoints, use_async=cfg.async_checkpoint)
-            self.start, self.train_state = self._load_checkpoint()
+            self.start, self.train_state = self._load_checkpoint(self.par.parts)
             self._init_run_dir({"model": self.model_cfg.to_dict(), "corpus": self.corpus.name,
                                 "train_tokens": len(self.corpus.train), "val_tokens": len(self.corpus.val),
                                 "world_size": self.world, "command": shlex.join(sys.argv)})
@@ -319,12 +319,13 @@ class Trainer:
             par.parts[0] = apply_ddp(par.parts[0], dims.data_parallel_mesh)
         return par
 
-    def _load_checkpoint(self) -> tuple[int, dict]:
-        """(the first step to run, the train state: tokens and elapsed seconds so far)."""
+    def _load_checkpoint(self, parts) -> tuple[int, dict]:
+        """(the first step to run, the train state: tokens and elapsed seconds so far), ``parts`` and the
+        optimizers loaded from the checkpoint resumed; a damaged or misfitting one is one line."""
         if self.resume_from is None:
             return 0, {"tokens": 0, "elapsed_s": 0.0}
         try:
-            state = load_checkpoint(self.resume_from, self.par.parts, self.optimizers)
+            state = load_checkpoint(self.resume_from, parts, self.optimizers)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
             cause = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
             reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
