@@ -242,7 +242,7 @@ def test_stop_and_resume_continue_the_same_run(tmp_path):
 def test_prefetched_steps_train_to_the_losses_of_steps_read_inline(tmp_path, monkeypatch):
     """The trainer reads the next batches on a thread (data.prefetch.Prefetcher); the losses are bit-identical to
     reading each step's batch in the step, as the trainer did before."""
-    from prunus.train_parallel import module_trainer
+    from prunus.train_parallel import trainer  # the one training loop
 
     train, val = synthetic_datasets(CNN_DATA)
     made = []
@@ -261,7 +261,7 @@ def test_prefetched_steps_train_to_the_losses_of_steps_read_inline(tmp_path, mon
 
     prefetched = train_module("test_any_model:resnet", train, "classification",
                               ModuleTrainConfig(out=str(tmp_path / "a"), **BASE), val_dataset=val)
-    monkeypatch.setattr(module_trainer, "Prefetcher", Inline)
+    monkeypatch.setattr(trainer, "Prefetcher", Inline)
     inline = train_module("test_any_model:resnet", train, "classification",
                           ModuleTrainConfig(out=str(tmp_path / "b"), **BASE), val_dataset=val)
     assert made == list(range(BASE["steps"]))

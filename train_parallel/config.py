@@ -18,12 +18,6 @@ SETTINGS_FIX = "see prunus train --print-config"  # what an unknown setting's er
 # torch.distributed.pipelining schedules prunus drives (pipeline_parallel.py builds them)
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
-# Settings that may change when a run is resumed; every other one defines the run.
-# The layout may change on resume too: checkpoints reload under any layout.
-RESUMABLE = ("steps", "stop_at", "eval_every", "eval_tokens", "ckpt_every", "keep_checkpoints", "async_checkpoint", "log_every", "progress",
-             "nproc", "dp_replicate", "dp_shard", "tp", "tp_mode", "tp_depth", "pp", "ep", "cp", "cp_impl", "pp_schedule", "microbatches", "zero",
-             "activation_checkpointing", "cpu_offload", "offload", "timeout_s", "grad_accum", "device", "peak_tflops", "save_adapter")
-
 
 def _doc(default, help: str, **cli):
     """A TrainConfig field with its documentation. ``help`` is what the field means (``prunus train
@@ -42,6 +36,11 @@ class RunSettings:
     and data section; ``prunus train`` makes one option of each field."""
 
     SEED_BITS: ClassVar[int] = 64
+    # settings that may change when a run is resumed (the layout among them: checkpoints reload under any layout);
+    # every other one defines the run. A kind adds its own (tp: each kind's own field).
+    RESUMABLE: ClassVar[tuple[str, ...]] = (
+        "steps", "stop_at", "eval_every", "ckpt_every", "keep_checkpoints", "log_every", "progress", "nproc", "tp",
+        "pp_schedule", "microbatches", "zero", "timeout_s", "grad_accum", "device")
 
     out: str = _doc("runs/default", "Run dir (checkpoints, metrics, model/).")
     batch_size: int = _doc(16, "Sequences (a generic module: samples) per optimizer step (the global batch), split over data-parallel ranks "
@@ -173,7 +172,9 @@ class TrainConfig(RunSettings):
                                      "adapter_model.safetensors) at RUN_DIR/adapter.")
 
     KIND: ClassVar[str] = "transformer"  # the model kind's spec (prunus.models.spec); run.json records any other
-    RESUMABLE: ClassVar[tuple[str, ...]] = RESUMABLE
+    RESUMABLE: ClassVar[tuple[str, ...]] = RunSettings.RESUMABLE + (
+        "eval_tokens", "async_checkpoint", "dp_replicate", "dp_shard", "tp_mode", "tp_depth", "pp", "ep", "cp", "cp_impl",
+        "activation_checkpointing", "cpu_offload", "offload", "peak_tflops", "save_adapter")
 
     def inputs(self) -> list[tuple[str, str | None]]:
         """What a run reads, labelled by flag: the run dir must stay clear of all of them."""

@@ -15,12 +15,6 @@ from prunus.artifacts.validate import check_dataclass, short
 
 from .config import RunSettings, _doc
 
-# settings that may change when a run is resumed (the layout among them: checkpoints reload under any)
-MODULE_RESUMABLE = ("steps", "stop_at", "eval_every", "eval_samples", "ckpt_every", "keep_checkpoints", "log_every",
-                    "pp_split", "pp_schedule", "microbatches", "tp", "tp_plan", "grad_accum", "data_workers", "progress", "nproc", "zero",
-                    "sync_batchnorm", "timeout_s", "device", "dp_mode", "model_from")
-
-
 @dataclass
 class ModuleTrainConfig(RunSettings):
     """A generic module's training run: the settings every kind shares (:class:`~.config.RunSettings`) and the
@@ -52,7 +46,8 @@ class ModuleTrainConfig(RunSettings):
                                    "with the best held-out val_accuracy, else val_loss: checkpoints/best, always kept).")
 
     KIND: ClassVar[str] = "module"
-    RESUMABLE: ClassVar[tuple[str, ...]] = MODULE_RESUMABLE
+    RESUMABLE: ClassVar[tuple[str, ...]] = RunSettings.RESUMABLE + (
+        "eval_samples", "pp_split", "tp_plan", "data_workers", "sync_batchnorm", "dp_mode", "model_from")
     SEED_BITS: ClassVar[int] = 63
 
     def inputs(self) -> list[tuple[str, str | None]]:

@@ -13,6 +13,7 @@ as one process. The run dir is the transformer's: ``run.json``, ``metrics.jsonl`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.utils.data import default_collate
 from prunus.data.global_batches import check_pair, eval_batches, step_batches
 from prunus.data.tables import model_dir_files
 from prunus.data.module_fit import check_fits
-from prunus.data.prefetch import Prefetcher, to_device
+from prunus.data.prefetch import to_device
 from prunus.models.module_dir import input_spec
 from prunus.models.module_factory import ModuleFactory, build_module, check_args
 from prunus.models.module_reshape import apply_shapes, shape_changes
@@ -127,8 +128,9 @@ class ModuleTrainer(Trainer):
     """One run (or its resumption) of a generic module on this rank; build it, then call :meth:`train`.
 
     The generic spec's :class:`~.trainer.Trainer`: it builds its own model, layout and batches (a factory's
-    module on a Dataset's samples), and overrides the batch, forward-backward, evaluation, loop and model-dir
-    steps; the learning rate, the optimizer step, the run dir and failure clean-up are the Trainer's."""
+    module on a Dataset's samples), and overrides the batch, forward-backward, evaluation, after-step and
+    model-dir steps; the loop, the checkpoint load, the learning rate, the optimizer step, the run dir and failure
+    clean-up are the Trainer's."""
 
     def __init__(self, module_or_spec, dataset, task: str, cfg: ModuleTrainConfig, *, val_dataset=None,
                  factory: ModuleFactory | None = None, resume: bool = False, overwrite: bool = False):
@@ -173,6 +175,8 @@ class ModuleTrainer(Trainer):
         self.stop = cfg.stop_at or cfg.steps
         self.losses: list[float] = []
         self.record: dict = {}
+        self.pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
+        self.progress, self._loss_modules = contextlib.nullcontext(), contextlib.ExitStack()  # the Trainer's loop's
         self._init_run_dir({})
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -280,27 +284,20 @@ class ModuleTrainer(Trainer):
             val = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k in ("val_loss", "val_accuracy"))
             print(f"step {step}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}{val}", flush=True)
 
-    def _run_steps(self) -> None:
-        metrics = MetricsLog(self.run_dir, resume_step=self.start if self.resume_from else None) if self.main else None
-        # the next steps' batches are read (and, on CUDA, copied on a side stream) while this step computes
-        prefetch = Prefetcher(self.step_batches, range(self.start, self.stop), device=self.device)
-        pending: list[dict] = []  # records whose losses are not yet averaged over the ranks (_settle)
-        try:
-            for step, batch in prefetch:
-                record = self.train_step(step, batch)
-                pending.append(record)
-                done, cfg = step + 1, self.cfg
-                save = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps)
-                if save or done % cfg.log_every == 0 or done == self.stop or "val_loss" in record:
-                    self._settle(pending, metrics)
-                if "val_loss" in record:
-                    self._keep_best(done, record)
-                if save:
-                    self.checkpointer.save(done, [self.model], self.optimizers, self.train_state)
-        finally:
-            prefetch.close()
-            if metrics is not None:
-                metrics.close()
+    def after_step(self, record: dict, metrics: MetricsLog | None) -> None:
+        """The step's record kept until a log, evaluation or checkpoint step averages the pending losses over the
+        ranks (:meth:`_settle`); then the best weights kept after an evaluation, a checkpoint when due."""
+        done, save = record["step"], self.checkpoint_due(record["step"])
+        self.pending.append(record)
+        if save or done % self.cfg.log_every == 0 or done == self.stop or "val_loss" in record:
+            self._settle(self.pending, metrics)
+        if "val_loss" in record:
+            self._keep_best(done, record)
+        if save:
+            self.checkpointer.save(done, [self.model], self.optimizers, self.train_state)
+
+    def _announce(self) -> None:
+        """A module's run prints its steps' lines only (:meth:`_log`)."""
 
     def _full_state(self) -> dict:
         """The module's full state dict, gathered on rank 0 (a collective every rank calls)."""
@@ -350,17 +347,13 @@ class ModuleTrainer(Trainer):
             print(f"model dir: {Path(self.cfg.out) / 'model'}{which}", flush=True)
         return path
 
-    def train(self) -> TrainResult:
-        try:
-            self._run_steps()
-            model_dir = self.save_model() if self.stop == self.cfg.steps else None
-            self._barrier()
-        except BaseException as e:
-            self._raise_failure(e)
+    def _finish(self) -> TrainResult:
+        model_dir = self.save_model() if self.stop == self.cfg.steps else None
+        self._barrier()
         out = publish_run_dir(self.cfg, self.run_dir) if self.main else Path(self.cfg.out)
         model_from = "best" if self.cfg.model_from == "best" and self.best is not None else "last"
         return TrainResult(out, out / "model" if model_dir else None, self.stop, self.record, self.losses,
-                                 self.best, model_from)
+                           self.best, model_from)
 
 
 def config_datasets(cfg: ModuleTrainConfig) -> tuple:

@@ -13,8 +13,8 @@ same losses as one process.
 :class:`Trainer` owns a run's state and splits the work into steps (as
 torchtitan's does): ``forward_backward_step`` (one optimizer step's gradients),
 ``train_step`` (learning rate, clipping, the optimizer, the step's record),
-``evaluate``, ``maybe_checkpoint``, ``log`` and ``train`` (the loop and the
-final model dir). :func:`train` is the one-call entry point.
+``evaluate``, ``after_step`` (metrics, checkpoint) and ``train`` (the loop and
+the final model dir, ``_finish``). :func:`train` is the one-call entry point.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from prunus.data.packing import (IGNORE_INDEX, PackedBatch, PackedCorpus, get_pa
                                   packed_eval_batches)
 from prunus.data.prefetch import to_device
 from prunus.artifacts.errors import PrunusError
-from prunus.models import Transformer, load_tokenizer
+from prunus.models import Transformer
 from prunus.models.moe import moe_aux_loss, moe_dropped
 from prunus.models.quant_registry import is_quantized
 from prunus.models.spec import get_spec
@@ -513,18 +513,20 @@ class Trainer:
         return {"val_loss": nll / max(n_tok, 1), "val_bpb": nll / math.log(2) / max(n_bytes, 1), "val_tokens": n_tok,
                 "seq_len": self.seq_len}
 
-    def maybe_checkpoint(self, done: int) -> None:
-        """Checkpoint after step ``done`` when due: every --ckpt-every, at --stop-at, and at the end of a
-        multi-rank run (the model dir is consolidated from it)."""
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether step ``done`` is checkpointed: every --ckpt-every, and at --stop-at."""
         cfg = self.cfg
-        final_consolidation = self.world > 1 and done == cfg.steps
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps) or final_consolidation:
-            self.checkpointer.save(done, self.par.parts, self.optimizers, self.train_state)
+        return bool(cfg.ckpt_every and done % cfg.ckpt_every == 0) or (done == self.stop and self.stop < cfg.steps)
 
-    def log(self, record: dict, metrics: MetricsLog | None) -> None:
+    def after_step(self, record: dict, metrics: MetricsLog | None) -> None:
+        """The step's record logged, then its checkpoint when due, and at the end of a multi-rank run (the model
+        dir is consolidated from it)."""
         if metrics is not None:
             metrics.write(record)
         self.progress.update(record)
+        done = record["step"]
+        if self.checkpoint_due(done) or (self.world > 1 and done == self.cfg.steps):
+            self.checkpointer.save(done, self.par.parts, self.optimizers, self.train_state)
 
     def _announce(self) -> None:
         cfg, dims = self.cfg, self.dims
@@ -561,10 +563,8 @@ class Trainer:
         prefetch = Prefetcher(self.step_batches, range(self.start, self.stop), device=self.device)
         try:
             with self.progress:
-                for step, micro_batches in prefetch:
-                    record = self.train_step(step, micro_batches)
-                    self.log(record, metrics)
-                    self.maybe_checkpoint(record["step"])
+                for step, batch in prefetch:
+                    self.after_step(self.train_step(step, batch), metrics)
             self.checkpointer.wait()  # the last checkpoint is published before the model dir is made from it
         finally:
             prefetch.close()
