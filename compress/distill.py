@@ -133,6 +133,28 @@ def _has_zeros_to_keep(model) -> bool:
     return bool(compression_state(model).sparsity)
 
 
+def _joined_group(nproc: int) -> tuple[bool, int]:
+    """Whether this process runs in a process group of several ranks (launched by torchrun / Slurm: joined, or
+    reused), and its size; one line when it disagrees with ``nproc``."""
+    if env_ranks()[1] > 1:
+        init_distributed()
+    in_group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    world = dist.get_world_size() if in_group else 1
+    if in_group and world != nproc:
+        raise PrunusError(f"distill: nproc={nproc} but this process group has {world} ranks; make them agree")
+    return in_group, world
+
+
+def _shared_work_dir(rank0: bool, in_group: bool) -> Path | None:
+    """A temporary dir made by rank 0, the same path on every rank of the group."""
+    work = Path(tempfile.mkdtemp(prefix="prunus-distill-")) if rank0 else None
+    if in_group:
+        box = [str(work) if work else None]
+        dist.broadcast_object_list(box, src=0)
+        work = Path(box[0])
+    return work
+
+
 def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             lr: float = 1e-3, temperature: float = 2.0, kd_weight: float = 0.9, reverse_kl: float = 0.0,
             hidden_weight: float = 0.0, nproc: int = 1, seed: int = 0, zero: int | None = None,
@@ -146,12 +168,7 @@ def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: 
     if student.config.vocab_size != ctx.teacher.config.vocab_size:
         raise PrunusError(f"distill: the student's vocab_size {student.config.vocab_size} differs from the teacher's "
                           f"{ctx.teacher.config.vocab_size}; logits must share the vocabulary")
-    if env_ranks()[1] > 1:  # launched by torchrun / Slurm: join (or reuse) the process group
-        init_distributed()
-    in_group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    world = dist.get_world_size() if in_group else 1
-    if in_group and world != nproc:
-        raise PrunusError(f"distill: nproc={nproc} but this process group has {world} ranks; make them agree")
+    in_group, world = _joined_group(nproc)
     student.train()
     for p in student.parameters():
         p.requires_grad_(True)
@@ -166,13 +183,7 @@ def distill(student: Transformer, ctx, *, steps: int | None = None, batch_size: 
     channels = compression_state(student).student_channels
     rank0 = not in_group or dist.get_rank() == 0
 
-    work = None
-    if rank0:
-        work = Path(tempfile.mkdtemp(prefix="prunus-distill-"))
-    if in_group:  # every rank runs in the same dir
-        box = [str(work) if work else None]
-        dist.broadcast_object_list(box, src=0)
-        work = Path(box[0])
+    work = _shared_work_dir(rank0, in_group)
     try:
         if rank0:
             cfg = _train_config(ctx, student, work, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,

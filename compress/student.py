@@ -88,9 +88,9 @@ def _sq(w: torch.Tensor, dim: int) -> torch.Tensor:
     return w.float().pow(2).sum(dim)
 
 
-def width(teacher: Transformer, factor: float) -> Transformer:
-    """dim, ffn_dim, n_heads and n_kv_heads divided by ``factor``, the most important channels kept."""
-    cfg = teacher.config
+def _width_config(cfg, factor: float):
+    """The teacher's config ``cfg`` with dim, ffn_dim, n_heads and n_kv_heads divided by ``factor`` (one line where
+    the factor cannot divide them)."""
     if getattr(cfg, "n_experts", 0):
         raise PrunusError("distill: width students of mixture-of-experts models are not supported; use keep-every:K or a config")
     if factor < 1:
@@ -107,7 +107,15 @@ def width(teacher: Transformer, factor: float) -> Transformer:
         changes["head_dim"] = hd
     elif dim != n_heads * hd:
         raise PrunusError(f"distill: width:{factor} gives dim {dim} that is not {n_heads} heads x {hd}; choose a factor dividing n_kv_heads")
-    student = _new(cfg.replace(**changes), 0, teacher)
+    return cfg.replace(**changes)
+
+
+def width(teacher: Transformer, factor: float) -> Transformer:
+    """dim, ffn_dim, n_heads and n_kv_heads divided by ``factor``, the most important channels kept."""
+    cfg = teacher.config
+    student = _new(_width_config(cfg, factor), 0, teacher)
+    dim, ffn, n_kv = student.config.dim, student.config.ffn_dim, student.config.n_kv_heads
+    rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
 
     src = teacher.state_dict()
     blocks = list(teacher.layers.keys())

@@ -244,6 +244,24 @@ def stored_form(module, style: str, int4_style: str, nbits8: bool) -> str:
     return "qdq"
 
 
+def _stored_matmul(node, prefix: str, m, form: str) -> tuple[list, list]:
+    """The nodes and initializers that replace the float MatMul ``node`` by module ``m``'s stored values in ``form``
+    (:func:`stored_form`)."""
+    if form in ("nbits4", "qdq4", "nbits8"):
+        write = {"nbits4": _matmul_nbits, "qdq4": int4_qdq_nodes, "nbits8": _matmul_nbits8}[form]
+        return write(node.input[0], list(node.output), prefix, m)
+    if form == "integer":
+        s = m.weight_scale.float().reshape(-1)
+        ins = [_tensor(f"{prefix}.weight_q", m.weight.t().contiguous()), _tensor(f"{prefix}.weight_scale", s),
+               _tensor(f"{prefix}.weight_zero_point", torch.zeros(s.shape, dtype=torch.int8))]
+        return [helper.make_node("DynamicQuantizeMatMul", [node.input[0], *(i.name for i in ins)], list(node.output),
+                                 domain=MS_DOMAIN, name=f"{prefix}.matmul")], ins
+    a_nodes, a_inits, a = _activation_nodes(node.input[0], prefix, m)
+    w_nodes, w_inits, wf = _weight_dq(prefix, m)
+    return (a_nodes + w_nodes + [helper.make_node("MatMul", [a, wf], list(node.output), name=f"{prefix}.matmul")],
+            a_inits + w_inits)
+
+
 def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str = "integer",
                               int4_style: str = "matmulnbits") -> int:
     """Replace the float weights of ``modules`` (name -> QuantizedLinear) by their stored values and scales.
@@ -274,26 +292,9 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
         name = names.pop(0) if len(names) > 1 else names[0]
         found.add(name)
         m, prefix = modules[name], name
-        form = stored_form(m, style, int4_style, nbits8)
-        if form in ("nbits4", "qdq4", "nbits8"):
-            write = {"nbits4": _matmul_nbits, "qdq4": int4_qdq_nodes, "nbits8": _matmul_nbits8}[form]
-            nodes, more = write(node.input[0], list(node.output), prefix, m)
-            new_nodes += nodes
-            new_inits += more
-            continue
-        if form == "integer":
-            wq = m.weight.t().contiguous()
-            s = m.weight_scale.float().reshape(-1)
-            ins = [_tensor(f"{prefix}.weight_q", wq), _tensor(f"{prefix}.weight_scale", s),
-                   _tensor(f"{prefix}.weight_zero_point", torch.zeros(s.shape, dtype=torch.int8))]
-            new_inits += ins
-            new_nodes.append(helper.make_node("DynamicQuantizeMatMul", [node.input[0], *(i.name for i in ins)],
-                                              list(node.output), domain=MS_DOMAIN, name=f"{prefix}.matmul"))
-            continue
-        a_nodes, a_inits, a = _activation_nodes(node.input[0], prefix, m)
-        w_nodes, w_inits, wf = _weight_dq(prefix, m)
-        new_nodes += a_nodes + w_nodes + [helper.make_node("MatMul", [a, wf], list(node.output), name=f"{prefix}.matmul")]
-        new_inits += a_inits + w_inits
+        nodes, more = _stored_matmul(node, prefix, m, stored_form(m, style, int4_style, nbits8))
+        new_nodes += nodes
+        new_inits += more
     missing = sorted(set(modules) - found)
     if missing:
         raise PrunusError(f"export: quantized module(s) {', '.join(missing[:3])} not found in the exported graph; "
