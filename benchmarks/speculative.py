@@ -81,14 +81,7 @@ def run(engine, prompt: str, new_tokens: int) -> tuple[float, list[int]]:
     return r.decode_tokens_per_s, r.token_ids
 
 
-def main() -> None:
-    import inspect
-    import json
-
-    from benchmarks._smol_dir import smol_model_dir
-    from benchmarks.harness import alternating_rounds, machine_line, median_range, median_ratio
-    from prunus.serve import Engine
-
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a prunus model dir (default: /tmp/smol/model-dir)")
     ap.add_argument("--draft", default=None, help="draft model dirs, comma-separated (default: a truncated copy of the target)")
@@ -100,57 +93,90 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if not set(args.prompts.split(",")) <= {"repetitive", "json", "prose"}:
+        ap.error(f"--prompts {args.prompts}: choose from repetitive, json, prose")
+    return args
 
-    target, what = smol_model_dir(args.model)
-    drafts = [Path(d) for d in args.draft.split(",")] if args.draft else [truncated_draft(target, args.draft_layers)]
-    draft_what = ("\n  ".join(lineage(d) for d in drafts) if args.draft
-                  else f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)")
-    ks = [int(k) for k in str(args.draft_tokens).split(",")]
+
+def chosen_prompts(names: str) -> dict[str, str]:
+    import inspect
+    import json
+
+    known = {"repetitive": ("repetitive code", lambda: REPETITIVE),
+             "json": ("json source", lambda: inspect.getsource(json)[:1500]), "prose": ("prose", prose_prompt)}
+    return {known[c][0]: known[c][1]() for c in names.split(",")}
+
+
+def load_engines(target: Path, drafts: list[Path], named: bool, ks: list[int], args) -> dict:
+    """plain, prompt lookup (unless --no-ngram), each draft alone and the target with each draft at each k."""
+    from prunus.serve import Engine
+
     common = dict(max_batch=1, max_len=2048, threads=args.threads, compile=False)
     engines = {"plain": Engine.load(target, **common)}
     if not args.no_ngram:
         engines["ngram"] = Engine.load(target, draft="ngram", draft_tokens=ks[0], **common)
     for draft in drafts:
-        name = draft.name if args.draft else "draft"
+        name = draft.name if named else "draft"
         engines[f"{name} alone"] = Engine.load(draft, **common)
         for k in ks:
             engines[f"{name} k{k}"] = Engine.load(target, draft=draft, draft_tokens=k, **common)
+    return engines
+
+
+def contender_line(name: str, speeds, got: dict, engine, before: dict, same: bool, width: int) -> str:
+    from benchmarks.harness import median_range, median_ratio
+
+    line = f"  {name:{width}s} {median_range(speeds, '.1f')} tokens/s"
+    if name.endswith(" alone"):
+        return line + f", cost per token {median_ratio(got['plain'], speeds, '.2f')} of the target's"
+    if name == "plain":
+        return line
+    s = engine.info["speculative"]
+    drafted, accepted = s["drafted"] - before.get("drafted", 0), s["accepted"] - before.get("accepted", 0)
+    steps = s["steps"] - before.get("steps", 0)
+    return line + (f", acceptance {accepted / drafted if drafted else 0:.2f}, "
+                   f"{(accepted + steps) / steps if steps else 0:.2f} tokens per step, "
+                   f"same tokens as plain: {'yes' if same else 'no'}, "
+                   f"ratio to plain {median_ratio(speeds, got['plain'], '.2f')}")
+
+
+def time_prompt(engines: dict, label: str, prompt: str, args) -> None:
+    from benchmarks.harness import alternating_rounds
+
+    tokens: dict[str, list[int]] = {}
+    before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
+
+    def contender(name):
+        def go():
+            speed, ids = run(engines[name], prompt, args.new_tokens)
+            tokens[name] = ids
+            return speed
+        return go
+
+    got = alternating_rounds({k: contender(k) for k in engines}, args.rounds)
+    print(f"\nprompt: {label} ({len(engines['plain'].encode(prompt))} tokens)")
     width = max(map(len, engines))
-    known = {"repetitive": ("repetitive code", lambda: REPETITIVE), "json": ("json source", lambda: inspect.getsource(json)[:1500]),
-             "prose": ("prose", prose_prompt)}
-    chosen = args.prompts.split(",")
-    if not set(chosen) <= known.keys():
-        ap.error(f"--prompts {args.prompts}: choose from {', '.join(known)}")
-    prompts = {known[c][0]: known[c][1]() for c in chosen}
+    for name, speeds in got.items():
+        print(contender_line(name, speeds, got, engines[name], before[name], tokens[name] == tokens["plain"], width))
+
+
+def main() -> None:
+    from benchmarks._smol_dir import smol_model_dir
+    from benchmarks.harness import machine_line
+
+    args = parse_args()
+    target, what = smol_model_dir(args.model)
+    drafts = [Path(d) for d in args.draft.split(",")] if args.draft else [truncated_draft(target, args.draft_layers)]
+    draft_what = ("\n  ".join(lineage(d) for d in drafts) if args.draft
+                  else f"the target's first {args.draft_layers} blocks, untrained (a stand-in draft)")
+    ks = [int(k) for k in str(args.draft_tokens).split(",")]
+    prompts = chosen_prompts(args.prompts)
+    engines = load_engines(target, drafts, bool(args.draft), ks, args)
     print(machine_line())
     print(f"target: {what}\ndraft: {draft_what}\nbatch 1, greedy, {args.new_tokens} new tokens, draft tokens per step "
           f"{', '.join(map(str, ks))}, {args.threads} thread(s) per pass")
     for label, prompt in prompts.items():
-        tokens: dict[str, list[int]] = {}
-        before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
-
-        def contender(name):
-            def go():
-                speed, ids = run(engines[name], prompt, args.new_tokens)
-                tokens[name] = ids
-                return speed
-            return go
-
-        got = alternating_rounds({k: contender(k) for k in engines}, args.rounds)
-        print(f"\nprompt: {label} ({len(engines['plain'].encode(prompt))} tokens)")
-        for name, speeds in got.items():
-            line = f"  {name:{width}s} {median_range(speeds, '.1f')} tokens/s"
-            if name.endswith(" alone"):
-                line += f", cost per token {median_ratio(got['plain'], speeds, '.2f')} of the target's"
-            elif name != "plain":
-                s, b = engines[name].info["speculative"], before[name]
-                drafted, accepted = s["drafted"] - b.get("drafted", 0), s["accepted"] - b.get("accepted", 0)
-                steps = s["steps"] - b.get("steps", 0)
-                line += (f", acceptance {accepted / drafted if drafted else 0:.2f}, "
-                         f"{(accepted + steps) / steps if steps else 0:.2f} tokens per step, "
-                         f"same tokens as plain: {'yes' if tokens[name] == tokens['plain'] else 'no'}, "
-                         f"ratio to plain {median_ratio(speeds, got['plain'], '.2f')}")
-            print(line)
+        time_prompt(engines, label, prompt, args)
     for e in engines.values():
         e.close()
 
