@@ -217,6 +217,13 @@ def bench_model(name: str, model_dir: Path, work: Path, reps: int, eval_tokens: 
     if not trained:
         print("\n(bits per byte skipped: random weights)")
         return results
+    results.update(bits_per_byte(model, model_dir, g, eval_tokens))
+    return results
+
+
+def bits_per_byte(model, model_dir: Path, g: dict, eval_tokens: int) -> dict:
+    """Each graph's bits per byte on held-out tokens beside torch fp32's, printed; the figures by name."""
+    results = {}
     seq = min(model.config.max_seq_len, 256)
     val, token_bytes, corpus_name = held_out(model_dir, model.config.vocab_size)
     print(f"\nbits per byte on {eval_tokens:,} held-out tokens of {corpus_name} (seq {seq})")

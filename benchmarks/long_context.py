@@ -61,6 +61,28 @@ def _saved_bytes(model, x, y, positions) -> tuple[int, float]:
     return saved.bytes, float(loss)
 
 
+def _timed_steps(model, batch, steps: int) -> dict:
+    """``steps`` training steps of ``model`` on ``batch`` (x, y, positions): the activations its first step saves,
+    its first loss and each step's seconds."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from prunus.train_parallel.parallelize import cross_entropy
+
+    xs, ys, positions = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    saved, first_loss = _saved_bytes(inner, xs, ys, positions)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = cross_entropy(model(xs, positions=positions), ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return {"saved_bytes": saved, "first_loss": first_loss, "step_s": times}
+
+
 def worker(spec: dict, out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -68,7 +90,6 @@ def worker(spec: dict, out_path: str) -> None:
 
     from prunus.models import Transformer, get_preset
     from prunus.train_parallel.context_parallel.context_parallel import apply_cp, shard_batch
-    from prunus.train_parallel.parallelize import cross_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,19 +110,7 @@ def worker(spec: dict, out_path: str) -> None:
         return DistributedDataParallel(model, process_group=mesh.get_group()), shard_batch(x, y, mesh)
 
     def run(variant: str, steps: int) -> dict:
-        model, (xs, ys, positions) = build(variant)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        saved, first_loss = _saved_bytes(inner, xs, ys, positions)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            loss = cross_entropy(model(xs, positions=positions), ys)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-        return {"saved_bytes": saved, "first_loss": first_loss, "step_s": times}
+        return _timed_steps(*build(variant), steps)
 
     results: dict = {"_env": {"world": world, "threads_one": spec["threads_one"]}}
     for r in range(spec["rounds"]):
@@ -147,13 +156,14 @@ def long_context_section(args) -> dict:
         spec_path, out = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", str(spec_path), str(out)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "benchmarks.long_context", "--worker", str(spec_path), str(out)]
         from rich.console import Console
 
         with Console().status(f"2 ranks: cp=1, ring, Ulysses at {args.seq_len:,} tokens, {args.rounds} round(s) ..."):
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout,
+                                  cwd=Path(__file__).resolve().parents[1])
             wall = time.perf_counter() - t0
         if proc.returncode != 0:
             print(f"the 2-rank run failed; figures it did not write are left out:\n{proc.stderr[-3000:]}", file=sys.stderr)
