@@ -37,7 +37,8 @@ def _cap(env: str, text: str, default) -> object:
 class GrammarLimits:
     """The compile deadline, the compile pool's size and the caps on what one constraint may ask."""
 
-    timeout_s: float = _cap("PRUNUS_GRAMMAR_TIMEOUT_S", "seconds one grammar may compile", 10.0)
+    timeout_s: float = _cap("PRUNUS_GRAMMAR_TIMEOUT_S", "CPU seconds one grammar may compile (a loaded "
+                                  "machine waits at most 4 times as long)", 10.0)
     match_s: float = _cap("PRUNUS_GRAMMAR_MATCH_S", "seconds one request's grammar may spend matching its tokens "
                           "while it generates (an ambiguous regex slows every step)", 2.0)
     workers: int = _cap("PRUNUS_GRAMMAR_WORKERS", "grammar compiles run at once per model, each in its own process", 1)

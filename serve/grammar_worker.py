@@ -12,6 +12,11 @@ running keeps a core busy after its client has gone. So every new grammar is fir
   its own child, so no other process can be hit) and answers at once. A host that does not answer in time
   is killed in turn, and the pool starts another.
 
+The deadline counts the child's CPU time (Linux's ``/proc/PID/stat``), not the clock's: whether a grammar
+compiles in time is then the same answer on an idle machine and on a loaded one, where the niced child may get
+a fraction of a core. A loaded machine's wait is bounded all the same: :data:`WALL_FACTOR` times the deadline on
+the clock. Where ``/proc`` cannot be read the deadline is the clock's.
+
 A grammar that compiled in time is then compiled again by the serving process (the same work, so the same
 time). Its compiled form does not travel back: xgrammar 0.2.8's ``CompiledGrammar.serialize_json`` wrote 553 MB
 in 34 s for an object of 64 properties with ``minProperties`` that compiled in 0.2 s (3 MB in memory).
@@ -35,6 +40,8 @@ STARTUP_TIMEOUT_S = 180.0  # a new host's imports and tokenizer tables (not coun
 HOST_GRACE_S = 5.0  # past the deadline, how long the host may take to answer before it is killed itself
 NICE = 5  # the compile processes' CPU priority below the serving process's
 POLL_S = 0.05  # how often a wait looks at its cancel flag
+WALL_FACTOR = 4.0  # a compile's wait on the clock, in deadlines of CPU time (a child starved on a loaded machine)
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 class Stopped(Exception):
@@ -121,7 +128,7 @@ class CompileWorker:
                 if not self.ready:
                     self._start(cancelled)
                 self.conn.send(("compile", what, text, timeout_s))
-                answer = self._next(timeout_s + HOST_GRACE_S, cancelled)
+                answer = self._next(WALL_FACTOR * timeout_s + HOST_GRACE_S, cancelled)
                 if answer is None:
                     self.conn.send(("cancel",))
                     self._next(HOST_GRACE_S, None)  # this compile's one answer, whatever it was
@@ -170,6 +177,34 @@ def _child(out: Connection, xgr, compiler, what: str, text: str) -> None:
         os._exit(0)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (user and system), or None where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: the stat's 14th and 15th fields
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _wait(conn: Connection, theirs: Connection, pid: int, timeout_s: float) -> tuple[str, str]:
+    """The child's answer, or ("deadline", "") once it used ``timeout_s`` of CPU (or ``WALL_FACTOR`` times that
+    on the clock), or ("cancelled", "") on the serving process's "cancel"."""
+    start = time.monotonic()
+    while True:
+        ready = wait([theirs, conn], timeout=POLL_S)
+        if theirs in ready:
+            try:
+                return theirs.recv()
+            except EOFError:
+                return ("died", "")
+        if conn in ready and conn.recv()[0] == "cancel":  # EOFError: the serving process is gone, and this host
+            return ("cancelled", "")
+        waited, used = time.monotonic() - start, cpu_seconds(pid)
+        if (waited if used is None else used) >= timeout_s or waited >= WALL_FACTOR * timeout_s:
+            return ("deadline", "")
+
+
 def _job(conn: Connection, xgr, compiler, what: str, text: str, timeout_s: float) -> tuple[str, str]:
     """One compile in a forked child, killed at the deadline or on the serving process's "cancel"."""
     theirs, ours = Pipe(duplex=False)
@@ -178,22 +213,8 @@ def _job(conn: Connection, xgr, compiler, what: str, text: str, timeout_s: float
         theirs.close()
         _child(ours, xgr, compiler, what, text)
     ours.close()
-    answer = None
     try:
-        end = time.monotonic() + timeout_s
-        while answer is None:
-            left = end - time.monotonic()
-            ready = wait([theirs, conn], timeout=max(left, 0))
-            if theirs in ready:
-                try:
-                    answer = theirs.recv()
-                except EOFError:
-                    answer = ("died", "")
-            elif conn in ready:
-                if conn.recv()[0] == "cancel":  # EOFError: the serving process is gone, and so is this host
-                    answer = ("cancelled", "")
-            elif left <= 0:
-                answer = ("deadline", "")
+        answer = _wait(conn, theirs, pid, timeout_s)
     finally:
         try:
             os.kill(pid, signal.SIGKILL)  # not yet waited for: the pid is still this child's
