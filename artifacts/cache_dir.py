@@ -32,6 +32,12 @@ from .errors import PrunusError
 DIR_MODE, FILE_MODE = 0o700, 0o600
 
 
+def cache_base() -> Path:
+    """``$PRUNUS_CACHE_DIR``, else ``~/.cache/prunus``: the base of the caches prunus keeps by artifact (prepared
+    exports, the native kernels' parity verdicts on model dirs)."""
+    return Path(os.environ.get("PRUNUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prunus"))
+
+
 def xdg_base() -> Path:
     """``$XDG_CACHE_HOME/prunus`` (default ``~/.cache/prunus``): the base of the caches prunus keeps by machine
     (compiled kernels, TensorRT timings)."""

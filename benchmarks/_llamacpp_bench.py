@@ -43,8 +43,7 @@ BATCHES = (1, 2, 4, 8)
 PRUNUS_WORKER = "benchmarks._prunus_worker"  # run with -m from the repository root, as the benchmarks are
 LONG = 512  # tokens of the time-to-first-token prompt
 # Idle seconds before each timed run: a runtime's pool threads spin on after its run (ONNX Runtime's, llama.cpp's),
-# taking a core from whatever runs next in another process. SmolLM2 int8 native steps at 2 threads took 6.6 ms right
-# after an ONNX Runtime prompt pass with spinning threads, 5.6-5.9 ms after a pause of 50 ms or more.
+# taking a core from whatever runs next in another process (docs/defaults.md).
 SETTLE_S = 0.25
 
 

@@ -64,7 +64,7 @@ def median_times(fns: dict, reps: int) -> tuple[dict, dict]:
 
 def graphs(d: Path, n_layers: int) -> OrtGraphs:
     # no spinning: this process holds a dozen sessions timed in turn, and the spinning threads of
-    # the one just timed took the cores of the next (a fp32 decode at batch 8 on 2 threads: 7.8 ms spinning, 4.0 ms not)
+    # the one just timed took the cores of the next (docs/defaults.md)
     return OrtGraphs(d / "prefill.onnx", d / "decode.onnx", n_layers, threads=THREADS, spinning=False)
 
 

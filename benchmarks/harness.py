@@ -232,3 +232,25 @@ def serve(handlers: dict[str, Callable[..., dict]], inp, out) -> None:
             ans = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(ans) + "\n")
         out.flush()
+
+
+def git_tree(ref: str, tmp: Path, name: str = "earlier") -> Path:
+    """A worktree of prunus at ``ref`` under ``tmp`` and a dir holding a ``prunus`` link to it, returned: put it first
+    on ``sys.path`` / PYTHONPATH to import that commit's prunus. Remove it with ``git worktree remove``."""
+    root = Path(__file__).resolve().parents[1]
+    work = tmp / f"{name}-tree"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(work), ref], check=True,
+                   capture_output=True)
+    (tmp / f"{name}-imp").mkdir()
+    (tmp / f"{name}-imp" / "prunus").symlink_to(work)
+    return tmp / f"{name}-imp"
+
+
+def timed_threads(threads: list) -> float:
+    """Start ``threads`` together, wait for all of them; the wall seconds that took."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

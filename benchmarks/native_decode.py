@@ -95,14 +95,15 @@ def _step_times(sess, b: int, start: int, rng, steps: int = 20) -> float:
 
 def steps_section(exports: dict, threads: int, rounds: int, long: int) -> None:
     from prunus.runtime.genai_session import GenaiSession
+    from prunus.runtime.native import NativeSession
 
     print(f"\n2. whole decode steps, {threads} threads, ms (median of 20 steps, best of {rounds} alternating rounds)")
     rng = np.random.default_rng(0)
     cases = [(1, 7), (8, 7), (1, long)]
     for precision, export in exports.items():
         graph, dims = _graph_and_dims(export)
-        sessions = {name: GenaiSession(graph, **dims, n_slots=8, max_len=long + 32, threads=threads, native=native)
-                    for name, native in (("onnxruntime", False), ("native", True))}
+        sessions = {name: cls(graph, **dims, n_slots=8, max_len=long + 32, threads=threads)
+                    for name, cls in (("onnxruntime", GenaiSession), ("native", NativeSession))}
         for sess in sessions.values():  # 7 tokens in every row, then row 0's cache filled to the long position
             sess.prefill(0, [list(rng.integers(0, 1000, 7)) for _ in range(8)])
             sess.prefill(0, [list(rng.integers(0, 1000, long))])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-from benchmarks.harness import machine_line, show, write_results
+from benchmarks.harness import machine_line, show, timed_threads, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "digits"
@@ -124,12 +124,7 @@ def load(path: Path, extra: list[str], args) -> dict:
         latencies, failures = [], []
         threads = [threading.Thread(target=client, args=(port, args.requests, i, latencies, failures))
                    for i in range(args.clients)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = timed_threads(threads)
         return {"ok": len(latencies), "lost": len(failures), "failures": failures[:5], "wall_s": wall,
                 "latencies": latencies, "metrics": batch_metrics(port)}
     finally:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import benchmarks._omp  # noqa: F401  (OMP_WAIT_POLICY=PASSIVE unless set; before torch loads)
 
-from benchmarks.harness import machine_line, show, write_results
+from benchmarks.harness import git_tree, machine_line, show, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_CHARS = (260, 420, 560, 700, 840, 330, 490, 630)  # about 60-210 tokens of code
@@ -291,16 +291,6 @@ def in_process(path: Path, native: bool, texts: list[str], n: int) -> float | No
 
 # --- contenders ----------------------------------------------------------------------------------------------------
 
-def old_tree(ref: str, tmp: Path) -> Path:
-    """A worktree of ``ref`` and a dir holding a ``prunus`` link to it (put first on PYTHONPATH)."""
-    work = tmp / "old-tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), ref], check=True,
-                   capture_output=True)
-    (tmp / "old-imp").mkdir()
-    (tmp / "old-imp" / "prunus").symlink_to(work)
-    return tmp / "old-imp"
-
-
 def prunus_serve(label: str, path: Path, args, *flags: str, env: dict | None = None, new: bool = True,
                  engine: tuple | None = None) -> Contender:
     argv = [sys.executable, "-m", "prunus.cli.main", "serve", str(path), "--port", "{port}", "--max-batch",
@@ -324,7 +314,7 @@ def contenders(args, tmp: Path) -> list[Contender]:
     out = [prunus_serve("prunus ORT", args.dir, args, "--no-native", engine=(args.dir, False))]
     if args.old_ref:
         out.append(prunus_serve(f"prunus stdlib {args.old_ref}", args.dir, args,
-                                env={"PYTHONPATH": str(old_tree(args.old_ref, tmp))}, new=False))
+                                env={"PYTHONPATH": str(git_tree(args.old_ref, tmp, "old"))}, new=False))
     if args.fp32:  # the model dir as `prunus serve` serves it by default (its prepared genai export in the native
         # kernels), and on torch
         out += [prunus_serve("prunus fp32 prepared", args.fp32, args),

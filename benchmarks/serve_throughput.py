@@ -67,7 +67,7 @@ from prunus.serve import Engine
 
 from benchmarks.real_model import add_cache_argument, hf_dir, load_hf_peer, model_name, resolve_model
 from benchmarks._llamacpp_peer import parse_contender  # stdlib only; llama_cpp runs in a worker
-from benchmarks.harness import alternating_rounds, machine_line
+from benchmarks.harness import alternating_rounds, machine_line, timed_threads
 
 PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Parser(object):\n    def ", "for i in range(",
            "    return self.", "if __name__ == ", "x = {'a': 1, ", "with open(path) as f:"]
@@ -146,12 +146,7 @@ def http_load(model: str, clients: int, per_client: int, n: int) -> dict:
                 latencies.append(time.perf_counter() - t) if ok else failures.append(i)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = timed_threads(threads)
         lat = sorted(latencies)
         return {"clients": clients, "requests": len(lat) + len(failures), "failed": len(failures),
                 "req_per_s": len(lat) / wall, "p50_s": lat[len(lat) // 2] if lat else float("nan"),
@@ -277,18 +272,19 @@ def _parity_summary(p: dict, what: str) -> tuple[str, bool]:
 
 def native_parity_line(export: Path, source: Path) -> tuple[str, bool]:
     """The export's parity check (as ``prunus export`` runs it in ONNX Runtime, same corpus and tolerances) run
-    through the native kernels (``GenaiGraphs(native=True)``), against ``source``, the dir it was exported from."""
+    through the native backend that serves (``native_graphs``), against ``source``, the dir it was exported from."""
     from prunus.data.corpus import default_data, load_corpus
-    from prunus.export.genai_parity import GenaiGraphs
+    from prunus.export.backend_parity import native_graphs
     from prunus.export.parity import check_parity
+    from prunus.runtime.native import pack_export
     from prunus.models import load_model, load_model_tokenizer
     from prunus.runtime.artifact import export_dims
 
     config = json.loads((export / "config.json").read_text())["export"]
     model, tok = load_model(source).eval(), load_model_tokenizer(source)
     corpus = load_corpus(default_data(None, tok), tok, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
-    graphs = GenaiGraphs(export / config["graphs"]["model"], export_dims(export, config), threads=os.cpu_count(),
-                         native=True)
+    graphs = native_graphs(pack_export(export / config["graphs"]["model"], export_dims(export, config)),
+                           threads=os.cpu_count())
     report = check_parity(model, graphs, corpus.val, tok.token_bytes(), config.get("precision", "fp32"))
     return _parity_summary(report, "native parity")
 

@@ -100,8 +100,8 @@ def prepare_process() -> None:
     """Settings a prunus command makes for its process before it starts work (imports torch).
 
     ``OMP_WAIT_POLICY=PASSIVE``: with OpenMP's default active waiting, two-thread torch on a
-    2-core CPU was 3-10x slower at times (threads spin while the other core has work:
-    34 vs 169 GFLOP/s measured). OpenMP reads the variable when torch starts its thread
+    2-core CPU was several times slower at times, its threads spinning while the other core has work
+    (docs/defaults.md). OpenMP reads the variable when torch starts its thread
     pool, so it is set here, when a command begins, and never on ``import prunus`` (a
     library must not change its caller's process). A value the user set is kept.
     The loggers of :data:`QUIET_LOGGERS` are set to ERROR, here for the same reason.

@@ -50,13 +50,8 @@ from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, requi
 EXPORT_GRAPHS = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
 ENGINE_GRAPHS = {"prefill": "prefill.plan", "decode": "decode.plan"}
 EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data files
-# Both int8 forms of a stored-int8 model, decode step at 2 threads (benchmarks/export_latency.py):
-# DynamicQuantizeMatMul 0.69x (batch 1) / 0.69x (batch 8) of fp32 on the demo model, 0.47x / 0.59x on
-# the base preset; QDQ (which ONNX Runtime rewrites to MatMulNBits) 0.83x / 1.16x and 0.56x / 0.93x.
-# TensorRT always gets QDQ. The default is QDQ: on SmolLM2-135M (activation outliers) on a CPU without
-# VNNI, DynamicQuantizeMatMul's uint8 x int8 kernel saturates its int16 pair sums and quantizes activations
-# per tensor, which a weight-only module never does: top-1 agreement 0, +4.8 bits per byte; the same
-# stored weights as QDQ scored -0.1% (benchmarks/export_latency.py --model smollm2). "integer" stays opt-in.
+# QDQ (which ONNX Runtime rewrites to MatMulNBits), the faster and, on activation outliers without VNNI, the only
+# faithful int8 form (docs/defaults.md); TensorRT always gets QDQ; "integer" (DynamicQuantizeMatMul) is opt-in.
 ONNX_INT8_STYLE = "qdq"
 TENSORRT_PARITY_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 MAX_OPSET = 23

@@ -82,11 +82,9 @@ def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> o
     """The genai graph of a plain (float) prunus ``Transformer``; layer indices renumbered 0..n-1.
 
     ``packed``: q, k and v as one MatMul and gate and up as another (split after), as onnxruntime-genai packs
-    them; False: one MatMul per Linear (each then matches its own stored quantized module). On SmolLM2-135M,
-    blocks of decode steps interleaved in one process on a busy 2-core machine, one thread: packed q/k/v took
-    0.97-0.99x the step of separate projections at batch 1 (fp32, int8, int4) and 1.04x at batch 8 (int8);
-    packing gate and up as well 0.94-0.99x of packed q/k/v alone (fp32, int8, int4 at batch 1; fp32, int8 at
-    batch 8). The logits are the same either way (each output column is its own dot product)."""
+    them; False: one MatMul per Linear (each then matches its own stored quantized module). Packed steps are a
+    little faster (docs/defaults.md); the logits are the same either way (each output column is its own dot
+    product)."""
     cfg = model.config
     check_genai_support(cfg)
     w = GraphWriter(cfg, packed, packed)

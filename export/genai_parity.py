@@ -1,8 +1,8 @@
-"""A genai export's graph as the parity check sees it (:mod:`prunus.export.parity`): every position's logits
-through the same graph with its last-token gather bypassed, and greedy generation through the written graph
-itself in a :class:`prunus.runtime.genai_session.GenaiSession` (the counterpart of
-:class:`prunus.export.ort_graphs.OrtGraphs` for the torch graphs). ``native``: both through prunus's native kernels
-(:mod:`prunus.runtime.native`)."""
+"""A genai export's graph in ONNX Runtime as the parity check sees it (:mod:`prunus.export.parity`): every
+position's logits through the same graph with its last-token gather bypassed, and greedy generation through the
+written graph itself in a :class:`prunus.runtime.genai_session.GenaiSession` (the counterpart of
+:class:`prunus.export.ort_graphs.OrtGraphs` for the torch graphs). The native kernels are checked through the
+backend that serves them instead (:mod:`prunus.export.backend_parity`)."""
 
 from __future__ import annotations
 
@@ -12,33 +12,25 @@ import numpy as np
 import torch
 
 from prunus.runtime.genai_session import GenaiSession
-from prunus.runtime.native import every_position_logits, pack_export
 from prunus.runtime.ort_session import variant_session
 
 
 class GenaiGraphs:
     """A genai export's graph for the parity check: ``graphs(tokens)`` -> every position's logits and
-    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs.
-    ``native``: both through prunus's native kernels (:mod:`prunus.runtime.native`) instead of ONNX Runtime."""
+    ``graphs.greedy(prompts, n)``, as :class:`prunus.export.ort_graphs.OrtGraphs` offers for the torch graphs."""
 
-    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None,
-                 native: bool = False):
+    def __init__(self, path: str | Path, dims: dict, threads: int | None = None, config: dict | None = None):
         import onnx
 
         from .genai_graph import all_positions_graph
 
-        self.path, self.dims, self.threads, self.config, self.native = Path(path), dims, threads, config, native
-        if native:
-            self.packed = pack_export(path, dims)
-            return
+        self.path, self.dims, self.threads, self.config = Path(path), dims, threads, config
         proto = onnx.load(str(path), load_external_data=False)
         self.all_positions = variant_session(self.path, all_positions_graph(proto), "all_positions", threads,
                                              config=config)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""
-        if self.native:
-            return every_position_logits(self.packed, self.dims, tokens, self.threads)
         b, s = tokens.shape
         d = self.dims
         feeds = {"input_ids": tokens.long().numpy(), "seqlens_k": np.full(b, s - 1, np.int32),
@@ -58,7 +50,7 @@ class GenaiGraphs:
         rows = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
                 for i, p in enumerate(prompt)]
         sess = GenaiSession(self.path, **self.dims, n_slots=b, max_len=s + max_new_tokens, threads=self.threads,
-                            config=self.config, native=self.native, packed=self.packed if self.native else None)
+                            config=self.config)
         lengths = np.array([len(r) for r in rows], np.int64)
         logits = sess.prefill(0, rows)
         out = []

@@ -27,10 +27,8 @@ from prunus.models.quant_registry import QuantizedModule, quantized_modules
 from .graphs import DecodeGraph, PrefillGraph, exportable, graph_names
 from .quiet_logs import quiet_loggers
 
-# For ONNX Runtime, opset 23: the exporter writes RMSNormalization-23 and Attention-23 (with
-# grouped-query heads) as single nodes where opset 18 spells them out in ~10 nodes each; on
-# the demo model ORT's decode step took 0.71x (batch 8) and 0.85x (batch 1) of opset 18's (one thread).
-# TensorRT's ONNX parser gets opset 18, the exporter's oldest well-trodden one.
+# For ONNX Runtime, opset 23: RMSNormalization-23 and Attention-23 as single nodes (a faster decode step, measured
+# in docs/defaults.md); TensorRT's ONNX parser gets opset 18, the exporter's oldest well-trodden one.
 DEFAULT_OPSET = {"onnx": 23, "tensorrt": 18}
 MIN_OPSET = 18
 

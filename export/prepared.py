@@ -3,9 +3,8 @@
 a CPU or weights the kernels do not take, :mod:`prunus.runtime.native_choice`), its genai export in ONNX Runtime,
 prepared once and cached.
 
-``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: on SmolLM2-135M the genai
-export decodes 1.75-2.05x the torch Engine's tokens/s in ONNX Runtime, and more in the native kernels
-(docs/results.md). So where the native kernels do not serve the dir, the first time it is served :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
+``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: the genai export decodes
+faster in ONNX Runtime, and faster again in the native kernels (docs/defaults.md, docs/results.md). So where the native kernels do not serve the dir, the first time it is served :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
 export's parity check against PyTorch: a graph that fails it is not served) into a cache dir, and every later
 serve of the same dir loads the cached export at once.
 
@@ -40,7 +39,7 @@ import sys
 from pathlib import Path
 
 from prunus.artifacts.cache_dir import entry_problem as plain_entry_problem
-from prunus.artifacts.cache_dir import safe_dir, verified_or_rebuilt
+from prunus.artifacts.cache_dir import cache_base, safe_dir, verified_or_rebuilt
 from prunus.artifacts.errors import PrunusError
 from prunus.runtime.load_options import LoadOptions
 
@@ -49,11 +48,6 @@ HASHED = ("config.json", "prunus.json", "tokenizer.json", "tokenizer_config.json
 MAX_HASHED_BYTES = 64 << 20  # a larger "small" file is named by its size and time, as the weights are
 FORMAT = b"prunus-prepared-1"
 FIX = "or set PRUNUS_CACHE_DIR to a dir of your own"
-
-
-def cache_base() -> Path:
-    """``$PRUNUS_CACHE_DIR``, else ``~/.cache/prunus``: the dir prunus's cache dirs are kept in."""
-    return Path(os.environ.get("PRUNUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prunus"))
 
 
 def cache_root() -> Path:
@@ -99,7 +93,8 @@ def native_direct(path: Path, config: dict, options: LoadOptions) -> bool:
     nothing the kernels cannot take (:func:`prunus.runtime.native_choice.model_dir_off`)."""
     from prunus.runtime.native_choice import model_dir_off
 
-    return options.native is not False and not options.prompt_graph and model_dir_off(path, config, options) is None
+    return (options.native is not False and not options.prompt_graph
+            and model_dir_off(path, config, options, parity=False) is None)  # the check follows (_native_checked)
 
 
 def _native_checked(path: Path, parent_hash: str, options: LoadOptions, progress: bool) -> bool:

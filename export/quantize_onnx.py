@@ -313,14 +313,10 @@ def quantize_fp32_graph(src: Path, dst: Path, external_data: bool = False, bits:
     """Weight-only int8 (``bits`` 8) or int4 (``bits`` 4) quantization of an fp32 graph with ONNX Runtime's
     ``MatMulNBitsQuantizer`` (its default RTN): symmetric weights in blocks of 32 along the input features, as
     ``MatMulNBits`` nodes
-    (accuracy level 4: activations quantized to int8 per block inside the kernel, the fast CPU path; level 0
-    computes in float and decoded SmolLM2-135M at 0.07x of level 4's speed). A tied output head is untied
-    first so it is quantized too.
-
-    Not ``quantize_dynamic``: its ``DynamicQuantizeMatMul`` quantizes activations per tensor to uint8
-    and, on CPUs without VNNI, saturates the kernel's int16 pair sums; on SmolLM2-135M that gave top-1
-    agreement 0 (+5.6 bits per byte on 1,024 prose tokens), where 8-bit ``MatMulNBits`` gave +0.2% at
-    accuracy level 0 and +0.6% at level 4 (benchmarks/export_latency.py)."""
+    (accuracy level 4: activations quantized to int8 per block inside the kernel, the fast CPU path). A tied
+    output head is untied first so it is quantized too. Not ``quantize_dynamic``: its ``DynamicQuantizeMatMul``
+    quantizes activations per tensor and, without VNNI, saturates its int16 pair sums (docs/defaults.md has
+    both measurements)."""
     model = onnx.load(str(src))
     untie_weights(model)
     with quiet_loggers():  # the quantizer logs every node it rewrites

@@ -3,7 +3,8 @@
 A genai export is served by prunus's native kernels where they run (``native="auto"``) and by ONNX Runtime
 elsewhere, so its parity check scores both against the same PyTorch reference (made once), with the same limits
 (:data:`prunus.export.parity.TOLERANCES`): ONNX Runtime over the written graph, and the native kernels over the
-written ``native_weights.safetensors`` on this CPU's kernel path. ``parity.json`` keeps ONNX Runtime's report at its
+written ``native_weights.safetensors`` on this CPU's kernel path, through the native backend that serves
+(:mod:`prunus.export.backend_parity`). ``parity.json`` keeps ONNX Runtime's report at its
 top level (the graph's own check: a graph that fails it is not written) and each runtime's figures under
 ``runtimes``; kernels that fail their limits are recorded as failed, and ``native="auto"`` then serves the export in
 ONNX Runtime (:func:`prunus.runtime.native_parity.recorded_native_off`). Where the kernels cannot run here the record
@@ -19,7 +20,7 @@ from pathlib import Path
 from prunus.artifacts.errors import PrunusError
 from prunus.runtime.native_parity import INT_ACTIVATIONS, chosen_isa, native_check_off
 
-from .genai_parity import GenaiGraphs
+from .backend_parity import native_graphs
 from .parity import compare
 
 # the figures each runtime's record repeats from its report
@@ -50,8 +51,10 @@ def native_parity(model, graph: Path, dims: dict, ref: dict, val, token_bytes, p
     why = native_check_off(Path(graph).parent)
     if why is not None:
         return {"checked": False, "why": why}
+    from prunus.runtime.native_decoder import pack_export
+
     try:
-        graphs = GenaiGraphs(graph, dims, threads=os.cpu_count(), native=True)
+        graphs = native_graphs(pack_export(graph, dims), threads=os.cpu_count())
     except PrunusError as e:  # weights the kernels do not take: they never serve this export
         return {"checked": False, "why": str(e).split(": ", 1)[-1]}
     report = compare(ref, graphs, val, token_bytes, precision)

@@ -58,19 +58,11 @@ def choose_compile(compile, model) -> bool:
     """Whether the torch backend compiles its decode steps: ``compile`` True, False or "auto".
 
     "auto" compiles on the device types in ``AUTO_DEVICES`` (CUDA) where torch.compile runs, and
-    decodes eagerly on the CPU, because there the compile does not pay for itself. A compiled step
-    saves Python's per-operator cost and fuses elementwise work; a CPU decode step is bound by its
-    fp32 matmuls (84% of an eager batch-8 step of SmolLM2-135M), which compiling does not speed up
-    (oneDNN-prepacked weights, what freezing uses, measured no faster than torch's matmul there).
-    Measured on a 2-core AVX2 machine, compiled against eager decode steps in one process, alternating,
-    one thread: the demo model (3.3M parameters) stepped 1.76x faster compiled at batch 1 and 1.32x at
-    batch 8 (busy machine, 267 s to compile its four batch buckets; on an idle one the Engine served
-    0.99x and 1.14x the eager tokens/s for 69 s of compiling); SmolLM2-135M (max_len 256) stepped at
-    1.21x (batch 1) and 0.97x (batch 8) the eager speed, medians of three alternating rounds, after
-    7-17 minutes of compiling per bucket on the busy machine (49 minutes for four). On a GPU a small
-    model's decode step is bound by kernel launches, which one compiled graph per bucket removes
-    (gpt-fast's static cache; vLLM likewise captures its decode graphs at start); that side of the
-    rule was not timed on these machines.
+    decodes eagerly on the CPU, because there the compile does not pay for itself: a CPU decode step is bound
+    by its fp32 matmuls, which compiling does not speed up, and a compile takes minutes per batch bucket; on a
+    GPU a small model's step is bound by kernel launches, which one compiled graph per bucket removes (gpt-fast's
+    static cache; vLLM's captured decode graphs). docs/defaults.md has the CPU measurements; the GPU side was
+    not timed on prunus's machines.
 
     Where torch.compile cannot run, True (and "auto" where it would compile) decodes eagerly after a
     one-line :class:`CompileUnavailable` warning, never an error.

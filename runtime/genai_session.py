@@ -15,9 +15,9 @@ buffers. A prompt pass of at least its token threshold (rows x padded width) run
 every decode step run in the graph itself. The twin holds its own copy of the weights (about as much memory
 again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`).
 
-``native=True`` gives the native kernels' view of the same export instead (:class:`prunus.runtime.native.NativeSession`:
-the same ``prefill`` / ``decode`` over the native runtime, no ONNX Runtime session), as the parity check asks for it
-(:mod:`prunus.export.genai_parity`); the native runtime that serves is :mod:`prunus.runtime.native_backend`.
+ONNX Runtime only: the native kernels serve through :mod:`prunus.runtime.native_backend` (and
+:class:`prunus.runtime.native.NativeSession` drives that backend with this class's ``prefill`` / ``decode``, to
+compare the two on the same export).
 
 GroupQueryAttention needs the query batch to equal the buffer's batch, hence blocks: the serving
 backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n)``.
@@ -63,19 +63,9 @@ def prompt_twin_of(path_or_bytes, n_slots: int, max_len: int):
 
 
 class GenaiSession:
-    def __new__(cls, *args, native: bool = False, packed=None, **kwargs):
-        """``native=True``: the native kernels' session over the export's native weights (``packed``: already packed)
-        instead, :class:`prunus.runtime.native.NativeSession` (the module docstring)."""
-        if native:
-            from .native import NativeSession
-
-            return NativeSession(*args, packed=packed, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, path_or_bytes, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
                  max_len: int, threads: int | None = None, spinning: bool = True, config: dict | None = None,
-                 prompt_twin: bool = False, native: bool = False, packed=None):
-        # native / packed were taken by __new__ (a native session is a NativeSession; here native is False)
+                 prompt_twin: bool = False):
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
         self.session = ort_session(path_or_bytes, threads, spinning, config)
         self.prompt_session, self.prompt_min_tokens = None, None

@@ -141,7 +141,7 @@ def check_update(source: Path, module: str, keys: dict, A: torch.Tensor, B: torc
     "B": key}): finite, and the bounds of the module docstring within :func:`update_limit` of ``dtype``; else one
     line. The norms are the one pass: a NaN or an infinity in a tensor makes its norms so, and only then is the
     tensor searched for the element to name."""
-    # squares summed rather than torch.linalg.vector_norm: over dim 0 of a (16, 4096) A, 0.03 ms against 1 ms
+    # squares summed rather than torch.linalg.vector_norm: the faster (docs/defaults.md)
     a_rows, a_cols = float(A.abs().sum(dim=1).max()), float((A * A).sum(dim=0).sqrt().sum())
     b_rows = math.sqrt(float((B * B).sum(dim=1).max()))
     if not math.isfinite(a_rows + a_cols + b_rows):

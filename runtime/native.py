@@ -1,7 +1,8 @@
-"""The native kernels as a parity check runs them (:mod:`prunus.export.genai_parity`): every position's logits of a
-batch of tokens through a scratch cache (:func:`every_position_logits`), and greedy generation through a
-:class:`NativeSession` (the native runtime driven as a genai session is), over a genai export's native weights
-(:func:`pack_export`). The native runtime that serves is :mod:`prunus.runtime.native_backend`.
+"""The native runtime (:mod:`prunus.runtime.native_backend`) driven as a :class:`prunus.runtime.genai_session
+.GenaiSession` is (:class:`NativeSession`), over a genai export's native weights (:func:`pack_export`): the two
+runtimes compared call for call on the same export, as the tests and the decode benchmarks do. What serves is
+:mod:`prunus.runtime.native_backend`; the parity check drives it through its own protocol
+(:mod:`prunus.export.backend_parity`).
 
 The weights are the export's own numbers, read from the ``native_weights.safetensors`` it wrote beside its graph
 from the model dir's stored codes (:mod:`prunus.native.weights`); the graph itself is never parsed for them.
@@ -10,40 +11,22 @@ from the model dir's stored codes (:mod:`prunus.native.weights`); the graph itse
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from prunus.native.decoder import NativeDecoder
 from prunus.native.weights import PackedModel
 
-from .native_decoder import pack_export  # noqa: F401  (the parity check's API)
-
-
-def every_position_logits(packed: PackedModel, dims: dict, tokens: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """tokens (batch, seq) -> logits (batch, seq, vocab) of every position, through a scratch cache of its own."""
-    b, s = tokens.shape
-    shape = (b, dims["n_kv_heads"], s, dims["head_dim"])
-    k, v = ([np.zeros(shape, np.float32) for _ in range(dims["n_layers"])] for _ in range(2))
-    decoder = NativeDecoder(packed, k, v, b, s, threads)
-    try:
-        logits = np.empty((b * s, dims["vocab_size"]), np.float32)
-        decoder.forward(tokens.long().numpy(), np.zeros(b, np.int32), np.full(b, s, np.int32), 0, logits,
-                        every_position=True)
-    finally:
-        decoder.close()
-    return torch.from_numpy(logits.reshape(b, s, -1))
-
+from .native_decoder import pack_export
 
 
 class NativeSession:
     """A genai export's native weights in the native runtime (:class:`prunus.runtime.native_backend.NativeBackend`),
-    driven as a :class:`prunus.runtime.genai_session.GenaiSession` is (what ``GenaiSession(..., native=True)`` gives):
+    driven as a :class:`prunus.runtime.genai_session.GenaiSession` is, with the same arguments:
     ``prefill(start, prompts)`` into slots ``[start, start + b)`` and ``decode(lengths, tokens)`` of slots ``[0, b)``
     at the caller's lengths, each returning a view of the logits valid until the next pass; ``k`` / ``v`` are its KV
-    buffers. The parity check's greedy generation runs it (:mod:`prunus.export.genai_parity`). ``config`` is ONNX
-    Runtime's session options, which a native session has none of."""
+    buffers. ``config`` and ``spinning`` are ONNX Runtime's session options, which a native session has none of."""
 
     def __init__(self, graph, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
-                 max_len: int, threads: int | None = None, config: dict | None = None, packed: PackedModel | None = None):
+                 max_len: int, threads: int | None = None, config: dict | None = None, packed: PackedModel | None = None,
+                 spinning: bool = True):
         from .native_backend import NativeBackend
 
         dims = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}

@@ -39,7 +39,7 @@ from .registry import Loaded
 
 # Prompt tokens per row per pass of ``extend`` when the load leaves ``prefill_chunk`` at "auto": a prompt in chunks of
 # 64 costs no more than whole in the native kernels, while every decode step beside it waits one chunk's pass instead
-# of the whole prompt's (the measurement is at prunus.runtime.ort_genai.PREFILL_CHUNK_GENAI)
+# of the whole prompt's (docs/defaults.md)
 PREFILL_CHUNK = 64
 
 

@@ -7,13 +7,14 @@ once, and weights the kernels mirror. A genai export also needs the ``native_wei
 check that did not fail on them, and no option that needs ONNX Runtime (``prompt_graph``: the prompt twin is an ONNX
 Runtime graph); elsewhere it loads on ONNX Runtime (:mod:`prunus.runtime.ort_genai`). A model dir needs what the torch
 backend alone serves to be off (another device, tensor parallelism, a device map, a dtype, ``compile=True``, an
-explicit ``backend="torch"``); elsewhere it loads on torch. Either way the info's ``native`` says why, in one line.
+explicit ``backend="torch"``) and the kernels' kept parity check of the dir passed (``prunus serve`` runs it once);
+elsewhere it loads on torch. Either way the info's ``native`` says why, in one line.
 ``native=False`` (``--no-native``) keeps ONNX Runtime / torch; ``native=True`` (``--native``) asks for the kernels and
 is refused in one line where they cannot run. The ``kv_dtype="f16"`` cache exists only in the native kernels: it
 cannot fall back.
 
-Why the kernels by default (SmolLM2-135M, docs/results.md, native decoder): decode tokens/s at batch 1 over the
-genai graph in ONNX Runtime 1.0-1.4x, peak memory no higher (``benchmarks/native_memory.py``).
+Why the kernels by default: faster decode than ONNX Runtime over the same weights, peak memory no higher
+(docs/defaults.md, docs/results.md).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def model_dir_off(path: Path, config: dict, options: LoadOptions, asked_backend:
                   parity: bool = True) -> str | None:
     """Why a transformer model dir is not decoded natively (None: it is tried natively): an option only the torch
     backend serves, weights the kernels do not take, a CPU they do not run on, or their kept parity check of the dir
-    failed (:func:`prunus.runtime.native_parity.recorded_dir_native_off`; ``parity=False``: not asked, as where the
+    failed or is not there yet (:func:`prunus.runtime.native_parity.recorded_dir_native_off`; ``parity=False``: not asked, as where the
     kernels were asked for by name)."""
     from prunus.native.build import cpu_supported
 

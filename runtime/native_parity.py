@@ -8,10 +8,10 @@ At load, ``native="auto"`` does not choose kernels whose recorded check failed (
 engine's info and ``prunus info`` show each runtime's figures (:func:`native_parity_line`).
 
 A model dir the native runtime serves directly has no export to record it: ``prunus serve`` checks the kernels on it
-once, with the export's limits (:mod:`prunus.export.native_dir_parity`), and keeps the record in the kernels' cache,
+once, with the export's limits (:mod:`prunus.export.native_dir_parity`), and keeps the record in prunus's cache,
 named by the dir's content hash, this CPU's kernel path and prunus's version (:func:`dir_verdict_path`); a load under
-``native="auto"`` reads it there (:func:`recorded_dir_native_off`): kernels whose check of that dir failed do not
-serve it.
+``native="auto"`` reads it there (:func:`recorded_dir_native_off`): kernels whose check of that dir failed, or that
+have not been checked on it yet, do not serve it (``native=True`` asks for them by name, checked or not).
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def dir_verdict_path(parent_hash: str) -> Path:
     import hashlib
 
     import prunus
-    from prunus.artifacts.cache_dir import xdg_base
+    from prunus.artifacts.cache_dir import cache_base
 
     key = hashlib.sha256(f"{parent_hash}|{chosen_isa()}|{prunus.__version__}".encode()).hexdigest()[:24]
-    return xdg_base() / "native" / "parity" / f"{key}.json"
+    return cache_base() / "native-parity" / f"{key}.json"
 
 
 def dir_parity(model_dir: Path) -> dict | None:
@@ -104,9 +104,16 @@ def dir_parity(model_dir: Path) -> dict | None:
     return record if isinstance(record, dict) and record.get("parent") == parent else None
 
 
+UNCHECKED_DIR = ("the native kernels have not been checked on this model dir on this kernel path yet (prunus serve "
+                 "checks it once, as does Engine.load(..., prepare=prunus.export.prepared_path); native=True serves it "
+                 "unchecked)")
+
+
 def recorded_dir_native_off(model_dir: Path) -> str | None:
-    """Why ``native="auto"`` must not serve a model dir in the kernels: their kept parity check of it failed."""
-    return _failed(dir_parity(model_dir), "the model dir's")
+    """Why ``native="auto"`` must not serve a model dir in the kernels: their kept parity check of it failed, or there
+    is none yet (the runtime that serves is the runtime that was checked)."""
+    record = dir_parity(model_dir)
+    return UNCHECKED_DIR if record is None else _failed(record, "the model dir's")
 
 
 def dir_parity_line(model_dir: Path) -> str:

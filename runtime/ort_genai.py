@@ -42,34 +42,21 @@ from .load_options import LoadOptions
 from .registry import Loaded
 
 
-# ONNX Runtime's pool threads spin between parallel sections (its default), as llama.cpp's do. SmolLM2-135M, 2 threads,
-# batch 1, 64 tokens, Engines alternating on an idle 2-core machine: spinning decoded 1.19x (int8) and 1.10x (int4)
-# the tokens/s of sleeping threads. On a busy machine it is the other way round (sleeping took 0.54x the step time
-# of spinning, int8): spinning threads take the cores other work needs. One thread has no pool to spin.
+# ONNX Runtime's pool threads spin between parallel sections (its default), as llama.cpp's do: faster on an idle
+# machine, slower on a busy one (docs/defaults.md). One thread has no pool to spin.
 SPINNING = True
 
 # Prompt tokens per row per pass of ``extend`` when the load leaves ``prefill_chunk`` at "auto" (the torch backend
-# takes 256). SmolLM2-135M int8 genai, one 512-token prompt at 1 thread (EPYC, load average 3 to 7), best of 3:
-# whole 2.72-3.05 s; in chunks of 256 / 128 / 64: 3.15 / 2.96 / 2.66 s in all, its longest pass 1.62 / 0.80 / 0.35 s
-# (ONNX Runtime); with --native 2.61 s whole, 2.35 s in chunks of 64 (one native pass each), longest pass 0.34 s. A
-# prompt in chunks of 64 costs no more than whole (its attention over the cached part is a small share of a pass,
-# and MatMulNBits's per-row work does not shrink with more rows), while every decode step beside it waits one
-# chunk's pass instead of the whole prompt's: 64 tokens. With --prompt-graph the chunk is the twin's threshold, so that a
-# row's chunk reaches the twin.
+# takes 256): a prompt in chunks of 64 costs no more than whole, and every decode step beside it waits one chunk's
+# pass instead of the whole prompt's (docs/defaults.md). With --prompt-graph the chunk is the twin's threshold, so
+# that a row's chunk reaches the twin.
 PREFILL_CHUNK_GENAI = 64
 
 
 def ort_batch_invariant(export: dict) -> bool:
-    """Whether ONNX Runtime gives a row the same logits bits alone and batched over this export's genai graph. On
-    AMD EPYC (AVX2, ONNX Runtime 1.31), one node, a row at M = 1 against the same row among M = 2..64 (max |Δ|):
-    float MatMul (K x N 576 x 1536, 1536 x 576, 576 x 49152, 2048 x 2048; 1 and 2 threads): 0; MatMulNBits bits 8
-    at accuracy level 4 (activations quantized to int8 per row and block): 0; bits 8 at level 0 (float
-    activations): 1.1e-5; bits 4 at level 4: 6.0e-7; bits 4 at level 0: 1.7e-6 (a one-row pass runs in a kernel of
-    its own). A random 2-layer model of SmolLM2-135M's widths, 8 rows alone against batched (prompt pass and 4
-    decode steps, 1 and 2 threads): fp32 and int8 at level 4 the same bits; int8 at level 0 1.5e-6; int4 at level
-    4 9e-7 after the prompt pass, 0.023 after 4 decode steps (int8 activation rounding magnifies it); int4 at
-    level 0 2.7e-6; ``use_deterministic_compute`` changed nothing. So fp32 and an int8 export of 8-bit
-    MatMulNBits (prunus writes accuracy level 4) are invariant; int4 is not, and no session setting makes it so."""
+    """Whether ONNX Runtime gives a row the same logits bits alone and batched over this export's genai graph:
+    fp32 and 8-bit MatMulNBits at accuracy level 4 (what prunus writes) do; int4 does not, and no session setting
+    makes it so (docs/defaults.md has the per-node and per-model measurements)."""
     precision = export.get("precision")
     return precision == "fp32" or precision == "int8" and export.get("int8_style") == "matmulnbits"
 

@@ -18,8 +18,8 @@ a fraction of a core. A loaded machine's wait is bounded all the same: :data:`WA
 the clock. Where ``/proc`` cannot be read the deadline is the clock's.
 
 A grammar that compiled in time is then compiled again by the serving process (the same work, so the same
-time). Its compiled form does not travel back: xgrammar 0.2.8's ``CompiledGrammar.serialize_json`` wrote 553 MB
-in 34 s for an object of 64 properties with ``minProperties`` that compiled in 0.2 s (3 MB in memory).
+time). Its compiled form does not travel back: xgrammar 0.2.8's ``CompiledGrammar.serialize_json`` can take
+hundreds of times the compile's time and memory (docs/defaults.md).
 
 Hosts and children run at a lower CPU priority than the serving process and die with their parent (Linux's
 parent-death signal; an idle host also leaves when its socket closes).

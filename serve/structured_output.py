@@ -223,14 +223,19 @@ def _settle(model: _Model, key: str, what: str, field: str, outcome) -> "Grammar
     raise outcome
 
 
+def _cached(model: _Model, what: str, value, field: str) -> tuple[str, str, "Grammar | None"]:
+    """The constraint's text (checked against the model's caps), its cache key, and its cached grammar or None."""
+    text = constraint_text(what, value, field, model.limits)
+    key = _key(what, text)
+    return text, key, model.lookup(key, what, field)
+
+
 def compile_constraint(tokenizer, vocab_size: int, what: str, value, field: str) -> "Grammar":
     """The grammar of ``value`` (a schema as a dict or JSON text, or a regex), compiled within the model's limits
     (blocking), or one PrunusError line naming ``field``. Cached by its kind and text."""
     _xgrammar()
     model = _model(tokenizer, vocab_size)
-    text = constraint_text(what, value, field, model.limits)
-    key = _key(what, text)
-    grammar = model.lookup(key, what, field)
+    text, key, grammar = _cached(model, what, value, field)
     if grammar is not None:
         return grammar
     try:
@@ -247,9 +252,7 @@ async def compile_request(tokenizer, vocab_size: int, what: str, value, field: s
     loop = asyncio.get_running_loop()
     _xgrammar()
     model = await loop.run_in_executor(None, _model, tokenizer, vocab_size)  # tokenizer tables: seconds, once
-    text = constraint_text(what, value, field, model.limits)
-    key = _key(what, text)
-    grammar = model.lookup(key, what, field)
+    text, key, grammar = _cached(model, what, value, field)
     if grammar is not None:
         return grammar
     try:

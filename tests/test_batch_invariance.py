@@ -18,6 +18,7 @@ from prunus.export.genai_graph import GENAI_GRAPH
 from prunus.models import load_model, save_model
 from prunus.native.build import ISAS, isa_missing, set_isa, unavailable
 from prunus.runtime.genai_session import GenaiSession
+from prunus.runtime.native import NativeSession
 from prunus.serve import Engine
 
 PRECISIONS = ("fp32", "int8", "int4")
@@ -81,7 +82,7 @@ def test_native_logits_are_the_same_bits_alone_and_batched(artifacts, kernel_pat
     dims = genai_dims(model)
 
     def run(prompts):
-        sess = GenaiSession(path, **dims, n_slots=len(prompts), max_len=64, threads=2, native=True)
+        sess = NativeSession(path, **dims, n_slots=len(prompts), max_len=64, threads=2)
         try:
             out = [sess.prefill(0, prompts).copy()]
             lengths = np.array([len(p) for p in prompts], np.int64)

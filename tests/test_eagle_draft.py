@@ -44,7 +44,7 @@ def dirs(trained_run, tmp_path_factory):
 def _extra(where: str) -> dict:
     """How each place loads: the model dir on torch, the model dir natively (its weights packed at load), the
     genai export natively."""
-    return {"target": {"backend": "torch"}, "native": {}, "export": {"native": True}}[where]
+    return {"target": {"backend": "torch"}, "native": {"native": True}, "export": {"native": True}}[where]
 
 
 def test_the_cli_writes_a_draft_with_its_lineage(dirs):

@@ -18,6 +18,7 @@ from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai
 from prunus.export.genai_parity import GenaiGraphs
 from prunus.export.native_weights import write_native_weights
 from prunus.runtime.genai_session import GenaiSession
+from prunus.runtime.native import NativeSession
 from prunus.models import generate, load_model, save_model
 from prunus.models.config import ModelConfig
 from prunus.models.llama import Transformer
@@ -52,8 +53,9 @@ def _session(model, tmp_path, n_slots: int, max_len: int = 48, native: bool = Fa
     if native:  # the native decoder's weights, as export writes them beside the graph
         write_native_weights(model, tmp_path)
     cfg = model.config
-    return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=1, native=native)
+    return (NativeSession if native else GenaiSession)(
+        path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+        n_slots=n_slots, max_len=max_len, threads=1)
 
 
 def _want(model, prompt: list[int], n: int) -> list[int]:

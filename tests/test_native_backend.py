@@ -30,8 +30,10 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """Per precision: a model dir (int8 / int4 stored weights) and its genai export."""
-    from prunus.export import export_model
+    """Per precision: a model dir (int8 / int4 stored weights), the kernels checked on it as `prunus serve` checks
+    it (so that native="auto" serves it in them), and its genai export."""
+    from prunus.export import export_model, prepared_path
+    from prunus.runtime.load_options import LoadOptions
 
     root = tmp_path_factory.mktemp("native-backend")
     torch.manual_seed(0)
@@ -45,6 +47,7 @@ def dirs(tmp_path_factory):
             quantized = quantize_pass(load_model(root / "fp32"), None, scheme=scheme, exclude=[])
             save_model(quantized, root / precision, stage="compress", parent=root / "fp32", command="test")
         export_model(root / precision, root / f"{precision}-export", graph="genai", progress=False)
+        assert prepared_path(root / precision, None, LoadOptions(), False, progress=False)[0] == root / precision
         out[precision] = (root / precision, root / f"{precision}-export")
     return out
 
@@ -159,7 +162,7 @@ def test_options_only_torch_serves_keep_a_model_dir_on_torch(dirs):
 
 def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp_path, monkeypatch):
     """A model dir served natively by `prunus serve` has the kernels checked on it with the export's limits, once per
-    content and kernel path (kept in the kernels' cache); a kept failure keeps native="auto" off that dir, with the
+    content and kernel path (kept in prunus's cache); until then, and after a kept failure, native="auto" keeps off that dir, with the
     figures in the reason, and `prunus serve` prepares its ONNX Runtime export instead."""
     import json
 
@@ -173,6 +176,8 @@ def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp
     model_dir, _ = dirs["int4"]
     assert dir_parity(model_dir) is None
     with Engine.load(model_dir, max_batch=1, max_len=32, threads=1) as e:
+        assert e.info["runtime"] == "torch" and "have not been checked on this model dir" in e.info["native"]
+    with Engine.load(model_dir, max_batch=1, max_len=32, threads=1, native=True) as e:
         assert e.info["native_parity"].startswith("not checked on this kernel path yet")
     path, info = prepared_path(model_dir, None, LoadOptions(), False, progress=False)
     record = dir_parity(model_dir)
@@ -182,7 +187,7 @@ def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp
         assert e.info["native_parity"].startswith(f"passed on {record['isa']} (top-1 ")
     monkeypatch.setattr(native_dir_parity, "check_native_dir", lambda d: pytest.fail("checked twice"))
     assert prepared_path(model_dir, None, LoadOptions(), False, progress=False)[0] == model_dir
-    kept = next((tmp_path / "xdg" / "prunus" / "native" / "parity").glob("*.json"))
+    kept = next((tmp_path / "cache" / "native-parity").glob("*.json"))
     kept.write_text(json.dumps({**record, "passed": False, "failed": ["max_abs_logits"], "max_abs_logits": 9.0}))
     with Engine.load(model_dir, max_batch=1, max_len=32, threads=1) as e:
         assert e.info["runtime"] == "torch"

@@ -201,12 +201,12 @@ def _graph(model, tmp_path):
 
 def _session(model, path, n_slots: int, max_len: int, native: bool, threads: int = 1) -> GenaiSession:
     cfg = model.config
-    return GenaiSession(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=threads, native=native)
+    return (NativeSession if native else GenaiSession)(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=threads)
 
 
 def _native_prefill(sess, prompts) -> np.ndarray:
-    """Every prompt through the native kernels of a native session (``GenaiSession(..., native=True)``)."""
+    """Every prompt through the native kernels of a native session (:class:`NativeSession`)."""
     return sess.prefill(0, prompts).copy()
 
 
@@ -413,18 +413,19 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_the_parity_check_runs_through_the_native_kernels(trained_run, tmp_path, precision):
-    """``GenaiGraphs(native=True)``: every position's logits and greedy decoding through the native kernels pass
-    the export's own parity check, with fp32 at the PyTorch model's bits per byte."""
+    """The native backend that serves, driven through its protocol (``native_graphs``): every position's logits and
+    greedy decoding pass the export's own parity check, with fp32 at the PyTorch model's bits per byte."""
     from prunus.data.corpus import default_data, load_corpus
-    from prunus.export.genai_parity import GenaiGraphs
+    from prunus.export.backend_parity import native_graphs
     from prunus.export.parity import check_parity
+    from prunus.runtime.native import pack_export
     from prunus.models import load_model_tokenizer
 
     model = load_model(trained_run / "model").eval()
     export_model(trained_run / "model", tmp_path / "e", precision=precision, progress=False)
     tokenizer = load_model_tokenizer(trained_run / "model")
     corpus = load_corpus(default_data(None, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
-    graphs = GenaiGraphs(tmp_path / "e" / GENAI_GRAPH, genai_dims(model), threads=2, native=True)
+    graphs = native_graphs(pack_export(tmp_path / "e" / GENAI_GRAPH, genai_dims(model)), threads=2)
     report = check_parity(model, graphs, corpus.val, tokenizer.token_bytes(), precision, eval_tokens=4096)
     assert report["passed"], report
     if precision == "fp32":

@@ -81,8 +81,8 @@ def test_kernels_that_fail_their_check_are_not_what_serves(trained_run, tmp_path
     it in ONNX Runtime with the reason; the tokens are ONNX Runtime's."""
     from prunus.export import served_parity
 
-    real = served_parity.GenaiGraphs
-    monkeypatch.setattr(served_parity, "GenaiGraphs", lambda *a, **k: _Noisy(real(*a, **k)))
+    real = served_parity.native_graphs
+    monkeypatch.setattr(served_parity, "native_graphs", lambda *a, **k: _Noisy(real(*a, **k)))
     export_model(trained_run / "model", tmp_path / "e", precision="int8", progress=False)
     report = json.loads((tmp_path / "e" / "parity.json").read_text())
     assert report["passed"] and report["runtimes"]["onnxruntime"]["passed"]

@@ -77,26 +77,18 @@ def _reduce(x: torch.Tensor, group, label: str, op=dist.ReduceOp.SUM) -> torch.T
     return x
 
 
-class _AllGather(torch.autograd.Function):
+class _GatherOrScatter(torch.autograd.Function):
+    """All-gather forward and reduce-scatter backward (``gather``), or the other way round: each the other's
+    adjoint."""
+
     @staticmethod
-    def forward(ctx, x, dim, group, label):
-        ctx.dim, ctx.group, ctx.label = dim, group, label
-        return _gather(x, dim, group, label)
+    def forward(ctx, x, dim, group, label, gather):
+        ctx.dim, ctx.group, ctx.label, ctx.gather = dim, group, label, gather
+        return (_gather if gather else _scatter)(x, dim, group, label)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, ctx.dim, ctx.group, ctx.label), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, label):
-        ctx.dim, ctx.group, ctx.label = dim, group, label
-        return _scatter(x, dim, group, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group, ctx.label), None, None, None
+        return (_scatter if ctx.gather else _gather)(grad, ctx.dim, ctx.group, ctx.label), None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -126,11 +118,11 @@ def _size(group) -> int:
 
 
 def all_gather(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
-    return x if _size(group) == 1 else _AllGather.apply(x, dim, group, label)
+    return x if _size(group) == 1 else _GatherOrScatter.apply(x, dim, group, label, True)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
-    return x if _size(group) == 1 else _ReduceScatter.apply(x, dim, group, label)
+    return x if _size(group) == 1 else _GatherOrScatter.apply(x, dim, group, label, False)
 
 
 def all_reduce(x: torch.Tensor, group, label: str) -> torch.Tensor:

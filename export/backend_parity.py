@@ -1,0 +1,83 @@
+"""A serving runtime as the parity check sees it (:mod:`prunus.export.parity`): the very :class:`Backend` that
+serves (:mod:`prunus.runtime.backend`), driven through its own protocol.
+
+``graphs(tokens)`` gives every position's logits of a batch of token rows: each row is prefilled with its first
+token (that position's logits) and the rest goes through ``verify_rows`` in one pass, the call speculative
+decoding verifies drafts with (the logits after each token). ``graphs.greedy(prompts, n)`` prefills the prompts
+and decodes greedily, step by step, through the backend's KV cache; ``follow`` feeds given tokens instead
+(teacher forcing through the cache). A fresh backend of just the rows and positions a call needs is made for
+each call (``make(n_slots, max_len)``) and closed after it.
+
+The native kernels' record of an export or of a model dir is this over :class:`prunus.runtime.native_backend
+.NativeBackend`: what the check decodes through is what ``prunus serve`` decodes through.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from prunus.artifacts.errors import PrunusError
+
+
+class BackendGraphs:
+    """``graphs(tokens)`` -> every position's logits and ``graphs.greedy(prompts, n)`` through backends that
+    ``make(n_slots, max_len)`` builds; each must verify rows (``capabilities.verify_rows``)."""
+
+    def __init__(self, make: Callable[[int, int], object]):
+        self.make = make
+
+    def _backend(self, n_slots: int, max_len: int):
+        backend = self.make(n_slots, max_len)
+        if not backend.capabilities.verify_rows:
+            backend.close()
+            raise PrunusError(f"the {getattr(backend, 'name', 'runtime')} backend cannot verify rows: no parity "
+                              "check through it")
+        return backend
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab), like the PyTorch model without a cache."""
+        b, s = tokens.shape
+        rows = list(range(b))
+        backend = self._backend(b, s)
+        try:
+            first = backend.prefill(rows, [[int(t)] for t in tokens[:, 0]]).float()
+            if s == 1:
+                return first[:, None]
+            rest = backend.verify_rows(rows, [row.tolist() for row in tokens[:, 1:]])
+            return torch.stack([torch.cat([first[i:i + 1], rest[i].float()]) for i in rows])
+        finally:
+            backend.close()
+
+    @torch.inference_mode()
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+               follow: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, prompt_len) prompts -> (batch, max_new_tokens) greedy tokens through the backend's KV cache.
+        ``attention_mask`` (1 = real token) trims padding off each prompt; ``follow`` (batch, max_new_tokens): feed
+        these tokens instead of the argmaxes; the argmax of every step is still returned."""
+        b, s = prompt.shape
+        rows = list(range(b))
+        prompts = [p.tolist() if attention_mask is None else p[attention_mask[i].bool()].tolist()
+                   for i, p in enumerate(prompt)]
+        backend = self._backend(b, s + max_new_tokens)
+        try:
+            logits, out = backend.prefill(rows, prompts), []
+            for i in range(max_new_tokens):
+                token = logits.float().argmax(-1)
+                out.append(token.long().cpu())
+                if i + 1 < max_new_tokens:
+                    fed = follow[:, i] if follow is not None else token
+                    logits = backend.decode(rows, [int(t) for t in fed])
+        finally:
+            backend.close()
+        return torch.stack(out, dim=1)
+
+
+def native_graphs(packed, threads: int | None = None) -> BackendGraphs:
+    """The native runtime that serves (:class:`prunus.runtime.native_backend.NativeBackend`) over ``packed`` weights
+    (an export's ``native_weights.safetensors`` or a model dir's, packed at load), as the parity check drives it."""
+    from prunus.runtime.native_backend import NativeBackend
+
+    return BackendGraphs(lambda n_slots, max_len: NativeBackend(packed, n_slots, max_len, threads))
