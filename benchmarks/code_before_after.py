@@ -1,16 +1,14 @@
-"""Decode and training speed of this checkout beside an earlier commit of prunus, on the same artifacts, in one run.
+"""Decode speed of this checkout beside an earlier commit of prunus, on the same artifacts, in one run.
 
 A refactor promises "unchanged or better": this puts a number on it. The earlier commit is checked
 out into a temporary git worktree; each contender (tree x runtime) runs in a process of its own with
 that tree first on ``sys.path``, and rounds alternate the trees so that drift on a shared machine
 falls on both. Printed: tokens/s per runtime and batch for each tree (median of the rounds, with the
-range) and the ratio this / earlier. A ``train=PRESET`` case trains that preset from scratch on the built-in
-corpus for ``--train-steps`` steps and reports the median tokens/s of the steps after the first five (from the
-run's metrics). Never fails on a timing.
+range) and the ratio this / earlier (training speed: :mod:`benchmarks.train_before_after`). Never fails on a
+timing.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.code_before_after --ref 67f88c4 \\
-        --case torch=runs/real-models/smollm2-135m-instruct/model --case ort=EXPORT_DIR --case native=EXPORT_DIR \\
-        --case train=small
+        --case torch=runs/real-models/smollm2-135m-instruct/model --case ort=EXPORT_DIR --case native=EXPORT_DIR
 """
 
 from __future__ import annotations
@@ -48,25 +46,9 @@ engine.close()
 """
 
 
-_TRAIN_WORKER = r"""
-import json, statistics, sys, tempfile
-tree, preset, steps, threads = sys.argv[1:5]
-sys.path.insert(0, tree)
-from prunus.train_parallel import TrainConfig, read_metrics, train
-out = tempfile.mkdtemp(prefix="prunus-train-speed-")
-cfg = TrainConfig(out=out, preset=preset, steps=int(steps), batch_size=8, seq_len=128, warmup_steps=2, log_every=1,
-                  eval_every=10**6, ckpt_every=0, progress=False, device="cpu")
-train(cfg, overwrite=True)
-rates = [r["tokens_per_s"] for r in read_metrics(out) if "tokens_per_s" in r][5:]
-print(json.dumps({"tok_s": statistics.median(rates)}))
-"""
-
-
 def _one(tree: Path, path: str, kind: str, batch: int, tokens: int, threads: int) -> float | None:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads)}
-    argv = ([_TRAIN_WORKER, str(tree), path, str(tokens), str(threads)] if kind == "train" else
-            [_WORKER, str(tree), path, kind, str(batch), str(tokens), str(threads)])
-    r = subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", _WORKER, str(tree), path, kind, str(batch), str(tokens), str(threads)], capture_output=True, text=True, env=env,
                        cwd=tempfile.gettempdir())
     if r.returncode != 0:
         print(f"  {kind} failed in {tree}: {r.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -78,12 +60,11 @@ def _one(tree: Path, path: str, kind: str, batch: int, tokens: int, threads: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ref", required=True, help="the earlier commit")
-    ap.add_argument("--case", action="append", required=True, metavar="torch|ort|native=DIR or train=PRESET")
+    ap.add_argument("--case", action="append", required=True, metavar="torch|ort|native=DIR")
     ap.add_argument("--batch", default="1,8", type=lambda v: [int(b) for b in v.split(",")])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--train-steps", type=int, default=30, help="steps of a train=PRESET case")
     args = ap.parse_args()
     cases = [c.split("=", 1) for c in args.case]
     with tempfile.TemporaryDirectory(prefix="prunus-before-") as tmp:
@@ -105,16 +86,14 @@ def _link_this(tmp: Path) -> Path:
 def _run(args, cases, trees) -> None:
     print(machine_line())
     print(f"decode tokens/s, {args.tokens} new tokens, {args.threads} thread(s), median of {args.rounds} rounds; "
-          f"earlier = {args.ref}; a train case: training tokens/s, batch 8 x 128 tokens, {args.train_steps} steps",
-          flush=True)
+          f"earlier = {args.ref}", flush=True)
     for kind, path in cases:
-        tokens = args.train_steps if kind == "train" else args.tokens
-        for batch in [8] if kind == "train" else args.batch:
-            got = alternating_rounds({name: (lambda tree=tree: _one(tree, path, kind, batch, tokens, args.threads))
+        for batch in args.batch:
+            got = alternating_rounds({name: (lambda tree=tree: _one(tree, path, kind, batch, args.tokens, args.threads))
                                       for name, tree in trees.items()}, args.rounds)
             ratio = (statistics.median(got["this"]) / statistics.median(got["earlier"])
                      if got["this"] and got["earlier"] else float("nan"))
-            print(f"{kind + ' ' + path if kind == 'train' else kind:7s} batch {batch}: this {median_range(got['this']):>20s}  earlier {median_range(got['earlier']):>20s}  "
+            print(f"{kind:7s} batch {batch}: this {median_range(got['this']):>20s}  earlier {median_range(got['earlier']):>20s}  "
                   f"this/earlier {ratio:.2f}x", flush=True)
 
 

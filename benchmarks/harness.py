@@ -236,7 +236,7 @@ def serve(handlers: dict[str, Callable[..., dict]], inp, out) -> None:
 
 def git_tree(ref: str, tmp: Path, name: str = "earlier") -> Path:
     """A worktree of prunus at ``ref`` under ``tmp`` and a dir holding a ``prunus`` link to it, returned: put it first
-    on ``sys.path`` / PYTHONPATH to import that commit's prunus. Remove it with ``git worktree remove``."""
+    on the import path (PYTHONPATH) to import that commit's prunus. Remove it with ``git worktree remove``."""
     root = Path(__file__).resolve().parents[1]
     work = tmp / f"{name}-tree"
     subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(work), ref], check=True,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from torch import nn
 
-from benchmarks.code_before_after import ROOT, _link_this, _tree
-from benchmarks.harness import alternating_rounds, machine_line, median_range
+from benchmarks.code_before_after import ROOT, _link_this
+from benchmarks.harness import alternating_rounds, git_tree, machine_line, median_range
 
 _WORKER = r"""
 import json, sys, tempfile
@@ -75,7 +75,7 @@ def main() -> None:
           f"earlier = {args.ref}", flush=True)
     with tempfile.TemporaryDirectory(prefix="prunus-before-") as tmp:
         trees = {"this": ROOT.parent if (ROOT.parent / "prunus").exists() else _link_this(Path(tmp)),
-                 "earlier": _tree(args.ref, Path(tmp))}
+                 "earlier": git_tree(args.ref, Path(tmp))}
         try:
             for kind in ("module", "transformer"):
                 got = alternating_rounds({name: (lambda tree=tree: _one(tree, kind, args.steps, args.threads))
@@ -85,7 +85,7 @@ def main() -> None:
                 print(f"{kind:12s} this {median_range(got['this'], '.2f'):>22s}  earlier "
                       f"{median_range(got['earlier'], '.2f'):>22s}  this/earlier {ratio:.2f}x", flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "tree")],
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "earlier-tree")],
                            capture_output=True)
 
 
