@@ -1,7 +1,8 @@
 """An ONNX file's initializers and nodes found in place: the protobuf wire format walked over a memory map.
 
 ``onnx.load`` copies every weight out of the file into the message and again out of the message into Python bytes,
-many times the cost of one pass over the numbers (docs/defaults.md). Checking a graph's initializers at load needs only where each one's bytes lie, so this walks the few
+many times the cost of one pass over the numbers (docs/defaults.md). Checking a graph's initializers at load needs
+only where each one's bytes lie, so this walks the few
 messages it needs (ModelProto.graph, GraphProto's nodes, initializers and sparse initializers, NodeProto's op type,
 inputs and subgraph attributes, TensorProto's name, dims, type and data) and skips every other field by its length.
 A tensor's inline data is a view of the map, never copied. Every length is checked against its enclosing message;

@@ -48,8 +48,8 @@ engine.close()
 
 def _one(tree: Path, path: str, kind: str, batch: int, tokens: int, threads: int) -> float | None:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads)}
-    r = subprocess.run([sys.executable, "-c", _WORKER, str(tree), path, kind, str(batch), str(tokens), str(threads)], capture_output=True, text=True, env=env,
-                       cwd=tempfile.gettempdir())
+    r = subprocess.run([sys.executable, "-c", _WORKER, str(tree), path, kind, str(batch), str(tokens), str(threads)],
+                       capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if r.returncode != 0:
         print(f"  {kind} failed in {tree}: {r.stderr.strip().splitlines()[-1:]}", flush=True)
         return None

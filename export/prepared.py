@@ -4,7 +4,9 @@ a CPU or weights the kernels do not take, :mod:`prunus.runtime.native_choice`), 
 prepared once and cached.
 
 ``prunus serve MODEL_DIR`` on a CPU does not decode through the torch Engine by default: the genai export decodes
-faster in ONNX Runtime, and faster again in the native kernels (docs/defaults.md, docs/results.md). So where the native kernels do not serve the dir, the first time it is served :func:`prepare` exports it (``prunus export --graph genai``, at the dir's own precision, with the
+faster in ONNX Runtime, and faster again in the native kernels (docs/defaults.md, docs/results.md). So where the
+native kernels do not serve the dir, the first time it is served :func:`prepare` exports it (``prunus export --graph
+genai``, at the dir's own precision, with the
 export's parity check against PyTorch: a graph that fails it is not served) into a cache dir, and every later
 serve of the same dir loads the cached export at once.
 

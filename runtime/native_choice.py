@@ -90,8 +90,8 @@ def model_dir_off(path: Path, config: dict, options: LoadOptions, asked_backend:
                   parity: bool = True) -> str | None:
     """Why a transformer model dir is not decoded natively (None: it is tried natively): an option only the torch
     backend serves, weights the kernels do not take, a CPU they do not run on, or their kept parity check of the dir
-    failed or is not there yet (:func:`prunus.runtime.native_parity.recorded_dir_native_off`; ``parity=False``: not asked, as where the
-    kernels were asked for by name)."""
+    failed or is not there yet (:func:`prunus.runtime.native_parity.recorded_dir_native_off`; ``parity=False``: not
+    asked, as where the kernels were asked for by name, or where ``prunus serve`` checks the dir next)."""
     from prunus.native.build import cpu_supported
 
     reasons = ((asked_backend is not None, f"--backend {asked_backend} was asked for"),

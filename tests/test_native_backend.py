@@ -162,8 +162,8 @@ def test_options_only_torch_serves_keep_a_model_dir_on_torch(dirs):
 
 def test_the_kernels_parity_check_of_a_dir_is_run_once_kept_and_obeyed(dirs, tmp_path, monkeypatch):
     """A model dir served natively by `prunus serve` has the kernels checked on it with the export's limits, once per
-    content and kernel path (kept in prunus's cache); until then, and after a kept failure, native="auto" keeps off that dir, with the
-    figures in the reason, and `prunus serve` prepares its ONNX Runtime export instead."""
+    content and kernel path (kept in prunus's cache); until then, and after a kept failure, native="auto" keeps off
+    that dir, with the figures in the reason, and `prunus serve` prepares its ONNX Runtime export instead."""
     import json
 
     from prunus.export import prepared_path

@@ -201,8 +201,9 @@ def _graph(model, tmp_path):
 
 def _session(model, path, n_slots: int, max_len: int, native: bool, threads: int = 1) -> GenaiSession:
     cfg = model.config
-    return (NativeSession if native else GenaiSession)(path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        vocab_size=cfg.vocab_size, n_slots=n_slots, max_len=max_len, threads=threads)
+    return (NativeSession if native else GenaiSession)(
+        path, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+        n_slots=n_slots, max_len=max_len, threads=threads)
 
 
 def _native_prefill(sess, prompts) -> np.ndarray:
