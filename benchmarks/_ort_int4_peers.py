@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 import torch
 
-from prunus.export.ort_graphs import ort_session
 from prunus.export.quantize_onnx import untie_weights
 from prunus.export.quiet_logs import matmul_nbits_quantizer, quiet_loggers
+from prunus.runtime.ort_session import ort_session
 
 PEER_ALGORITHMS = ("rtn", "gptq", "hqq")
 

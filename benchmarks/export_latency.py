@@ -40,12 +40,14 @@ import torch
 from prunus.compress.quantize import quantize_pass
 from prunus.data.corpus import default_data, load_corpus
 from prunus.data.evaluate import evaluate
-from prunus.export import OrtGraphs, export_model
+from prunus.export import export_model
+from prunus.export.graphs import graph_names
 from prunus.export.onnx_export import dequantized_copy, export_decode, export_prefill, save_graph
 from prunus.export.parity import _nll_score
 from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph
 from prunus.models import KVCache, Transformer, get_preset, load_model, load_model_tokenizer, save_model
 from prunus.models.quant_registry import quantized_modules
+from prunus.runtime.ort_session import ort_session
 
 from benchmarks.harness import NOTE, alternating_samples, ms, overlap
 from benchmarks.real_model import add_cache_argument, model_name, resolve_model
@@ -62,10 +64,35 @@ def median_times(fns: dict, reps: int) -> tuple[dict, dict]:
     return {k: statistics.median(v) for k, v in samples.items()}, samples
 
 
-def graphs(d: Path, n_layers: int) -> OrtGraphs:
-    # no spinning: this process holds a dozen sessions timed in turn, and the spinning threads of
-    # the one just timed took the cores of the next (docs/defaults.md)
-    return OrtGraphs(d / "prefill.onnx", d / "decode.onnx", n_layers, threads=THREADS, spinning=False)
+class Graphs:
+    """An export dir's prefill and decode graphs as the graph contract states them, each its own ONNX Runtime
+    session; the peers' graphs (quantize_dynamic of ours) are timed the same way."""
+
+    def __init__(self, d: Path, n_layers: int):
+        # no spinning: this process holds a dozen sessions timed in turn, and the spinning threads of
+        # the one just timed took the cores of the next (docs/defaults.md)
+        self.sessions = {k: ort_session(d / f"{k}.onnx", THREADS, spinning=False) for k in ("prefill", "decode")}
+        self.outputs = graph_names(n_layers)["outputs"]
+
+    def _run(self, kind: str, inputs: list):
+        names = [i.name for i in self.sessions[kind].get_inputs()]
+        out = self.sessions[kind].run(self.outputs, {n: x.numpy() if isinstance(x, torch.Tensor) else x
+                                                     for n, x in zip(names, inputs)})
+        return torch.from_numpy(out[0]).float(), out[1:]
+
+    def prefill(self, ids, positions, mask):
+        return self._run("prefill", [ids.long(), positions.long(), mask.long()])
+
+    def decode(self, ids, positions, mask, past):
+        return self._run("decode", [ids.long(), positions.long(), mask.long(), *past])
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        return self.prefill(tokens, torch.arange(s).expand(b, s), torch.ones(b, s, dtype=torch.long))[0]
+
+
+def graphs(d: Path, n_layers: int) -> Graphs:
+    return Graphs(d, n_layers)
 
 
 def held_out(model_dir: Path, vocab_size: int):
@@ -144,7 +171,7 @@ def torch_fns(model, batch: int):
     return prefill, decode
 
 
-def ort_fns(g: OrtGraphs, batch: int):
+def ort_fns(g: Graphs, batch: int):
     ids = torch.randint(0, 256, (batch, CTX))
     pos, mask = torch.arange(CTX).expand(batch, CTX), torch.ones(batch, CTX, dtype=torch.long)
     _, past = g.prefill(ids, pos, mask)

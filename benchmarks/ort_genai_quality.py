@@ -10,7 +10,7 @@ of the evaluation length, 1,024 for SmolLM2) of the held-out text prunus's compr
 * fp32: the prunus model dir in torch;
 * ``--int4 LABEL=DIR``: a prunus int4 model dir in torch (its stored codes, as ``prunus eval`` scores it);
 * ``--export LABEL=DIR``: a prunus genai export in ONNX Runtime, every position's logits from its graph
-  (``GenaiGraphs``, the graph og and prunus serve);
+  (``export_graphs``: the runtime table's ONNX Runtime backend over the graph og and prunus serve);
 * the model builder's int4 (``onnxruntime_genai.models.builder -p int4 -e cpu``, built once into ``--builder``
   from ``--hf`` when missing): its ``model.onnx`` in ONNX Runtime with an empty past, every position's logits.
 
@@ -54,12 +54,10 @@ class BuilderLogits:
 
 
 def export_logits(export: Path, threads: int | None):
-    """A prunus genai export's graph in ONNX Runtime, every position's logits."""
-    from prunus.export.genai_parity import GenaiGraphs
-    from prunus.runtime.artifact import export_dims
+    """A prunus genai export as the runtime table's ONNX Runtime backend serves it, every position's logits."""
+    from prunus.export.backend_parity import export_graphs
 
-    config = json.loads((export / "config.json").read_text())["export"]
-    return GenaiGraphs(export / config["graphs"]["model"], export_dims(export, config), threads=threads)
+    return export_graphs(export, json.loads((export / "config.json").read_text()), threads=threads)
 
 
 def labelled(text: str) -> tuple[str, Path]:

@@ -8,8 +8,9 @@ from prunus.artifacts.lazy import lazy_package
 
 _EXPORTS = {
     "EXPORT_GRAPHS": "export_dir", "FORMATS": "formats", "PRECISIONS": "formats", "ExportResult": "export_manifest",
-    "export_model": "export_dir", "load_export": "export_dir", "OrtGraphs": "ort_graphs", "TOLERANCES": "parity",
-    "ParityFailed": "parity", "check_parity": "parity", "GRAPHS": "formats", "GenaiGraphs": "genai_parity",
+    "export_model": "export_dir", "load_export": "export_dir", "TOLERANCES": "parity",
+    "ParityFailed": "parity", "check_parity": "parity", "GRAPHS": "formats",
+    "export_graphs": "backend_parity",
     "GENAI_GRAPH": "genai_graph", "prepared_path": "prepared",
 }
 __all__ = list(_EXPORTS)

@@ -40,9 +40,8 @@ from .formats import FORMATS, GRAPHS, PRECISIONS
 from .genai_graph import (GENAI_GRAPH, check_genai_support, genai_dims, quantized_genai_graph,
                           unsupported_features)
 from .genai_compat import write_genai_compat
-from .genai_parity import GenaiGraphs
 from .int4_qdq import check_tensorrt_int4
-from .ort_graphs import OrtGraphs
+from .backend_parity import export_graphs
 from .parity import ParityFailed, compare, torch_reference
 from .served_parity import native_parity, ort_record
 from .quantize_onnx import apply_stored_quantization, quantize_fp32_graph, required_opset
@@ -53,7 +52,6 @@ EXTERNAL_DATA_BYTES = int(1.5e9)  # above this the weights go to external data f
 # QDQ (which ONNX Runtime rewrites to MatMulNBits), the faster and, on activation outliers without VNNI, the only
 # faithful int8 form (docs/defaults.md); TensorRT always gets QDQ; "integer" (DynamicQuantizeMatMul) is opt-in.
 ONNX_INT8_STYLE = "qdq"
-TENSORRT_PARITY_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 MAX_OPSET = 23
 
 
@@ -128,7 +126,6 @@ class ExportFormat:
     name: str
     check: Callable  # (stored modules, model dir) -> None, before any graph is written
     weight_style: str | None  # the int8 / int4 style it takes whatever is asked (None: the asked or default)
-    parity_config: dict | None  # ONNX Runtime session entries of its parity check
     finish: Callable | None  # (tmp, export entry, plan, cfg, timing_cache, console) -> None, after parity
 
 
@@ -140,13 +137,13 @@ def _check_tensorrt_format(modules: dict, model_dir: Path) -> None:
 
 
 def _finish_tensorrt(tmp: Path, export: dict, plan: ExportPlan, cfg, timing_cache, console) -> None:
-    export["graphs"] = {**ENGINE_GRAPHS, "onnx": dict(EXPORT_GRAPHS)}
+    export["graphs"].update(ENGINE_GRAPHS)
     export["engines"] = _build_engines(tmp, plan.precision, cfg, export["n_layers"], timing_cache, console)
 
 
 EXPORT_FORMATS = {
-    "onnx": ExportFormat("onnx", lambda modules, model_dir: None, None, None, None),
-    "tensorrt": ExportFormat("tensorrt", _check_tensorrt_format, "qdq", TENSORRT_PARITY_ORT_CONFIG, _finish_tensorrt),
+    "onnx": ExportFormat("onnx", lambda modules, model_dir: None, None, None),
+    "tensorrt": ExportFormat("tensorrt", _check_tensorrt_format, "qdq", _finish_tensorrt),
 }
 
 
@@ -185,19 +182,20 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
     with atomic_dir(out, overwrite=overwrite) as tmp:
         with console.status("") as status:
             graphs = GRAPH_WRITERS[plan.graph](model, plan, tmp, status)
+            tokenizer.save(tmp)
+            if plan.graph == "genai":  # the same graph as onnxruntime-genai's runtime loads it (og.Model(out))
+                write_genai_compat(tmp, model, tokenizer)
+            export = _export_entry(fmt.name, plan, model)
+            config = {**src_config, "export": export}
+            atomic_write_json(tmp / CONFIG, config)  # the runtime table loads the written dir for the check
             status.update("parity: ONNX Runtime (and the native kernels) against PyTorch on held-out text")
-            report = _parity(model, graphs, tokenizer, model.config, plan.precision, data, eval_tokens, fmt.name)
+            report = _parity(model, tmp, config, graphs, tokenizer, plan.precision, data, eval_tokens)
         if not report["passed"] and verify:
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
-        tokenizer.save(tmp)
-        if plan.graph == "genai":  # the same graph as onnxruntime-genai's runtime loads it (og.Model(out))
-            write_genai_compat(tmp, model, tokenizer)
-        export = _export_entry(fmt.name, plan, model)
         if fmt.finish is not None:
             fmt.finish(tmp, export, plan, model.config, timing_cache, console)
-        config = {**src_config, "export": export}
-        atomic_write_json(tmp / CONFIG, config)
+            atomic_write_json(tmp / CONFIG, config)
         write_manifest(tmp, model_dir, manifest, report, command)
     return ExportResult(out, config, report)  # the caller says it was written, after reading the parity report
 
@@ -260,33 +258,38 @@ def _write_torch_graphs(model, plan: ExportPlan, tmp: Path, status) -> dict:
 GRAPH_WRITERS = {"genai": _write_genai, "torch": _write_torch_graphs}
 
 
+def _torch_graphs(format: str) -> dict:
+    """config.json's ``export.graphs`` of the prefill / decode graphs: a TensorRT dir keeps them under "onnx" (its
+    engines are added beside them once built)."""
+    return {"onnx": dict(EXPORT_GRAPHS)} if format == "tensorrt" else dict(EXPORT_GRAPHS)
+
+
 def _export_entry(format: str, plan: ExportPlan, model) -> dict:
     """config.json's ``export`` key: what was written and the dimensions a runtime needs."""
     cfg, precision = model.config, plan.precision
     return {"format": format, "precision": precision, "opset": plan.opset, "graph": plan.graph,
-            "graphs": {"model": GENAI_GRAPH} if plan.graph == "genai" else dict(EXPORT_GRAPHS),
+            "graphs": {"model": GENAI_GRAPH} if plan.graph == "genai" else _torch_graphs(format),
             "n_layers": len(model.layers), "n_kv_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
             "int8_style": plan.style if precision == "int8" else None,
             "int4_style": plan.int4_style if precision == "int4" else None, "external_data": plan.external}
 
 
-def _parity(model, graphs: dict, tokenizer, cfg, precision: str, data, eval_tokens: int | None,
-            format: str = "onnx") -> dict:
-    """The parity report of the written graphs in ONNX Runtime. For TensorRT's graphs ONNX Runtime computes
-    their float semantics (DequantizeLinear then a float MatMul, as TensorRT does): its default rewrite of
-    DequantizeLinear -> MatMul into MatMulNBits at accuracy level 4 would quantize activations to int8."""
+def _parity(model, tmp: Path, config: dict, graphs: dict, tokenizer, precision: str, data,
+            eval_tokens: int | None) -> dict:
+    """The parity report of the written dir, loaded by the runtime table's ONNX Runtime row as ``prunus serve
+    --no-native`` loads it (a TensorRT dir's ONNX graphs with their float semantics, as TensorRT computes them), and
+    of a genai graph in the native kernels too."""
     from prunus.data.corpus import default_data, load_corpus
 
-    corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=cfg.vocab_size)
-    config = TENSORRT_PARITY_ORT_CONFIG if format == "tensorrt" else None
-    if "model" in graphs:  # a genai graph
-        ort = GenaiGraphs(graphs["model"], genai_dims(model), threads=os.cpu_count())
-    else:
-        ort = OrtGraphs(graphs["prefill"], graphs["decode"], len(model.layers), threads=os.cpu_count(), config=config)
+    corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
     token_bytes = tokenizer.token_bytes()
     ref = torch_reference(model, corpus.val, token_bytes, eval_tokens=eval_tokens)
-    report = compare(ref, ort, corpus.val, token_bytes, precision)
+    served = export_graphs(tmp, config, threads=os.cpu_count())
+    try:
+        report = compare(ref, served, corpus.val, token_bytes, precision)
+    finally:
+        served.close()
     report["corpus"] = corpus.name
     report["runtimes"] = {"onnxruntime": ort_record(report, precision)}
     if "model" in graphs:  # served by the native kernels where they run: checked on this CPU's path too

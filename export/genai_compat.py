@@ -26,7 +26,9 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from .genai_graph import GENAI_GRAPH, all_positions_graph
+from prunus.runtime.genai_prompt_graph import all_positions_graph
+
+from .genai_graph import GENAI_GRAPH
 
 COMPAT_GRAPH = "genai_model.onnx"
 COMPAT_CONFIG = "genai_config.json"

@@ -115,28 +115,6 @@ def build_genai_graph(model, packed: bool = True, opset: int = GENAI_OPSET) -> o
     return helper.make_model(graph, opset_imports=opsets, ir_version=GENAI_IR_VERSION, producer_name="prunus")
 
 
-def all_positions_graph(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of a genai graph (any precision) whose ``logits`` are every position's (batch, seq, vocab): the
-    last-token gather bypassed, the rest untouched. Parity scores whole windows with it."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    gather = next((n for n in g.node if n.name == LAST_TOKEN_NODE), None)
-    if gather is None:
-        raise PrunusError("this graph has no last-token gather; it is not a prunus genai graph")
-    for n in g.node:
-        for j, name in enumerate(n.input):
-            if name == gather.output[0]:
-                n.input[j] = gather.input[0]
-    from .quantize_onnx import _prune_unused
-
-    _prune_unused(g)
-    logits = next(o for o in g.output if o.name == "logits")
-    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
-    logits.CopyFrom(_value("logits", TensorProto.FLOAT, ["batch", "seq", vocab]))
-    return out
-
-
 def save_genai_graph(model: onnx.ModelProto, path: Path, external_data: bool) -> None:
     """Write the graph (weights in ``<name>.data`` when ``external_data``). No ``onnx.checker`` pass: it does not
     know ONNX Runtime's SimplifiedLayerNormalization; the session load in the parity check is the check."""

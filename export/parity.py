@@ -73,8 +73,8 @@ def _nll_score(fn, vocab: int | None = None):
 def check_parity(model, graphs, val_tokens: np.ndarray, token_bytes: torch.Tensor, precision: str, *,
                  eval_tokens: int | None = None, seq_len: int | None = None, new_tokens: int = 64, n_prompts: int = 4,
                  prompt_len: int = 32) -> dict:
-    """Compare ``graphs`` (an :class:`~prunus.export.ort_graphs.OrtGraphs`, or for a genai graph a
-    :class:`~prunus.export.genai_parity.GenaiGraphs`: ``graphs(tokens)`` -> logits and ``graphs.greedy``) with
+    """Compare ``graphs`` (a :class:`~prunus.export.backend_parity.BackendGraphs`: a serving backend as
+    ``graphs(tokens)`` -> logits and ``graphs.greedy``) with
     ``model``; a JSON-able report.
 
     ``eval_tokens`` / ``seq_len``: default to the slice every scorer uses (``prunus.data.evaluate``)."""

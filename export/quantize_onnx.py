@@ -34,6 +34,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from prunus.artifacts.errors import PrunusError
+from prunus.runtime.genai_prompt_graph import prune_unused
 
 from .int4_float_zero import add_group_term, integer_zero, unique_by_name
 from .int4_qdq import int4_qdq_nodes
@@ -81,22 +82,8 @@ def untie_weights(model: onnx.ModelProto) -> int:
         g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.transpose(perm)), name))
         node.input[1] = name
         count += 1
-    _prune_unused(g)
+    prune_unused(g)
     return count
-
-
-def _prune_unused(g: onnx.GraphProto) -> None:
-    """Drop nodes and initializers whose outputs nothing reads (a Transpose left behind)."""
-    while True:
-        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-        dead = [n for n in g.node if not any(o in used for o in n.output)]
-        if not dead:
-            break
-        for n in dead:
-            g.node.remove(n)
-    used = {i for n in g.node for i in n.input}
-    for init in [i for i in g.initializer if i.name not in used]:
-        g.initializer.remove(init)
 
 
 def _activation_nodes(a: str, prefix: str, module) -> tuple[list, list, str]:
@@ -302,7 +289,7 @@ def apply_stored_quantization(model: onnx.ModelProto, modules: dict, style: str 
     del g.node[:]
     g.node.extend(unique_by_name(new_nodes))  # float zero points: one group-sum node per input (int4_float_zero)
     g.initializer.extend(unique_by_name(new_inits))
-    _prune_unused(g)
+    prune_unused(g)
     if any(n.domain == MS_DOMAIN for n in g.node):
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))

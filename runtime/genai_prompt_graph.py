@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
+
+from prunus.artifacts.errors import PrunusError
 
 # the node that gathers each row's last position before the head (written by prunus.export.genai_layers)
 LAST_TOKEN_NODE = "last/GatherND"
@@ -97,3 +99,37 @@ def prompt_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int] | None:
     del g.node[:]
     g.node.extend(nodes)
     return out, max(MIN_TOKENS[b] for b in bits)
+
+
+def prune_unused(g: onnx.GraphProto) -> None:
+    """Drop nodes and initializers whose outputs nothing reads (a Transpose left behind)."""
+    while True:
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
+    used = {i for n in g.node for i in n.input}
+    for init in [i for i in g.initializer if i.name not in used]:
+        g.initializer.remove(init)
+
+
+def all_positions_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a genai graph (any precision) whose ``logits`` are every position's (batch, seq, vocab): the
+    last-token gather bypassed, the rest untouched. Drafts are verified, and parity scores whole windows, with it."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    gather = next((n for n in g.node if n.name == LAST_TOKEN_NODE), None)
+    if gather is None:
+        raise PrunusError("this graph has no last-token gather; it is not a prunus genai graph")
+    for n in g.node:
+        for j, name in enumerate(n.input):
+            if name == gather.output[0]:
+                n.input[j] = gather.input[0]
+    prune_unused(g)
+    logits = next(o for o in g.output if o.name == "logits")
+    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
+    logits.CopyFrom(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab]))
+    return out

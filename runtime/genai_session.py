@@ -13,7 +13,7 @@ asked of a float graph, or of buffers no pass of which reaches its threshold, it
 the same weights with float activations in the matmuls, a second ONNX Runtime session over the same KV
 buffers. A prompt pass of at least its token threshold (rows x padded width) runs there; shorter passes and
 every decode step run in the graph itself. The twin holds its own copy of the weights (about as much memory
-again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.export.ort_graphs.ort_session`).
+again as the graph) and runs without ONNX Runtime's arena (see :func:`prunus.runtime.ort_session.ort_session`).
 
 ONNX Runtime only: the native kernels serve through :mod:`prunus.runtime.native_backend` (and
 :class:`prunus.runtime.native.NativeSession` drives that backend with this class's ``prefill`` / ``decode``, to
@@ -26,8 +26,9 @@ backend (:mod:`prunus.runtime.ort_genai`) keeps its active rows in slots ``[0, n
 prompt after a cached prefix): one ONNX Runtime pass per row (GroupQueryAttention takes several new tokens after a
 past at batch 1 only); the logits equal a whole prompt's (tests/test_genai_extend.py).
 
-The parity check's view of the same graph (every position's logits, greedy generation through a session) is
-:class:`prunus.export.genai_parity.GenaiGraphs`.
+:meth:`GenaiSession.verify` runs a piece after what a slot holds and returns the logits after each of its tokens
+(speculative drafts, and the parity check's every-position logits, :mod:`prunus.export.backend_parity`), through a
+second session of the graph with its last-token gather bypassed, made on first use.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class GenaiSession:
                  prompt_twin: bool = False):
         twin = prompt_twin_of(path_or_bytes, n_slots, max_len) if prompt_twin else None  # refused before any load
         self.session = ort_session(path_or_bytes, threads, spinning, config)
-        self.prompt_session, self.prompt_min_tokens = None, None
+        self.prompt_session, self.prompt_min_tokens, self.verify_session = None, None, None
+        self._source, self._options = path_or_bytes, (threads, spinning, config)
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         shape = (n_slots, n_kv_heads, max_len, head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
@@ -92,8 +94,9 @@ class GenaiSession:
         for _ in range(2):
             self.prefill(0, warm)
 
-    def _bind(self, ids: np.ndarray, start: int, session=None, out: int = 0):
-        """An I/O binding of ``ids`` (b, seq) on slots [start, start + b), logits into rows [out, out + b)."""
+    def _bind(self, ids: np.ndarray, start: int, session=None, out: int = 0, logits: np.ndarray | None = None):
+        """An I/O binding of ``ids`` (b, seq) on slots [start, start + b), logits into rows [out, out + b) (or into
+        ``logits``)."""
         b = ids.shape[0]
         binding = (session or self.session).io_binding()
 
@@ -109,7 +112,7 @@ class GenaiSession:
                 view = buf[start:start + b]
                 array(f"past.{i}.{t}", view)
                 array(f"present.{i}.{t}", view, output=True)
-        array("logits", self.logits[out:out + b], output=True)
+        array("logits", self.logits[out:out + b] if logits is None else logits, output=True)
         return binding
 
     def prefill(self, start: int, prompts: list) -> np.ndarray:
@@ -156,6 +159,28 @@ class GenaiSession:
             session.run_with_iobinding(self._bind(ids, start + i, session, out=i))
         return self.logits[:b]
 
+    def verify(self, slot: int, held: int, piece: list) -> np.ndarray:
+        """Slot ``slot`` goes on after the ``held`` positions it holds with ``piece``; returns the logits after each
+        of its tokens, (len(piece), vocab) float32, a new array. One pass at batch 1 (as :meth:`extend`) through the
+        graph with its last-token gather bypassed: a second session of the same weights, made on first use."""
+        end = int(held) + len(piece)
+        if not 0 <= slot < self.n_slots or not piece or end > self.max_len:
+            raise ValueError(f"a piece of 1 to {self.max_len} positions after slot {slot}'s {held}; got {len(piece)}")
+        if self.verify_session is None:
+            import onnx
+
+            from .genai_prompt_graph import all_positions_graph
+
+            proto = (onnx.load_model_from_string(self._source) if isinstance(self._source, bytes)
+                     else onnx.load(str(self._source), load_external_data=False))
+            self.verify_session = variant_session(self._source, all_positions_graph(proto), "all_positions",
+                                                  *self._options)
+        self.seqlens[:1], self.total[...] = end - 1, end
+        ids = np.asarray([piece], np.int64)  # bound by address: alive until the run returns
+        out = np.empty((1, len(piece), self.vocab_size), np.float32)
+        self.verify_session.run_with_iobinding(self._bind(ids, slot, self.verify_session, logits=out))
+        return out[0]
+
     def decode(self, lengths: np.ndarray, tokens) -> np.ndarray:
         """One new token for each of slots [0, b) whose current lengths are ``lengths``; returns (b, vocab) logits
         (a view, valid until the next pass). The caller advances its lengths."""
@@ -185,7 +210,7 @@ class GenaiSession:
 
     def close(self) -> None:
         self._decode_bindings.clear()
-        self.session = self.prompt_session = None
+        self.session = self.prompt_session = self.verify_session = None
 
 
 def _padded(pieces: list, width: int) -> np.ndarray:

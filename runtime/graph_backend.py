@@ -14,7 +14,9 @@ row its own length, and per pass:
   each row's own position in ``position_ids``; the one new key/value per row (at index
   k_max of ``present``) is copied to the row's own next position.
 
-So the ONNX Runtime and TensorRT backends batch exactly like the torch one. A runner
+So the ONNX Runtime and TensorRT backends batch exactly like the torch one. ``verify_rows`` (``verifies=True``:
+the ONNX Runtime runner, whose decode graph takes any number of new tokens) runs each row's tokens after its past
+in one decode pass of its own and returns the logits after each. A runner
 does the graph calls: ``run(graph, feeds, outputs) -> list of torch tensors``.
 
 The slots are the torch backend's storage, a :class:`prunus.runtime.batch_cache.BatchKVCache`
@@ -32,8 +34,8 @@ from .batch_cache import BatchKVCache
 
 class GraphBackend(BackendBase):
     def __init__(self, runner, *, n_layers: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_slots: int,
-                 max_len: int, dtype=torch.float32, device="cpu", name: str = "onnxruntime"):
-        self.runner, self.name = runner, name
+                 max_len: int, dtype=torch.float32, device="cpu", name: str = "onnxruntime", verifies: bool = False):
+        self.runner, self.name, self.verifies = runner, name, verifies
         self.n_layers, self.n_slots, self.max_len, self.vocab_size = n_layers, n_slots, max_len, vocab_size
         self.device = torch.device(device)
         self.cache = BatchKVCache(range(n_layers), n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
@@ -42,7 +44,7 @@ class GraphBackend(BackendBase):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(max_batch=self.n_slots)
+        return Capabilities(max_batch=self.n_slots, verify=self.verifies, verify_rows=self.verifies)
 
     def release(self, row: int) -> None:
         self.lengths[row] = 0
@@ -92,6 +94,30 @@ class GraphBackend(BackendBase):
             self.v[i][idx, :, pos] = present[2 * i + 1][:, :, k_max].to(self.v[i].dtype)
         self.lengths[rows_t] += 1
         return logits[:, -1].float().cpu()
+
+    def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's tokens after what it holds, a decode pass per row; the logits after each, (len_i, vocab)."""
+        out = []
+        for row, tokens in zip(rows, token_lists):
+            n, k = int(self.lengths[row]), len(tokens)
+            feeds = {"input_ids": self._long([tokens]), "position_ids": self._long([list(range(n, n + k))]),
+                     "attention_mask": self._long([[1] * (n + k)])}
+            for i in range(self.n_layers):
+                feeds[f"past.{i}.key"] = self.k[i][row:row + 1, :, :n].contiguous()
+                feeds[f"past.{i}.value"] = self.v[i][row:row + 1, :, :n].contiguous()
+            logits, *present = self.runner.run("decode", feeds, self.outputs)
+            for i in range(self.n_layers):
+                self.k[i][row, :, n:n + k] = present[2 * i][0, :, n:n + k].to(self.k[i].dtype)
+                self.v[i][row, :, n:n + k] = present[2 * i + 1][0, :, n:n + k].to(self.v[i].dtype)
+            self.lengths[row] = n + k
+            out.append(logits[0].float().cpu())
+        return out
+
+    def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
+        return self.verify_rows([row], [tokens])[0]
+
+    def truncate(self, row: int, length: int) -> None:
+        self.lengths[row] = length
 
     def close(self) -> None:
         self.runner.close()

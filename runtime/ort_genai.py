@@ -16,6 +16,9 @@ active rows packed in slots ``[0, n)``:
 * decode: the rows whose prompts are in, moved (where a row still prefilling holds one of them) into slots
   ``[0, n)`` by exchanging two rows' keys and values, once per row that joins; one pass over slots ``[0, n)``,
   ``input_ids`` in slot order and the logits back in the scheduler's row order;
+* verify_rows / verify / truncate: each row goes on after what it holds with its tokens, one pass per row through
+  the graph with its last-token gather bypassed (:meth:`GenaiSession.verify`), the logits after each token back;
+  truncate keeps a row's first tokens (the parity check of an export reads every position's logits so);
 * restore_prefix / store_prefix (``prefix_cache_mb``): the prefix cache (:mod:`prunus.runtime.prefix_cache`) copies
   cached blocks into a slot after the block, and a row's full blocks out, through tensors over the numpy buffers.
 
@@ -88,7 +91,7 @@ class GenaiBackend(BackendBase):
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's
         # pool from waking (or spinning, without OMP_WAIT_POLICY=PASSIVE) beside ONNX Runtime's threads
         return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
-                            prefix_cache=self.prefix is not None)
+                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True)
 
     def describe(self) -> dict:
         return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}
@@ -172,6 +175,24 @@ class GenaiBackend(BackendBase):
         logits = self.session.decode(self.lengths[:n], by_slot)
         self.lengths[:n] += 1
         return torch.from_numpy(logits[order])  # fancy indexing copies: the buffer is reused next step
+
+    def verify_rows(self, rows: list[int], token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each row goes on after what it holds with its tokens; the logits after each, (len_i, vocab) per row."""
+        self._held(rows, "verify")
+        out = []
+        for r, tokens in zip(rows, token_lists):
+            slot = self.slot_of[r]
+            out.append(torch.from_numpy(self.session.verify(slot, self.lengths[slot], tokens)))
+            self.lengths[slot] += len(tokens)
+        return out
+
+    def verify(self, row: int, tokens: list[int]) -> torch.Tensor:
+        return self.verify_rows([row], [tokens])[0]
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first ``length`` tokens (what was verified and accepted)."""
+        self._held([row], "truncate")
+        self.lengths[self.slot_of[row]] = length
 
     def restore_prefix(self, row: int, ids: list[int]) -> int:
         """Start ``row`` with the longest cached prefix of ``ids`` in a slot after the block; the tokens it holds

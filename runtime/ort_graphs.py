@@ -1,6 +1,9 @@
 """The ONNX Runtime graphs runtime: an export dir's prefill / decode graphs (``torch.onnx.export``'s) in two CPU
 sessions, batched by :class:`prunus.runtime.graph_backend.GraphBackend`. A genai export (one graph, a shared KV
-buffer) is :mod:`prunus.runtime.ort_genai`'s."""
+buffer) is :mod:`prunus.runtime.ort_genai`'s.
+
+A TensorRT dir's ONNX graphs run with their float semantics (:data:`TENSORRT_SEMANTICS`), as TensorRT computes
+them, so that what ONNX Runtime serves and checks of such a dir is what its engines compute."""
 
 from __future__ import annotations
 
@@ -16,11 +19,14 @@ from .graph_backend import GraphBackend
 from .load_options import LoadOptions
 from .registry import Loaded
 
+# DequantizeLinear -> MatMul as written: ONNX Runtime's default rewrite into MatMulNBits at accuracy level 4 would
+# quantize the activations to int8, which TensorRT does not
+TENSORRT_SEMANTICS = {"session.qdq_matmulnbits_accuracy_level": "0"}
 PRECISION_DTYPE = {"fp32": torch.float32, "int8": torch.float32, "fp8": torch.float32, "fp16": torch.float16}
 
 
 class OrtRunner:
-    def __init__(self, graphs: dict[str, Path], threads: int | None = None):
+    def __init__(self, graphs: dict[str, Path], threads: int | None = None, config: dict | None = None):
         try:
             from .ort_session import ort_session
         except ImportError as e:
@@ -28,7 +34,7 @@ class OrtRunner:
         self.sessions = {}
         for kind, path in graphs.items():
             try:
-                self.sessions[kind] = ort_session(path, threads)
+                self.sessions[kind] = ort_session(path, threads, config=config)
             except Exception as e:  # onnxruntime raises its own types for unreadable / invalid graphs
                 raise PrunusError(f"{path}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                   "re-create the export dir with prunus export") from None
@@ -50,9 +56,11 @@ def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
                               "re-export with --graph genai or drop it")
     tokenizer = export_tokenizer(path, config)
     export = config["export"]
-    graphs = export_graph_paths(path, export, nested="onnx" if export.get("format") == "tensorrt" else None)
+    tensorrt = export.get("format") == "tensorrt"
+    graphs = export_graph_paths(path, export, nested="onnx" if tensorrt else None)
     dims = export_dims(path, export)
     dtype = PRECISION_DTYPE.get(export.get("precision", "fp32"), torch.float32)
-    backend = GraphBackend(OrtRunner(graphs, options.threads), **dims, n_slots=options.max_batch,
-                           max_len=options.max_len, dtype=dtype, name="onnxruntime")
+    runner = OrtRunner(graphs, options.threads, TENSORRT_SEMANTICS if tensorrt else None)
+    backend = GraphBackend(runner, **dims, n_slots=options.max_batch, max_len=options.max_len, dtype=dtype,
+                           name="onnxruntime", verifies=True)
     return Loaded(backend, tokenizer, {"precision": export.get("precision")})

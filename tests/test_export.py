@@ -13,14 +13,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 from prunus.cli.main import cli
 from prunus.compress.quantize import quantize_pass
-from prunus.export import EXPORT_GRAPHS, OrtGraphs, export_model, load_export
+from prunus.export import EXPORT_GRAPHS, export_model, load_export
+from prunus.export.backend_parity import export_graphs
 from prunus.export import parity as parity_mod
 from prunus.export.onnx_export import dequantized_copy, export_prefill
-from prunus.export.ort_graphs import ort_session
+from prunus.export.graphs import graph_names
 from prunus.export.quantize_onnx import apply_stored_quantization, quantize_fp32_graph
 from prunus.models import generate, load_model, save_model
 from prunus.models.model_dir import sha256_file
 from prunus.models.quant_registry import quantized_modules
+from prunus.runtime.ort_graphs import OrtRunner
+from prunus.runtime.ort_session import ort_session
 
 PARITY_FIELDS = {"precision", "max_abs_logits", "top1_agreement", "bpb_torch", "bpb_onnx", "bpb_increase",
                  "greedy_agreement", "decode_agreement", "greedy_tokens", "tolerances", "failed", "passed"}
@@ -43,11 +46,40 @@ def torch_model(trained_run):
     return load_model(trained_run / "model")
 
 
+class GraphPair:
+    """The export dir's two graphs called as the contract states them, in ONNX Runtime (the runtime's runner)."""
+
+    def __init__(self, export_dir):
+        cfg, _ = load_export(export_dir)
+        graphs = cfg["export"]["graphs"]
+        self.runner = OrtRunner({k: export_dir / graphs[k] for k in ("prefill", "decode")}, threads=1)
+        self.outputs = graph_names(cfg["export"]["n_layers"])["outputs"]
+
+    def _run(self, kind, feeds: dict):
+        logits, *present = self.runner.run(kind, feeds, self.outputs)
+        return logits.float(), present
+
+    def prefill(self, ids, positions, mask):
+        return self._run("prefill", {"input_ids": ids, "position_ids": positions, "attention_mask": mask})
+
+    def decode(self, ids, positions, mask, past):
+        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        for i in range(len(past) // 2):
+            feeds[f"past.{i}.key"], feeds[f"past.{i}.value"] = past[2 * i], past[2 * i + 1]
+        return self._run("decode", feeds)
+
+
 @pytest.fixture(scope="session")
 def ort_graphs(fp32_export):
-    cfg, _ = load_export(fp32_export)
-    g = cfg["export"]["graphs"]
-    return OrtGraphs(fp32_export / g["prefill"], fp32_export / g["decode"], cfg["export"]["n_layers"], threads=1)
+    return GraphPair(fp32_export)
+
+
+@pytest.fixture(scope="session")
+def served(fp32_export):
+    """The export dir as the runtime table's ONNX Runtime backend serves it, as the parity check drives it."""
+    graphs = export_graphs(fp32_export, load_export(fp32_export)[0], threads=1)
+    yield graphs
+    graphs.close()
 
 
 def test_export_dir_follows_the_contract(fp32_export, trained_run):
@@ -79,12 +111,15 @@ def test_export_dir_follows_the_contract(fp32_export, trained_run):
         assert sha256_file(fp32_export / name) == digest
 
 
-def test_prefill_logits_equal_torch(ort_graphs, torch_model):
+def test_prefill_logits_equal_torch(ort_graphs, served, torch_model):
     torch.manual_seed(1)
     tokens = torch.randint(0, 257, (3, 17))
     with torch.no_grad():
         ref = torch_model(tokens)
-    assert (ort_graphs(tokens) - ref).abs().max().item() < 1e-4
+    ones = torch.ones(3, 17, dtype=torch.long)
+    assert (ort_graphs.prefill(tokens, torch.arange(17).expand(3, 17), ones)[0] - ref).abs().max().item() < 1e-4
+    # the served backend's every-position logits (prefill of the first token, the rest verified in one pass)
+    assert (served(tokens) - ref).abs().max().item() < 1e-4
 
 
 def test_decode_with_past_equals_torch(ort_graphs, torch_model):
@@ -116,28 +151,34 @@ def test_left_padded_batch_gives_each_row_its_own_logits(ort_graphs, torch_model
             n = len(prompt)
             assert (logits[row, -n:] - ref[:n]).abs().max().item() < 1e-4
             assert (step[row, 0] - ref[n]).abs().max().item() < 1e-4
-    # and greedy generation through the KV cache follows each row's own continuation
-    got = ort_graphs.greedy(ids, 16, attention_mask=mask)
+
+
+def test_served_greedy_trims_padding_and_follows_each_row(served, torch_model):
+    torch.manual_seed(3)
+    short, long_ = torch.randint(0, 257, (5,)), torch.randint(0, 257, (11,))
+    ids = torch.stack([torch.cat([torch.zeros(6, dtype=torch.long), short]), long_])
+    mask = torch.stack([torch.cat([torch.zeros(6), torch.ones(5)]), torch.ones(11)]).long()
+    got = served.greedy(ids, 16, attention_mask=mask)
     for row, prompt in enumerate((short, long_)):
         assert torch.equal(got[row], generate(torch_model, prompt[None], 16)[0, len(prompt):])
 
 
-def test_greedy_64_tokens_identical_to_torch(ort_graphs, torch_model):
+def test_greedy_64_tokens_identical_to_torch(served, torch_model):
     prompts = torch.tensor([list(b"def main(args):\n    "), list(b"import os\nimport sys\n\n")[:20]])
     want = generate(torch_model, prompts, 64)[:, prompts.shape[1]:]
-    assert torch.equal(ort_graphs.greedy(prompts, 64), want)
+    assert torch.equal(served.greedy(prompts, 64), want)
 
 
-def test_teacher_forced_decode_returns_the_argmax_along_the_given_tokens(ort_graphs, torch_model):
+def test_teacher_forced_decode_returns_the_argmax_along_the_given_tokens(served, torch_model):
     """parity's decode_agreement: the decode path fed chosen tokens, not its own argmaxes."""
     prompts = torch.tensor([list(b"def main(args):\n    "), list(b"import os\nimport sys\n\n")[:20]])
     follow = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = torch_model(torch.cat([prompts, follow[:, :-1]], dim=1))
     want = logits[:, prompts.shape[1] - 1:].argmax(-1)
-    assert torch.equal(ort_graphs.greedy(prompts, 12, follow=follow), want)
-    free = ort_graphs.greedy(prompts, 12)
-    assert torch.equal(ort_graphs.greedy(prompts, 12, follow=free), free)
+    assert torch.equal(served.greedy(prompts, 12, follow=follow), want)
+    free = served.greedy(prompts, 12)
+    assert torch.equal(served.greedy(prompts, 12, follow=free), free)
 
 
 def test_int8_export_quantizes_every_matmul(trained_run, tmp_path):

@@ -3,6 +3,8 @@ ragged prompts, continuous batching, the buffer never read past a row's length, 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -15,7 +17,7 @@ from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model, load_export
 from prunus.export.export_dir import _choose_graph, genai_dims
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
-from prunus.export.genai_parity import GenaiGraphs
+from prunus.export.backend_parity import export_graphs
 from prunus.export.native_weights import write_native_weights
 from prunus.runtime.genai_session import GenaiSession
 from prunus.runtime.native import NativeSession
@@ -145,15 +147,32 @@ def test_export_dir_records_the_genai_graph_and_engine_picks_it(genai_export):
     assert [r.token_ids for r in results] == [_want(model, p, 10) for p in PROMPTS]
 
 
-def test_teacher_forced_decode_returns_the_argmax_along_the_given_tokens(genai_export):
-    """parity's decode_agreement through the shared buffer: fed tokens, the argmax of each step is torch's."""
+def test_the_served_backend_verifies_rows_and_decodes_teacher_forced(genai_export):
+    """The parity check's view through the runtime table's ONNX Runtime backend: every position's logits (a prompt's
+    first token, the rest verified in one pass per row), and decode_agreement's teacher forcing through the shared
+    buffer (the argmax of each step fed tokens is torch's); verify then truncate leaves the row as it was."""
     root, model = genai_export
-    graphs = GenaiGraphs(root / "export" / GENAI_GRAPH, genai_dims(model), threads=1)
+    export = root / "export"
+    graphs = export_graphs(export, json.loads((export / "config.json").read_text()), threads=1)
+    tokens = torch.tensor([[9, 10, 11, 12, 13, 3, 1, 4, 1, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]])
+    with torch.no_grad():
+        ref = model(tokens)
+    assert (graphs(tokens) - ref).abs().max() < 1e-4
     prompts = torch.tensor([PROMPTS[1][:5], PROMPTS[3][:5]])
     follow = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(torch.cat([prompts, follow[:, :-1]], dim=1))[:, 4:].argmax(-1)
     assert torch.equal(graphs.greedy(prompts, 9, follow=follow), want)
+    backend = graphs.held
+    assert backend.capabilities.verify_rows and backend.capabilities.verify
+    prompt = PROMPTS[1][:5]
+    backend.prefill([0], [prompt])
+    drafted = backend.verify(0, [7, 8, 9])
+    backend.truncate(0, 6)  # the first drafted token kept
+    with torch.no_grad():
+        assert (drafted - model(torch.tensor([prompt + [7, 8, 9]]))[0, 5:]).abs().max() < 1e-4
+        assert (backend.decode([0], [3])[0] - model(torch.tensor([prompt + [7, 3]]))[0, -1]).abs().max() < 1e-4
+    graphs.close()
 
 
 def test_a_request_joins_while_another_decodes(genai_export):

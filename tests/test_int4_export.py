@@ -11,7 +11,8 @@ import torch
 from onnx import helper, numpy_helper
 
 from prunus.compress.quantize import quantize_pass
-from prunus.export import EXPORT_GRAPHS, OrtGraphs, export_model
+from prunus.export import EXPORT_GRAPHS, export_model
+from prunus.export.backend_parity import export_graphs
 from prunus.export.onnx_export import dequantized_copy, export_prefill
 from prunus.export.quantize_onnx import apply_stored_quantization
 from prunus.artifacts.errors import PrunusError
@@ -94,7 +95,7 @@ def test_int4_model_dir_exports_with_parity(int4_model_dir, tmp_path):
     tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = model(tokens)
-    got = OrtGraphs(out / "prefill.onnx", out / "decode.onnx", len(model.layers))(tokens)
+    got = export_graphs(out, result.config)(tokens)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 

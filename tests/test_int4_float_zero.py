@@ -122,7 +122,8 @@ def test_exported_layer_computes_the_float_zero_weight(write):
 def test_float_zero_model_saves_loads_exports_and_writes_q4_1(tmp_path, trained_run):
     import gguf
 
-    from prunus.export import OrtGraphs, export_model
+    from prunus.export import export_model
+    from prunus.export.backend_parity import export_graphs
     from prunus.models import load_model, save_model
     from prunus.models.gguf_read import from_gguf
     from prunus.models.gguf_write import to_gguf
@@ -146,7 +147,7 @@ def test_float_zero_model_saves_loads_exports_and_writes_q4_1(tmp_path, trained_
     nbits = [n.name for n in nodes if n.op_type == "MatMulNBits"]
     terms = [n.name for n in nodes if n.op_type == "Add" and n.name.endswith(".add_zero_term")]
     assert len(nbits) == 7 * len(model.layers) and len(terms) == len(nbits)  # each int4 layer adds its group term
-    got = OrtGraphs(tmp_path / "onnx" / "prefill.onnx", tmp_path / "onnx" / "decode.onnx", len(model.layers))(tokens)
+    got = export_graphs(tmp_path / "onnx", result.config)(tokens)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     # float zero points are Q4_1's m = -z * s where d = s and m are fp16 values; else the layer stays F32 (exact)
     to_gguf(tmp_path / "m", tmp_path / "m.gguf", type="q4_1")

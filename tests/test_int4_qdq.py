@@ -15,7 +15,8 @@ import prunus.export.export_dir as export_dir
 import prunus.export.tensorrt_build as tensorrt_build
 from prunus.artifacts.errors import PrunusError
 from prunus.compress.quantize import quantize_pass
-from prunus.export import EXPORT_GRAPHS, OrtGraphs, export_model
+from prunus.export import EXPORT_GRAPHS, export_model
+from prunus.export.backend_parity import export_graphs
 from prunus.export.int4_qdq import int4_qdq_nodes, int4_tensor
 from prunus.export.onnx_export import dequantized_copy, export_prefill
 from prunus.export.quantize_onnx import apply_stored_quantization
@@ -139,7 +140,7 @@ def test_tensorrt_export_writes_int4_qdq_graphs(int4_dirs, tmp_path, monkeypatch
     tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = model(tokens)
-    got = OrtGraphs(out / "prefill.onnx", out / "decode.onnx", len(model.layers), config=FLOAT_MATMUL)(tokens)
+    got = export_graphs(out, result.config)(tokens)  # a TensorRT dir's graphs: float semantics
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
