@@ -116,11 +116,15 @@ def ratio_line(ours: str, ours_values: list[float], peer: str, peer_values: list
 
 # --- tables --------------------------------------------------------------------------------------------------------
 
+SHOWN: list[dict] = []  # every table shown in this process, as ``python -m benchmarks.record`` keeps them
+
+
 def show(title: str, headers: list[str], rows: list[list[str]], width: int = 120) -> None:
     """A table: the first column left-aligned (labels), the others right-aligned (figures)."""
     from rich.console import Console
     from rich.table import Table
 
+    SHOWN.append({"title": title, "headers": [str(h) for h in headers], "rows": [[str(c) for c in r] for r in rows]})
     table = Table(title=title, title_justify="left")
     for i, h in enumerate(headers):
         table.add_column(h, justify="left" if i == 0 else "right")
