@@ -11,7 +11,8 @@ person) are kept. A benchmark that fails records nothing.
 
 from __future__ import annotations
 
-import importlib
+import ast
+import importlib.util
 import io
 import json
 import runpy
@@ -55,7 +56,9 @@ def run_benchmark(module: str, args: list[str]) -> tuple[list[dict], str]:
 
 def make_record(module: str, args: list[str], tables: list[dict], printed: str, earlier: dict | None) -> dict:
     """The record of a run: the earlier record's title and notes, this run's machine, date, command and figures."""
-    doc = importlib.import_module(module).__doc__ or module
+    spec = importlib.util.find_spec(module)
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
+    doc = doc or module
     title = (earlier or {}).get("title") or doc.strip().split("\n")[0].rstrip(".")
     blocks = []
     for t in tables:
