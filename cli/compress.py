@@ -100,7 +100,7 @@ def shipped_recipes() -> list[str]:
 
 
 def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) -> None:
-    """``--distill eagle[:vocab=N]``: train an EAGLE draft head for MODEL_DIR (prunus.compress.eagle_draft)."""
+    """``--distill eagle[:vocab=N][,passes=P]``: train an EAGLE draft head for MODEL_DIR (prunus.compress.eagle_draft)."""
     from prunus.compress.eagle_draft import parse_eagle, train_eagle
 
     if other:
@@ -122,7 +122,8 @@ def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) ->
 @click.option("--prune", default=None, metavar="METHOD[:AMOUNT]",
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")
 @click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, depth:N (N blocks spread from the first to the last), width:F or a preset name; "
-              "or eagle[:vocab=N]: an EAGLE draft head for speculative decoding (--out is then the draft dir).")
+              "or eagle[:vocab=N][,passes=P]: an EAGLE draft head for speculative decoding (--out is then the draft "
+              "dir; passes=P trains on each batch P times, its teacher pass made once).")
 @click.option("--distill-steps", type=int, default=None, help="With --distill: optimizer steps of the distillation. "
               "Default: the distill pass's.")
 @click.option("--distill-batch-size", type=int, default=None, help="With --distill: sequences per step. Default: the distill pass's.")

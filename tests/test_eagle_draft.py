@@ -89,6 +89,36 @@ def test_a_stopped_run_resumes_to_the_same_draft(dirs, tmp_path):
         train_eagle(dirs["target"], tmp_path / "again", log=None, **common)
 
 
+def test_passes_train_on_each_batch_p_times_with_one_teacher_pass(dirs, tmp_path, monkeypatch):
+    """passes=2 over 4 steps: batches 0, 1, 0, 1, the target run twice, the weights those of a run that recomputes
+    the teacher each step (its states are the same)."""
+    import importlib
+
+    from prunus.compress import eagle_draft
+
+    evaluate = importlib.import_module("prunus.data.evaluate")
+    assert eagle_draft.parse_eagle("eagle:vocab=64,passes=3") == {"vocab": 64, "passes": 3}
+    for bad in ("eagle:passes=0", "eagle:vocab=4,vocab=5", "eagle:passes=x"):
+        with pytest.raises(PrunusError, match="positive whole numbers"):
+            eagle_draft.parse_eagle(bad)
+    with pytest.raises(PrunusError, match="GiB of teacher states"):
+        eagle_draft.check_kept({"steps": 10**6, "passes": 2, "batch_size": 64, "seq_len": 2048}, 576)
+    common = dict(vocab=50, steps=4, batch_size=2, seq_len=32, max_corpus_bytes=200_000)
+    calls, real = [], evaluate.final_hidden
+    monkeypatch.setattr(evaluate, "final_hidden", lambda model, x: calls.append(x) or real(model, x))
+    kept = eagle_draft.train_eagle(dirs["target"], tmp_path / "kept", passes=2, log=None, **common)
+    teacher_passes = len(calls) - 1  # the held-out agreement runs the target once more
+    assert teacher_passes == 2 and not torch.equal(calls[0], calls[1])
+    assert kept["passes"] == 2 and kept["train_tokens"] == 2 * 2 * 32
+    monkeypatch.setattr(eagle_draft, "batches", lambda settings: 2)  # the same batches, the teacher rerun each step
+    eagle_draft.train_eagle(dirs["target"], tmp_path / "rerun", log=None, **common)
+    assert len(calls) - 1 - teacher_passes - 1 == 4
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("kept", "rerun"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _greedy(engine):
     return [engine.generate(p, max_new_tokens=N_NEW, ignore_eos=True).token_ids for p in PROMPTS]
 
@@ -262,7 +292,7 @@ def test_compress_options_that_do_not_apply_to_a_draft_are_refused(dirs, tmp_pat
     assert_user_error(_cli(*base, "--eval-tokens", "100"), "--eval-tokens", "--distill eagle")
     assert_user_error(_cli(*base, "--quantize", "int8"), "drop --recipe, --quantize and --prune")
     assert_user_error(_cli("compress", dirs["target"], "--distill", "eagle:size=3", "--out", tmp_path / "d"),
-                      "eagle[:vocab=N]")
+                      "eagle[:vocab=N][,passes=P]")
     assert not (tmp_path / "d").exists()
 
 
