@@ -80,12 +80,12 @@ def train(data: Path, out: Path, steps: int) -> Path:
 
 
 def prune_prunus(model_dir: Path, data: Path, out: Path, finetune: int) -> dict:
-    from prunus.compress.module_compress import compress_module
+    from prunus.compress import compress
 
     args = {"amount": 0.5, "importance": "magnitude", "finetune_steps": finetune, "lr": 1e-3,
             "batch_size": 64}  # the peer's importance
-    rows = compress_module(model_dir, [("prune_channels", args)], out, data=str(data), trust_factory=True,
-                           latency=False)["rows"]
+    rows = compress(model_dir, [("prune_channels", args)], out, data=str(data), trust_factory=True,
+                    latency=False)["rows"]
     return {"accuracy": rows[-1]["val_accuracy"], "params": rows[-1]["params"]}
 
 

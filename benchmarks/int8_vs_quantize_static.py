@@ -37,16 +37,16 @@ from benchmarks.harness import alternating_samples, machine_line, show, spread, 
 
 def compressed(kind, model_dir: Path, data: str, root: Path, args) -> dict[str, Path]:
     """The pruned (and, for a classifier, the distilled) model dirs of ``model_dir``."""
-    from prunus.compress.module_compress import compress_module
+    from prunus.compress import compress
 
     prune = {"amount": args.amount, "finetune_steps": args.finetune_steps, "lr": 3e-3, "batch_size": 64}
-    dirs = {"pruned": compress_module(model_dir, [("prune_channels", prune)], root / f"{kind.name}-pruned",
-                                      data=data, trust_factory=True, latency=False)["out"]}
+    dirs = {"pruned": compress(model_dir, [("prune_channels", prune)], root / f"{kind.name}-pruned",
+                               data=data, trust_factory=True, latency=False)["out"]}
     if kind.task == "classification":
         student = {"student": kind.spec, "student_args": {"width": args.student_width}, "steps": args.distill_steps,
                    "lr": 3e-3, "batch_size": 64}
-        dirs["distilled"] = compress_module(model_dir, [("distill_module", student)], root / f"{kind.name}-distilled",
-                                            data=data, trust_factory=True, latency=False)["out"]
+        dirs["distilled"] = compress(model_dir, [("distill_module", student)], root / f"{kind.name}-distilled",
+                                     data=data, trust_factory=True, latency=False)["out"]
     return {k: Path(v) for k, v in dirs.items()}
 
 

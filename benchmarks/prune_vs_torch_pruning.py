@@ -4,7 +4,7 @@ classifier on ``load_digits``, a token ``nn.TransformerEncoder`` on a synthetic 
 a property of synthetic signals, and an MLP regressor on ``load_diabetes``.
 
 1. **train**: each module with prunus's generic trainer (AdamW, cosine lr), one model dir per kind.
-2. **prunus**: ``compress_module`` (the Python API under ``prunus compress``) with ``prune_channels`` at
+2. **prunus**: ``prunus.compress.compress`` (the Python API under ``prunus compress``) with ``prune_channels`` at
    ``--amount`` of the channels and ``--finetune-steps`` of fine-tuning (AdamW, batch 64, ``--lr``).
 3. **torch-pruning** used as its own examples do: ``MetaPruner`` with ``GroupMagnitudeImportance(p=2)``, one
    pruning ratio for every layer (found by bisection so the parameter count equals prunus's), the output layer
@@ -41,12 +41,12 @@ BATCH = 64
 
 def prune_prunus(model_dir: Path, data: str, out: Path, args, seed: int) -> dict:
     """prunus's pass through its Python API (what ``prunus compress --recipe`` runs)."""
-    from prunus.compress.module_compress import compress_module
+    from prunus.compress import compress
 
     args = {"amount": args.amount, "finetune_steps": args.finetune_steps, "lr": args.lr, "batch_size": BATCH,
             **({"importance": args.importance} if args.importance else {})}
-    report = compress_module(model_dir, [("prune_channels", args)], out, data=data, trust_factory=True,
-                             latency=False, seed=seed)
+    report = compress(model_dir, [("prune_channels", args)], out, data=data, trust_factory=True,
+                      latency=False, seed=seed)
     row = report["rows"][-1]
     return {"metric": row.get("val_accuracy", row["val_loss"]), "params": row["params"]}
 

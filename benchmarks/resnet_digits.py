@@ -117,7 +117,7 @@ def flops_params(model: nn.Module, example: torch.Tensor) -> tuple[int, int]:
 
 def compress_rows(model_dir: Path, data: Path, out: Path, args, train_xy, val_xy) -> dict:
     """prunus prune + fine-tune, torch-pruning + AdamW, prunus distillation: accuracy, params, FLOPs each."""
-    from prunus.compress.module_compress import compress_module
+    from prunus.compress import compress
     from prunus.models.model_dir import load_model
 
     example = train_xy[0][:2]
@@ -128,7 +128,7 @@ def compress_rows(model_dir: Path, data: Path, out: Path, args, train_xy, val_xy
     rows = {}
     for label, passes, where in (("prunus prune 50% + fine-tune", [("prune_channels", prune)], out / "pruned"),
                                  ("prunus distill", [("distill_module", student)], out / "student")):
-        compress_module(model_dir, passes, where, data=str(data), trust_factory=True, latency=False)
+        compress(model_dir, passes, where, data=str(data), trust_factory=True, latency=False)
         model = load_model(where, trust_factory=True)
         rows[label] = {"accuracy": accuracy_torch(model, *val_xy), **dict(zip(("flops", "params"),
                                                                             flops_params(model, example)))}

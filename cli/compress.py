@@ -139,8 +139,9 @@ def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) ->
 @click.option("--seq-len", type=int, default=None,
               help="Evaluation window in tokens. Default: the model's context, at most 1024. With --distill eagle: the "
                    "training window (default 256).")
-@click.option("--max-corpus-bytes", type=int, default=16 << 20, show_default=True,
-              help="Read at most this many bytes of the corpus (calibration and evaluation draw from them).")
+@click.option("--max-corpus-bytes", type=int, default=None,
+              help="Read at most this many bytes of the corpus (calibration and evaluation draw from them). "
+                   "Default: 16 MiB.")
 @click.option("--no-latency", is_flag=True, help="Skip the CPU latency columns.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of calibration sampling and distillation.")
@@ -161,14 +162,14 @@ def command(model_dir, recipe, quantize, prune, distill, distill_steps, distill_
                                        ("--no-latency", no_latency), ("--trust-factory", trust_factory)) if v]
         if unused:
             raise PrunusError(f"{', '.join(unused)} apply to compressing a model, not to --distill {distill}; drop them")
+        corpus = {"max_corpus_bytes": max_corpus_bytes} if max_corpus_bytes is not None else {}
         return eagle_command(model_dir, distill, distill_args, recipe or quantize or prune, out=out, data=data,
-                             seed=seed, max_corpus_bytes=max_corpus_bytes, overwrite=overwrite, seq_len=seq_len)
+                             seed=seed, overwrite=overwrite, seq_len=seq_len, **corpus)
     passes, text = passes_from(recipe, quantize, prune, distill, distill_args)
-    given = {"eval_tokens": eval_tokens} if eval_tokens is not None else {}
     try:
         report = compress(model_dir, passes, out, data=data, max_quality_drop=max_quality_drop, overwrite=overwrite,
                           seed=seed, seq_len=seq_len, max_corpus_bytes=max_corpus_bytes, latency=not no_latency,
-                          recipe_text=text, trust_factory=trust_factory or None, **given)
+                          recipe_text=text, trust_factory=trust_factory or None, eval_tokens=eval_tokens)
     except QualityDropError as e:
         click.echo(f"Error: {e}", err=True)
         raise SystemExit(1) from None

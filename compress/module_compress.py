@@ -1,15 +1,15 @@
-"""``prunus compress`` of a generic module's model dir: passes written against ``nn.Module``.
+"""The generic module's :class:`~prunus.compress.run.CompressKind`: passes written against ``nn.Module``.
 
-The module (rebuilt by its trusted factory) is scored on the task's held-out data (row 0), then each pass of
-:data:`MODULE_PASSES` runs on a copy and is scored: loss, top-1 accuracy (classification), parameters, bytes
-of the weights and CPU latency of one batch. The output is a generic model dir (cut shapes recorded, see
+The module (rebuilt by its trusted factory) is scored on the task's held-out data (row 0), then each pass that
+applies to a generic module (``kinds`` in :data:`prunus.compress.recipe.PASSES`) runs on a copy in the one runner
+(:mod:`.run`) and is scored: loss, top-1 accuracy (classification), parameters, bytes of the weights and CPU
+latency of one batch. The output is a generic model dir (cut shapes recorded, see
 :mod:`prunus.models.module_reshape`) with ``recipe.yaml`` and the report (``report.json`` / ``.md`` / ``.png``),
 written only once it reloads and runs (:mod:`.module_verify`).
 """
 
 from __future__ import annotations
 
-import copy
 import shlex
 import statistics
 import sys
@@ -22,12 +22,9 @@ import torch
 from torch import nn
 
 from prunus.artifacts.errors import PrunusError
-from prunus.artifacts.paths import check_output
 
-from .pass_label import pass_label
+from .run import CompressKind, CompressOptions, CompressRun
 
-MODULE_PASSES = {"prune_channels": "prunus.compress.module_prune:prune_channels_pass",
-                 "distill_module": "prunus.compress.module_distill:distill_module_pass"}
 LATENCY_RUNS, LATENCY_BATCH, CALIB_SAMPLES = 7, 8, 64
 
 
@@ -125,31 +122,20 @@ def _load(model_dir: Path, data: str | None, trust_factory, seed: int) -> tuple[
     return model, ModuleContext(model_dir, config, task, train, val, seed, trust_factory)
 
 
-def check_module_passes(passes) -> None:
-    from .recipe import check_pass
+def start(model_dir: Path, options: CompressOptions) -> CompressRun:
+    """A run of the runner (:mod:`.run`) on a generic module dir: rows scored on the task's held-out data, the output
+    a generic model dir (cut shapes recorded) written only once it reloads and runs."""
+    teacher, ctx = _load(model_dir, options.data, options.trust_factory, options.seed)
 
-    for i, (name, args) in enumerate(passes, 1):
-        if name not in MODULE_PASSES:
-            raise PrunusError(f"pass {i}: {name!r} does not apply to a generic module; its passes: "
-                              f"{', '.join(MODULE_PASSES)}")
-        check_pass(name, args, where=f"pass {i}")
+    def score(label, model, base, notes):
+        return module_row(label, model, ctx, base=base, latency=options.latency, notes=notes)
 
-
-def _run_passes(model, ctx, passes, rows, latency):
-    from .recipe import get_pass
-
-    for name, args in passes:
-        label = pass_label(name, args)
-        ctx.take_notes()
-        model = get_pass(name)(model, ctx, **args)
-        rows.append(module_row(label, model, ctx, base=rows[0], latency=latency, notes=ctx.take_notes()))
-    return model
+    header = {"source": str(model_dir), "task": ctx.task.name, "data": options.data, "seed": options.seed,
+              "kind": "module", "threads": torch.get_num_threads()}
+    return CompressRun(teacher, ctx, score, header, lambda out, model, report: _write(out, model, report, ctx, options))
 
 
-def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: str | Path, *, data: str | None,
-                    trust_factory=False, overwrite: bool = False, seed: int = 0, latency: bool = True,
-                    recipe_text: str | None = None, command: str | None = None) -> dict:
-    """Run ``passes`` on the generic module dir ``model_dir``, write ``out``; return the report."""
+def _write(out: Path, model: nn.Module, report: dict, ctx: ModuleContext, options) -> None:
     from prunus.models.module_dir import carried_files, save_module
     from prunus.models.module_factory import build_module
     from prunus.models.module_reshape import shape_changes
@@ -158,33 +144,22 @@ def compress_module(model_dir: str | Path, passes: list[tuple[str, dict]], out: 
     from .recipe import recipe_yaml
     from .report import report_files
 
-    model_dir, out = Path(model_dir), Path(out)
-    check_module_passes(passes)
-    if out.exists() and not overwrite:
-        raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
-    check_output(out, [("MODEL_DIR", model_dir), ("--data", data)])
-    start = time.perf_counter()
-    teacher, ctx = _load(model_dir, data, trust_factory, seed)
-    rows = [module_row("input", teacher, ctx, latency=latency)]
-    torch.manual_seed(seed)
-    model = _run_passes(copy.deepcopy(teacher), ctx, passes, rows, latency)
-    report = {"source": str(model_dir), "task": ctx.task.name, "data": data, "seed": seed, "kind": "module",
-              "threads": torch.get_num_threads(), "out": str(out),
-              "passes": [{"name": n, "args": a} for n, a in passes], "rows": rows}
     factory = getattr(model, "prunus_factory", None)  # a distilled student's own, else the input's
     with torch.device("meta"):
         reference = build_module(factory.spec, factory.args).state_dict()
-    final = rows[-1]
+    final = report["rows"][-1]
+    passes = [(p["name"], p["args"]) for p in report["passes"]]
 
     def write(path):
         save_module(model, path, stage="compress", factory=factory, task=ctx.task.name,
-                    input=ctx.config.get("input"), parent=model_dir,
-                    command=command if command is not None else shlex.join(sys.argv),
+                    input=ctx.config.get("input"), parent=ctx.source,
+                    command=options.command if options.command is not None else shlex.join(sys.argv),
                     metrics={k: final[k] for k in ("val_loss", "val_accuracy") if k in final},
                     pruned_shapes=shape_changes(model, reference),
-                    extra_files={"recipe.yaml": (recipe_text or recipe_yaml(passes)).encode(), **report_files(report),
-                                 **carried_files(model_dir)})  # a table's labels.json
+                    extra_files={"recipe.yaml": (options.recipe_text or recipe_yaml(passes)).encode(),
+                                 **report_files(report), **carried_files(ctx.source)})  # a table's labels.json
 
-    write_checked(out, overwrite, write, model, ctx.batch(LATENCY_BATCH)[0], trust_factory)
-    report["seconds"] = {"total": round(time.perf_counter() - start, 2)}
-    return report
+    write_checked(out, options.overwrite, write, model, ctx.batch(LATENCY_BATCH)[0], options.trust_factory)
+
+
+KIND = CompressKind("module", frozenset({"trust_factory"}), start)

@@ -42,6 +42,7 @@ class PassEntry:
 
     target: str  # "module:function"
     shows_progress: bool = False  # it draws its own progress (distillation trains) and takes ``progress``
+    kinds: tuple = ("transformer",)  # the model kinds (prunus.models.spec) it applies to
 
 
 PASSES = {
@@ -51,8 +52,8 @@ PASSES = {
     "prune_structured": PassEntry("prunus.compress.prune_structured:prune_structured_pass"),
     "distill": PassEntry("prunus.compress.distill:distill_pass", shows_progress=True),
     # generic modules (prunus.compress.module_compress)
-    "prune_channels": PassEntry("prunus.compress.module_prune:prune_channels_pass"),
-    "distill_module": PassEntry("prunus.compress.module_distill:distill_module_pass"),
+    "prune_channels": PassEntry("prunus.compress.module_prune:prune_channels_pass", kinds=("module",)),
+    "distill_module": PassEntry("prunus.compress.module_distill:distill_module_pass", kinds=("module",)),
 }
 
 

@@ -8,7 +8,7 @@ the run dir, the dry run, ``compress``, ``export`` and ``eval`` look the kind up
   the per-rank memory plan;
 * ``parallelize`` / ``pipeline_split`` / ``tp_plan``: the layout applied to the unmodified model;
 * ``model_dir_writer`` / ``model_dir_loader``: the model dir's format; ``export``: its graph and parity
-  check; ``compress``: the pass runner; ``evaluate``: ``prunus eval`` of the dir.
+  check; ``compress``: its :class:`prunus.compress.run.CompressKind` (the one runner's hooks); ``evaluate``: ``prunus eval`` of the dir.
 
 The transformer is the kind with the most parallelisms (its own TP plan, context and expert parallelism, a
 Hugging Face state-dict adapter); ``module`` is any ``nn.Module`` a factory builds, trained for a task.
@@ -60,14 +60,14 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (
               _TP + "launch.dry_run:memory_plan", _TP + "parallelize:parallelize",
               _TP + "pipeline.pipeline_parallel:build_pipeline", _TP + "tensor_parallel.tensor_parallel:apply_tp",
               _MOD + "hf_convert:to_hf", _MOD + "model_dir:save_model", _MOD + "model_dir:load_model",
-              "prunus.export.export_dir:export_model", "prunus.compress.run:compress",
+              "prunus.export.export_dir:export_model", "prunus.compress.transformer_compress:KIND",
               "prunus.data.evaluate_model_dir:evaluate_model_dir"),
     ModelSpec("module", "generic module", _TP + "module_config:ModuleTrainConfig",
               _TP + "module_trainer:train_from_config", _TP + "module_trainer:preflight_module", _TP + "launch.dry_run:module_memory_plan",
               _TP + "data_parallel.data_parallel:parallelize_any", _TP + "pipeline.split_pipeline:split_stages",
               _TP + "tensor_parallel.plan_file:apply_tp_plan", None, _MOD + "module_dir:save_module",
               _MOD + "module_dir:load_module", "prunus.export.module_export:export_module",
-              "prunus.compress.module_compress:compress_module", _TP + "held_out_eval:evaluate_module_dir"),
+              "prunus.compress.module_compress:KIND", _TP + "held_out_eval:evaluate_module_dir"),
 )}
 ENTRIES = tuple(f.name for f in fields(ModelSpec) if f.name not in ("name", "title"))
 

@@ -206,9 +206,12 @@ def test_shortcuts_map_onto_passes():
 def test_max_quality_drop_stops_the_api_before_writing(tmp_path, trained_run, text_file):
     crush = [("quantize", {"scheme": "w8a8-static", "granularity": "per_tensor", "calibration": "percentile",
                            "percentile": 1.0, "n_calib": 1})]
-    with pytest.raises(QualityDropError, match="above --max-quality-drop 1%"):
+    with pytest.raises(QualityDropError, match=r"bits per byte rose .*% over the input \(.* -> .*\), above "
+                                               "--max-quality-drop 1%"):
         compress(trained_run / "model", crush, tmp_path / "out", data=str(text_file), max_quality_drop=0.01, eval_tokens=1024,
                  latency=False, progress=False)
+    with pytest.raises(PrunusError, match="--trust-factory: not taken by a transformer"):
+        compress(trained_run / "model", crush, tmp_path / "out", data=str(text_file), trust_factory=True)
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no output, no temp dir
 
 

@@ -14,9 +14,13 @@ from prunus.models.spec import ENTRIES, SPECS, TRANSFORMER, dir_kind, get_spec, 
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_every_entry_resolves(kind):
     spec = SPECS[kind]
+    from prunus.compress.run import CompressKind
+
     for entry in ENTRIES:
         if getattr(spec, entry) is not None:
-            assert callable(spec.load(entry)), (kind, entry)
+            target = spec.load(entry)
+            assert isinstance(target, CompressKind) if entry == "compress" else callable(target), (kind, entry)
+    assert spec.load("compress").name == kind  # the pass registry's kinds name it
     config = spec.load("config")
     assert config.KIND == kind and "steps" in config.RESUMABLE
 
