@@ -7,7 +7,9 @@ PyTorch model, llama.cpp (llama-cpp-python in ``--llamacpp-python``, often a ven
 tokens from the file with every position's logits. Prints, per pair: the tensor types in the file, top-1
 agreement, max and mean |Δ logits|, and each side's cross-entropy. llama.cpp quantizes activations to 8 bits
 for its Q8_0 / Q4_0 / Q4_1 products, so even identical weights give slightly different logits; the agreement
-says whether the weights are the same (a requantized file agrees far less).
+says whether the weights are the same (a requantized file agrees far less). The file is also compared with the
+dir as prunus serves it on a CPU, its native kernels (which round activations to 8 bits in blocks of 32 too): the
+same tokens prefilled and verified in one pass through the serving backend (``--threads`` threads).
 
     python -m benchmarks.gguf_agreement --llamacpp-python PY --pair DIR=FILE [--pair ...] [--tokens 512]
 """
@@ -55,6 +57,21 @@ def prunus_logits(model_dir: Path, tokens: np.ndarray) -> np.ndarray:
         return load_model(model_dir).eval()(torch.from_numpy(tokens)[None])[0].float().numpy()
 
 
+def native_logits(model_dir: Path, tokens: np.ndarray, threads: int) -> np.ndarray:
+    """Every position's logits of the dir in the native kernels, through the backend that serves it."""
+    import torch
+
+    from prunus.export.backend_parity import native_graphs
+    from prunus.models import load_model
+    from prunus.runtime.native_backend import pack_model
+
+    graphs = native_graphs(pack_model(model_dir, load_model(model_dir).eval()), threads)
+    try:
+        return graphs(torch.from_numpy(tokens)[None])[0].float().numpy()
+    finally:
+        graphs.close()
+
+
 def llama_logits(python: str, gguf_file: Path, tokens: np.ndarray, threads: int) -> np.ndarray:
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp) / "tokens.npy", tokens)
@@ -80,9 +97,13 @@ def tensor_types(gguf_file: Path) -> str:
 def compare(model_dir: Path, gguf_file: Path, python: str, n: int, threads: int) -> dict:
     tokens = held_out_tokens(model_dir, n)
     ours, theirs = prunus_logits(model_dir, tokens), llama_logits(python, gguf_file, tokens, threads)
+    served = native_logits(model_dir, tokens, threads)
     delta = np.abs(ours - theirs)
     return {"dir": str(model_dir), "gguf": str(gguf_file), "types": tensor_types(gguf_file), "tokens": int(len(tokens)),
             "top1_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).mean()),
+            "top1_agreement_native": float((served.argmax(-1) == theirs.argmax(-1)).mean()),
+            "max_abs_logits_native": float(np.abs(served - theirs).max()),
+            "top1_native_torch": float((served.argmax(-1) == ours.argmax(-1)).mean()),
             "max_abs_logits": float(delta.max()), "mean_abs_logits": float(delta.mean()),
             "ce_prunus": cross_entropy(ours, tokens), "ce_llamacpp": cross_entropy(theirs, tokens),
             "bytes": gguf_file.stat().st_size}
@@ -103,10 +124,12 @@ def main(argv: list[str] | None = None) -> None:
         results.append(compare(Path(d), Path(f), args.llamacpp_python, args.tokens, args.threads))
         print(f"  {f}: top-1 {results[-1]['top1_agreement']:.4f}", flush=True)
     show(f"llama.cpp on the GGUF file beside prunus on its dir ({args.tokens} held-out tokens)",
-         ["file", "tensor types", "MB", "top-1 agreement", "max |Δ|", "mean |Δ|", "CE prunus", "CE llama.cpp"],
+         ["file", "tensor types", "MB", "top-1 agreement", "max |Δ|", "mean |Δ|", "CE prunus", "CE llama.cpp",
+          "top-1 vs native", "max |Δ| vs native", "native vs PyTorch top-1"],
          [[Path(r["gguf"]).name, r["types"], f"{r['bytes'] / 1e6:.0f}", f"{r['top1_agreement']:.4f}",
            f"{r['max_abs_logits']:.3f}", f"{r['mean_abs_logits']:.4f}", f"{r['ce_prunus']:.4f}",
-           f"{r['ce_llamacpp']:.4f}"] for r in results])
+           f"{r['ce_llamacpp']:.4f}", f"{r['top1_agreement_native']:.4f}", f"{r['max_abs_logits_native']:.3f}",
+           f"{r['top1_native_torch']:.4f}"] for r in results])
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_line(), "results": results}, indent=1))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import io
+import re
 import json
 import runpy
 import shlex
@@ -54,16 +55,22 @@ def run_benchmark(module: str, args: list[str]) -> tuple[list[dict], str]:
     return list(harness.SHOWN), printed
 
 
+def _cell(text: str) -> str:
+    """A table cell as markdown reads it: one line, its pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def make_record(module: str, args: list[str], tables: list[dict], printed: str, earlier: dict | None) -> dict:
     """The record of a run: the earlier record's title and notes, this run's machine, date, command and figures."""
     spec = importlib.util.find_spec(module)
     doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
-    doc = doc or module
-    title = (earlier or {}).get("title") or doc.strip().split("\n")[0].rstrip(".")
+    first = " ".join((doc or module).strip().split("\n\n")[0].split())
+    title = (earlier or {}).get("title") or re.split(r"(?<=[.?!]) ", first)[0].rstrip(".")
     blocks = []
     for t in tables:
         caption = " ".join(t["title"].split())
-        blocks += [{"text": f"\n**{caption}**\n"}, {"table": {"headers": t["headers"], "rows": t["rows"]}}]
+        cells = {"headers": [_cell(h) for h in t["headers"]], "rows": [[_cell(c) for c in r] for r in t["rows"]]}
+        blocks += [{"text": f"\n**{caption}**\n"}, {"table": cells}]
     return {"title": title, "level": (earlier or {}).get("level", 2), "benchmark": module,
             "machine": harness.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python -m " + shlex.join([module, *args]), "notes": (earlier or {}).get("notes", ""),

@@ -34,7 +34,7 @@ from onnx import TensorProto, helper
 from prunus.artifacts.errors import PrunusError
 from prunus.models.rope import rope_halves
 
-from .genai_layers import LAST_TOKEN_NODE, MS_DOMAIN, GraphWriter
+from .genai_layers import MS_DOMAIN, GraphWriter
 
 GENAI_GRAPH = "model.onnx"
 GENAI_OPSET = 23  # as the torch graphs for ONNX Runtime; 21 is the least (blocked DequantizeLinear of stored int8)

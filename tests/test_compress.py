@@ -1,7 +1,6 @@
 """Quantization (QuantizedLinear, quantize and smoothquant passes), recipes, the compress runner, report and CLI."""
 
 import json
-import shutil
 
 import pytest
 import torch

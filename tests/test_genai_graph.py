@@ -15,7 +15,7 @@ from family_variants import family_model
 from prunus.artifacts.errors import PrunusError
 from prunus.compress.quantize import quantize_pass
 from prunus.export import export_model, load_export
-from prunus.export.export_dir import _choose_graph, genai_dims
+from prunus.export.export_dir import _choose_graph
 from prunus.export.genai_graph import GENAI_GRAPH, build_genai_graph, save_genai_graph
 from prunus.export.backend_parity import export_graphs
 from prunus.export.native_weights import write_native_weights

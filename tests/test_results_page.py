@@ -38,7 +38,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=2)
     n = parser.parse_args().n
-    show("squares", ["x", "x squared"], [[str(i), str(i * i)] for i in range(n)])
+    show("squares", ["x", "|x| squared"], [[str(i), str(i * i)] for i in range(n)])
     print(f"done: {n} rows")
 
 
@@ -69,7 +69,7 @@ def test_a_recorded_run_keeps_its_tables_command_and_machine_and_a_new_run_keeps
     assert body["command"] == "python -m fakebench.quick --n 3" and body["title"] == "A quick benchmark for the recorder's test"
     assert body["machine"]["cpu"] and body["date"] and "done: 3 rows" in body["output"]
     assert [b["table"] for b in body["blocks"] if "table" in b] == [
-        {"headers": ["x", "x squared"], "rows": [["0", "0"], ["1", "1"], ["2", "4"]]}]
+        {"headers": ["x", "\\|x\\| squared"], "rows": [["0", "0"], ["1", "1"], ["2", "4"]]}]  # pipes escaped
     assert json.loads((folder / "index.json").read_text())["order"] == ["quick"]
     text = page.read_text()
     assert "## A quick benchmark" in text and "python -m fakebench.quick --n 3" in text and "| 2 | 4 |" in text
