@@ -15,6 +15,8 @@ seeded random inputs of the recorded shape, 64 of them in one batch: another bat
 * ``mse_increase`` (a regression task with ``--data``): the graph's MSE against the targets over the module's,
   minus 1.
 
+The graph is checked as it is served: the written dir loaded by the runtime table's ONNX Runtime row for a
+generic module's export (:mod:`prunus.runtime.ort_module`), the probe inputs through its ``predict``.
 fp32 must match tightly (:data:`MODULE_TOLERANCES`); a failed check writes nothing unless ``verify`` is off.
 The export dir holds ``model.onnx``, ``parity.json``, ``config.json`` (the model dir's, plus ``export``) and
 ``prunus.json``. ONNX at fp32, or at int8 (``--precision int8``: static post-training quantization of the
@@ -98,16 +100,26 @@ def _export_graph(module: torch.nn.Module, example: torch.Tensor, opset: int):
                           "traceable (torch.export)") from None
 
 
-def module_parity(module: torch.nn.Module, graph: Path, inputs: torch.Tensor, precision: str = "fp32", *,
-                  targets: torch.Tensor | None = None, task: str | None = None) -> dict:
-    """The parity report of the ONNX graph at ``graph`` against ``module`` on ``inputs`` (``targets``: theirs,
-    for a regression task's MSE increase)."""
-    from prunus.runtime.ort_session import ort_session
+def served_outputs(export_dir: Path, config: dict, inputs: torch.Tensor) -> torch.Tensor:
+    """The outputs of ``inputs`` through the backend ``prunus serve`` loads for the written export dir."""
+    from prunus.runtime.load_options import LoadOptions
+    from prunus.runtime.registry import find_runtime
 
-    session = ort_session(graph, os.cpu_count())
+    options = LoadOptions(max_batch=len(inputs), threads=os.cpu_count(), native=False)
+    backend = find_runtime("onnxruntime", config, options).load(export_dir, config, options).backend
+    try:
+        return torch.from_numpy(backend.predict(inputs.numpy())).float()
+    finally:
+        backend.close()
+
+
+def module_parity(module: torch.nn.Module, export_dir: Path, config: dict, inputs: torch.Tensor,
+                  precision: str = "fp32", *, targets: torch.Tensor | None = None, task: str | None = None) -> dict:
+    """The parity report of the written export dir (its ``config``) as it is served against ``module`` on
+    ``inputs`` (``targets``: theirs, for a regression task's MSE increase)."""
     with torch.inference_mode():
         ref = module(inputs).float()
-    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]).float()
+    got = served_outputs(export_dir, config, inputs)
     if got.shape != ref.shape:
         raise PrunusError(f"export: ONNX Runtime returns shape {tuple(got.shape)} where the module returns "
                           f"{tuple(ref.shape)}; the graph does not keep the batch axis dynamic")
@@ -124,7 +136,8 @@ def module_parity(module: torch.nn.Module, graph: Path, inputs: torch.Tensor, pr
 
 
 def _int8_graph(proto, tmp: Path, module, config: dict, data, model_dir: Path, probe) -> dict:
-    """The fp32 graph quantized to int8 as ``tmp/model.onnx`` (:mod:`.module_int8`); its parity report."""
+    """The fp32 graph quantized to int8 as ``tmp/model.onnx`` (:mod:`.module_int8`); its parity report (``config``:
+    the export dir's, written)."""
     from .module_int8 import calibration_inputs, int8_method, int8_weight_share, quantize_module_graph, quantized_share
     from .onnx_export import save_graph
 
@@ -137,7 +150,7 @@ def _int8_graph(proto, tmp: Path, module, config: dict, data, model_dir: Path, p
     fp32_bytes, share = fp32.stat().st_size, quantized_share(fp32, tmp / GRAPH)
     fp32.unlink()
     inputs, targets, _ = probe
-    report = module_parity(module, tmp / GRAPH, inputs, precision="int8", targets=targets, task=config.get("task"))
+    report = module_parity(module, tmp, config, inputs, precision="int8", targets=targets, task=config.get("task"))
     return {**report, "int8_method": method, "calibration": calibrated, **share, "graph_bytes_fp32": fp32_bytes,
             "graph_bytes": (tmp / GRAPH).stat().st_size, "int8_weight_share": round(int8_weight_share(tmp / GRAPH), 4)}
 
@@ -176,23 +189,23 @@ def export_module(model_dir: str | Path, out: str | Path, *, format: str = "onnx
     probe = probe_inputs(config, data, model_dir)
     inputs = probe[0]
     reference_outputs(module, inputs, model_dir)
+    export = {"format": "onnx", "precision": precision, "opset": opset, "graph": "module", "graphs": {"model": GRAPH},
+              "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
+    config = {**config, "export": export}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         proto = _export_graph(module, inputs[:2] if len(inputs) > 2 else torch.cat([inputs, inputs])[:2], opset)
         from .onnx_export import save_graph
 
+        atomic_write_json(tmp / CONFIG, config)  # the runtime table loads the written dir for the check
         if precision == "int8":
             report = _int8_graph(proto, tmp, module, config, data, model_dir, probe)
         else:
             save_graph(proto, tmp / GRAPH, external_data=False)
-            report = module_parity(module, tmp / GRAPH, inputs, targets=probe[1], task=config.get("task"))
+            report = module_parity(module, tmp, config, inputs, targets=probe[1], task=config.get("task"))
         report["inputs"] = probe[2]
         if not report["passed"] and verify:
             raise ParityFailed(report)
         atomic_write_json(tmp / PARITY, report)
-        export = {"format": "onnx", "precision": precision, "opset": opset, "graph": "module", "graphs": {"model": GRAPH},
-                  "inputs": ["input"], "outputs": ["output"], "dynamic_axes": {"input": [0], "output": [0]}}
-        config = {**config, "export": export}
-        atomic_write_json(tmp / CONFIG, config)
         for name, data in carried_files(model_dir).items():  # a table's labels.json
             atomic_write_bytes(tmp / name, data)
         write_manifest(tmp, model_dir, manifest, report, command, keys=MODULE_PARITY_KEYS)

@@ -10,7 +10,8 @@ Any other graph (Linear-only, recurrent, attention) is quantized **dynamically**
 weights of MatMul / Gemm, LSTM and embedding Gather, activations quantized at run time; no calibration).
 ONNX Runtime has no int8 GRU / RNN, so those stay float: the report gives the share of the fp32 graph's
 parameters held as int8 (``int8_param_share``) and names the weight-bearing operators left float.
-Parity (:func:`.module_export.module_parity`) compares the graph with the fp32 PyTorch module: top-1 agreement
+Parity (:func:`.module_export.module_parity`) compares the graph, as ONNX Runtime serves it, with the fp32 PyTorch
+module: top-1 agreement
 for a classifier, the relative output MSE (and, with targets, the MSE increase) for a regressor.
 
 Two choices decide the static path's accuracy:
