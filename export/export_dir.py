@@ -106,6 +106,12 @@ def load_export(path: str | Path):
     return config, load_tokenizer(config.get("tokenizer"), base_dir=path)
 
 
+def _refuse(flags: list[str], title: str, model_dir: Path) -> None:
+    """Options of another kind's export, refused in one line (never ignored)."""
+    if flags:
+        raise PrunusError(f"{', '.join(flags)}: not taken by a {title}'s export ({model_dir}); drop {flags[0]}")
+
+
 @dataclass(frozen=True)
 class ExportPlan:
     """What an export writes, settled before anything is written."""
@@ -171,9 +177,13 @@ def export_model(model_dir: str | Path, out: str | Path, *, format: str = "onnx"
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     manifest = verify_model_dir(model_dir)
     spec = get_spec(read_config_json(model_dir).get("kind"))
+    given = {"--external-data": external_data, "--int8-style": int8_style, "--eval-tokens": eval_tokens,
+             "--timing-cache": timing_cache, "--graph": graph}
     if spec.name != TRANSFORMER:  # another kind's graph and parity check (any nn.Module: module_export)
+        _refuse([flag for flag, value in given.items() if value is not None], spec.title, model_dir)
         return spec.load("export")(model_dir, out, format=format, precision=precision, opset=opset, verify=verify, data=data,
                              overwrite=overwrite, command=command, trust_factory=trust_factory, manifest=manifest)
+    _refuse(["--trust-factory"] if trust_factory else [], spec.title, model_dir)
     _, src_config = read_config(model_dir)
     model = load_model(model_dir, verify=False).float()
     plan = _plan(fmt, model, model_dir, precision, opset, int8_style, graph, external_data)

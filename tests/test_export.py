@@ -294,6 +294,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(trained_run, int8_model_dir, 
     assert_user_error(run("export", int8_model_dir, "--out", out, "--precision", "fp32"), "int8")
     assert_user_error(run("export", model, "--out", out, "--opset", "12"), "--opset 12")
     assert_user_error(run("export", model, "--out", out, "--format", "tensorrt"), "tensorrt")
+    assert_user_error(run("export", model, "--out", out, "--trust-factory"), "--trust-factory: not taken by a transformer")
     assert not out.exists() and not list(tmp_path.glob(".x*"))
 
 

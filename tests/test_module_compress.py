@@ -119,6 +119,9 @@ def test_untrusted_and_missing_data_are_one_line(cnn_dir, tmp_path):
         res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", "prune-channels-50", "--out",
                                        str(tmp_path / "o"), "--data", DATA, "--trust-factory", *flags])
         assert res.exit_code == 2 and f"{flags[0]}: not taken by a generic module" in res.output, res.output
+    for flags in (["--graph", "torch"], ["--external-data"]):  # a language model's export options, refused too
+        res = CliRunner().invoke(cli, ["export", str(cnn_dir), "--out", str(tmp_path / "o"), "--trust-factory", *flags])
+        assert res.exit_code == 2 and f"{flags[0]}: not taken by a generic module's export" in res.output, res.output
     assert not (tmp_path / "o").exists()
 
 
