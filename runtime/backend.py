@@ -19,6 +19,13 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   the logits after each (len, vocab), and keep a row's first ``length`` tokens (:mod:`prunus.runtime.speculative`);
   ``verify_rows(rows, token_lists)`` where ``capabilities.verify_rows`` says so: the same for several rows in one
   pass, a list of (len_i, vocab);
+* ``final_hidden(tokens, adapter)`` where ``capabilities.embeddings`` says so: the final hidden states (the output
+  head's input) of a right-padded (rows, seq) batch in one pass without the KV cache, the head not run
+  (:mod:`prunus.serve.embeddings` pools them);
+* ``attach_lora(adapters)`` / ``bind_adapter(row, adapter)`` where ``capabilities.lora`` says so: load PEFT adapters
+  ({name: dir}), and run a row with one of them (None: the base);
+* ``report_hidden(sink)`` where ``capabilities.hidden_states`` says so: every pass hands its rows' final hidden
+  states to ``sink`` (an EAGLE draft reads them, :mod:`prunus.runtime.eagle_drafter`);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
@@ -51,6 +58,9 @@ class Capabilities:
     prefix_cache: bool = False  # ``restore_prefix(row, ids)`` / ``store_prefix(row, ids)``: prunus.runtime.prefix_cache
     verify: bool = False  # ``verify(row, tokens)`` / ``truncate(row, length)``: speculative decoding can check drafts
     verify_rows: bool = False  # ``verify_rows(rows, token_lists)``: several rows' drafts checked in one pass
+    embeddings: bool = False  # ``final_hidden(tokens, adapter)``: a padded batch's final hidden states, no cache
+    lora: bool = False  # ``attach_lora(adapters)`` / ``bind_adapter(row, adapter)``: LoRA adapters per row
+    hidden_states: bool = False  # ``report_hidden(sink)``: each pass's final hidden states to a drafter (EAGLE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:

@@ -196,7 +196,7 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
     from prunus.artifacts.errors import PrunusError
     from prunus.models.eagle_draft import load_eagle_draft
 
-    if not hasattr(backend, "report_hidden"):
+    if not backend.capabilities.hidden_states:
         raise PrunusError(f"--speculative {draft}: an EAGLE draft reads the target's hidden states, which the "
                           f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
                           "the native kernels")

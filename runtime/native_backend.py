@@ -87,7 +87,7 @@ class NativeBackend(BackendBase):
         # the scheduler thread's only torch work here is sampling: one OpenMP thread keeps torch's pool from waking
         # beside the kernels' own threads
         return Capabilities(max_batch=self.n_slots, host_threads=1, extend=True, prefill_chunk=self.prefill_chunk,
-                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True)
+                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True, hidden_states=True)
 
     def describe(self) -> dict:
         return {"prefix_cache": self.prefix.stats} if self.prefix is not None else {}

@@ -66,6 +66,7 @@ class TorchBackend(BackendBase):
         self.prefix = None
         self.lora = None  # a prunus.runtime.lora_adapters.LoraSet once attach_lora runs
         self.hidden_sink = None  # report_hidden's callable
+        self._capture = None  # final_hidden's hook on the output head, made on first use
         self._block_out = None
         if prefix_cache_mb:
             from .prefix_cache import PrefixCache
@@ -77,7 +78,8 @@ class TorchBackend(BackendBase):
         return Capabilities(max_batch=self.n_slots, extend=True, prefill_chunk=self.prefill_chunk,
                             tunable_threads=self.device.type == "cpu",  # see prunus.serve.pass_threads
                             warm_up=bool(self.compile), device_sampling=self.device.type != "cpu",
-                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True)
+                            prefix_cache=self.prefix is not None, verify=True, verify_rows=True, embeddings=True,
+                            lora=True, hidden_states=True)
 
     def release(self, row: int) -> None:
         """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
@@ -101,6 +103,17 @@ class TorchBackend(BackendBase):
         """The request that holds ``row`` now runs with ``adapter`` (a loaded Adapter, or None: the base)."""
         if self.lora is not None:
             self.lora.bind(row, adapter)
+
+    def final_hidden(self, tokens: torch.Tensor, adapter=None) -> torch.Tensor:
+        """(rows, seq, dim) final hidden states of the right-padded ``tokens`` in one pass without the KV cache, the
+        output head not run; ``adapter``: a loaded LoRA adapter for every row (None: the base)."""
+        if self._capture is None:
+            from .hidden_capture import HiddenCapture
+
+            self._capture = HiddenCapture(self.model)
+        if self.lora is not None:
+            self.lora.use(adapter, len(tokens))
+        return self._capture.run(self.model, tokens.to(self.device))
 
     def describe(self) -> dict:
         facts = {"compile": self.compiled is not None}

@@ -5,10 +5,11 @@ its tokens: ``pooling="last"`` (the default: the last token's, which in a causal
 ``"mean"`` (the average over every token). ``normalize`` (default True, as OpenAI's embeddings are unit length)
 divides it by its L2 norm. Inputs go through in batches of up to ``max_batch`` rows, right-padded (a causal model's
 padding after a row's last token cannot change it), in one forward pass each, without the KV cache and on the
-calling thread (the scheduler's requests go on). A pass stops at the output head: a hook on the head's input keeps
-the hidden state and ends the pass, so no logits are computed. With ``adapter`` a loaded LoRA adapter applies.
+calling thread (the scheduler's requests go on), through the backend's ``final_hidden`` (a pass that stops at the
+output head, :mod:`prunus.runtime.hidden_capture`). With ``adapter`` a loaded LoRA adapter applies.
 
-Only the torch backend in one process holds the model in this process; other backends refuse in one line.
+A backend declares it computes them (``capabilities.embeddings``: the torch backend in one process); the others are
+refused in one line.
 
 The HTTP route takes ``input`` (a string, a list of strings, token ids or a list of them), ``model`` (the served
 name or an adapter's), ``encoding_format`` ``float`` (a list of numbers) or ``base64`` (the float32 little-endian
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import threading
 from typing import Literal
 
 import torch
@@ -36,46 +36,12 @@ MAX_INPUTS = 2048  # OpenAI's limit per request
 POOLINGS = ("last", "mean")
 
 
-class _Stop(Exception):
-    """Raised by the capture hook once the hidden state is kept: the pass goes no further."""
-
-
-class HiddenCapture:
-    """A forward pre-hook on the model's output head that, on a thread that asks for it, keeps the head's input and
-    ends the pass; other threads' passes (the scheduler's) are untouched."""
-
-    def __init__(self, model):
-        self._local = threading.local()
-        self.handle = model.output.register_forward_pre_hook(self._keep) if model.output is not None else None
-
-    def _keep(self, module, args):
-        if getattr(self._local, "on", False):
-            self._local.h = args[0]
-            raise _Stop
-
-    def run(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        if self.handle is None:  # a model without a head returns its final hidden state
-            return model(tokens)
-        self._local.on = True
-        try:
-            model(tokens)
-        except _Stop:
-            return self._local.h
-        finally:
-            self._local.on = False
-            self._local.h = None
-        raise RuntimeError("the model's output head did not run")
-
-
-def _torch_backend(engine):
-    from prunus.runtime.torch import TorchBackend
-
+def _backend(engine):
     backend = engine.backend
-    if not isinstance(backend, TorchBackend):
-        raise PrunusError(f"embeddings need the torch backend in one process; this engine runs on "
-                          f"{runtime_words(engine.info)}; serve the model dir with --backend torch and no --tp")
-    if getattr(backend, "_capture", None) is None:
-        backend._capture = HiddenCapture(backend.model)
+    if not backend.capabilities.embeddings:
+        raise PrunusError(f"embeddings need a runtime that computes hidden states (the torch backend in one process); "
+                          f"this engine runs on {runtime_words(engine.info)}; serve the model dir with --backend torch "
+                          "and no --tp")
     return backend
 
 
@@ -100,9 +66,9 @@ def embed_ids(engine, prompts: list[list[int]], pooling: str = "last", normalize
     """(len(prompts), dim) float32 embeddings on the CPU (see the module docstring)."""
     if pooling not in POOLINGS:
         raise PrunusError(f"pooling={str(pooling)[:40]!r} must be one of {', '.join(POOLINGS)}")
-    backend = _torch_backend(engine)
+    backend = _backend(engine)
     lora = engine.lora_adapter(adapter) if adapter is not None else None
-    model, rows = backend.model, max(1, backend.n_slots)
+    rows = max(1, backend.n_slots)
     out = []
     for start in range(0, len(prompts), rows):
         batch = prompts[start:start + rows]
@@ -110,9 +76,7 @@ def embed_ids(engine, prompts: list[list[int]], pooling: str = "last", normalize
         tokens = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)
         for i, p in enumerate(batch):
             tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        if backend.lora is not None:
-            backend.lora.use(lora, len(batch))
-        h = backend._capture.run(model, tokens.to(backend.device)).float().cpu()
+        h = backend.final_hidden(tokens, lora).float().cpu()
         if pooling == "last":
             pooled = h[torch.arange(len(batch)), lengths - 1]
         else:

@@ -319,9 +319,8 @@ def _attach_lora(backend, adapters: dict) -> None:
     """Load ``adapters`` ({name: dir}) onto ``backend``, or one line where the backend cannot serve them."""
     if not isinstance(adapters, dict):
         raise PrunusError("lora must be a dict {name: PEFT adapter dir}")
-    attach = getattr(backend, "attach_lora", None)
-    if attach is None or backend.capabilities.predict:
+    if not backend.capabilities.lora:
         name = getattr(backend, "name", type(backend).__name__)
         raise PrunusError(f"--lora: the {name} backend cannot serve LoRA adapters; serve the model dir with the torch "
                           "backend in one process (no --tp, --native or export dir), or merge the adapter first")
-    attach(adapters)
+    backend.attach_lora(adapters)

@@ -111,8 +111,11 @@ def test_http_embeddings_float_and_base64(engine):
 
 
 def test_other_backends_refuse_embeddings(engine, monkeypatch):
-    class Graph:
+    from prunus.runtime.backend import Capabilities
+
+    class Graph:  # a backend that does not declare embeddings
         name = "onnxruntime"
+        capabilities = Capabilities(max_batch=2)
 
     monkeypatch.setattr(engine, "backend", Graph())
     monkeypatch.setattr(engine, "info", {**engine.info, "runtime": "native", "native_isa": "avx2"})

@@ -207,10 +207,12 @@ def test_the_update_bound_follows_the_base_dtype():
 
 
 def test_backends_without_lora_refuse_in_one_line():
+    from prunus.runtime.backend import Capabilities
     from prunus.serve.engine import _attach_lora
 
-    class Graph:
+    class Graph:  # a backend that does not declare LoRA
         name = "onnxruntime"
+        capabilities = Capabilities(max_batch=2)
 
     with pytest.raises(PrunusError) as e:
         _attach_lora(Graph(), {"a": "dir"})
