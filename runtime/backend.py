@@ -23,7 +23,8 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   head's input) of a right-padded (rows, seq) batch in one pass without the KV cache, the head not run
   (:mod:`prunus.serve.embeddings` pools them);
 * ``attach_lora(adapters)`` / ``bind_adapter(row, adapter)`` where ``capabilities.lora`` says so: load PEFT adapters
-  ({name: dir}), and run a row with one of them (None: the base);
+  ({name: dir}), and run a row with one of them (None: the base); ``lora`` holds the loaded ones (a
+  :class:`prunus.runtime.lora_adapters.LoraSet`, None before the first);
 * ``report_hidden(sink)`` where ``capabilities.hidden_states`` says so: every pass hands its rows' final hidden
   states to ``sink`` (an EAGLE draft reads them, :mod:`prunus.runtime.eagle_drafter`);
 * ``close()``.

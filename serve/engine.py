@@ -220,12 +220,16 @@ class Engine:
 
     # --- LoRA adapters (prunus.runtime.lora_adapters) -------------------------------------
 
+    def _lora(self):
+        """The backend's loaded adapters (a LoraSet), or None: a backend without LoRA, or none loaded yet."""
+        return self.backend.lora if self.backend.capabilities.lora else None
+
     def adapter_names(self) -> list[str]:
-        lora = getattr(self.backend, "lora", None)
+        lora = self._lora()
         return list(lora.adapters) if lora is not None else []
 
     def lora_adapter(self, name: str):
-        lora = getattr(self.backend, "lora", None)
+        lora = self._lora()
         if lora is None:
             raise PrunusError(f"adapter {str(name)[:60]!r}: this engine serves no LoRA adapters; load it with lora= "
                               "(prunus serve --lora NAME=DIR)")
@@ -237,7 +241,7 @@ class Engine:
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter ``name``: new requests cannot pick it; requests already running with it finish with it."""
-        lora = getattr(self.backend, "lora", None)
+        lora = self._lora()
         if lora is None:
             raise PrunusError(f"adapter {str(name)[:60]!r}: this engine serves no LoRA adapters")
         lora.unload(name)
