@@ -25,6 +25,9 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
 * ``attach_lora(adapters)`` / ``bind_adapter(row, adapter)`` where ``capabilities.lora`` says so: load PEFT adapters
   ({name: dir}), and run a row with one of them (None: the base); ``lora`` holds the loaded ones (a
   :class:`prunus.runtime.lora_adapters.LoraSet`, None before the first);
+* ``prompt_logits(ids)`` where ``capabilities.prompt_logits`` says so: every position's logits (len, vocab) of one
+  prompt in a pass without the KV cache, on the calling thread (``echo`` with ``logprobs``,
+  :mod:`prunus.serve.prompt_logprobs`);
 * ``report_hidden(sink)`` where ``capabilities.hidden_states`` says so: every pass hands its rows' final hidden
   states to ``sink`` (an EAGLE draft reads them, :mod:`prunus.runtime.eagle_drafter`);
 * ``close()``.
@@ -62,6 +65,7 @@ class Capabilities:
     embeddings: bool = False  # ``final_hidden(tokens, adapter)``: a padded batch's final hidden states, no cache
     lora: bool = False  # ``attach_lora(adapters)`` / ``bind_adapter(row, adapter)``: LoRA adapters per row
     hidden_states: bool = False  # ``report_hidden(sink)``: each pass's final hidden states to a drafter (EAGLE)
+    prompt_logits: bool = False  # ``prompt_logits(ids)``: every position's logits of a prompt, no cache
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:

@@ -79,7 +79,7 @@ class TorchBackend(BackendBase):
                             tunable_threads=self.device.type == "cpu",  # see prunus.serve.pass_threads
                             warm_up=bool(self.compile), device_sampling=self.device.type != "cpu",
                             prefix_cache=self.prefix is not None, verify=True, verify_rows=True, embeddings=True,
-                            lora=True, hidden_states=True)
+                            lora=True, hidden_states=True, prompt_logits=True)
 
     def release(self, row: int) -> None:
         """The row's request left: it holds nothing now (the next prefill starts it afresh either way)."""
@@ -114,6 +114,10 @@ class TorchBackend(BackendBase):
         if self.lora is not None:
             self.lora.use(adapter, len(tokens))
         return self._capture.run(self.model, tokens.to(self.device))
+
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """(len(ids), vocab) logits of one prompt at every position, in a pass without the KV cache."""
+        return self.model(torch.tensor([ids], device=self.device))[0]
 
     def describe(self) -> dict:
         facts = {"compile": self.compiled is not None}

@@ -152,10 +152,12 @@ def test_penalised_generation_equals_transformers_processors_step_by_step(model_
 def test_prompt_logprobs_need_the_model_in_this_process():
     from types import SimpleNamespace
 
+    from prunus.runtime.backend import Capabilities
     from prunus.serve.http_guard import BadRequest
     from prunus.serve.prompt_logprobs import prompt_logprobs
 
-    engine = SimpleNamespace(backend=SimpleNamespace(), info={"backend": "onnxruntime", "runtime": "native",
+    backend = SimpleNamespace(capabilities=Capabilities(max_batch=2))  # a backend that does not declare them
+    engine = SimpleNamespace(backend=backend, info={"backend": "onnxruntime", "runtime": "native",
                                                               "native_isa": "avx2"})
     with pytest.raises(BadRequest, match=r"which prunus's native kernels \(avx2\) does not compute here") as e:
         prompt_logprobs(engine, [1, 2, 3], 1)

@@ -169,7 +169,8 @@ def test_the_torch_backend_conforms_and_keeps_logits_on_its_device(tiny_model):
     assert isinstance(backend, Backend)
     caps = backend.capabilities
     assert caps == Capabilities(max_batch=2, extend=True, prefill_chunk=8, tunable_threads=True, verify=True,
-                                verify_rows=True, embeddings=True, lora=True, hidden_states=True)
+                                verify_rows=True, embeddings=True, lora=True, hidden_states=True,
+                                prompt_logits=True)
     logits = backend.prefill([1], [[3, 4, 5]])
     assert logits.device == backend.device and logits.shape == (1, tiny_model.config.vocab_size)
     backend.decode([1], [7])
