@@ -28,8 +28,9 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
 * ``prompt_logits(ids)`` where ``capabilities.prompt_logits`` says so: every position's logits (len, vocab) of one
   prompt in a pass without the KV cache, on the calling thread (``echo`` with ``logprobs``,
   :mod:`prunus.serve.prompt_logprobs`);
-* ``report_hidden(sink)`` where ``capabilities.hidden_states`` says so: every pass hands its rows' final hidden
-  states to ``sink`` (an EAGLE draft reads them, :mod:`prunus.runtime.eagle_drafter`);
+* ``report_hidden(sink)`` / ``embed_tokens(ids)`` where ``capabilities.hidden_states`` says so: every pass hands its
+  rows' final hidden states to ``sink``, and token ids' input embeddings (an EAGLE draft reads both,
+  :mod:`prunus.runtime.eagle_drafter`);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``

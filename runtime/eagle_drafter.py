@@ -178,17 +178,6 @@ def check_eagle_draft(target, target_config: dict, draft) -> dict:
     return config
 
 
-def target_embed(backend):
-    """token ids -> the serving target's input embeddings: the torch model's table, or the native kernels'."""
-    model = getattr(backend, "model", None)
-    if model is not None:
-        from prunus.models.eagle_draft import target_embeds
-
-        return lambda ids: target_embeds(model, ids.to(backend.device)).float().cpu()
-    emb = backend.packed.emb  # the native runtime's (prunus.runtime.native_backend)
-    return lambda ids: torch.from_numpy(emb[ids.numpy()])
-
-
 def load_eagle_drafter(draft, backend) -> EagleDrafter:
     """The drafter over the loaded target ``backend`` (checked by :func:`check_eagle_draft` before it loaded); the
     backend reports its hidden states to it from now on. Beside the native kernels the draft's linear layers run in
@@ -205,7 +194,7 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
         from .eagle_native import native_linears
 
         model = native_linears(model, backend.decoder)
-    drafter = EagleDrafter(model, target_embed(backend), backend.n_slots, backend.max_len)
+    drafter = EagleDrafter(model, backend.embed_tokens, backend.n_slots, backend.max_len)
     backend.report_hidden(drafter.take_hidden)
     return drafter
 

@@ -171,6 +171,10 @@ class NativeBackend(BackendBase):
         positions it computed (an EAGLE draft reads them, prunus.runtime.eagle_drafter)."""
         self.hidden_sink = sink
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ``ids`` (float32, CPU), from the packed table."""
+        return torch.from_numpy(self.packed.emb[ids.numpy()])
+
     def restore_prefix(self, row: int, ids: list[int]) -> int:
         """Start ``row`` with the longest cached prefix of ``ids``; the tokens it holds (0: none cached)."""
         self.release(row)

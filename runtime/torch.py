@@ -147,6 +147,13 @@ class TorchBackend(BackendBase):
         last.register_forward_hook(lambda module, args, out: setattr(self, "_block_out", out))
         self.hidden_sink, self.compile, self.compiled = sink, False, None
 
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ``ids`` (float32, CPU), as the model embeds them."""
+        from prunus.models.eagle_draft import target_embeds
+
+        return target_embeds(self.model, ids.to(self.device)).float().cpu()
+
     def _report(self, rows: list[int], starts: list[int], counts: list[int]) -> None:
         if self.hidden_sink is None:
             return
