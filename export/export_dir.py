@@ -295,11 +295,7 @@ def _parity(model, tmp: Path, config: dict, graphs: dict, tokenizer, precision: 
     corpus = load_corpus(default_data(data, tokenizer), tokenizer, max_bytes=1 << 16, vocab_size=model.config.vocab_size)
     token_bytes = tokenizer.token_bytes()
     ref = torch_reference(model, corpus.val, token_bytes, eval_tokens=eval_tokens)
-    served = export_graphs(tmp, config, threads=os.cpu_count())
-    try:
-        report = compare(ref, served, corpus.val, token_bytes, precision)
-    finally:
-        served.close()
+    report = compare(ref, export_graphs(tmp, config, threads=os.cpu_count()), corpus.val, token_bytes, precision)
     report["corpus"] = corpus.name
     report["runtimes"] = {"onnxruntime": ort_record(report, precision)}
     if "model" in graphs:  # served by the native kernels where they run: checked on this CPU's path too

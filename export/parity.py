@@ -104,19 +104,23 @@ def torch_reference(model, val_tokens: np.ndarray, token_bytes: torch.Tensor, *,
 
 
 def compare(ref: dict, graphs, val_tokens: np.ndarray, token_bytes: torch.Tensor, precision: str) -> dict:
-    """``graphs`` against :func:`torch_reference`'s ``ref``, judged by ``precision``'s limits: a JSON-able report."""
+    """``graphs`` against :func:`torch_reference`'s ``ref``, judged by ``precision``'s limits: a JSON-able report.
+    The backend the graphs drove is closed after."""
     tol = TOLERANCES[precision]
     want, new_tokens = ref["greedy"], ref["greedy"].shape[1]
-    with torch.inference_mode():
-        got = graphs(ref["probe"])
-        max_abs = (ref["logits"] - got).abs().max().item()
-        top1 = (ref["logits"].argmax(-1) == got.argmax(-1)).float().mean().item()
-        del got
-        ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=ref["seq_len"], max_tokens=ref["eval_tokens"],
-                            score=_nll_score(graphs, len(token_bytes)))
-        have = graphs.greedy(ref["prompts"], new_tokens)
-        # teacher-forced along PyTorch's tokens; where the free-running tokens already are those, the same run
-        forced = have if torch.equal(want, have) else graphs.greedy(ref["prompts"], new_tokens, follow=want)
+    try:
+        with torch.inference_mode():
+            got = graphs(ref["probe"])
+            max_abs = (ref["logits"] - got).abs().max().item()
+            top1 = (ref["logits"].argmax(-1) == got.argmax(-1)).float().mean().item()
+            del got
+            ort_eval = evaluate(None, val_tokens, token_bytes, seq_len=ref["seq_len"], max_tokens=ref["eval_tokens"],
+                                score=_nll_score(graphs, len(token_bytes)))
+            have = graphs.greedy(ref["prompts"], new_tokens)
+            # teacher-forced along PyTorch's tokens; where the free-running tokens already are those, the same run
+            forced = have if torch.equal(want, have) else graphs.greedy(ref["prompts"], new_tokens, follow=want)
+    finally:
+        graphs.close()  # the backend it drove (made again if the graphs are called after)
     torch_eval = ref["eval"]
     report = {
         "precision": precision,
