@@ -1,12 +1,13 @@
 """Run a benchmark and keep its results on the results page: ``docs/results/NAME.json``, then docs/results.md
 regenerated (:mod:`benchmarks.results_page`).
 
-    python -m benchmarks.record NAME [ARGS...]
+    python -m benchmarks.record NAME[@LABEL] [ARGS...]
 
 runs ``python -m benchmarks.NAME ARGS...`` in this process and records the machine (:func:`benchmarks.harness
 .machine`), the date, the command, every table it showed (:func:`benchmarks.harness.show`) and the last lines it
 printed. A record of the same benchmark is replaced; its ``title`` and ``notes`` (what the figures mean, written by a
-person) are kept. A benchmark that fails records nothing.
+person) are kept. ``NAME@LABEL`` keeps a run of its own per label (``docs/results/NAME-LABEL.json``): the same
+benchmark on different models or settings. A benchmark that fails records nothing.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def make_record(module: str, args: list[str], tables: list[dict], printed: str, 
 
 
 def record(name: str, args: list[str], results: Path = RESULTS, page: Path = PAGE, package: str = "benchmarks") -> Path:
-    """Run ``package.name`` with ``args``, write its record and the page; the record's path."""
-    module = f"{package}.{name}"
+    """Run ``package.name`` (``name@label``: its own record per label) with ``args``, write its record and the page;
+    the record's path."""
+    benchmark, _, label = name.partition("@")
+    name = f"{benchmark}-{label}" if label else benchmark
+    module = f"{package}.{benchmark}"
     tables, printed = run_benchmark(module, args)
     path = results / f"{name}.json"
     earlier = json.loads(path.read_text()) if path.is_file() else None

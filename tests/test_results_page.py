@@ -80,6 +80,9 @@ def test_a_recorded_run_keeps_its_tables_command_and_machine_and_a_new_run_keeps
     assert again["notes"] == "Squares grow." and again["command"].endswith("--n 2")
     assert "Squares grow." in page.read_text() and "| 2 | 4 |" not in page.read_text()
     assert json.loads((folder / "index.json").read_text())["order"] == ["quick"]
+    labelled = record_mod.record("quick@five", ["--n", "5"], folder, page, package="fakebench")
+    assert labelled.name == "quick-five.json" and json.loads(path.read_text())["command"].endswith("--n 2")
+    assert json.loads((folder / "index.json").read_text())["order"] == ["quick", "quick-five"]
 
 
 def test_a_failing_benchmark_records_nothing(results):

@@ -75,6 +75,9 @@ class _Noisy:
         out = self.graphs.greedy(prompt, n, attention_mask, follow)
         return (out + 1) % 256
 
+    def close(self):
+        self.graphs.close()
+
 
 def test_kernels_that_fail_their_check_are_not_what_serves(trained_run, tmp_path, monkeypatch):
     """The export is written (ONNX Runtime passes), the kernels' record says they failed, and native="auto" serves
