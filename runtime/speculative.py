@@ -22,8 +22,8 @@ drafted and accepted tokens, the acceptance rate and, once a step of the target 
 Drafters: :class:`DraftModel`, prompt lookup, and an EAGLE draft head over the target's own hidden states
 (:mod:`prunus.runtime.eagle_drafter`). :meth:`Speculator.step_rows` steps several rows at once, their drafts checked
 in one ``verify_rows`` pass (the continuous batch, :mod:`prunus.serve.scheduler`). With ``adaptive`` each row drafts
-as many tokens as its running acceptance makes worth checking, and none for a while where its speculative steps
-measured slower than plain decoding (:class:`RowPolicy`).
+the number of tokens whose steps it measured making tokens fastest, and none for a while where even that measured
+slower than plain decoding (:class:`RowPolicy`).
 """
 
 from __future__ import annotations
@@ -40,36 +40,54 @@ from .sampling import RowSampling, is_greedy, sampling_probs
 
 
 CALIBRATE_EVERY = 64  # a row's steps between plain (k = 0) steps that time the target alone; the first at step 8
-MIN_STEPS = 16  # speculative steps of a row before it may be switched off
+TRIES = 4  # steps a row drafts each k before it picks the k whose steps made tokens fastest
+KEEP = 0.8  # a k whose drafts are accepted at least this often: fewer drafted tokens are not tried
 OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries speculating again
-LOSING = 0.95  # a row whose measured speedup falls below this decodes plainly
+LOSING = 0.95  # a row whose fastest k measured below this speedup decodes plainly
+DECAY = 0.9  # each step's weight against the row's earlier steps of the same k
 
 
 class RowPolicy:
-    """One row's running figures: its acceptance (per drafted token, a moving average), its speculative steps' time
-    and tokens, and whether it is switched off (speculation lost on it)."""
+    """One row's measured steps per number of drafted tokens k: tokens made and seconds (recent steps weigh more),
+    and whether it is switched off (speculation lost on it). A row drafts the most tokens :data:`TRIES` times, then
+    one fewer, and so on while the drafts are accepted less than :data:`KEEP` of the time; then the k whose steps
+    made tokens fastest, as long as that beats plain decoding: the cost of a verify pass over k + 1 tokens, not the
+    acceptance alone, decides (on a CPU it grows with k)."""
 
     def __init__(self):
-        self.acceptance, self.steps, self.seconds, self.made, self.off_until = 0.7, 0, 0.0, 0, -1
+        self.steps, self.off_until = 0, -1
+        self.by_k: dict[int, list[float]] = {}  # k -> [steps, tokens made, seconds, drafted, accepted]
+
+    def _rate(self, k: int) -> float:
+        tried = self.by_k.get(k)
+        return tried[1] / tried[2] if tried and tried[2] > 0 else 0.0
 
     def k(self, k_max: int, plain_s: float | None) -> int:
-        """Drafted tokens for the row's next step: 0 to calibrate or while switched off; else as many as its
-        acceptance makes worth checking (the chance that all are accepted stays above a fifth)."""
+        """Drafted tokens for the row's next step: 0 to calibrate or while switched off; else one still being tried,
+        or the fastest measured."""
         self.steps += 1
         if self.steps < self.off_until or self.steps % CALIBRATE_EVERY == 8:
             return 0
-        if plain_s and self.made and self.steps > MIN_STEPS and self.made / self.seconds * plain_s < LOSING:
-            self.off_until, self.seconds, self.made = self.steps + OFF_STEPS, 0.0, 0
+        for k in range(k_max, 0, -1):
+            tried = self.by_k.get(k)
+            if tried is None or tried[0] < TRIES:
+                return k
+            if tried[4] >= KEEP * tried[3]:  # accepted so often that drafting fewer would only lose tokens
+                break
+        best = max(self.by_k, key=self._rate)
+        if plain_s and self._rate(best) * plain_s < LOSING:
+            self.off_until, self.by_k = self.steps + OFF_STEPS, {}
             return 0
-        k = 1
-        while k < k_max and self.acceptance ** (k + 1) > 0.2:
-            k += 1
-        return k
+        return best
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         if drafted:
-            self.acceptance = 0.8 * self.acceptance + 0.2 * accepted / drafted
-            self.seconds, self.made = self.seconds + seconds, self.made + accepted + 1
+            tried = self.by_k.setdefault(drafted, [0, 0.0, 0.0, 0, 0])
+            tried[0] += 1
+            tried[1] = DECAY * tried[1] + accepted + 1
+            tried[2] = DECAY * tried[2] + seconds
+            tried[3] += drafted
+            tried[4] += accepted
 
 
 class Speculator:

@@ -199,3 +199,31 @@ def test_cli_generate_speculates_and_refuses_in_one_line(dirs, tmp_path, assert_
     other = save_model(_tiny(2, vocab_size=512), tmp_path / "other-vocab", stage="test")
     assert_user_error(CliRunner().invoke(cli, args + ["--speculative", str(other)]), str(other), "tokenizer")
     assert_user_error(CliRunner().invoke(cli, args + ["--speculative", "ngram", "--draft-tokens", "99"]), "--draft-tokens")
+
+
+def test_a_row_drafts_the_k_whose_steps_measured_fastest():
+    """The adaptive policy tries the most drafted tokens first, fewer while drafts are mostly rejected, then keeps
+    the k that made tokens fastest, and stops speculating where even that loses to plain decoding."""
+    from prunus.runtime.speculative import CALIBRATE_EVERY, TRIES, RowPolicy
+
+    def run(policy, steps, plain_s, outcome):
+        chosen = []
+        for _ in range(steps):
+            k = policy.k(3, plain_s)
+            chosen.append(k)
+            if k:
+                accepted, seconds = outcome(k)
+                policy.record(k, accepted, seconds)
+        return chosen
+
+    # verify passes cost more the more tokens they check; one drafted token is accepted half the time
+    costly = {1: (1, 0.012), 2: (1, 0.020), 3: (1, 0.030)}  # k -> (accepted, seconds); plain: 0.010 s a token
+    chosen = run(RowPolicy(), 40, 0.010, lambda k: costly[k])
+    drafting = [k for k in chosen if k]
+    assert chosen.count(0) == 1 and CALIBRATE_EVERY > 40  # step 8: the target timed alone
+    assert drafting[:3 * TRIES] == [3] * TRIES + [2] * TRIES + [1] * TRIES and set(drafting[3 * TRIES:]) == {1}
+    # every draft accepted: the most tokens, no fewer tried
+    assert set(run(RowPolicy(), 20, 0.010, lambda k: (k, 0.011 + 0.001 * k))) - {0} == {3}
+    # speculation loses at every k: plain decoding (0) after the tries
+    losing = run(RowPolicy(), 30, 0.010, lambda k: (0, 0.015))
+    assert len([k for k in losing if k]) == 3 * TRIES and losing[-(30 - 3 * TRIES - 1):] == [0] * (30 - 3 * TRIES - 1)
