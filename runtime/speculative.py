@@ -42,7 +42,8 @@ from .sampling import RowSampling, is_greedy, sampling_probs
 CALIBRATE_EVERY = 64  # a row's steps between plain (k = 0) steps that time the target alone; the first at step 8
 TRIES = 4  # steps a row drafts each k before it picks the k whose steps made tokens fastest
 KEEP = 0.8  # a k whose drafts are accepted at least this often: fewer drafted tokens are not tried
-OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries speculating again
+OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries its fastest k again; doubled each time
+MAX_OFF_STEPS = 1024
 LOSING = 0.95  # a row whose fastest k measured below this speedup decodes plainly
 DECAY = 0.9  # each step's weight against the row's earlier steps of the same k
 
@@ -52,10 +53,11 @@ class RowPolicy:
     and whether it is switched off (speculation lost on it). A row drafts the most tokens :data:`TRIES` times, then
     one fewer, and so on while the drafts are accepted less than :data:`KEEP` of the time; then the k whose steps
     made tokens fastest, as long as that beats plain decoding: the cost of a verify pass over k + 1 tokens, not the
-    acceptance alone, decides (on a CPU it grows with k)."""
+    acceptance alone, decides (on a CPU it grows with k). A row switched off measures only that k again, after
+    :data:`OFF_STEPS` plain steps, twice as many after each loss."""
 
     def __init__(self):
-        self.steps, self.off_until = 0, -1
+        self.steps, self.off_until, self.off_steps, self.retry = 0, -1, OFF_STEPS, None
         self.by_k: dict[int, list[float]] = {}  # k -> [steps, tokens made, seconds, drafted, accepted]
 
     def _rate(self, k: int) -> float:
@@ -68,17 +70,18 @@ class RowPolicy:
         self.steps += 1
         if self.steps < self.off_until or self.steps % CALIBRATE_EVERY == 8:
             return 0
-        for k in range(k_max, 0, -1):
+        for k in range(k_max, 0, -1) if self.retry is None else [self.retry]:
             tried = self.by_k.get(k)
             if tried is None or tried[0] < TRIES:
-                return k
+                return min(k, k_max)
             if tried[4] >= KEEP * tried[3]:  # accepted so often that drafting fewer would only lose tokens
                 break
         best = max(self.by_k, key=self._rate)
-        if plain_s and self._rate(best) * plain_s < LOSING:
-            self.off_until, self.by_k = self.steps + OFF_STEPS, {}
+        if plain_s and self._rate(best) * plain_s < LOSING:  # off; then only the fastest k is measured again
+            self.off_until, self.by_k, self.retry = self.steps + self.off_steps, {best: [0, 0.0, 0.0, 0, 0]}, best
+            self.off_steps = min(2 * self.off_steps, MAX_OFF_STEPS)
             return 0
-        return best
+        return min(best, k_max)  # fewer near the end of a request or the cache
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         if drafted:

@@ -204,7 +204,7 @@ def test_cli_generate_speculates_and_refuses_in_one_line(dirs, tmp_path, assert_
 def test_a_row_drafts_the_k_whose_steps_measured_fastest():
     """The adaptive policy tries the most drafted tokens first, fewer while drafts are mostly rejected, then keeps
     the k that made tokens fastest, and stops speculating where even that loses to plain decoding."""
-    from prunus.runtime.speculative import CALIBRATE_EVERY, TRIES, RowPolicy
+    from prunus.runtime.speculative import CALIBRATE_EVERY, OFF_STEPS, TRIES, RowPolicy
 
     def run(policy, steps, plain_s, outcome):
         chosen = []
@@ -227,3 +227,10 @@ def test_a_row_drafts_the_k_whose_steps_measured_fastest():
     # speculation loses at every k: plain decoding (0) after the tries
     losing = run(RowPolicy(), 30, 0.010, lambda k: (0, 0.015))
     assert len([k for k in losing if k]) == 3 * TRIES and losing[-(30 - 3 * TRIES - 1):] == [0] * (30 - 3 * TRIES - 1)
+    # switched off, a row measures only its fastest k again, after OFF_STEPS plain steps, then twice as many
+    policy = RowPolicy()
+    chosen = run(policy, 3 * TRIES + 2 + OFF_STEPS + 2 * OFF_STEPS + 2 * TRIES, 0.010, lambda k: (0, 0.010 + k / 100))
+    drafting = [k for k in chosen if k]
+    retries = len(drafting) // TRIES - 3
+    assert drafting == [3] * TRIES + [2] * TRIES + [1] * (TRIES * (1 + retries)) and retries >= 1
+    assert policy.off_steps == OFF_STEPS * 2 ** (1 + retries)
