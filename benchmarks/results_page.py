@@ -59,13 +59,17 @@ def _run_lines(record: dict) -> list[str]:
     return lines
 
 
+TITLE_PIECE = 12  # the shortest printed line taken for a piece of a table's title
 BOX = set("┏┃┡│└┗╇━┳┓┩┛┠┨")  # the characters of a table as the terminal shows it (its figures are the blocks)
 
 
 def _output_lines(output: str, titles: list[str]) -> list[str]:
     """The printed output's last lines, without the tables the record already holds (their boxes and titles)."""
-    kept = [line for line in output.rstrip("\n").split("\n")
-            if not (line.strip()[:1] in BOX or line.strip() and any(line.strip() in t for t in titles))]
+    def shown(line: str) -> bool:  # a box line, or a wrapped piece of a table's title (long enough to tell)
+        text = line.strip()
+        return text[:1] in BOX or len(text) >= TITLE_PIECE and any(text in t for t in titles)
+
+    kept = [line for line in output.rstrip("\n").split("\n") if not shown(line)]
     tail = kept[-OUTPUT_LINES:]
     return ["", "<details><summary>printed output</summary>", "", "```text", *tail, "```", "", "</details>"]
 

@@ -100,7 +100,8 @@ def check_arguments(model_dir: Path, passes, out: Path, options: CompressOptions
         if kind.name not in PASSES[name].kinds:
             applies = ", ".join(n for n, entry in PASSES.items() if kind.name in entry.kinds)
             raise PrunusError(f"pass {i}: {name!r} does not apply to a {title} ({model_dir}); its passes: {applies}")
-    given = [flag for key, flag in OPTION_FLAGS.items() if key not in kind.takes and getattr(options, key)]
+    given = [flag for key, flag in OPTION_FLAGS.items()
+             if key not in kind.takes and getattr(options, key) is not None and getattr(options, key) is not False]
     if given:
         raise PrunusError(f"{', '.join(given)}: not taken by a {title} ({model_dir}); drop {given[0]}")
     drop = options.max_quality_drop

@@ -94,16 +94,19 @@ def native_graphs(packed, threads: int | None = None) -> BackendGraphs:
     return BackendGraphs(lambda n_slots, max_len: NativeBackend(packed, n_slots, max_len, threads))
 
 
-def export_graphs(export_dir, config: dict, threads: int | None = None) -> BackendGraphs:
-    """The written export dir (its ``config.json``) as ``prunus serve --no-native`` serves it: the runtime table's
-    ONNX Runtime row for it loads each backend."""
+def served_backend(export_dir, config: dict, n_slots: int, max_len: int | None = None, threads: int | None = None):
+    """The backend ``prunus serve --no-native`` serves the written export dir (its ``config.json``) with: the runtime
+    table's ONNX Runtime row for it, loaded."""
     from pathlib import Path
 
     from prunus.runtime.load_options import LoadOptions
     from prunus.runtime.registry import find_runtime
 
-    def make(n_slots: int, max_len: int):
-        options = LoadOptions(max_batch=n_slots, max_len=max_len, threads=threads, native=False)
-        return find_runtime("onnxruntime", config, options).load(Path(export_dir), config, options).backend
+    options = LoadOptions(max_batch=n_slots, max_len=max_len, threads=threads, native=False)
+    return find_runtime("onnxruntime", config, options).load(Path(export_dir), config, options).backend
 
-    return BackendGraphs(make)
+
+def export_graphs(export_dir, config: dict, threads: int | None = None) -> BackendGraphs:
+    """The written export dir as ``prunus serve --no-native`` serves it (:func:`served_backend`), as the parity
+    check drives it."""
+    return BackendGraphs(lambda n_slots, max_len: served_backend(export_dir, config, n_slots, max_len, threads))

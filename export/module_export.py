@@ -102,11 +102,9 @@ def _export_graph(module: torch.nn.Module, example: torch.Tensor, opset: int):
 
 def served_outputs(export_dir: Path, config: dict, inputs: torch.Tensor) -> torch.Tensor:
     """The outputs of ``inputs`` through the backend ``prunus serve`` loads for the written export dir."""
-    from prunus.runtime.load_options import LoadOptions
-    from prunus.runtime.registry import find_runtime
+    from .backend_parity import served_backend
 
-    options = LoadOptions(max_batch=len(inputs), threads=os.cpu_count(), native=False)
-    backend = find_runtime("onnxruntime", config, options).load(export_dir, config, options).backend
+    backend = served_backend(export_dir, config, len(inputs), threads=os.cpu_count())
     try:
         return torch.from_numpy(backend.predict(inputs.numpy())).float()
     finally:

@@ -114,7 +114,7 @@ def test_untrusted_and_missing_data_are_one_line(cnn_dir, tmp_path):
     with pytest.raises(PrunusError, match="does not apply to a generic module"):
         compress(cnn_dir, [("prune", {"method": "magnitude"})], tmp_path / "o", data=DATA, trust_factory=True)
     # the options of a language model's run are refused, never ignored (one runner, the kind says what it takes)
-    for flags in (["--max-quality-drop", "0.1"], ["--seq-len", "64"], ["--eval-tokens", "512"],
+    for flags in (["--max-quality-drop", "0.1"], ["--max-quality-drop", "0"], ["--seq-len", "64"], ["--eval-tokens", "512"],
                   ["--max-corpus-bytes", "1000"]):
         res = CliRunner().invoke(cli, ["compress", str(cnn_dir), "--recipe", "prune-channels-50", "--out",
                                        str(tmp_path / "o"), "--data", DATA, "--trust-factory", *flags])
