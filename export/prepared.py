@@ -182,6 +182,7 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     ``path`` itself; and the info's ``prepared`` entry (None: not a model dir this applies to)."""
     from prunus.models.model_dir import dir_hash, read_config_json, verify_model_dir
     from prunus.runtime.artifact import resolve_backend
+    from prunus.runtime.registry import check_options
 
     path = Path(path)
     try:
@@ -193,7 +194,7 @@ def prepared_path(path: str | Path, backend: str | None, options: LoadOptions, l
     why = skipped(backend, options, lora)
     direct = why is None and native_direct(path, config, options)
     # a bad option is one line before minutes of export, checked against the backend that will serve the dir
-    options.check(resolve_backend(path, backend)[0] if why is not None or direct else "onnxruntime")
+    check_options(path, resolve_backend(path, backend)[0] if why is not None or direct else "onnxruntime", options)
     if why is not None:
         return path, {"skipped": why}
     from .parity import ParityFailed

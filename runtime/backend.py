@@ -30,7 +30,8 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   :mod:`prunus.serve.prompt_logprobs`);
 * ``report_hidden(sink)`` / ``embed_tokens(ids)`` where ``capabilities.hidden_states`` says so: every pass hands its
   rows' final hidden states to ``sink``, and token ids' input embeddings (an EAGLE draft reads both,
-  :mod:`prunus.runtime.eagle_drafter`);
+  :mod:`prunus.runtime.eagle_drafter`), and ``own_kernels(model)`` puts a draft's linear layers in the backend's
+  own kernels where it has them (:class:`BackendBase`: unchanged);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
@@ -112,3 +113,8 @@ class BackendBase:
 
     def describe(self) -> dict:
         return {}
+
+    def own_kernels(self, model):
+        """``model`` (a small module served beside this backend: an EAGLE draft) with its linear layers in this
+        backend's own kernels where it has any; here: unchanged."""
+        return model

@@ -181,7 +181,7 @@ def check_eagle_draft(target, target_config: dict, draft) -> dict:
 def load_eagle_drafter(draft, backend) -> EagleDrafter:
     """The drafter over the loaded target ``backend`` (checked by :func:`check_eagle_draft` before it loaded); the
     backend reports its hidden states to it from now on. Beside the native kernels the draft's linear layers run in
-    them at int8 (:mod:`prunus.runtime.eagle_native`)."""
+    them at int8 (``own_kernels``, :mod:`prunus.runtime.eagle_native`)."""
     from prunus.artifacts.errors import PrunusError
     from prunus.models.eagle_draft import load_eagle_draft
 
@@ -189,11 +189,7 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
         raise PrunusError(f"--speculative {draft}: an EAGLE draft reads the target's hidden states, which the "
                           f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
                           "the native kernels")
-    model, _ = load_eagle_draft(draft)
-    if backend.name == "native":  # its linear layers in the native int8 kernels too, on the target's pool
-        from .eagle_native import native_linears
-
-        model = native_linears(model, backend.decoder)
+    model = backend.own_kernels(load_eagle_draft(draft)[0])  # beside the native kernels: in them, at int8
     drafter = EagleDrafter(model, backend.embed_tokens, backend.n_slots, backend.max_len)
     backend.report_hidden(drafter.take_hidden)
     return drafter

@@ -11,11 +11,9 @@ PREFILL_CHUNK = 256  # tokens per row per prefill pass of the torch backend; see
 PREFILL_AUTO = "auto"  # prefill_chunk left to the backend: PREFILL_CHUNK on torch, its own on a genai export
 NATIVE_AUTO = "auto"  # native left to the load: a model dir or genai export on a CPU the kernels run on (native_choice)
 DTYPES = ("float32", "bfloat16", "float16")
-NATIVE_BACKENDS = ("torch", "onnxruntime")  # whose artifacts the native kernels load: a model dir, a genai export
 
 
 MAX_DRAFT_TOKENS = 16
-PREFIX_CACHE_BACKENDS = ("torch", "onnxruntime")  # the backends whose runtimes can serve prefix caching (see registry)
 
 
 def check_budget(mb) -> None:
@@ -27,10 +25,9 @@ def check_budget(mb) -> None:
 
 @dataclass(frozen=True)
 class ServingFeatures:
-    """Prefix caching (the torch backend in one process, or a genai export) and speculative decoding (the torch
-    backend in one process). Each field is an
-    ``Engine.load`` keyword; ``metadata`` gives its CLI flag and help (``prunus serve`` / ``generate``
-    build their options from these fields)."""
+    """Prefix caching and speculative decoding (which runtimes serve them: the ``accepts`` of their rows in
+    :mod:`prunus.runtime.registry`). Each field is an ``Engine.load`` keyword; ``metadata`` gives its CLI flag and
+    help (``prunus serve`` / ``generate`` build their options from these fields)."""
 
     prefix_cache_mb: float | None = field(default=None, metadata={
         "flag": "--prefix-cache-mb", "type": float,
@@ -51,22 +48,14 @@ class ServingFeatures:
     def enabled(self) -> bool:
         return bool(self.prefix_cache_mb) or self.draft is not None
 
-    def check(self, backend: str, tp: int, device_map) -> None:
-        """One PrunusError line for a malformed value, or a feature the backend cannot serve (never ignored)."""
+    def check(self) -> None:
+        """One PrunusError line for a malformed value (whether a runtime serves it: prunus.runtime.registry)."""
         check_budget(self.prefix_cache_mb)
         k = self.draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise PrunusError(f"draft_tokens={k!r} must be an integer from 1 to {MAX_DRAFT_TOKENS} (--draft-tokens)")
         if self.draft is not None and (not isinstance(self.draft, (str, PurePath)) or not str(self.draft)):
             raise PrunusError(f"draft={self.draft!r} must be a draft model dir or 'ngram' (--speculative)")
-        if self.prefix_cache_mb and (backend not in PREFIX_CACHE_BACKENDS or tp > 1 or device_map is not None):
-            raise PrunusError(f"prefix_cache_mb applies to the torch backend in one process (a model dir, tp=1, no "
-                              f"device_map) or an ONNX Runtime genai export, not {backend} with tp={tp}; drop it "
-                              "(--prefix-cache-mb)")
-        if self.draft and (backend not in ("torch", "onnxruntime") or tp > 1 or device_map is not None):
-            raise PrunusError(f"draft applies to the torch backend in one process (a model dir, tp=1, no "
-                              f"device_map) or a genai export on the native kernels, not {backend} with tp={tp}; "
-                              "drop it (--speculative)")
 
 
 @dataclass(frozen=True)
@@ -87,36 +76,21 @@ class LoadOptions:
     trust_factory: object = None  # a generic module dir's factory may be imported (prunus.models.module_factory)
     features: ServingFeatures = ServingFeatures()  # prefix caching, speculative decoding
 
-    def check(self, backend: str) -> None:
-        """One PrunusError line for an option that is malformed or does not apply to ``backend``."""
+    def check(self) -> None:
+        """One PrunusError line for a malformed value. Whether a runtime serves what the options ask (tp, compile,
+        native, prefix cache, draft, ...) is the runtime table's to say (prunus.runtime.registry.check_options)."""
         tp, compile = self.tp, self.compile
-        if not isinstance(tp, int) or tp < 1:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise PrunusError(f"tp={tp!r} must be a positive integer")
         if compile not in (True, False, "auto"):
             raise PrunusError(f"compile={compile!r}: choose True, False or 'auto'")
-        if compile is True and (backend != "torch" or tp > 1):
-            raise PrunusError(f"compile=True applies to the torch backend in one process, not {backend} with tp={tp}")
-        if tp > 1 and backend != "torch":
-            raise PrunusError(f"tp={tp} needs the torch backend (a model dir); the {backend} backend runs one process")
         if not (isinstance(self.native, bool) or self.native == NATIVE_AUTO):
             raise PrunusError(f"native={self.native!r}: choose True, False or 'auto' (--native / --no-native)")
-        if self.prompt_graph and backend != "onnxruntime":
-            raise PrunusError(f"prompt_graph applies to an ONNX Runtime export dir, not the {backend} backend; "
-                              "drop it (--prompt-graph)")
-        if self.native is True and backend not in NATIVE_BACKENDS:
-            raise PrunusError(f"native applies to a model dir or an ONNX Runtime genai export dir, not the {backend} "
-                              "backend; drop it (--native)")
         if self.kv_dtype not in ("f32", "f16"):
             raise PrunusError(f"kv_dtype={self.kv_dtype!r}: choose 'f32' or 'f16' (--kv-dtype)")
         if self.kv_dtype == "f16" and self.native is False:
             raise PrunusError("kv_dtype='f16' is the native decoder's KV cache; drop native=False (--no-native) or "
                               "drop it (--kv-dtype)")
-        if self.kv_dtype == "f16" and backend not in NATIVE_BACKENDS:
-            raise PrunusError(f"kv_dtype='f16' is the native decoder's KV cache (a model dir or a genai export), not "
-                              f"the {backend} backend's; drop it (--kv-dtype)")
-        if self.kv_dtype == "f16" and self.prompt_graph:
-            raise PrunusError("prompt_graph runs prompts in ONNX Runtime, which cannot read the f16 KV cache "
-                              "(kv_dtype='f16' runs every pass natively); drop one of them (--prompt-graph, --kv-dtype)")
         chunk = self.prefill_chunk
         if chunk not in (None, PREFILL_AUTO) and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise PrunusError(f"prefill_chunk={chunk!r} must be a positive integer, 'auto' or None (whole prompts)")
@@ -127,20 +101,13 @@ class LoadOptions:
             raise PrunusError(f"threads={threads!r} must be a positive integer (or None to time 1 against all)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise PrunusError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        self.features.check(backend, tp, self.device_map)
+        if self.max_memory is not None and self.device_map is None:
+            raise PrunusError("max_memory applies with device_map='auto'; add device_map='auto' (--device-map auto)")
+        self.features.check()
 
     def chunk_for(self, default: int | None) -> int | None:
         """``prefill_chunk`` with "auto" resolved to the backend's ``default``."""
         return default if self.prefill_chunk == PREFILL_AUTO else self.prefill_chunk
-
-    def check_placement(self, backend: str) -> None:
-        """``device_map`` / ``max_memory``: a model dir's modules placed for the torch backend in one process."""
-        if self.device_map is not None:
-            if backend != "torch" or self.tp > 1 or self.compile is True:
-                raise PrunusError(f"device_map places a model dir's modules for the torch backend in one process, not "
-                                  f"{backend} with tp={self.tp}{' and compile' if self.compile is True else ''}")
-        elif self.max_memory is not None:
-            raise PrunusError("max_memory applies with device_map='auto'; add device_map='auto' (--device-map auto)")
 
     def max_len_for(self, config: dict) -> int:
         """``max_len``, or the artifact's context where it is None; checked against that context."""

@@ -166,6 +166,12 @@ class NativeBackend(BackendBase):
         if 0 <= row < self.n_slots:
             self.lengths[row] = 0
 
+    def own_kernels(self, model):
+        """``model``'s linear layers in the native int8 kernels, on this backend's thread pool."""
+        from .eagle_native import native_linears
+
+        return native_linears(model, self.decoder)
+
     def report_hidden(self, sink) -> None:
         """From now on every pass calls ``sink(row, start, hidden)`` for each row with the final-norm outputs of the
         positions it computed (an EAGLE draft reads them, prunus.runtime.eagle_drafter)."""

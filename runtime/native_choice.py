@@ -145,7 +145,7 @@ def load_chosen(path: Path, config: dict, options: LoadOptions, resolved: tuple[
         runtime = find(chosen)
         loaded = runtime.load(path, config, chosen)
     note = None
-    if is_genai(config) or is_model_dir(config) and runtime.name in ("native", "torch"):
+    if is_genai(config) or is_model_dir(config):
         note = "on" if chosen.native is True else f"off: {why}" if why else "off: native=False (--no-native)"
     if is_genai(config):
         loaded.info["native_parity"] = native_parity_line(path)

@@ -50,10 +50,6 @@ class OrtRunner:
 
 def load(path: Path, config: dict, options: LoadOptions) -> Loaded:
     """An export dir of torch-exported prefill / decode graphs (a TensorRT dir's ONNX graphs too)."""
-    for wanted, flag in ((options.prompt_graph, "--prompt-graph"), (options.native, "--native")):
-        if wanted:
-            raise PrunusError(f"{path}: {flag} needs a genai export (this one holds the torch graphs); "
-                              "re-export with --graph genai or drop it")
     tokenizer = export_tokenizer(path, config)
     export = config["export"]
     tensorrt = export.get("format") == "tensorrt"

@@ -16,7 +16,10 @@ from .backend_names import BACKENDS  # noqa: F401 (the CLI reads it here)
 from .load_options import LoadOptions
 
 # What a row may declare it accepts beyond plain decoding: (the load setting, in words, the flag that asks for it)
-FEATURES = {"prefix_cache": ("prefix caching", "--prefix-cache-mb"),
+FEATURES = {"tp": ("tensor parallelism", "--tp"),
+            "compile": ("a compiled decode step", "--compile"),
+            "native": ("decoding in the native kernels", "--native"),
+            "prefix_cache": ("prefix caching", "--prefix-cache-mb"),
             "draft": ("speculative decoding", "--speculative"),
             "device_map": ("a device map", "--device-map"),
             "prompt_graph": ("the prompt graph", "--prompt-graph"),
@@ -69,13 +72,15 @@ RUNTIMES = (
     Runtime("ort_module", "onnxruntime", "ort_module", "a generic module's ONNX export dir: predict, dynamic batching",
             lambda c, o: _module(c) and _export(c).get("graph") == "module"),
     Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
-            lambda c, o: "export" not in c and o.tp > 1),
+            lambda c, o: "export" not in c and o.tp > 1, frozenset({"tp"})),
     Runtime("native", "onnxruntime", "native_backend",
             "a model dir or an ONNX genai export dir, native=True (every pass in prunus's kernels)",
             lambda c, o: o.native is True and (_genai(c) or "export" not in c and o.tp == 1),
-            frozenset({"prefix_cache", "draft", "kv_f16"}), also=("torch",)),
-    Runtime("torch", "torch", "torch", "a model dir, plain or compressed (with device_map: placed across devices)",
-            lambda c, o: "export" not in c, frozenset({"prefix_cache", "draft", "device_map"})),
+            frozenset({"native", "prefix_cache", "draft", "kv_f16"}), also=("torch",)),
+    Runtime("torch_placed", "torch", "torch", "a model dir with a device map (its modules placed across devices)",
+            lambda c, o: "export" not in c and o.device_map is not None, frozenset({"device_map"})),
+    Runtime("torch", "torch", "torch", "a model dir, plain or compressed",
+            lambda c, o: "export" not in c, frozenset({"compile", "prefix_cache", "draft"})),
     Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
             lambda c, o: _genai(c), frozenset({"prefix_cache", "prompt_graph"})),
     Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
@@ -90,23 +95,50 @@ def find_runtime(backend: str, config: dict, options: LoadOptions) -> Runtime:
     return next(r for r in RUNTIMES if r.serves(backend) and r.recognises(config, options))
 
 
-def asked(options: LoadOptions) -> set[str]:
-    """The FEATURES ``options`` ask of a runtime."""
-    wanted = {"prefix_cache": bool(options.features.prefix_cache_mb), "draft": options.features.draft is not None,
-              "device_map": options.device_map is not None, "prompt_graph": bool(options.prompt_graph),
-              "kv_f16": options.kv_dtype == "f16"}
-    return {name for name, on in wanted.items() if on}
+def asked(options: LoadOptions) -> dict[str, str]:
+    """The FEATURES ``options`` ask of a runtime, each with the setting that asks for it."""
+    f = options.features
+    wanted = {"tp": (options.tp > 1, f"tp={options.tp}"), "compile": (options.compile is True, "compile=True"),
+              "native": (options.native is True, "native=True"),
+              "prefix_cache": (bool(f.prefix_cache_mb), f"prefix_cache_mb={f.prefix_cache_mb}"),
+              "draft": (f.draft is not None, f"draft={f.draft}"),
+              "device_map": (options.device_map is not None, "device_map"),
+              "prompt_graph": (bool(options.prompt_graph), "prompt_graph"),
+              "kv_f16": (options.kv_dtype == "f16", "kv_dtype='f16'")}
+    return {name: setting for name, (on, setting) in wanted.items() if on}
 
 
-def check_accepted(path: Path, runtime: Runtime, wanted: set[str]) -> None:
+def _served_where(name: str) -> str:
+    return "; ".join(r.loads for r in RUNTIMES if name in r.accepts)
+
+
+def check_options(path: Path, backend: str, options: LoadOptions) -> None:
+    """Every value of ``options`` well formed, then what they ask served by a runtime of ``backend``, all of it by
+    one row: one line naming the setting, where it is served and the flag to drop (never ignored)."""
+    from prunus.artifacts.errors import PrunusError
+
+    options.check()
+    wanted, rows = asked(options), [r for r in RUNTIMES if r.serves(backend)]
+    for name, setting in wanted.items():
+        if not any(name in r.accepts for r in rows):
+            words, flag = FEATURES[name]
+            raise PrunusError(f"{path}: {setting} asks for {words}, which the {backend} backend does not serve (only "
+                              f"{_served_where(name)}); drop {flag}")
+    if wanted and not any(set(wanted) <= r.accepts for r in rows):
+        flags = " or ".join(FEATURES[n][1] for n in wanted)
+        raise PrunusError(f"{path}: no runtime of the {backend} backend serves {' and '.join(wanted.values())} "
+                          f"together; drop {flags}")
+
+
+def check_accepted(path: Path, runtime: Runtime, wanted) -> None:
     """One line naming the first feature asked of ``runtime`` that its row does not declare, where it is served
     instead and the flag to drop (never ignored)."""
-    for name in sorted(wanted - runtime.accepts):
+    for name in sorted(set(wanted) - runtime.accepts):
         from prunus.artifacts.errors import PrunusError
 
         words, flag = FEATURES[name]
-        where = "; ".join(r.loads for r in RUNTIMES if name in r.accepts)
-        raise PrunusError(f"{path}: {words} is not served for {runtime.loads}, only for: {where}; drop {flag}")
+        raise PrunusError(f"{path}: {words} is not served for {runtime.loads}, only for: {_served_where(name)}; "
+                          f"drop {flag}")
 
 
 def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) -> Loaded:
@@ -119,9 +151,8 @@ def load_runtime(path: str | Path, backend: str | None, options: LoadOptions) ->
     path = Path(path)
     asked_backend = backend
     backend, config = resolve_backend(path, backend)
-    options.check(backend)
+    check_options(path, backend, options)
     options = replace(options, max_len=options.max_len_for(config))
-    options.check_placement(backend)
     from .native_choice import load_chosen, resolve_native
 
     chosen = resolve_native(path, backend, config, options, asked_backend)  # native="auto" settled, with why it is off

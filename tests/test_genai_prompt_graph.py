@@ -158,7 +158,7 @@ def test_engine_loads_the_twin_on_request_and_refuses_it_elsewhere(mixed, traine
     assert got == generate(model, torch.tensor([prompt]), 6)[0, len(prompt):].tolist()
     with Engine.load(path.parent, max_batch=1, max_len=64, threads=1, native=False) as engine:  # off by default
         assert engine.backend.session.prompt_session is None
-    with pytest.raises(PrunusError, match="prompt_graph applies to an ONNX Runtime export dir") as e:
+    with pytest.raises(PrunusError, match="prompt_graph asks for the prompt graph, which the torch backend does not serve") as e:
         Engine.load(trained_run / "model", prompt_graph=True)
     assert "\n" not in str(e.value)
 

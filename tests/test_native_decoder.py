@@ -33,6 +33,7 @@ from prunus.runtime.ort_genai import GenaiBackend
 from prunus.runtime.native import NativeSession
 from prunus.runtime.native_backend import NativeBackend
 from prunus.runtime.load_options import LoadOptions
+from prunus.runtime.registry import check_options
 
 from prunus.native.build import (ISA_ENV, ISAS, batch_invariant, default_isa, isa, isa_missing, library, set_isa,
                                  supported_isas, unavailable)
@@ -370,10 +371,11 @@ def test_info_names_the_kernel_path_of_an_export(export_dir):
 
 def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user_error):
     root, _ = export_dir
-    with pytest.raises(PrunusError, match="native=True decodes in prunus's kernels, and tp=2"):
+    with pytest.raises(PrunusError, match="no runtime of the torch backend serves tp=2 and native=True together"):
         Engine.load(root / "model", native=True, tp=2)
-    with pytest.raises(PrunusError, match="native applies to a model dir or an ONNX Runtime genai export dir"):
-        LoadOptions(native=True).check("tensorrt")
+    with pytest.raises(PrunusError, match="native=True asks for decoding in the native kernels, which the tensorrt backend does "
+                                          "not serve .only a model dir or an ONNX genai export dir"):
+        check_options(root, "tensorrt", LoadOptions(native=True))
     torch_graphs = tmp_path / "torch"  # an export dir of torch graphs, as its config says (refused before reading)
     shutil.copytree(root / "export", torch_graphs)
     config = json.loads((torch_graphs / "config.json").read_text())
@@ -382,7 +384,8 @@ def test_native_is_refused_where_it_cannot_run(export_dir, tmp_path, assert_user
     manifest = json.loads((torch_graphs / "prunus.json").read_text())
     manifest["files"]["config.json"] = hashlib.sha256((torch_graphs / "config.json").read_bytes()).hexdigest()
     (torch_graphs / "prunus.json").write_text(json.dumps(manifest))
-    with pytest.raises(PrunusError, match="--native needs a genai export"):
+    with pytest.raises(PrunusError, match="decoding in the native kernels is not served for an ONNX export dir of "
+                                          "prefill / decode graphs, only for: a model dir or an ONNX genai export"):
         Engine.load(torch_graphs, native=True)
     old = tmp_path / "old"  # an export of an older prunus: its graph only
     shutil.copytree(root / "export", old)

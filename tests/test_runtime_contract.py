@@ -212,8 +212,9 @@ def test_sampling_greedy_rows_take_the_argmax_and_seeded_rows_repeat():
 
 
 def test_a_feature_a_runtime_row_does_not_declare_is_refused_naming_the_rows_that_do():
-    """Each runtime row declares what it accepts (prefix cache, draft, device map, prompt graph, f16 KV cache); a
-    load asking a row for anything else is one line naming the rows that serve it and the flag to drop."""
+    """Each runtime row declares what it accepts (tp, compile, native, prefix cache, draft, device map, prompt graph,
+    f16 KV cache); a load asking a row for anything else is one line naming the rows that serve it and the flag to
+    drop."""
     from pathlib import Path
 
     from prunus.artifacts.errors import PrunusError
@@ -222,13 +223,43 @@ def test_a_feature_a_runtime_row_does_not_declare_is_refused_naming_the_rows_tha
 
     declared = set().union(*(r.accepts for r in RUNTIMES))
     assert declared == set(FEATURES)
-    assert asked(LoadOptions()) == set()
-    wanted = asked(LoadOptions(device_map="auto", kv_dtype="f16", prompt_graph=True,
+    assert asked(LoadOptions()) == {}
+    wanted = asked(LoadOptions(tp=2, compile=True, native=True, device_map="auto", kv_dtype="f16", prompt_graph=True,
                                features=ServingFeatures(prefix_cache_mb=8, draft="ngram")))
-    assert wanted == set(FEATURES)
+    assert set(wanted) == set(FEATURES) and wanted["tp"] == "tp=2"
     tp = next(r for r in RUNTIMES if r.name == "torch_tp")
     with pytest.raises(PrunusError, match=r"^m: a device map is not served for a model dir with tp > 1 .*only for: "
-                                          r"a model dir, plain or compressed.*; drop --device-map$"):
+                                          r"a model dir with a device map .*; drop --device-map$"):
         check_accepted(Path("m"), tp, {"device_map"})
     for row in RUNTIMES:
         check_accepted(Path("m"), row, set(row.accepts))  # what a row declares passes
+
+
+@pytest.mark.parametrize("backend, kwargs, needle", [
+    ("tensorrt", {"tp": 2}, "^m: tp=2 asks for tensor parallelism, which the tensorrt backend does not serve "
+                            r"\(only a model dir with tp > 1 .*\); drop --tp$"),
+    ("onnxruntime", {"compile": True}, "compile=True asks for a compiled decode step, which the onnxruntime"),
+    ("torch", {"prompt_graph": True}, "prompt_graph asks for the prompt graph, which the torch backend"),
+    ("tensorrt", {"native": True}, "native=True asks for decoding in the native kernels, which the tensorrt"),
+    ("tensorrt", {"kv_dtype": "f16"}, "kv_dtype='f16' asks for a float16 KV cache, which the tensorrt"),
+    ("torch", {"tp": 2, "features": {"prefix_cache_mb": 4}},
+     "^m: no runtime of the torch backend serves tp=2 and prefix_cache_mb=4 together; drop --tp or --prefix-cache-mb$"),
+    ("torch", {"device_map": "auto", "compile": True}, "serves compile=True and device_map together"),
+    ("torch", {"device_map": "auto", "features": {"draft": "ngram"}}, "serves draft=ngram and device_map together"),
+    ("onnxruntime", {"prompt_graph": True, "kv_dtype": "f16"}, "serves prompt_graph and kv_dtype='f16' together"),
+])
+def test_options_no_runtime_of_the_backend_serves_are_one_line_before_a_load(backend, kwargs, needle):
+    """One check against the runtime table, not runtime names: a setting no row of the backend accepts, or settings
+    no one row accepts together, are refused before anything loads."""
+    from pathlib import Path
+
+    from prunus.artifacts.errors import PrunusError
+    from prunus.runtime.load_options import LoadOptions, ServingFeatures
+    from prunus.runtime.registry import check_options
+
+    features = ServingFeatures(**kwargs.pop("features", {}))
+    with pytest.raises(PrunusError, match=needle):
+        check_options(Path("m"), backend, LoadOptions(features=features, **kwargs))
+    check_options(Path("m"), "torch", LoadOptions(tp=2))  # what one row serves passes
+    check_options(Path("m"), "onnxruntime", LoadOptions(native=True, kv_dtype="f16",
+                                                         features=ServingFeatures(prefix_cache_mb=4, draft="ngram")))

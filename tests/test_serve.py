@@ -157,7 +157,7 @@ def test_compiled_decode_gives_the_eager_tokens(model_dir, reference):
     with Engine.load(model_dir, max_batch=1, compile=True) as e:
         assert e.backend.compiled is not None and e.backend.compiled.buckets == [1]
         assert [r.token_ids for r in e.generate(PROMPTS[:2], max_new_tokens=N_NEW)] == [reference[p] for p in PROMPTS[:2]]
-    with pytest.raises(PrunusError, match="compile=True applies to the torch backend in one process"):
+    with pytest.raises(PrunusError, match="serves tp=2 and compile=True together; drop --tp or --compile"):
         Engine.load(model_dir, tp=2, compile=True)
 
 
