@@ -55,6 +55,7 @@ class Runtime:
     module: str  # prunus.runtime.<module>, whose load(path, config, options) -> Loaded
     loads: str  # what it recognises, in words
     recognises: Callable[[dict, LoadOptions], bool]
+    words: str  # what serves, in the words a refusal or a startup line uses
     accepts: frozenset = frozenset()  # the FEATURES it serves; asked of a row that lacks one, the load is refused
     also: tuple = ()  # other backends it serves under (the native kernels: a model dir's "torch" as well)
 
@@ -68,25 +69,28 @@ class Runtime:
 # First match wins: a row narrower than the next comes first.
 RUNTIMES = (
     Runtime("torch_module", "torch", "torch_module", "a generic model dir (any nn.Module): predict, dynamic batching",
-            lambda c, o: _module(c) and "export" not in c),
+            lambda c, o: _module(c) and "export" not in c, "the torch backend (generic module)"),
     Runtime("ort_module", "onnxruntime", "ort_module", "a generic module's ONNX export dir: predict, dynamic batching",
-            lambda c, o: _module(c) and _export(c).get("graph") == "module"),
+            lambda c, o: _module(c) and _export(c).get("graph") == "module", "ONNX Runtime (generic module)"),
     Runtime("torch_tp", "torch", "torch_tp", "a model dir with tp > 1 (one worker process per shard)",
-            lambda c, o: "export" not in c and o.tp > 1, frozenset({"tp"})),
+            lambda c, o: "export" not in c and o.tp > 1, "the torch backend with tensor parallelism",
+            frozenset({"tp"})),
     Runtime("native", "onnxruntime", "native_backend",
             "a model dir or an ONNX genai export dir, native=True (every pass in prunus's kernels)",
-            lambda c, o: o.native is True and (_genai(c) or "export" not in c and o.tp == 1),
+            lambda c, o: o.native is True and (_genai(c) or "export" not in c and o.tp == 1), "prunus's native kernels",
             frozenset({"native", "prefix_cache", "draft", "kv_f16"}), also=("torch",)),
     Runtime("torch_placed", "torch", "torch", "a model dir with a device map (its modules placed across devices)",
-            lambda c, o: "export" not in c and o.device_map is not None, frozenset({"device_map"})),
+            lambda c, o: "export" not in c and o.device_map is not None, "the torch backend (device map)",
+            frozenset({"device_map"})),
     Runtime("torch", "torch", "torch", "a model dir, plain or compressed",
-            lambda c, o: "export" not in c, frozenset({"compile", "prefix_cache", "draft"})),
+            lambda c, o: "export" not in c, "the torch backend", frozenset({"compile", "prefix_cache", "draft"})),
     Runtime("ort_genai", "onnxruntime", "ort_genai", "an ONNX export dir whose export.graph is 'genai'",
-            lambda c, o: _genai(c), frozenset({"prefix_cache", "prompt_graph"})),
+            lambda c, o: _genai(c), "ONNX Runtime (genai graph)", frozenset({"prefix_cache", "prompt_graph"})),
     Runtime("ort_graphs", "onnxruntime", "ort_graphs", "an ONNX export dir of prefill / decode graphs",
-            lambda c, o: _export(c).get("format") in ("onnx", "tensorrt")),
+            lambda c, o: _export(c).get("format") in ("onnx", "tensorrt"),
+            "ONNX Runtime (prefill / decode graphs)"),
     Runtime("tensorrt", "tensorrt", "tensorrt", "a TensorRT export dir (prefill.plan / decode.plan)",
-            lambda c, o: _export(c).get("format") == "tensorrt"),
+            lambda c, o: _export(c).get("format") == "tensorrt", "TensorRT"),
 )
 
 
