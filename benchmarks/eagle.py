@@ -1,9 +1,10 @@
-"""EAGLE speculative decoding at batch 1 beside plain decoding and prompt lookup, on one runtime, in one run.
+"""EAGLE speculative decoding beside plain decoding and prompt lookup, on one runtime, in one run.
 
 The target is a genai export served by the native kernels (``--target``, e.g. an int8 export of SmolLM2-135M) or a
 model dir on torch; the draft an EAGLE draft dir trained for it (``prunus compress MODEL --distill eagle``). For each
-thread count (``--threads 1,2``) the contenders are Engines with one cache row, greedy, ``--new-tokens`` tokens after
-each prompt, timed in alternating rounds:
+thread count (``--threads 1,2``) the contenders are Engines with one cache row (``--batch N``: N rows, N requests at
+once, each half of the prompt text starting further into it; tokens/s is then their new tokens over the batch's wall
+time, prefill included), greedy, ``--new-tokens`` tokens after each prompt, timed in alternating rounds:
 
 * ``plain``: one decode pass per token;
 * ``ngram kK``: prompt-lookup drafting (no model);
@@ -32,7 +33,7 @@ lookup, llama.cpp plain's), the lookup/plain ratio and the ratio to prunus plain
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.eagle --target EXPORT_DIR --draft DRAFT_DIR --model MODEL_DIR
         [--vocab 4096,16384,49152] [--draft-tokens 3] [--threads 1,2] [--new-tokens 96] [--rounds 2]
-        [--prompt-chars 1500] [--plot eagle.png] [--fixed] [--llamacpp-python PY --gguf FILE]
+        [--prompt-chars 1500] [--batch 1] [--plot eagle.png] [--fixed] [--llamacpp-python PY --gguf FILE]
 """
 
 from __future__ import annotations
@@ -134,10 +135,11 @@ def prompts(chars: int) -> dict[str, str]:
     return {"prose": prose_documents()[1][0].decode("utf-8")[:chars], "code": inspect.getsource(json)[:chars]}
 
 
-def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: int, fixed: bool) -> dict:
+def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: int, fixed: bool,
+                batch: int = 1) -> dict:
     from prunus.serve import Engine
 
-    common = dict(max_batch=1, max_len=None, threads=threads)
+    common = dict(max_batch=batch, max_len=None, threads=threads)
     engines = {"plain": Engine.load(target, **common)}
     engines[f"ngram k{ks[-1]}"] = Engine.load(target, draft="ngram", draft_tokens=ks[-1], **common)
     for vocab, d in drafts.items():
@@ -149,9 +151,17 @@ def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: i
     return engines
 
 
-def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict | None = None) -> dict:
+def batch_of(prompt: str, batch: int) -> list[str]:
+    """``batch`` different requests from one text: each starts further into it (the same length of text each)."""
+    step = len(prompt) // (2 * batch)
+    return [prompt[i * step:i * step + len(prompt) // 2] for i in range(batch)]
+
+
+def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict | None = None,
+            batch: int = 1) -> dict:
     """{contender: figures} for one prompt: tokens/s of each round, acceptance, tokens per step, draft cost;
-    ``peer``: more contenders ({name: call giving tokens/s}, llama.cpp's), alternating with the engines."""
+    ``peer``: more contenders ({name: call giving tokens/s}, llama.cpp's), alternating with the engines. ``batch`` >
+    1: that many requests at once (:func:`batch_of`), tokens/s their new tokens over the batch's wall time."""
     from benchmarks.harness import alternating_rounds
 
     tokens: dict[str, list[int]] = {}
@@ -162,6 +172,11 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
 
     def contender(name):
         def go():
+            if batch > 1:
+                t0 = time.perf_counter()
+                rs = engines[name].generate(batch_of(prompt, batch), max_new_tokens=new_tokens, ignore_eos=True)
+                tokens[name] = [r.token_ids for r in rs]
+                return sum(len(r.token_ids) for r in rs) / (time.perf_counter() - t0)
             r = engines[name].generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)
             tokens[name] = r.token_ids
             return r.decode_tokens_per_s
@@ -234,7 +249,7 @@ def peer_line(name: str, f: dict, figures: dict, plain: float) -> str:
     return line + f", ratio to prunus plain {mine / plain:.2f}"
 
 
-def plot(results: dict, path: str, k: int, fixed: bool = False) -> None:
+def plot(results: dict, path: str, k: int, fixed: bool = False, batch: int = 1) -> None:
     """Speedup over plain decoding against the draft vocabulary, a line per (threads, prompt)."""
     from statistics import median
 
@@ -253,7 +268,7 @@ def plot(results: dict, path: str, k: int, fixed: bool = False) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft head vocabulary (most frequent tokens)")
     ax.set_ylabel("decode tokens/s over plain decoding")
-    ax.set_title(f"EAGLE draft, {'' if fixed else 'at most '}{k} drafted tokens per step, batch 1, greedy")
+    ax.set_title(f"EAGLE draft, {'' if fixed else 'at most '}{k} drafted tokens per step, batch {batch}, greedy")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -270,6 +285,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of each prompt")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (continuous batching): tokens/s over the "
+                    "batch's wall time, prefill included; each request half the prompt, starting further into it")
     ap.add_argument("--plot", default=None, help="write speedup against vocabulary to this PNG")
     ap.add_argument("--fixed", action="store_true", help="draft k tokens at every step (no per-row choice of k, "
                     "no switching off where speculation loses)")
@@ -316,9 +333,12 @@ def main() -> None:
                                                                                tmp / f"draft-{v}") for v in vocabs}
     print(machine_line())
     print(f"target: {args.target}\ndraft: {args.draft} (trained over {trained['vocab']} tokens, {trained['steps']} "
-          f"steps x {trained['batch_size']} x {trained['seq_len']} tokens of {trained['corpus']})\nbatch 1, greedy, "
+          f"steps x {trained['batch_size']} x {trained['seq_len']} tokens of {trained['corpus']})\nbatch {args.batch}, "
+          f"greedy, "
           f"{args.new_tokens} new tokens, drafted tokens per step {args.draft_tokens}"
           f"{' (fixed)' if args.fixed else ' at most (each row its own k; plain where speculation loses)'}")
+    if llama is not None and args.batch > 1:
+        raise SystemExit("benchmarks.eagle: llama.cpp's rows run batch 1; drop --batch or --llamacpp-python")
     if llama is not None:
         print(f"llama.cpp: llama-cpp-python {llama.version} on {llama.gguf}, Llama.generate greedy, plain and "
               f"LlamaPromptLookupDecoding(num_pred_tokens={llama.k})")
@@ -328,7 +348,7 @@ def main() -> None:
         if llama is not None:
             llama.close()
     if args.plot:
-        plot(results, args.plot, ks[-1], args.fixed)
+        plot(results, args.plot, ks[-1], args.fixed, args.batch)
         print(f"\nwrote {args.plot}")
 
 
@@ -336,7 +356,7 @@ def run(args: argparse.Namespace, drafts: dict[int, Path], ks: list[int], llama:
     """{(threads, prompt label): figures}, each thread count's table printed as it is measured."""
     results = {}
     for threads in (int(t) for t in args.threads.split(",")):
-        engines = engines_for(Path(args.target), drafts, ks, threads, args.fixed)
+        engines = engines_for(Path(args.target), drafts, ks, threads, args.fixed, args.batch)
         print(f"\n== {threads} thread(s) per pass, runtime {engines['plain'].info['runtime']}")
         texts = prompts(args.prompt_chars)
         ids = {label: engines["plain"].encode(p) for label, p in texts.items()}
@@ -344,7 +364,8 @@ def run(args: argparse.Namespace, drafts: dict[int, Path], ks: list[int], llama:
             llama.load(max(map(len, ids.values())) + args.new_tokens + ks[-1] + 16)
         for label, prompt in texts.items():
             peer = llama.contenders(ids[label], args.new_tokens, threads) if llama is not None else None
-            results[(threads, label)] = figures = measure(engines, prompt, args.new_tokens, args.rounds, peer)
+            results[(threads, label)] = figures = measure(engines, prompt, args.new_tokens, args.rounds, peer,
+                                                          args.batch)
             if llama is not None:
                 peer_figures(figures, llama)
             report(label, len(ids[label]), figures)

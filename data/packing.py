@@ -49,9 +49,6 @@ class PackedRows:
     def n_rows(self) -> int:
         return self.tokens.shape[0]
 
-    def trained_targets(self) -> int:
-        return int((self.targets != IGNORE_INDEX).sum())
-
 
 def doc_arrays(doc: Document, seq_len: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """(inputs, targets, truncated) of one document, cut to ``seq_len`` positions."""

@@ -144,13 +144,6 @@ def read_classes(root: Path) -> list[str] | None:
     return names
 
 
-def scan_shards(shards: list[Path], classes: int | None) -> list[TarSample]:
-    samples = [s for shard in shards for s in scan_shard(shard, classes)]
-    if not samples:
-        raise PrunusError(f"--data {shards[0].parent}: the shards hold no samples")
-    return samples
-
-
 class TarSampleDataset(Dataset):
     """Random access to scanned samples: (image, class index); every image of the shape of the first; ``limit``:
     the cap on a decoded sample's bytes (default ``PRUNUS_MAX_SAMPLE_MB``)."""

@@ -104,8 +104,3 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if new is not child:
             module.add_module(name, new)
     return module
-
-
-def count_batchnorms(module: nn.Module) -> int:
-    return sum(isinstance(m, _BatchNorm) for m in module.modules())
-
