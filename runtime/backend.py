@@ -101,6 +101,16 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def checked_chunk(prefill_chunk):
+    """A backend's ``prefill_chunk``: a positive integer, or None (whole prompts); else one PrunusError line."""
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        from prunus.artifacts.errors import PrunusError
+
+        raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
+    return prefill_chunk
+
+
 class BackendBase:
     """Defaults for the optional parts of :class:`Backend`: no chunked prefill, no warm-up, nothing to describe.
     ``release`` and ``capabilities`` are each backend's own."""

@@ -32,7 +32,7 @@ from prunus.native.build import isa
 from prunus.native.decoder import KV_DTYPES, check_native
 from prunus.native.weights import PackedModel
 
-from .backend import BackendBase, Capabilities
+from .backend import BackendBase, Capabilities, checked_chunk
 from .load_options import LoadOptions
 from .native_decoder import native_decoder
 from .registry import Loaded
@@ -56,14 +56,11 @@ class NativeBackend(BackendBase):
 
     def __init__(self, packed: PackedModel, n_slots: int, max_len: int, threads: int | None = None,
                  kv_dtype: str = "f32", prefill_chunk: int | None = PREFILL_CHUNK, prefix_cache_mb: float | None = None):
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
         d = packed.dims
         if max_len > packed.cos.shape[0]:
             raise PrunusError(f"max_len={max_len} exceeds the {packed.cos.shape[0]} positions of the model's rotary "
                               "tables; lower --max-len")
-        self.n_slots, self.max_len, self.prefill_chunk = n_slots, max_len, prefill_chunk
+        self.n_slots, self.max_len, self.prefill_chunk = n_slots, max_len, checked_chunk(prefill_chunk)
         self.vocab_size, self.n_layers = d["vocab_size"], d["n_layers"]
         self.device = torch.device("cpu")
         shape = (n_slots, d["n_kv_heads"], max_len, d["head_dim"])

@@ -40,7 +40,7 @@ from prunus.artifacts.contained import inside
 from prunus.artifacts.errors import PrunusError
 
 from .artifact import export_dims, export_tokenizer
-from .backend import BackendBase, Capabilities
+from .backend import BackendBase, Capabilities, checked_chunk
 from .load_options import LoadOptions
 from .registry import Loaded
 
@@ -69,12 +69,9 @@ class GenaiBackend(BackendBase):
 
     def __init__(self, session, n_slots: int, max_len: int, prefill_chunk: int | None = PREFILL_CHUNK_GENAI,
                  prefix_cache_mb: float | None = None):
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
         self.session = session
         self.n_slots, self.max_len = n_slots, max_len
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = checked_chunk(prefill_chunk)
         self.vocab_size, self.n_layers = session.vocab_size, session.n_layers
         self.device = torch.device("cpu")
         self.slot_of: dict[int, int] = {}  # scheduler row -> buffer slot

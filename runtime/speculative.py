@@ -39,7 +39,7 @@ from prunus.models.generate import greedy_next
 from .sampling import RowSampling, is_greedy, sampling_probs
 
 
-CALIBRATE_EVERY = 64  # a row's steps between plain (k = 0) steps that time the target alone; the first at step 8
+CALIBRATE_EVERY = 64  # a row's steps between steps that time the target alone (no row of the pass drafts); first: 8
 TRIES = 4  # steps a row drafts each k before it picks the k whose steps made tokens fastest
 KEEP = 0.8  # a k whose drafts are accepted at least this often: fewer drafted tokens are not tried
 OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries its fastest k again; doubled each time
@@ -54,7 +54,10 @@ class RowPolicy:
     one fewer, and so on while the drafts are accepted less than :data:`KEEP` of the time; then the k whose steps
     made tokens fastest, as long as that beats plain decoding: the cost of a verify pass over k + 1 tokens, not the
     acceptance alone, decides (on a CPU it grows with k). A row switched off measures only that k again, after
-    :data:`OFF_STEPS` plain steps, twice as many after each loss."""
+    :data:`OFF_STEPS` plain steps, twice as many after each loss. A row's seconds are its share of its passes (the
+    pass's time by the tokens it checked there), set against a row's share of a plain pass of as many rows
+    (:class:`Speculator`): at batch a pass's cost grows with every token it checks, and a row that adds drafts to a
+    batch must pay for them, not spread them over its neighbours."""
 
     def __init__(self):
         self.steps, self.off_until, self.off_steps, self.retry = 0, -1, OFF_STEPS, None
@@ -64,11 +67,15 @@ class RowPolicy:
         tried = self.by_k.get(k)
         return tried[1] / tried[2] if tried and tried[2] > 0 else 0.0
 
+    def due(self) -> bool:
+        """Whether the row's next step times the target alone: its 8th, then every :data:`CALIBRATE_EVERY`-th."""
+        return (self.steps + 1) % CALIBRATE_EVERY == 8
+
     def k(self, k_max: int, plain_s: float | None) -> int:
-        """Drafted tokens for the row's next step: 0 to calibrate or while switched off; else one still being tried,
-        or the fastest measured."""
+        """Drafted tokens for the row's next step: 0 while switched off; else one still being tried, or the fastest
+        measured; ``plain_s``: plain decoding's seconds a token in a pass of as many rows (None: not measured)."""
         self.steps += 1
-        if self.steps < self.off_until or self.steps % CALIBRATE_EVERY == 8:
+        if self.steps < self.off_until:
             return 0
         for k in range(k_max, 0, -1) if self.retry is None else [self.retry]:
             tried = self.by_k.get(k)
@@ -101,6 +108,7 @@ class Speculator:
         self.stats = {"draft": drafter.name, "draft_tokens": k, "adaptive": adaptive, "steps": 0, "drafted": 0,
                       "accepted": 0, "acceptance_rate": 0.0, "tokens_per_step": 0.0, "speedup": None}
         self._made, self._seconds, self._plain_s = 0, 0.0, None
+        self._plain: dict[int, float] = {}  # rows in a pass -> seconds a row of a pass that drafted nothing
         self.rows: dict[int, RowPolicy] = {}
 
     def release(self, row: int) -> None:
@@ -117,19 +125,32 @@ class Speculator:
 
     def step_rows(self, rows: list[int], seqs: list[list[int]], samplings: list[RowSampling],
                   remaining: list[int]) -> list[list[int]]:
-        """:meth:`step` for several rows, their drafts checked in one pass of the target (``verify_rows``)."""
+        """:meth:`step` for several rows, their drafts checked in one pass of the target (``verify_rows``). Adaptive,
+        a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them: it
+        times plain decoding at this many rows, what each row's speculation is measured against (a plain row beside
+        drafting ones would time their verify work, not plain decoding)."""
         start = time.perf_counter()
-        cap = self.target.max_len - max(len(s) for s in seqs)  # every row's drafts fit the pass's padded width
-        drafted = [self._draft(row, seq, sampling, min(left - 1, cap))
+        policies = [self.rows.setdefault(row, RowPolicy()) for row in rows]
+        plain = self.adaptive and any(p.due() for p in policies)
+        if plain:
+            for p in policies:
+                p.steps += 1
+        cap = 0 if plain else self.target.max_len - max(len(s) for s in seqs)  # drafts fit the pass's padded width
+        plain_s = self._plain_at(len(rows))
+        drafted = [self._draft(row, seq, sampling, min(left - 1, cap), plain_s)
                    for row, seq, sampling, left in zip(rows, seqs, samplings, remaining)]
         pieces = [[seq[-1]] + d for seq, (d, _) in zip(seqs, drafted)]
         if len(rows) == 1:
             logits_rows = [self.target.verify(rows[0], pieces[0])]
         else:
             logits_rows = self.target.verify_rows(rows, pieces)
-        seconds = (time.perf_counter() - start) / len(rows)
+        per_token = (time.perf_counter() - start) / sum(map(len, pieces))  # a row's share: its tokens in the pass
+        if not any(d for d, _ in drafted):  # the target alone: plain decoding's cost a row at this many rows
+            old = self._plain.get(len(rows))
+            self._plain_s = self._plain[len(rows)] = per_token if old is None else 0.8 * old + 0.2 * per_token
         out = []
         for row, seq, sampling, (drafts, q), logits in zip(rows, seqs, samplings, drafted, logits_rows):
+            seconds = per_token * (1 + len(drafts))
             if is_greedy(sampling):
                 accepted, extra = accept_greedy(drafts, logits)
             else:
@@ -141,13 +162,19 @@ class Speculator:
             out.append(drafts[:accepted] + [extra])
         return out
 
-    def _draft(self, row: int, seq: list[int], sampling: RowSampling, room: int):
+    def _plain_at(self, n: int) -> float | None:
+        """Plain decoding's seconds a row in a pass of ``n`` rows: as measured at ``n``, else at the nearest count."""
+        if not self._plain:
+            return None
+        return self._plain[min(self._plain, key=lambda m: (abs(m - n), m))]
+
+    def _draft(self, row: int, seq: list[int], sampling: RowSampling, room: int, plain_s: float | None):
         """(drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its request or
         the cache, the row's own k when adaptive."""
         k = max(0, min(self.k, room))
         policy = self.rows.setdefault(row, RowPolicy())
         if self.adaptive and k:
-            k = policy.k(k, self._plain_s)
+            k = policy.k(k, plain_s)
         if not k:
             return [], None
         return self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling)
@@ -159,11 +186,9 @@ class Speculator:
         s["accepted"] += accepted
         self._made += accepted + 1
         self._seconds += seconds
-        if not drafted:  # a step of the target alone: what plain decoding costs per token (a moving average)
-            self._plain_s = seconds if self._plain_s is None else 0.8 * self._plain_s + 0.2 * seconds
         s["acceptance_rate"] = round(s["accepted"] / s["drafted"], 4) if s["drafted"] else 0.0
         s["tokens_per_step"] = round(self._made / s["steps"], 3)
-        if self._plain_s is not None:  # tokens per second of every step, over plain decoding's
+        if self._plain_s is not None:  # tokens per second of every step, over plain decoding's (last measured)
             s["speedup"] = round(self._made / self._seconds * self._plain_s, 3)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 
-from .backend import BackendBase, Capabilities
+from .backend import BackendBase, Capabilities, checked_chunk
 from .batch_cache import BatchKVCache
 from .load_options import PREFILL_CHUNK, LoadOptions
 from .registry import Loaded
@@ -52,12 +52,9 @@ class TorchBackend(BackendBase):
 
     def __init__(self, model, n_slots: int, max_len: int, compile: bool = False, prefill_chunk: int | None = PREFILL_CHUNK,
                  prefix_cache_mb: float | None = None):
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise PrunusError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (or None: whole prompts)")
         self.model = model
         self.n_slots, self.max_len = n_slots, max_len
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = checked_chunk(prefill_chunk)
         self.vocab_size = model.config.vocab_size
         self.device = getattr(model, "input_device", None) or model.tok_embeddings.weight.device  # a device map's
         self.cache = BatchKVCache.for_model(model, n_slots, max_len)
