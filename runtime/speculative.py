@@ -39,9 +39,9 @@ from prunus.models.generate import greedy_next
 from .sampling import RowSampling, is_greedy, sampling_probs
 
 
-CALIBRATE_EVERY = 64  # a row's steps between steps that time the target alone (no row of the pass drafts); first: 8
-TRIES = 4  # steps a row drafts each k before it picks the k whose steps made tokens fastest
-KEEP = 0.8  # a k whose drafts are accepted at least this often: fewer drafted tokens are not tried
+CALIBRATE_EVERY = 64  # a row's steps between steps that time the target alone (no row of the pass drafts); first: 2
+TRIES = 4  # steps a row drafts each k before it decides whether one more drafted token is worth trying
+KEEP = 0.8  # a k whose drafts are accepted at least this often: one more is tried, and the most so tried is kept
 OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries its fastest k again; doubled each time
 MAX_OFF_STEPS = 1024
 LOSING = 0.95  # a row whose fastest k measured below this speedup decodes plainly
@@ -50,10 +50,12 @@ DECAY = 0.9  # each step's weight against the row's earlier steps of the same k
 
 class RowPolicy:
     """One row's measured steps per number of drafted tokens k: tokens made and seconds (recent steps weigh more),
-    and whether it is switched off (speculation lost on it). A row drafts the most tokens :data:`TRIES` times, then
-    one fewer, and so on while the drafts are accepted less than :data:`KEEP` of the time; then the k whose steps
-    made tokens fastest, as long as that beats plain decoding: the cost of a verify pass over k + 1 tokens, not the
-    acceptance alone, decides (on a CPU it grows with k). A row switched off measures only that k again, after
+    and whether it is switched off (speculation lost on it). A row drafts one token :data:`TRIES` times, then one
+    more while the last k made tokens faster than the k before it (k = 1: faster than plain decoding), or at once
+    while its drafts were accepted at least :data:`KEEP` of the time; then the k whose steps made tokens fastest (the top one where
+    the climb went on by acceptance: the same k whatever the clock said, so a seeded row repeats), as long as that
+    beats plain decoding: the cost of a verify pass over k + 1 tokens, not the acceptance alone, decides (on a CPU it
+    grows with k, and at batch with every row's tokens, so the climb starts at the cheapest k). A row switched off measures only that k again, after
     :data:`OFF_STEPS` plain steps, twice as many after each loss. A row's seconds are its share of its passes (the
     pass's time by the tokens it checked there), set against a row's share of a plain pass of as many rows
     (:class:`Speculator`): at batch a pass's cost grows with every token it checks, and a row that adds drafts to a
@@ -68,8 +70,8 @@ class RowPolicy:
         return tried[1] / tried[2] if tried and tried[2] > 0 else 0.0
 
     def due(self) -> bool:
-        """Whether the row's next step times the target alone: its 8th, then every :data:`CALIBRATE_EVERY`-th."""
-        return (self.steps + 1) % CALIBRATE_EVERY == 8
+        """Whether the row's next step times the target alone: its 2nd, then every :data:`CALIBRATE_EVERY`-th."""
+        return (self.steps + 1) % CALIBRATE_EVERY == 2
 
     def k(self, k_max: int, plain_s: float | None) -> int:
         """Drafted tokens for the row's next step: 0 while switched off; else one still being tried, or the fastest
@@ -77,13 +79,17 @@ class RowPolicy:
         self.steps += 1
         if self.steps < self.off_until:
             return 0
-        for k in range(k_max, 0, -1) if self.retry is None else [self.retry]:
+        floor, top = (1 / plain_s if plain_s else 0.0), None  # plain decoding's tokens per second
+        for k in range(1, k_max + 1) if self.retry is None else [min(self.retry, k_max)]:
             tried = self.by_k.get(k)
-            if tried is None or tried[0] < TRIES:
-                return min(k, k_max)
-            if tried[4] >= KEEP * tried[3]:  # accepted so often that drafting fewer would only lose tokens
-                break
-        best = max(self.by_k, key=self._rate)
+            kept = tried is not None and 0 < KEEP * tried[3] <= tried[4]  # one more is worth trying at once
+            if tried is None or tried[0] < TRIES and not (kept and k < k_max):
+                return k
+            top = k if kept else None
+            if top is None and self._rate(k) <= floor:
+                break  # no faster than one fewer: more drafted tokens would cost more still
+            floor = max(floor, self._rate(k))
+        best = top if top is not None else max(self.by_k, key=self._rate)
         if plain_s and self._rate(best) * plain_s < LOSING:  # off; then only the fastest k is measured again
             self.off_until, self.by_k, self.retry = self.steps + self.off_steps, {best: [0, 0.0, 0.0, 0, 0]}, best
             self.off_steps = min(2 * self.off_steps, MAX_OFF_STEPS)
