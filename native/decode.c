@@ -106,8 +106,7 @@ static void pool_run(Pool *p, task_fn fn, void *ctx) {
     pthread_mutex_unlock(&p->mu);
     fn(ctx, 0, p->n);
     /* spin, then yield: on a CPU shared with other processes a worker may have lost its core, and spinning on
-     * can keep it from getting one back for a whole time slice (with a pure spin, a 64-token int8 prompt at 2
-     * threads beside other work took 0.48 to 1.78 s over five rounds) */
+     * can keep it from getting one back for a whole time slice (docs/native.md, "Threads and buffers") */
     for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < p->n - 1;)
         if (++spins < WAIT_SPINS) _mm_pause(); else sched_yield();
 }
@@ -491,11 +490,10 @@ static int row_block(const Linear *L) {
 }
 
 /* The fixed rules, where a Linear has no plan (or the path is not batch invariant): decode steps of four or five
- * int8 / int4 rows take the four-row kernels (one pass over each tile instead of two: SmolLM2's layers, one thread,
- * AMD EPYC: int8 4 rows 19.3 -> 15.3 ms, int4 12.2 -> 8.3 ms against the pairs); from NEXT_SHARE_ROWS rows up to
- * TRIPLE_MIN_ROWS the pairs, which then prefetch each next tile (next_share; with two pairs it cost more than it
- * gave), were as fast or faster (int8 6 rows 16.3 ms against 21.3 ms). On a batch-invariant path every grouping gives
- * a row the same bits, so a plan measured on this machine may choose another one per row count. */
+ * int8 / int4 rows take the four-row kernels (one pass over each tile instead of two); from NEXT_SHARE_ROWS rows up
+ * to TRIPLE_MIN_ROWS the pairs, which then prefetch each next tile (next_share); the measurements behind them are in
+ * docs/native.md ("Row groupings"). On a batch-invariant path every grouping gives a row the same bits, so a plan
+ * measured on this machine may choose another one per row count. */
 static int grouping(const Kernels *k, const Linear *L, int m) {
     if (L->plan && k->invariant) return L->plan[m < PLAN_ROWS ? m : PLAN_ROWS - 1];
     const int many = m >= TRIPLE_MIN_ROWS;
@@ -848,9 +846,9 @@ static void attend_heads(const AttnTask *a, int t, int c, int h, int n, const vo
     else
         attend_group(q, G, K, V, m->kv_f16, j0, j1, hd, m->scale, sc, o, mx, sum);
     for (int i = 0; i < G; i++) {
-        if (C == 1) {
-            const float r = 1.f / sum[i];
-            for (int e = 0; e < hd; e++) o[i][e] *= r;
+        if (C == 1) { /* divided as merge_chunks divides: a row gives the same bits whether or not a longer row in its
+                       * pass splits the pass's attention into chunks (its own one chunk then merged alone) */
+            for (int e = 0; e < hd; e++) o[i][e] /= sum[i];
         } else {
             o[i][-1] = sum[i];
             o[i][-2] = mx[i];

@@ -97,6 +97,38 @@ def test_native_logits_are_the_same_bits_alone_and_batched(artifacts, kernel_pat
     assert np.array_equal(alone, run(PROMPTS))
 
 
+def test_native_row_beside_a_row_past_one_attention_chunk_gives_the_same_bits(tmp_path, kernel_path):
+    """A pass's attention is split in chunks of ATTN_CHUNK (256) positions by its longest row: a short row beside a
+    row of 300 tokens gives the logits it gives alone, bit for bit (its one chunk merged alone is the same sums)."""
+    import dataclasses
+
+    import torch
+
+    from prunus.models import Transformer, get_preset
+    from prunus.runtime.artifact import read_artifact_config
+    from prunus.runtime.load_options import LoadOptions
+    from prunus.runtime.native_backend import load
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(get_preset("tiny"), max_seq_len=512))
+    model.init_weights()
+    save_model(model.eval(), tmp_path / "m", stage="test")
+    options = LoadOptions(native=True, max_batch=2, max_len=400, threads=2)
+    long, short = [(7 * i) % 250 + 3 for i in range(300)], [5, 9, 11, 13]
+
+    def logits(rows: list[list[int]]) -> list[np.ndarray]:
+        backend = load(tmp_path / "m", read_artifact_config(tmp_path / "m"), options).backend
+        try:
+            out = [backend.prefill(list(range(len(rows))), rows)[-1].numpy().copy()]
+            for step in range(4):
+                out.append(backend.decode(list(range(len(rows))), [3 + step] * len(rows))[-1].numpy().copy())
+            return out
+        finally:
+            backend.close()
+
+    assert all(np.array_equal(a, b) for a, b in zip(logits([short]), logits([long, short])))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_onnx_runtime_greedy_tokens_alone_equal_batched(artifacts, precision):
     _, dirs = artifacts
