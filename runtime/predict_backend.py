@@ -18,14 +18,11 @@ INPUT, OUTPUT = "input", "output"
 
 
 def check_predict_options(path, options) -> None:
-    """Refuse, in one line, a load option that only a generative model uses (it would be ignored here)."""
-    given = [flag for flag, on in (("--tp", options.tp > 1), ("--device-map", options.device_map is not None),
-                                   ("--dtype", options.dtype is not None), ("--native", options.native),
-                                   ("--prompt-graph", options.prompt_graph), ("--compile", options.compile is True))
-             if on]
-    if given:
-        raise PrunusError(f"{path}: a generic module is served in one process on one device, as saved; drop "
-                          f"{', '.join(given)}")
+    """Refuse, in one line, a dtype (only a generative model's; it would be ignored here). Tensor parallelism, a
+    device map, the native kernels, the prompt graph and compile are the runtime table's to refuse (its rows for a
+    generic module accept none of them)."""
+    if options.dtype is not None:
+        raise PrunusError(f"{path}: a generic module is served in one process on one device, as saved; drop --dtype")
 
 
 def input_spec(path, config: dict) -> TensorSpec:

@@ -52,14 +52,14 @@ class RowPolicy:
     """One row's measured steps per number of drafted tokens k: tokens made and seconds (recent steps weigh more),
     and whether it is switched off (speculation lost on it). A row drafts one token :data:`TRIES` times, then one
     more while the last k made tokens faster than the k before it (k = 1: faster than plain decoding), or at once
-    while its drafts were accepted at least :data:`KEEP` of the time; then the k whose steps made tokens fastest (the top one where
-    the climb went on by acceptance: the same k whatever the clock said, so a seeded row repeats), as long as that
-    beats plain decoding: the cost of a verify pass over k + 1 tokens, not the acceptance alone, decides (on a CPU it
-    grows with k, and at batch with every row's tokens, so the climb starts at the cheapest k). A row switched off measures only that k again, after
-    :data:`OFF_STEPS` plain steps, twice as many after each loss. A row's seconds are its share of its passes (the
-    pass's time by the tokens it checked there), set against a row's share of a plain pass of as many rows
-    (:class:`Speculator`): at batch a pass's cost grows with every token it checks, and a row that adds drafts to a
-    batch must pay for them, not spread them over its neighbours."""
+    while its drafts were accepted at least :data:`KEEP` of the time; then the k whose steps made tokens fastest
+    (the top one where the climb went on by acceptance: the same k whatever the clock said), as long as that beats
+    plain decoding. The cost of a verify pass over k + 1 tokens, not the acceptance alone, decides: on a CPU it
+    grows with k, and at batch with every row's tokens, so the climb starts at the cheapest k. A row switched off
+    measures only that k again, after :data:`OFF_STEPS` plain steps, twice as many after each loss. A row's seconds
+    are its share of its passes (the pass's time by the tokens it checked there), set against a row's share of a
+    plain pass of as many rows (:class:`Speculator`): a row that adds drafts to a batch pays for them, not its
+    neighbours."""
 
     def __init__(self):
         self.steps, self.off_until, self.off_steps, self.retry = 0, -1, OFF_STEPS, None

@@ -1,5 +1,6 @@
 """The runtime that serves an engine, in the words a refusal or a startup line uses: prunus's native kernels (and
-their path), ONNX Runtime, the torch backend, TensorRT (each row's ``words`` in the runtime table); never the name of a runtime that is not the one serving."""
+their path), ONNX Runtime, the torch backend, TensorRT (each row's ``words`` in the runtime table); never the name
+of a runtime that is not the one serving."""
 
 from __future__ import annotations
 
