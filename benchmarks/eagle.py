@@ -4,7 +4,8 @@ The target is a genai export served by the native kernels (``--target``, e.g. an
 model dir on torch; the draft an EAGLE draft dir trained for it (``prunus compress MODEL --distill eagle``). For each
 thread count (``--threads 1,2``) the contenders are Engines with one cache row (``--batch N``: N rows, N requests at
 once, each half of the prompt text starting further into it; tokens/s is then their new tokens over the batch's wall
-time, prefill included), greedy, ``--new-tokens`` tokens after each prompt, timed in alternating rounds:
+time, prefill included), greedy, ``--new-tokens`` tokens after each prompt, timed in alternating rounds after one
+untimed call of each:
 
 * ``plain``: one decode pass per token;
 * ``ngram kK``: prompt-lookup drafting (no model);
@@ -165,10 +166,7 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
     from benchmarks.harness import alternating_rounds
 
     tokens: dict[str, list[int]] = {}
-    before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
     timers = {k: Timed(e.speculator.drafter) for k, e in engines.items() if k.startswith("eagle")}
-    for t in timers.values():
-        t.seconds, t.tokens = 0.0, 0
 
     def contender(name):
         def go():
@@ -182,7 +180,13 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
             return r.decode_tokens_per_s
         return go
 
-    got = alternating_rounds({**{k: contender(k) for k in engines}, **(peer or {})}, rounds)
+    contenders = {**{k: contender(k) for k in engines}, **(peer or {})}
+    for go in contenders.values():  # one untimed call each first: the first round ran slower for every contender
+        go()
+    before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
+    for t in timers.values():
+        t.seconds, t.tokens = 0.0, 0
+    got = alternating_rounds(contenders, rounds)
     out = {}
     for name, speeds in got.items():
         if name not in engines:
