@@ -143,8 +143,8 @@ class Speculator:
                 p.steps += 1
         cap = 0 if plain else self.target.max_len - max(len(s) for s in seqs)  # drafts fit the pass's padded width
         plain_s = self._plain_at(len(rows))
-        drafted = [self._draft(row, seq, sampling, min(left - 1, cap), plain_s)
-                   for row, seq, sampling, left in zip(rows, seqs, samplings, remaining)]
+        drafted = [self._draft(policy, row, seq, sampling, min(left - 1, cap), plain_s)
+                   for policy, row, seq, sampling, left in zip(policies, rows, seqs, samplings, remaining)]
         pieces = [[seq[-1]] + d for seq, (d, _) in zip(seqs, drafted)]
         if len(rows) == 1:
             logits_rows = [self.target.verify(rows[0], pieces[0])]
@@ -174,11 +174,11 @@ class Speculator:
             return None
         return self._plain[min(self._plain, key=lambda m: (abs(m - n), m))]
 
-    def _draft(self, row: int, seq: list[int], sampling: RowSampling, room: int, plain_s: float | None):
+    def _draft(self, policy: RowPolicy, row: int, seq: list[int], sampling: RowSampling, room: int,
+               plain_s: float | None):
         """(drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its request or
-        the cache, the row's own k when adaptive."""
+        the cache, the row's own k (``policy``) when adaptive."""
         k = max(0, min(self.k, room))
-        policy = self.rows.setdefault(row, RowPolicy())
         if self.adaptive and k:
             k = policy.k(k, plain_s)
         if not k:
