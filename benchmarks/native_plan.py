@@ -31,10 +31,10 @@ WORDS = {0: "rows", 2: "pairs", 6: "pairs+prefetch", 3: "wide+pairs", 7: "wide+p
 
 
 def grouping(code: int) -> str:
-    from prunus.native.plan import PAIRS, PREFETCH, WIDE
+    from prunus.native.plan import PAIRS, PREFETCH, THREE, WIDE
 
-    return WORDS.get(code) or "+".join(w for b, w in ((WIDE, "wide"), (PAIRS, "pairs"), (PREFETCH, "prefetch"))
-                                       if code & b) or "rows"
+    bits = ((WIDE, "wide"), (THREE, "three"), (PAIRS, "pairs"), (PREFETCH, "prefetch"))
+    return WORDS.get(code) or "+".join(w for b, w in bits if code & b) or "rows"
 
 
 def load_packed(export: Path | None, max_len: int):

@@ -223,8 +223,9 @@ typedef struct {
 } GemmTask;
 
 #define PLAN_ROWS 17 /* a Linear's plan has one entry per row count 0..16, the last for 16 rows or more */
-enum { PLAN_WIDE = 1, PLAN_PAIRS = 2, PLAN_PREFETCH = 4 }; /* the wide (three / four-row) kernels first; then pairs
-                                                            * (else single rows); pairs prefetch the next tile */
+enum { PLAN_WIDE = 1, PLAN_PAIRS = 2, PLAN_PREFETCH = 4, PLAN_THREE = 8 }; /* the wide (three / four-row) kernels
+                            * first; then int8 / int4 three rows at a time (THREE); then pairs (else single rows);
+                            * pairs prefetch the next tile */
 
 static void store4(const GemmTask *g, int m, int t, __m128 r) {
     const Linear *L = g->L;
@@ -395,6 +396,7 @@ typedef struct {
     tile_fn f32_row, f32_pair, quant_row, quant_pair;
     tile_fn f32_triple; /* three rows at once for the row blocks of prompts; NULL: pairs */
     tile_fn q8_quad, q4_quad; /* four rows at once for the row blocks of prompts; NULL: pairs */
+    tile_fn quant_three; /* three int8 / int4 rows at once (PLAN_THREE); NULL: pairs */
     int amx; /* q8 passes of AMX_MIN_ROWS rows or more on AMX tiles (amx_task) */
     int invariant; /* 1: every kernel of the path sums a row in the same order, so a row's outputs are the same
                     * bits whatever rows share its pass (its row, pair and four-row kernels share their block math) */
@@ -402,14 +404,15 @@ typedef struct {
 
 /* in order of preference: the first one the CPU has is the default */
 static const Kernels KERNELS[] = {
-    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, 1, 0},
-    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, 0,
+    {"amx", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL, NULL, 1,
      0},
-    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, NULL, 0, 0},
+    {"avx512vnni", f32_row_avx512, f32_pair_avx512, quant_row_avx512vnni, quant_pair_avx512vnni, NULL, NULL, NULL,
+     NULL, 0, 0},
+    {"avx512", f32_row_avx512, f32_pair_avx512, quant_row_avx512, quant_pair_avx512, NULL, NULL, NULL, NULL, 0, 0},
     {"avxvnni", tile_f32_row, tile_f32_pair, quant_row_avxvnni, quant_pair_avxvnni, tile_f32_triple, q8_quad_avxvnni,
-     q4_quad_avxvnni, 0, 1},
+     q4_quad_avxvnni, quant_three_avxvnni, 0, 1},
     {"avx2", tile_f32_row, tile_f32_pair, quant_row_avx2, quant_pair_avx2, tile_f32_triple, q8_quad_avx2,
-     q4_quad_avx2, 0, 1},
+     q4_quad_avx2, quant_three_avx2, 0, 1},
 };
 #define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -515,6 +518,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
     const tile_fn one = f32 ? k->f32_row : k->quant_row;
     const tile_fn wide = !(g->plan & PLAN_WIDE) ? NULL : f32 ? k->f32_triple
                          : g->L->kind == KIND_Q8 ? k->q8_quad : k->q4_quad;
+    const tile_fn three = g->plan & PLAN_THREE && !f32 ? k->quant_three : NULL;
     const int width = f32 ? 3 : 4; /* rows wide takes at once */
     const int rb = row_block(g->L);
     for (int r0 = 0; r0 < g->m; r0 += rb) {
@@ -523,6 +527,8 @@ static void gemm_task(void *ctx, int ith, int nth) {
             int m = r0;
             if (wide)
                 for (; m + width <= r1; m += width) wide(g, t, m);
+            if (three)
+                for (; m + 3 <= r1; m += 3) three(g, t, m);
             if (pair)
                 for (; m + 2 <= r1; m += 2) pair(g, t, m);
             for (; m < r1; m++) one(g, t, m);

@@ -37,7 +37,8 @@ from prunus.artifacts.errors import PrunusError
 from .build import cpu_model
 from .weights import KINDS, PackedLinear, PackedModel, shape_key
 
-WIDE, PAIRS, PREFETCH = 1, 2, 4  # decode.c's PLAN_* bits
+WIDE, PAIRS, PREFETCH, THREE = 1, 2, 4, 8  # decode.c's PLAN_* bits
+N_CODES = 16  # groupings: every combination of the bits
 PLAN_ROWS = 17  # entries per plan: row counts 0..16, the last for 16 rows or more (decode.c's PLAN_ROWS)
 BUCKETS = {2: (2,), 3: (3,), 4: (4,), 5: (5,), 6: (6, 7), 8: tuple(range(8, 16)), 16: (16,)}  # measured at: covers
 MARGIN = 0.05  # another grouping replaces the fixed rule only when faster by more than this
@@ -60,11 +61,15 @@ def fixed_rule(kind: str, m: int) -> int:
 
 
 def candidates(kind: str, m: int) -> list[int]:
-    """The groupings timed for ``m`` rows: pairs with and without prefetch, single rows up to three rows, and the
-    wide kernels first where ``m`` fills them; 16 rows or more (prompts, whose row blocks the wide kernels serve): the
-    wide ones only."""
+    """The groupings timed for ``m`` rows: pairs with and without prefetch, single rows up to three rows, the wide
+    kernels first where ``m`` fills them, and int8 / int4 three rows at a time (with the wide ones first from seven
+    rows); 16 rows or more (prompts, whose row blocks the wide kernels serve): the wide ones only."""
     wide = [WIDE | PAIRS, WIDE | PAIRS | PREFETCH] if m >= (3 if kind == "f32" else 4) else []
-    return wide if m >= 16 else [*([0] if m <= 3 else []), PAIRS, PAIRS | PREFETCH, *wide]
+    if m >= 16:
+        return wide
+    three = [] if kind == "f32" or m < 3 else [THREE | PAIRS, THREE | PAIRS | PREFETCH]
+    three += [WIDE | THREE | PAIRS | PREFETCH] if three and m >= 7 else []
+    return [*([0] if m <= 3 else []), PAIRS, PAIRS | PREFETCH, *wide, *three]
 
 
 def model_linears(packed: PackedModel) -> list[PackedLinear]:
@@ -118,7 +123,7 @@ class _Timer:
         k, n = lins[0].k, max(v.n for v in self.views)
         self.x = np.random.default_rng(0).standard_normal((16, k)).astype(np.float32)
         self.y = np.empty((16, n), np.float32)
-        self.codes = [np.full(PLAN_ROWS, c, np.uint8) for c in range(8)]
+        self.codes = [np.full(PLAN_ROWS, c, np.uint8) for c in range(N_CODES)]
 
     def __call__(self, code: int, m: int) -> float:
         """Seconds a call of ``m`` rows takes, the mean over the next SAMPLE_VIEWS views (or all there are)."""
@@ -228,7 +233,7 @@ def plan_problem(obj: dict, key: dict) -> str | None:
         return "damaged (its shapes are not the model's)"
     for v in plans.values():
         if (not isinstance(v, list) or len(v) != PLAN_ROWS
-                or not all(type(c) is int and 0 <= c <= WIDE | PAIRS | PREFETCH for c in v)):
+                or not all(type(c) is int and 0 <= c < N_CODES for c in v)):
             return "damaged (an entry is no grouping)"
     return None
 

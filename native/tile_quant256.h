@@ -19,10 +19,11 @@
  * and keeps every integer product exact.)
  */
 
-/* the zero-point terms of rows m .. m + 3 against tile t: sum over blocks of sz[b][i] dsum[r][b] (zero when the
- * layer has none), kept out of the prompt kernels' loops so that their accumulators keep the registers; four
- * independent sums in registers (through an array, gcc stored each step to memory: a fifth of an int4 pass) */
-static KERNEL_TARGET void KERNEL(zero_terms4)(const GemmTask *g, int t, int m, __m128 *z) {
+/* the zero-point terms of rows m .. m + n - 1 (n: 3 or 4) against tile t: sum over blocks of sz[b][i] dsum[r][b]
+ * (zero when the layer has none), kept out of the wide kernels' loops so that their accumulators keep the
+ * registers; independent sums in registers (through an array, gcc stored each step to memory: a fifth of an int4
+ * pass) */
+static KERNEL_TARGET void KERNEL(zero_terms)(const GemmTask *g, int t, int m, int n, __m128 *z) {
     const Linear *L = g->L;
     const int kb = L->k / 32;
     __m128 z0 = _mm_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
@@ -33,7 +34,7 @@ static KERNEL_TARGET void KERNEL(zero_terms4)(const GemmTask *g, int t, int m, _
             z0 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + b), z0);
             z1 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + kb + b), z1);
             z2 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + 2 * kb + b), z2);
-            z3 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + 3 * kb + b), z3);
+            if (n > 3) z3 = _mm_fmadd_ps(zb, _mm_broadcast_ss(x0 + 3 * kb + b), z3);
         }
     }
     z[0] = z0; z[1] = z1; z[2] = z2; z[3] = z3;
@@ -64,11 +65,11 @@ static KERNEL_TARGET void KERNEL(zero_terms4)(const GemmTask *g, int t, int m, _
     const __m256i u2 = _mm256_abs_epi8(_mm256_loadu_si256(wb + 2)), u3 = _mm256_abs_epi8(_mm256_loadu_si256(wb + 3)); \
     const __m256 sb = _mm256_broadcast_ps((const __m128 *)(s + 4 * b))
 
-/* rows m .. m + 3: the accumulators' halves added, the zero-point term subtracted, stored */
-static KERNEL_TARGET void KERNEL(q8_quad_store)(const GemmTask *g, int t, int m, const __m256 *acc) {
+/* rows m .. m + n - 1: the accumulators' halves added, the zero-point term subtracted, stored */
+static KERNEL_TARGET void KERNEL(q8_rows_store)(const GemmTask *g, int t, int m, int n, const __m256 *acc) {
     __m128 z[4];
-    KERNEL(zero_terms4)(g, t, m, z);
-    for (int r = 0; r < 4; r++)
+    KERNEL(zero_terms)(g, t, m, n, z);
+    for (int r = 0; r < n; r++)
         store4(g, m + r, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), z[r]));
 }
 
@@ -87,7 +88,28 @@ static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
         Q8_QUAD_ROW(3, a3);
     }
     const __m256 acc[4] = {a0, a1, a2, a3};
-    KERNEL(q8_quad_store)(g, t, m, acc);
+    KERNEL(q8_rows_store)(g, t, m, 4, acc);
+}
+
+/* rows m .. m + 2 (decode steps that check drafted tokens): the four-row kernel's block math for three rows, one
+ * pass over the tile where a pair and a row made two, prefetching ahead in it as the single-row kernel does */
+static KERNEL_TARGET void KERNEL(q8_three)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
+    for (int b = 0; b < kb; b++) {
+        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
+        Q8_QUAD_BLOCK();
+        Q8_QUAD_ROW(0, a0);
+        Q8_QUAD_ROW(1, a1);
+        Q8_QUAD_ROW(2, a2);
+    }
+    const __m256 acc[3] = {a0, a1, a2};
+    KERNEL(q8_rows_store)(g, t, m, 3, acc);
 }
 
 /* row r's four outputs of q4 block b: the activation block's halves broadcast to both 128-bit lanes (no permute),
@@ -111,12 +133,12 @@ static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
     const __m256i lo23 = _mm256_and_si256(v23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), low);    \
     const __m256 sb = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * b)), order)
 
-/* rows m .. m + R - 1 of a q4 layer: each accumulator's lanes [o0 o0 o2 o2 | o1 o1 o3 o3] summed in output order,
+/* rows m .. m + n - 1 of a q4 layer: each accumulator's lanes [o0 o0 o2 o2 | o1 o1 o3 o3] summed in output order,
  * the zero-point term subtracted, stored */
-static KERNEL_TARGET void KERNEL(q4_quad_store)(const GemmTask *g, int t, int m, const __m256 *acc) {
+static KERNEL_TARGET void KERNEL(q4_rows_store)(const GemmTask *g, int t, int m, int n, const __m256 *acc) {
     __m128 z[4];
-    KERNEL(zero_terms4)(g, t, m, z);
-    for (int r = 0; r < 4; r++) {
+    KERNEL(zero_terms)(g, t, m, n, z);
+    for (int r = 0; r < n; r++) {
         const __m128 h = _mm_hadd_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
         store4(g, m + r, t, _mm_sub_ps(_mm_shuffle_ps(h, h, _MM_SHUFFLE(3, 1, 2, 0)), z[r]));
     }
@@ -139,13 +161,33 @@ static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
         Q4_QUAD_ROW(3, a3);
     }
     const __m256 acc[4] = {a0, a1, a2, a3};
-    KERNEL(q4_quad_store)(g, t, m, acc);
+    KERNEL(q4_rows_store)(g, t, m, 4, acc);
+}
+
+/* rows m .. m + 2 of a q4 layer: q4_quad's block math for three rows in one pass over the tile */
+static KERNEL_TARGET void KERNEL(q4_three)(const GemmTask *g, int t, int m) {
+    const Linear *L = g->L;
+    const int kb = L->k / 32;
+    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
+    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
+    const int8_t *x0 = g->xq + (size_t)m * L->k;
+    const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
+    for (int b = 0; b < kb; b++) {
+        _mm_prefetch((const char *)w + (size_t)b * 64 + 2048, _MM_HINT_T0);
+        Q4_QUAD_BLOCK();
+        Q4_QUAD_ROW(0, a0);
+        Q4_QUAD_ROW(1, a1);
+        Q4_QUAD_ROW(2, a2);
+    }
+    const __m256 acc[3] = {a0, a1, a2};
+    KERNEL(q4_rows_store)(g, t, m, 3, acc);
 }
 
 /* Decode steps (passes of fewer than 16 rows) run the four-row kernels' block math one or two rows at a time, so a
  * row's float sums run in the same order as in a prompt: a row's four outputs summed in integers first, then one
  * convert, one multiply and one FMA per block (the kernels before this gave each output its own). The zero-point
- * term runs in the loop, in zero_terms4's order. Pairs share each block's |w| (q8) or nibbles (q4) between their
+ * term runs in the loop, in zero_terms' order. Pairs share each block's |w| (q8) or nibbles (q4) between their
  * rows and prefetch their share of the next tile (next_share) when a pass has six rows or more. */
 
 /* row m's zero-point sum for tile t's block b, or nothing for a layer without zero points */
@@ -270,6 +312,13 @@ static KERNEL_TARGET void KERNEL(q4_two)(const GemmTask *g, int t, int m) {
 static KERNEL_TARGET void KERNEL(quant_row)(const GemmTask *g, int t, int m) {
     if (g->L->kind == KIND_Q4) KERNEL(q4_one)(g, t, m);
     else KERNEL(q8_one)(g, t, m);
+}
+
+/* rows m .. m + 2 against tile t (decode steps of three rows or a multiple, and the rows the four-row kernels
+ * leave) */
+static KERNEL_TARGET void KERNEL(quant_three)(const GemmTask *g, int t, int m) {
+    if (g->L->kind == KIND_Q4) KERNEL(q4_three)(g, t, m);
+    else KERNEL(q8_three)(g, t, m);
 }
 
 /* rows m and m + 1 against tile t (decode steps, and the pairs the four-row kernels leave) */

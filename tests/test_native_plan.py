@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"native kernels unavail
 
 from prunus.native import plan as plan_mod  # noqa: E402
 from prunus.native.decoder import NativeDecoder, _linear  # noqa: E402
-from prunus.native.plan import PLAN_ENV, PLAN_ROWS, Plan, fixed_rule, load_plan  # noqa: E402
+from prunus.native.plan import N_CODES, PLAN_ENV, PLAN_ROWS, Plan, fixed_rule, load_plan  # noqa: E402
 from prunus.native.weights import PackedModel, pack_blocks, pack_f32  # noqa: E402
 
 DIM, HIDDEN, VOCAB, HD = 64, 96, 80, 16
@@ -100,7 +100,7 @@ def test_every_grouping_gives_the_fixed_rules_bits_at_1_to_17_rows(kind, threads
             want = np.empty((m, n), np.float32)
             c = _linear(lin)
             lib.prunus_linear(ctypes.addressof(c), pool, m, x.ctypes.data, want.ctypes.data)
-            for code in range(8):
+            for code in range(N_CODES):
                 codes = np.full(PLAN_ROWS, code, np.uint8)
                 c.plan = codes.ctypes.data
                 got = np.full((m, n), np.nan, np.float32)
@@ -119,7 +119,7 @@ def test_calibrated_and_random_plans_give_the_same_logits_as_the_fixed_rules(cac
         calibrated = load_plan(packed, dec.lib, dec.pool, isa(), dec.threads)
         assert calibrated.how.startswith("calibrated") and calibrated.plans
         rng = np.random.default_rng(5)
-        shuffled = Plan({k: rng.integers(0, 8, PLAN_ROWS).tolist() for k in calibrated.plans}, "random")
+        shuffled = Plan({k: rng.integers(0, N_CODES, PLAN_ROWS).tolist() for k in calibrated.plans}, "random")
         for plan in (calibrated, shuffled):
             dec.use_plan(plan)
             for m in range(1, 18):
