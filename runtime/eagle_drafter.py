@@ -11,9 +11,13 @@ the next state), then drafts on from its own guesses one token per pass. After t
 The draft cache is indexed from the first position a row's states start at (rotary attention sees only relative
 positions, so the index serves as the position). A gap in the reported states (a prompt prefix restored from the
 prefix cache reports none) starts the row's draft cache afresh after it, and so do more than ``MAX_CATCH_UP`` unread
-states (a long prompt, a row that decoded plainly for a while): the draft then reads the last ``MAX_CATCH_UP`` of
-them only, a pass that stays cheap beside the target's (the target's states carry the earlier context; the draft
-only proposes, and the target checks every token).
+states (a long prompt, a row that decoded plainly for a while): the row keeps the last ``MAX_CATCH_UP`` of them
+only, so that its next draft reads them in a pass that stays cheap beside the target's, and a row that decodes
+plainly for a long while holds a few states, not all of them. The target's states carry the earlier context; the
+draft only proposes, and the target checks every token. (SmolLM2-135M with a 4,096-token draft, drafts of 3
+tokens resumed at 50 points of a prose and a code continuation: 0.72-0.76 and 0.74-0.84 tokens accepted per
+draft whether it read the last 2, 4, 8, 16, 32 or 64 states: the window does not change what is accepted, and a
+64-state pass cost about two int8 decode steps of the target.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .batch_cache import BatchKVCache
 from .sampling import RowSampling, sampling_probs
 
 
-MAX_CATCH_UP = 64  # target states the draft reads at most before drafting (see EagleDrafter.propose)
+MAX_CATCH_UP = 8  # unread target states a row keeps, the most the draft reads before drafting (see the docstring)
 
 
 class EagleDrafter:
@@ -50,13 +54,16 @@ class EagleDrafter:
     def take_hidden(self, row: int, start: int, hidden: torch.Tensor) -> None:
         """The target computed positions ``start ...`` of ``row``: their final-norm outputs (n, dim)."""
         hidden = hidden.detach().float().cpu()
-        if start < self.base[row] + self.fed[row] or start > self._expected(row):  # a new prompt, or a gap
-            self.base[row], self.fed[row], self.pending[row] = start, 0, hidden.clone()
-            self.cache.lengths[row] = 0
-            return
-        keep = start - self.base[row] - self.fed[row]  # pending states before ``start`` stay
         p = self.pending[row]
-        self.pending[row] = hidden.clone() if p is None or keep == 0 else torch.cat([p[:keep], hidden])
+        if start < self.base[row] + self.fed[row] or start > self._expected(row):  # a new prompt, or a gap
+            self.base[row], self.fed[row], p = start, 0, None
+            self.cache.lengths[row] = 0
+        keep = start - self.base[row] - self.fed[row]  # pending states before ``start`` stay
+        p = hidden if p is None or keep == 0 else torch.cat([p[:keep], hidden])
+        if len(p) > MAX_CATCH_UP:  # the last ones only, the draft's cache started afresh before them
+            self.base[row], self.fed[row] = start + len(hidden) - MAX_CATCH_UP, 0
+            self.cache.lengths[row] = 0
+        self.pending[row] = p[-MAX_CATCH_UP:].clone()
 
     @torch.inference_mode()
     def _pass(self, row: int, hidden: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +89,6 @@ class EagleDrafter:
         n, pending = len(seq), self.pending[row]
         if pending is None or self._expected(row) != n - 1 or not k:
             return [], None
-        if len(pending) > MAX_CATCH_UP:  # a long prompt, or a row that decoded plainly a while: its recent states,
-            pending = self.pending[row] = pending[-MAX_CATCH_UP:]  # the draft's cache started afresh before them
-            self.base[row], self.fed[row] = n - 1 - MAX_CATCH_UP, 0
-            self.cache.lengths[row] = 0
         first = self.base[row] + self.fed[row]
         feature, logits = self._pass(row, pending, seq[first + 1:n])
         self.fed[row] += len(pending)

@@ -166,6 +166,22 @@ def test_a_capped_catch_up_still_gives_plain_tokens(dirs, monkeypatch):
         assert _greedy(e) == want and e.info["speculative"]["drafted"] > 0
 
 
+def test_a_row_decoding_plainly_keeps_only_the_states_its_next_draft_reads(dirs):
+    """States reported while a row does not draft (switched off, or a long prompt) are kept up to MAX_CATCH_UP: the
+    memory and the copying stay bounded however long the row decodes plainly, and the next draft reads those."""
+    from prunus.runtime.eagle_drafter import MAX_CATCH_UP
+
+    with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=2, backend="torch") as e:
+        d, dim = e.speculator.drafter, e.backend.model.config.dim
+        d.take_hidden(0, 0, torch.randn(40, dim))  # a prompt of 40
+        for i in range(300):  # plain steps
+            d.take_hidden(0, 40 + i, torch.randn(1, dim))
+            assert len(d.pending[0]) <= MAX_CATCH_UP
+        assert d._expected(0) == 340 and d.cache.lengths[0] == 0
+        drafts, _ = d.propose(0, [3 + i % 40 for i in range(341)], 2, None)
+        assert len(drafts) == 2 and d.fed[0] == MAX_CATCH_UP and d.cache.lengths[0] == MAX_CATCH_UP + 1
+
+
 def _exact_three(engine, prompt_ids: list[int], sampling: RowSampling) -> dict:
     """p(a) p(b | a) p(c | a, b) of the first three tokens, from the engine's own plain prefill logits (the first is
     sampled after the prompt's pass, the next two come from one speculative step of one drafted token)."""
