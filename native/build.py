@@ -34,7 +34,7 @@ from prunus.artifacts.errors import PrunusError
 SOURCE = Path(__file__).with_name("decode.c")
 HEADERS = ("tile_quant256.h", "tile_f32_512.h", "tile_quant512.h", "tile_amx.h")  # the kernel templates decode.c includes
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c11"]
-ABI = 8  # prunus_abi() of the source this module's structures match
+ABI = 9  # prunus_abi() of the source this module's structures match
 ISAS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2")  # the kernel paths, widest first (default: default_isa)
 ISA_ENV = "PRUNUS_NATIVE_ISA"
 LIB, RECORD = "decode.so", "build.json"
@@ -237,6 +237,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prunus_forward.argtypes = [p, p, i, i, p, p, p, i, p, i, p]
     lib.prunus_forward_at.restype = i
     lib.prunus_forward_at.argtypes = [p, p, i, i, p, p, p, p, p, i, p]
+    lib.prunus_forward_x.restype = i
+    lib.prunus_forward_x.argtypes = [p, p, i, p, p, p, p, p, i, p]
     lib.prunus_linear.argtypes = [p, p, i, p, p]
     for name in ("prunus_isa", "prunus_best_isa", "prunus_isa_name"):
         getattr(lib, name).restype = ctypes.c_char_p

@@ -1082,8 +1082,9 @@ static void layers(const Model *m, Pool *p, const Scratch *s, int T, const int32
  * with every_position the logits of every token, row after row (sum of count, vocab). hidden, when not NULL: every
  * token's final-norm output (the head's input), row after row (sum of count, dim), what an EAGLE draft reads.
  * Returns 0, -1 on a bad argument, -2 when its buffers cannot be allocated. */
-int prunus_forward_at(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
-                      const int32_t *count, const int32_t *slots, float *logits, int every_position, float *hidden) {
+static int forward_rows(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const float *x,
+                        const int32_t *start, const int32_t *count, const int32_t *slots, float *logits,
+                        int every_position, float *hidden) {
     int T = 0;
     for (int i = 0; i < b; i++) {
         if (count[i] < 1 || count[i] > seq || start[i] < 0 || start[i] + count[i] > m->max_len ||
@@ -1102,10 +1103,11 @@ int prunus_forward_at(const Model *m, Pool *p, int b, int seq, const int64_t *id
     int t = 0, bad = 0;
     for (int i = 0; i < b; i++)
         for (int j = 0; j < count[i]; j++, t++) {
-            int64_t id = ids[(size_t)i * seq + j];
+            const int64_t id = x ? 0 : ids[(size_t)i * seq + j];
             if (id < 0 || id >= m->vocab) bad = 1;
             slot[t] = slots[i]; pos[t] = start[i] + j;
-            memcpy(s.h + (size_t)t * m->dim, m->emb + (size_t)(bad ? 0 : id) * m->dim, m->dim * sizeof(float));
+            const float *in = x ? x + (size_t)t * m->dim : m->emb + (size_t)(bad ? 0 : id) * m->dim;
+            memcpy(s.h + (size_t)t * m->dim, in, m->dim * sizeof(float));
             if (j == count[i] - 1) last[i] = t;
         }
     if (!bad) {
@@ -1119,6 +1121,21 @@ int prunus_forward_at(const Model *m, Pool *p, int b, int seq, const int64_t *id
     }
     free(slot); free(pos); free(last);
     return bad ? -1 : 0;
+}
+
+int prunus_forward_at(const Model *m, Pool *p, int b, int seq, const int64_t *ids, const int32_t *start,
+                      const int32_t *count, const int32_t *slots, float *logits, int every_position, float *hidden) {
+    return forward_rows(m, p, b, seq, ids, NULL, start, count, slots, logits, every_position, hidden);
+}
+
+/* prunus_forward_at over input vectors in place of token embeddings: row i's count[i] rows of x (sum of count, dim),
+ * row after row (an EAGLE draft's block reads fc(h, e), not an embedding) */
+int prunus_forward_x(const Model *m, Pool *p, int b, const float *x, const int32_t *start, const int32_t *count,
+                     const int32_t *slots, float *logits, int every_position, float *hidden) {
+    int seq = 0;
+    for (int i = 0; i < b; i++)
+        if (count[i] > seq) seq = count[i];
+    return x ? forward_rows(m, p, b, seq, NULL, x, start, count, slots, logits, every_position, hidden) : -1;
 }
 
 /* prunus_forward_at with row i in buffer slot slot0 + i */
@@ -1144,7 +1161,7 @@ void prunus_linear(const Linear *L, Pool *p, int m, const float *x, float *y) {
     free(xq); free(xd); free(xds);
 }
 
-int prunus_abi(void) { return 8; }
+int prunus_abi(void) { return 9; }
 
 /* PLAN_ROWS: the length of a Linear's plan */
 int prunus_plan_rows(void) { return PLAN_ROWS; }

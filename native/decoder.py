@@ -57,7 +57,9 @@ def _linear(lin: PackedLinear | None) -> LinearC:
 
 class NativeDecoder:
     def __init__(self, packed: PackedModel, k_buffers: list, v_buffers: list, n_slots: int, max_len: int,
-                 threads: int | None = None):
+                 threads: int | None = None, pool=None):
+        """``pool``: another decoder's thread pool to run on (a draft beside its target: one pool, never two
+        spinning at once), else one of ``threads`` of its own."""
         self.lib = library()
         self.packed, self.n_slots, self.max_len = packed, n_slots, max_len
         d = packed.dims
@@ -81,7 +83,8 @@ class NativeDecoder:
                             _address(packed.norm), ctypes.addressof(self._layers), _linear(packed.head),
                             ctypes.addressof(self._kc), ctypes.addressof(self._vc), int(self.kv_dtype == "f16"))
         self.threads = threads or os.cpu_count() or 1
-        self.pool = self.lib.prunus_pool_new(self.threads)
+        self._own_pool = pool is None
+        self.pool = self.lib.prunus_pool_new(self.threads) if pool is None else pool
         self._start = np.zeros(n_slots, np.int32)
         self._count = np.zeros(n_slots, np.int32)
         self._slots = np.zeros(n_slots, np.int32)
@@ -144,10 +147,31 @@ class NativeDecoder:
                              f"{self.max_len} positions, slots past {self.n_slots} or a slot twice")
         return logits[:rows]
 
+    def forward_x(self, x: np.ndarray, start: int, slot: int, logits: np.ndarray, hidden: np.ndarray) -> None:
+        """One row of ``len(x)`` input vectors (n, dim) in place of token embeddings, at positions ``start...`` of
+        buffer slot ``slot``: writes the last one's logits to ``logits`` (vocab,) and every one's final-norm output
+        to ``hidden[:n]`` (what an EAGLE draft's block reads and returns)."""
+        if self.pool is None:
+            raise ValueError("the native decoder is closed")
+        n, dim = x.shape
+        if (x.dtype != np.float32 or not x.flags.c_contiguous or dim != self.packed.emb.shape[1]
+                or logits.dtype != np.float32 or logits.shape != (self.vocab_size,) or hidden.dtype != np.float32
+                or not hidden.flags.c_contiguous or hidden.shape[0] < n or hidden.shape[1:] != (dim,)):
+            raise ValueError("forward_x takes C-contiguous float32 x (n, dim), logits (vocab,), hidden (>= n, dim)")
+        self._start[0], self._count[0], self._slots[0] = start, n, slot
+        rc = self.lib.prunus_forward_x(ctypes.addressof(self.model), self.pool, 1, x.ctypes.data, self._start.ctypes.data,
+                                       self._count.ctypes.data, self._slots.ctypes.data, logits.ctypes.data, 0,
+                                       hidden.ctypes.data)
+        if rc == -2:
+            raise MemoryError(f"native pass: no memory for the buffers of {n} rows")
+        if rc != 0:
+            raise ValueError(f"native pass refused: a row past the buffer's {self.max_len} positions or slot {slot} "
+                             f"past {self.n_slots}")
+
     def close(self) -> None:
-        if self.pool:
+        if self.pool and self._own_pool:
             self.lib.prunus_pool_free(self.pool)
-            self.pool = None
+        self.pool = None
 
     def __del__(self):
         try:

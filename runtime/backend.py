@@ -30,8 +30,8 @@ A backend holds ``capabilities.max_batch`` cache rows of up to ``max_len`` token
   :mod:`prunus.serve.prompt_logprobs`);
 * ``report_hidden(sink)`` / ``embed_tokens(ids)`` where ``capabilities.hidden_states`` says so: every pass hands its
   rows' final hidden states to ``sink``, and token ids' input embeddings (an EAGLE draft reads both,
-  :mod:`prunus.runtime.eagle_drafter`), and ``own_kernels(model)`` puts a draft's linear layers in the backend's
-  own kernels where it has them (:class:`BackendBase`: unchanged);
+  :mod:`prunus.runtime.eagle_drafter`), and ``draft_runner(draft)`` runs a draft's passes in the backend's own
+  kernels where it has them (:class:`BackendBase`: torch);
 * ``close()``.
 
 A non-generative backend (``capabilities.predict``) serves one forward pass instead: ``predict(batch)``
@@ -124,7 +124,9 @@ class BackendBase:
     def describe(self) -> dict:
         return {}
 
-    def own_kernels(self, model):
-        """``model`` (a small module served beside this backend: an EAGLE draft) with its linear layers in this
-        backend's own kernels where it has any; here: unchanged."""
-        return model
+    def draft_runner(self, draft):
+        """The passes of an EAGLE draft served beside this backend (:mod:`prunus.runtime.eagle_drafter`), in this
+        backend's own kernels where it has any; here: the draft module in torch."""
+        from .eagle_drafter import TorchDraft
+
+        return TorchDraft(draft, self.n_slots, self.max_len)

@@ -35,14 +35,35 @@ from .sampling import RowSampling, sampling_probs
 MAX_CATCH_UP = 8  # unread target states a row keeps, the most the draft reads before drafting (see the docstring)
 
 
+class TorchDraft:
+    """The draft module's passes in torch over a batch KV cache of its own (its linear layers wherever the backend
+    put them)."""
+
+    def __init__(self, draft: EagleDraft, n_slots: int, max_len: int):
+        cfg = draft.config
+        self.draft, self.config, self.token_ids = draft, cfg, draft.token_ids
+        self.cache = BatchKVCache([0], n_slots, cfg.n_kv_heads, cfg.head_dim, max_len)
+
+    @torch.inference_mode()
+    def __call__(self, row: int, start: int, hidden: torch.Tensor, embeds: torch.Tensor):
+        """(features, logits) of the last of ``len(hidden)`` positions at ``start...`` of ``row``'s cache."""
+        self.cache.lengths[row] = start
+        step = self.cache.step([row], q_len=len(embeds))
+        features, logits = self.draft(hidden[None], embeds[None], cache=step, positions=step.positions, last_only=True)
+        return features[0, -1], logits[0, -1].float()
+
+    def close(self) -> None:
+        pass
+
+
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, draft: EagleDraft, embed, n_slots: int, max_len: int):
-        """``embed``: token ids (n,) -> the target's input embeddings (n, dim), float32."""
-        cfg = draft.config
-        self.draft, self.embed = draft, embed
-        self.cache = BatchKVCache([0], n_slots, cfg.n_kv_heads, cfg.head_dim, max_len)
+    def __init__(self, runner, embed, n_slots: int):
+        """``runner``: the draft's passes (:class:`TorchDraft`, or the backend's own: ``Backend.draft_runner``);
+        ``embed``: token ids (n,) -> the target's input embeddings (n, dim), float32."""
+        self.runner, self.embed = runner, embed
+        self.length = [0] * n_slots  # entries in the row's draft cache
         self.base = [0] * n_slots  # the position of the row's draft cache entry 0
         self.fed = [0] * n_slots  # entries built from the target's own states
         self.pending: list[torch.Tensor | None] = [None] * n_slots  # states after them, not read yet
@@ -56,25 +77,22 @@ class EagleDrafter:
         hidden = hidden.detach().float().cpu()
         p = self.pending[row]
         if start < self.base[row] + self.fed[row] or start > self._expected(row):  # a new prompt, or a gap
-            self.base[row], self.fed[row], p = start, 0, None
-            self.cache.lengths[row] = 0
+            self.base[row], self.fed[row], self.length[row], p = start, 0, 0, None
         keep = start - self.base[row] - self.fed[row]  # pending states before ``start`` stay
         p = hidden if p is None or keep == 0 else torch.cat([p[:keep], hidden])
         if len(p) > MAX_CATCH_UP:  # the last ones only, the draft's cache started afresh before them
-            self.base[row], self.fed[row] = start + len(hidden) - MAX_CATCH_UP, 0
-            self.cache.lengths[row] = 0
+            self.base[row], self.fed[row], self.length[row] = start + len(hidden) - MAX_CATCH_UP, 0, 0
         self.pending[row] = p[-MAX_CATCH_UP:].clone()
 
-    @torch.inference_mode()
     def _pass(self, row: int, hidden: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        step = self.cache.step([row], q_len=len(tokens))
         embeds = self.embed(torch.tensor(tokens, dtype=torch.long)).float()
-        features, logits = self.draft(hidden[None], embeds[None], cache=step, positions=step.positions, last_only=True)
-        return features[0, -1], logits[0, -1].float()
+        out = self.runner(row, self.length[row], hidden, embeds)
+        self.length[row] += len(tokens)
+        return out
 
     def _choose(self, logits: torch.Tensor, sampling: RowSampling | None, vocab: int):
         """(a full-vocabulary token id, its draft distribution over the full vocabulary or None when greedy)."""
-        ids = self.draft.token_ids
+        ids = self.runner.token_ids
         if sampling is None:
             return int(ids[int(logits.argmax())]), None
         q_small = sampling_probs(logits[None], sampling)[0].cpu()
@@ -94,7 +112,7 @@ class EagleDrafter:
         self.fed[row] += len(pending)
         self.pending[row] = None
         drafts, qs = [], []
-        vocab = self.draft.config.vocab_size
+        vocab = self.runner.config.vocab_size
         for i in range(k):
             token, q = self._choose(logits, sampling, vocab)
             drafts.append(token)
@@ -106,18 +124,17 @@ class EagleDrafter:
     def rollback(self, row: int, length: int) -> None:
         """The target keeps its first ``length`` tokens: drop the entries drafted on guesses, and the states of the
         tokens it rejected."""
-        self.cache.lengths[row] = self.fed[row]
+        self.length[row] = self.fed[row]
         p = self.pending[row]
         if p is not None:
             keep = max(0, length - self.base[row] - self.fed[row])
             self.pending[row] = p[:keep] if keep else None
 
     def release(self, row: int) -> None:
-        self.base[row], self.fed[row], self.pending[row] = 0, 0, None
-        self.cache.lengths[row] = 0
+        self.base[row], self.fed[row], self.length[row], self.pending[row] = 0, 0, 0, None
 
     def close(self) -> None:
-        pass
+        self.runner.close()
 
 
 def _digest(path) -> str:
@@ -183,8 +200,8 @@ def check_eagle_draft(target, target_config: dict, draft) -> dict:
 
 def load_eagle_drafter(draft, backend) -> EagleDrafter:
     """The drafter over the loaded target ``backend`` (checked by :func:`check_eagle_draft` before it loaded); the
-    backend reports its hidden states to it from now on. Beside the native kernels the draft's linear layers run in
-    them at int8 (``own_kernels``, :mod:`prunus.runtime.eagle_native`)."""
+    backend reports its hidden states to it from now on, and runs the draft's passes (``draft_runner``: beside the
+    native kernels, in them at int8, :mod:`prunus.runtime.eagle_native`)."""
     from prunus.artifacts.errors import PrunusError
     from prunus.models.eagle_draft import load_eagle_draft
 
@@ -192,8 +209,8 @@ def load_eagle_drafter(draft, backend) -> EagleDrafter:
         raise PrunusError(f"--speculative {draft}: an EAGLE draft reads the target's hidden states, which the "
                           f"{backend.name} backend does not report; serve a model dir (torch) or a genai export on "
                           "the native kernels")
-    model = backend.own_kernels(load_eagle_draft(draft)[0])  # beside the native kernels: in them, at int8
-    drafter = EagleDrafter(model, backend.embed_tokens, backend.n_slots, backend.max_len)
+    runner = backend.draft_runner(load_eagle_draft(draft)[0])  # beside the native kernels: in them, at int8
+    drafter = EagleDrafter(runner, backend.embed_tokens, backend.n_slots)
     backend.report_hidden(drafter.take_hidden)
     return drafter
 

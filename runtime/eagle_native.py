@@ -57,3 +57,59 @@ def native_linears(draft: nn.Module, decoder) -> nn.Module:
             if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
                 setattr(module, name, NativeLinear(child, decoder))
     return draft
+
+
+def _int8_codes(weight_t: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """:class:`~prunus.runtime.native_tensors.Source`'s codes of an (in, out) weight: symmetric int8 blocks of 32."""
+    return int8_blocks(np.ascontiguousarray(weight_t.T))
+
+
+def draft_tensors(draft) -> tuple[dict, dict]:
+    """The native weights (tensors, metadata) of an EAGLE draft's block, final norm and head as a one-layer model, its
+    linear layers int8 (the head's rows as its embedding, which a pass of input vectors never reads)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from .native_tensors import Source, tensors_of
+
+    cfg = dataclasses.replace(draft.config, scale_embeddings=False)  # the block reads fc's output, not an embedding
+    model = SimpleNamespace(config=cfg, layers={"0": draft.block}, tok_embeddings=draft.head, norm=draft.norm,
+                            output=draft.head)
+    return tensors_of(model, Source({}, lambda m: "", 8, _int8_codes))
+
+
+class NativeDraft:
+    """An EAGLE draft's passes in the native kernels: ``fc(concat(h, e))`` one int8 linear layer, then the block, the
+    final norm and the head as a one-layer model over KV buffers of its own (``prunus_forward_x``: input vectors in
+    place of token embeddings), on the target decoder's thread pool. Two native calls a pass, no torch module on the
+    way: the same weights and math as :class:`~prunus.runtime.eagle_drafter.TorchDraft` over :class:`NativeLinear`
+    layers, whose pass paid for a torch module call per operation. The draft only proposes: its rounding changes what
+    is drafted, never what is accepted."""
+
+    def __init__(self, draft, decoder, n_slots: int, max_len: int):
+        """One PrunusError line where the kernels do not mirror the draft's block (the caller keeps torch's)."""
+        from prunus.native.build import isa
+        from prunus.native.decoder import NativeDecoder
+        from prunus.native.plan import load_plan
+        from prunus.native.weights import pack_tensors
+
+        cfg = draft.config
+        dims = {"n_layers": 1, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": draft.vocab}
+        packed = pack_tensors("the EAGLE draft", *draft_tensors(draft), dims)
+        shape = (n_slots, cfg.n_kv_heads, min(max_len, packed.cos.shape[0]), cfg.head_dim)
+        self.kv = ([np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)])
+        self.decoder = NativeDecoder(packed, *self.kv, n_slots, shape[2], decoder.threads, pool=decoder.pool)
+        self.decoder.use_plan(load_plan(packed, self.decoder.lib, decoder.pool, isa(), decoder.threads))
+        self.fc = NativeLinear(draft.fc, decoder)
+        self.config, self.token_ids = cfg, draft.token_ids
+        self.logits = np.zeros(draft.vocab, np.float32)
+
+    def __call__(self, row: int, start: int, hidden: torch.Tensor, embeds: torch.Tensor):
+        """(features, logits) of the last of ``len(hidden)`` positions at ``start...`` of ``row``'s cache."""
+        x = np.ascontiguousarray(self.fc(torch.cat([hidden, embeds], dim=-1)).numpy())
+        out = np.empty_like(x)
+        self.decoder.forward_x(x, start, row, self.logits, out)
+        return torch.from_numpy(out[-1].copy()), torch.from_numpy(self.logits.copy())
+
+    def close(self) -> None:
+        self.decoder.close()

@@ -163,11 +163,16 @@ class NativeBackend(BackendBase):
         if 0 <= row < self.n_slots:
             self.lengths[row] = 0
 
-    def own_kernels(self, model):
-        """``model``'s linear layers in the native int8 kernels, on this backend's thread pool."""
-        from .eagle_native import native_linears
+    def draft_runner(self, draft):
+        """An EAGLE draft's passes in the native kernels at int8, on this backend's thread pool: the whole pass where
+        the kernels mirror its block, else its linear layers in them and the rest in torch."""
+        from .eagle_drafter import TorchDraft
+        from .eagle_native import NativeDraft, native_linears
 
-        return native_linears(model, self.decoder)
+        try:
+            return NativeDraft(draft, self.decoder, self.n_slots, self.max_len)
+        except PrunusError:
+            return TorchDraft(native_linears(draft, self.decoder), self.n_slots, self.max_len)
 
     def report_hidden(self, sink) -> None:
         """From now on every pass calls ``sink(row, start, hidden)`` for each row with the final-norm outputs of the

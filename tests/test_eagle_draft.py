@@ -138,6 +138,27 @@ def test_greedy_tokens_are_plain_decodings(dirs, where):
         assert _greedy(e) == want
 
 
+def test_the_native_drafts_whole_pass_matches_its_torch_pass_over_the_same_int8_layers(dirs):
+    """Beside the native kernels the draft's pass is native end to end (NativeDraft: fc, then the block, norm and head
+    as a one-layer model over input vectors); its features and logits match the torch block over the same int8 linear
+    layers, pass after pass of one row's cache (a prompt's states, then drafted tokens one at a time)."""
+    from prunus.models.eagle_draft import load_eagle_draft
+    from prunus.runtime.eagle_drafter import TorchDraft
+    from prunus.runtime.eagle_native import NativeDraft, native_linears
+
+    with Engine.load(dirs["export"], max_batch=2, threads=1, native=True, draft=dirs["draft"], draft_tokens=2) as e:
+        runner, backend = e.speculator.drafter.runner, e.backend
+        assert isinstance(runner, NativeDraft)
+        twin = TorchDraft(native_linears(load_eagle_draft(dirs["draft"])[0], backend.decoder), 2, backend.max_len)
+        torch.manual_seed(0)
+        dim = backend.packed.emb.shape[1]
+        hidden, embeds = torch.randn(6, dim), backend.embed_tokens(torch.tensor([5, 9, 11, 3, 7, 2]))
+        steps = [(0, hidden[:4], embeds[:4]), (4, hidden[4:5], embeds[4:5]), (5, hidden[5:], embeds[5:])]
+        for start, h, x in steps:
+            (f_n, l_n), (f_t, l_t) = runner(1, start, h, x), twin(1, start, h, x)
+            assert torch.allclose(f_n, f_t, atol=2e-4, rtol=1e-3) and torch.allclose(l_n, l_t, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("where", ["target", "export"])
 def test_a_row_with_logits_processing_decodes_plainly_beside_speculative_rows(dirs, where):
     from prunus.serve.logits_processors import LogitsSettings
@@ -177,9 +198,9 @@ def test_a_row_decoding_plainly_keeps_only_the_states_its_next_draft_reads(dirs)
         for i in range(300):  # plain steps
             d.take_hidden(0, 40 + i, torch.randn(1, dim))
             assert len(d.pending[0]) <= MAX_CATCH_UP
-        assert d._expected(0) == 340 and d.cache.lengths[0] == 0
+        assert d._expected(0) == 340 and d.length[0] == 0
         drafts, _ = d.propose(0, [3 + i % 40 for i in range(341)], 2, None)
-        assert len(drafts) == 2 and d.fed[0] == MAX_CATCH_UP and d.cache.lengths[0] == MAX_CATCH_UP + 1
+        assert len(drafts) == 2 and d.fed[0] == MAX_CATCH_UP and d.length[0] == MAX_CATCH_UP + 1
 
 
 def _exact_three(engine, prompt_ids: list[int], sampling: RowSampling) -> dict:
