@@ -159,9 +159,9 @@ class NativeDecoder:
                 or not hidden.flags.c_contiguous or hidden.shape[0] < n or hidden.shape[1:] != (dim,)):
             raise ValueError("forward_x takes C-contiguous float32 x (n, dim), logits (vocab,), hidden (>= n, dim)")
         self._start[0], self._count[0], self._slots[0] = start, n, slot
-        rc = self.lib.prunus_forward_x(ctypes.addressof(self.model), self.pool, 1, x.ctypes.data, self._start.ctypes.data,
-                                       self._count.ctypes.data, self._slots.ctypes.data, logits.ctypes.data, 0,
-                                       hidden.ctypes.data)
+        rc = self.lib.prunus_forward_x(ctypes.addressof(self.model), self.pool, 1, x.ctypes.data,
+                                       self._start.ctypes.data, self._count.ctypes.data, self._slots.ctypes.data,
+                                       logits.ctypes.data, 0, hidden.ctypes.data)
         if rc == -2:
             raise MemoryError(f"native pass: no memory for the buffers of {n} rows")
         if rc != 0:
