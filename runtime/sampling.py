@@ -23,6 +23,7 @@ class RowSampling:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+    seeded: bool = False  # the request gave its seed: its draws must repeat (speculative decoding keeps its k fixed)
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:

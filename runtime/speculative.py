@@ -16,14 +16,15 @@ accepted drafts and one token of the target's own come out, and both caches are 
   distributed as the target's own sampling would draw it. A prompt-lookup draft is a point mass (``q(d) = 1``).
 
 All draws use the request's own generator, so a seed gives the same tokens again (not the tokens of plain
-sampling with that seed: the draws are different ones). ``stats`` (live, in the engine's info) counts steps,
+sampling with that seed: the draws are different ones); a seeded sampled row drafts the same k at every step for
+that (:func:`fixed_k`), where an unseeded one's k follows measured time. ``stats`` (live, in the engine's info) counts steps,
 drafted and accepted tokens, the acceptance rate and, once a step of the target alone was timed, the speedup.
 
 Drafters: :class:`DraftModel`, prompt lookup, and an EAGLE draft head over the target's own hidden states
 (:mod:`prunus.runtime.eagle_drafter`). :meth:`Speculator.step_rows` steps several rows at once, their drafts checked
 in one ``verify_rows`` pass (the continuous batch, :mod:`prunus.serve.scheduler`). With ``adaptive`` each row drafts
-the number of tokens whose steps it measured making tokens fastest, and none for a while where even that measured
-slower than plain decoding (:class:`RowPolicy`).
+the number of tokens that makes tokens fastest by its acceptance and the measured cost of the target's passes, and
+none where no number beats plain decoding (:mod:`prunus.runtime.speculative_policy`).
 """
 
 from __future__ import annotations
@@ -37,84 +38,20 @@ from prunus.artifacts.errors import PrunusError
 from prunus.models.generate import greedy_next
 
 from .sampling import RowSampling, is_greedy, sampling_probs
-
-
-CALIBRATE_EVERY = 64  # a row's steps between steps that time the target alone (no row of the pass drafts); first: 2
-TRIES = 4  # steps a row drafts each k before it decides whether one more drafted token is worth trying
-KEEP = 0.8  # a k whose drafts are accepted at least this often: one more is tried, and the most so tried is kept
-OFF_STEPS = 64  # steps a switched-off row decodes plainly before it tries its fastest k again; doubled each time
-MAX_OFF_STEPS = 1024
-LOSING = 0.95  # a row whose fastest k measured below this speedup decodes plainly
-DECAY = 0.9  # each step's weight against the row's earlier steps of the same k
-
-
-class RowPolicy:
-    """One row's measured steps per number of drafted tokens k: tokens made and seconds (recent steps weigh more),
-    and whether it is switched off (speculation lost on it). A row drafts one token :data:`TRIES` times, then one
-    more while the last k made tokens faster than the k before it (k = 1: faster than plain decoding), or at once
-    while its drafts were accepted at least :data:`KEEP` of the time; then the k whose steps made tokens fastest
-    (the top one where the climb went on by acceptance: the same k whatever the clock said), as long as that beats
-    plain decoding. The cost of a verify pass over k + 1 tokens, not the acceptance alone, decides: on a CPU it
-    grows with k, and at batch with every row's tokens, so the climb starts at the cheapest k. A row switched off
-    measures only that k again, after :data:`OFF_STEPS` plain steps, twice as many after each loss. A row's seconds
-    are its share of its passes (the pass's time by the tokens it checked there), set against a row's share of a
-    plain pass of as many rows (:class:`Speculator`): a row that adds drafts to a batch pays for them, not its
-    neighbours."""
-
-    def __init__(self):
-        self.steps, self.off_until, self.off_steps, self.retry = 0, -1, OFF_STEPS, None
-        self.by_k: dict[int, list[float]] = {}  # k -> [steps, tokens made, seconds, drafted, accepted]
-
-    def _rate(self, k: int) -> float:
-        tried = self.by_k.get(k)
-        return tried[1] / tried[2] if tried and tried[2] > 0 else 0.0
-
-    def due(self) -> bool:
-        """Whether the row's next step times the target alone: its 2nd, then every :data:`CALIBRATE_EVERY`-th."""
-        return (self.steps + 1) % CALIBRATE_EVERY == 2
-
-    def k(self, k_max: int, plain_s: float | None) -> int:
-        """Drafted tokens for the row's next step: 0 while switched off; else one still being tried, or the fastest
-        measured; ``plain_s``: plain decoding's seconds a token in a pass of as many rows (None: not measured)."""
-        self.steps += 1
-        if self.steps < self.off_until:
-            return 0
-        floor, top = (1 / plain_s if plain_s else 0.0), None  # plain decoding's tokens per second
-        for k in range(1, k_max + 1) if self.retry is None else [min(self.retry, k_max)]:
-            tried = self.by_k.get(k)
-            kept = tried is not None and 0 < KEEP * tried[3] <= tried[4]  # one more is worth trying at once
-            if tried is None or tried[0] < TRIES and not (kept and k < k_max):
-                return k
-            top = k if kept else None
-            if top is None and self._rate(k) <= floor:
-                break  # no faster than one fewer: more drafted tokens would cost more still
-            floor = max(floor, self._rate(k))
-        best = top if top is not None else max(self.by_k, key=self._rate)
-        if plain_s and self._rate(best) * plain_s < LOSING:  # off; then only the fastest k is measured again
-            self.off_until, self.by_k, self.retry = self.steps + self.off_steps, {best: [0, 0.0, 0.0, 0, 0]}, best
-            self.off_steps = min(2 * self.off_steps, MAX_OFF_STEPS)
-            return 0
-        return min(best, k_max)  # fewer near the end of a request or the cache
-
-    def record(self, drafted: int, accepted: int, seconds: float) -> None:
-        if drafted:
-            tried = self.by_k.setdefault(drafted, [0, 0.0, 0.0, 0, 0])
-            tried[0] += 1
-            tried[1] = DECAY * tried[1] + accepted + 1
-            tried[2] = DECAY * tried[2] + seconds
-            tried[3] += drafted
-            tried[4] += accepted
+from .speculative_policy import Acceptance, PassCosts, RowPolicy
 
 
 class Speculator:
     def __init__(self, target, drafter, k: int, adaptive: bool = False):
-        """``k``: the most tokens drafted per step; ``adaptive``: each row's own k from its acceptance, and no
-        drafting on a row where speculation measured slower than plain decoding (:class:`RowPolicy`)."""
+        """``k``: the most tokens drafted per step; ``adaptive``: each row's own k from its acceptance and the
+        measured cost of the target's passes, none where drafting would not beat plain decoding
+        (:mod:`prunus.runtime.speculative_policy`)."""
         self.target, self.drafter, self.k, self.adaptive = target, drafter, k, adaptive
         self.stats = {"draft": drafter.name, "draft_tokens": k, "adaptive": adaptive, "steps": 0, "drafted": 0,
                       "accepted": 0, "acceptance_rate": 0.0, "tokens_per_step": 0.0, "speedup": None}
         self._made, self._seconds, self._plain_s = 0, 0.0, None
-        self._plain: dict[int, float] = {}  # rows in a pass -> seconds a row of a pass that drafted nothing
+        self.costs = PassCosts()
+        self.pooled = Acceptance(k)  # every row's drafts: a new row's prior
         self.rows: dict[int, RowPolicy] = {}
 
     def release(self, row: int) -> None:
@@ -132,55 +69,65 @@ class Speculator:
     def step_rows(self, rows: list[int], seqs: list[list[int]], samplings: list[RowSampling],
                   remaining: list[int]) -> list[list[int]]:
         """:meth:`step` for several rows, their drafts checked in one pass of the target (``verify_rows``). Adaptive,
-        a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them: it
-        times plain decoding at this many rows, what each row's speculation is measured against (a plain row beside
-        drafting ones would time their verify work, not plain decoding)."""
+        a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them."""
         start = time.perf_counter()
-        policies = [self.rows.setdefault(row, RowPolicy()) for row in rows]
+        policies = [self.rows.setdefault(row, RowPolicy(self.k)) for row in rows]
         plain = self.adaptive and any(p.due() for p in policies)
         if plain:
             for p in policies:
                 p.steps += 1
-        cap = 0 if plain else self.target.max_len - max(len(s) for s in seqs)  # drafts fit the pass's padded width
-        plain_s = self._plain_at(len(rows))
-        drafted = [self._draft(policy, row, seq, sampling, min(left - 1, cap), plain_s)
-                   for policy, row, seq, sampling, left in zip(policies, rows, seqs, samplings, remaining)]
+        cap = self.target.max_len - max(len(s) for s in seqs)  # drafts fit the pass's padded width
+        drafted, tokens = [], len(rows)
+        for policy, row, seq, sampling, left in zip(policies, rows, seqs, samplings, remaining):
+            room = min(left - 1, cap if not plain or fixed_k(sampling) else 0)
+            drafted.append(self._draft(policy, row, seq, sampling, room, len(rows), tokens))
+            tokens += len(drafted[-1][0])
+        checked = time.perf_counter()
         pieces = [[seq[-1]] + d for seq, (d, _) in zip(seqs, drafted)]
         if len(rows) == 1:
             logits_rows = [self.target.verify(rows[0], pieces[0])]
         else:
             logits_rows = self.target.verify_rows(rows, pieces)
-        per_token = (time.perf_counter() - start) / sum(map(len, pieces))  # a row's share: its tokens in the pass
-        if not any(d for d, _ in drafted):  # the target alone: plain decoding's cost a row at this many rows
-            old = self._plain.get(len(rows))
-            self._plain_s = self._plain[len(rows)] = per_token if old is None else 0.8 * old + 0.2 * per_token
+        done = time.perf_counter()
+        self.costs.observe(tokens, done - checked, tokens - len(rows), checked - start)
+        per_token = (done - start) / tokens  # a row's share: its tokens in the pass
+        if tokens == len(rows):  # the target alone: plain decoding's cost a row at this many rows
+            self._plain_s = per_token
         out = []
-        for row, seq, sampling, (drafts, q), logits in zip(rows, seqs, samplings, drafted, logits_rows):
-            seconds = per_token * (1 + len(drafts))
+        for policy, row, seq, sampling, (drafts, q), logits in zip(policies, rows, seqs, samplings, drafted, logits_rows):
             if is_greedy(sampling):
                 accepted, extra = accept_greedy(drafts, logits)
             else:
                 accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
             self.target.truncate(row, len(seq) + accepted)
             self.drafter.rollback(row, len(seq) + accepted)
-            self.rows[row].record(len(drafts), accepted, seconds)
-            self._count(len(drafts), accepted, seconds)
+            policy.acceptance.record(len(drafts), accepted, policy.steps)
+            self.pooled.record(len(drafts), accepted, self.stats["steps"])
+            self._count(len(drafts), accepted, per_token * (1 + len(drafts)))
             out.append(drafts[:accepted] + [extra])
         return out
 
-    def _plain_at(self, n: int) -> float | None:
-        """Plain decoding's seconds a row in a pass of ``n`` rows: as measured at ``n``, else at the nearest count."""
-        if not self._plain:
+    def _rate(self, policy: RowPolicy, n: int, tokens: int, k: int) -> float | None:
+        """Tokens per second a row of a pass of ``n`` rows (``tokens`` checked so far) makes drafting ``k``: its
+        expected tokens over its share of a plain pass, the ``k`` more the pass checks and their drafting."""
+        plain = self.costs.at(n)
+        if plain is None:
             return None
-        return self._plain[min(self._plain, key=lambda m: (abs(m - n), m))]
+        if not k:
+            return n / plain
+        before, after = self.costs.at(tokens), self.costs.at(tokens + k)
+        if before is None or after is None:
+            return None
+        seconds = plain / n + max(0.0, after - before) + k * self.costs.draft_s
+        return (1 + policy.acceptance.expected(k, self.pooled)) / seconds
 
-    def _draft(self, policy: RowPolicy, row: int, seq: list[int], sampling: RowSampling, room: int,
-               plain_s: float | None):
+    def _draft(self, policy: RowPolicy, row: int, seq: list[int], sampling: RowSampling, room: int, n: int,
+               tokens: int):
         """(drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its request or
         the cache, the row's own k (``policy``) when adaptive."""
         k = max(0, min(self.k, room))
-        if self.adaptive and k:
-            k = policy.k(k, plain_s)
+        if self.adaptive and k and not fixed_k(sampling):
+            k = policy.k(k, lambda j: self._rate(policy, n, tokens, j))
         if not k:
             return [], None
         return self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling)
@@ -196,6 +143,12 @@ class Speculator:
         s["tokens_per_step"] = round(self._made / s["steps"], 3)
         if self._plain_s is not None:  # tokens per second of every step, over plain decoding's (last measured)
             s["speedup"] = round(self._made / self._seconds * self._plain_s, 3)
+
+
+def fixed_k(sampling: RowSampling) -> bool:
+    """A sampled row with the request's own seed drafts k tokens at every step, timed or not: the adaptive choice
+    follows measured time, and its draws, so its tokens, would change from run to run (greedy tokens never do)."""
+    return sampling.seeded and not is_greedy(sampling)
 
 
 def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:

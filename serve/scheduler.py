@@ -277,7 +277,8 @@ class Scheduler:
         speculator accepted and the one it sampled."""
         reqs = [self.active[s] for s in slots]
         self._set_threads(len(slots) * (1 + self.speculator.k))
-        samplings = [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in reqs]
+        samplings = [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator,
+                                 r.params.seed is not None) for r in reqs]
         out = self.speculator.step_rows(slots, [r.prompt_ids + r.generated for r in reqs], samplings,
                                         [r.params.max_new_tokens - len(r.generated) for r in reqs])
         self.steps += 1

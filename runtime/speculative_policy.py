@@ -1,0 +1,129 @@
+"""How many tokens a row drafts: the rate each choice would make, from the row's acceptance and the measured cost of
+the target's passes (:class:`prunus.runtime.speculative.Speculator` asks at every step).
+
+Drafting ``k`` tokens makes ``1 + E(k)`` tokens a step, ``E(k) = a1 + a1 a2 + ... + a1 ... ak`` where ``ai`` is how
+often the row's i-th drafted token is accepted once those before it were (:class:`Acceptance`: decayed counts, the
+row's own over a prior of every row's). It costs the row its share of a plain pass of as many rows, ``c(n) / n``, the
+``k`` more tokens the pass checks, ``c(T + k) - c(T)``, and ``k`` drafted tokens at the drafter's measured cost
+(:class:`PassCosts`: ``c(T)`` the seconds of the target's passes by the tokens they checked, kept per count and
+interpolated between counts). The row drafts the ``k`` of the highest rate, or none where no ``k`` beats plain
+decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with every row's tokens),
+drafts where acceptance pays for it, and the choice moves with the row's acceptance as its text changes; a verify
+pass's cost is measured over every pass, not one row's few noisy steps.
+
+A pass of one token more than any measured is predicted on the line through the last two measured counts (and so
+tried where that pays, then measured); beyond it nothing is predicted, so a row drafts more only once the count
+before was measured. A pass one token longer than the only one measured is tried to measure it. A row decoding plainly drafts one token now and then to measure its acceptance
+again (after :data:`EXPLORE_STEPS` steps, twice as many each time it still loses, up to :data:`MAX_EXPLORE_STEPS`).
+Every :data:`CALIBRATE_EVERY`-th step of a row (the 2nd first) is a pass where no row drafts: it times plain
+decoding at this many rows.
+"""
+
+from __future__ import annotations
+
+CALIBRATE_EVERY = 64  # a row's steps between passes that time the target alone (no row of the pass drafts); first: 2
+DECAY = 0.95  # what a row's drafts count for one step later
+PRIOR = 2.0  # drafts' worth of every row's acceptance in a row's estimate (a new row starts from it)
+MARGIN = 1.02  # drafting must beat plain decoding's rate by this much
+EXPLORE_STEPS = 32  # steps a row decodes plainly before it drafts one token again; doubled while it still loses
+MAX_EXPLORE_STEPS = 1024
+COST_DECAY = 0.8  # the weight of a pass size's earlier timings against each new one
+
+
+class Acceptance:
+    """Counts, per position i, of drafted tokens judged there (those before all accepted) and accepted, fading by
+    :data:`DECAY` a step: what a row drafted long ago (before it decoded plainly a while) counts for little."""
+
+    def __init__(self, k_max: int):
+        self.judged, self.taken, self.step = [0.0] * k_max, [0.0] * k_max, 0
+
+    def record(self, drafted: int, accepted: int, step: int) -> None:
+        """The outcome of ``drafted`` tokens at ``step`` (a count of steps that only grows)."""
+        fade, self.step = DECAY ** max(0, step - self.step), step
+        self.judged = [fade * j for j in self.judged]
+        self.taken = [fade * t for t in self.taken]
+        for i in range(min(drafted, accepted + 1, len(self.judged))):
+            self.judged[i] += 1
+            self.taken[i] += i < accepted
+
+    def rate(self, i: int, prior: "Acceptance | None" = None) -> float:
+        """How often a drafted token at position ``i`` is accepted: the counts over ``PRIOR`` of ``prior``'s (0.5
+        where nothing was judged there)."""
+        base = prior.rate(i) if prior is not None and prior.judged[i] > 0 else 0.5
+        return (self.taken[i] + PRIOR * base) / (self.judged[i] + PRIOR)
+
+    def expected(self, k: int, prior: "Acceptance | None" = None) -> float:
+        """Tokens accepted on average of ``k`` drafted: a1 + a1 a2 + ... ."""
+        total, chain = 0.0, 1.0
+        for i in range(min(k, len(self.judged))):
+            chain *= self.rate(i, prior)
+            total += chain
+        return total
+
+
+class PassCosts:
+    """Seconds of the target's passes by the tokens they checked (decayed per count), and of a drafted token."""
+
+    def __init__(self):
+        self.by_tokens: dict[int, float] = {}
+        self.draft_s = 0.0
+
+    def observe(self, tokens: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0) -> None:
+        old = self.by_tokens.get(tokens)
+        self.by_tokens[tokens] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        if drafted:
+            per = draft_seconds / drafted
+            self.draft_s = per if not self.draft_s else COST_DECAY * self.draft_s + (1 - COST_DECAY) * per
+
+    def at(self, tokens: int) -> float | None:
+        """A pass of ``tokens``: as measured, else on the line through the nearest measured counts (one each side,
+        or the two nearest); above the largest measured count only for the next count, so that larger passes are
+        measured one count at a time, not predicted from far below. None where it cannot say."""
+        if tokens in self.by_tokens:
+            return self.by_tokens[tokens]
+        measured = sorted(self.by_tokens)
+        if len(measured) < 2 or tokens > measured[-1] + 1:
+            return None
+        below, above = [t for t in measured if t < tokens], [t for t in measured if t > tokens]
+        a, b = (below[-1], above[0]) if below and above else (measured[-2], measured[-1]) if below else measured[:2]
+        ca, cb = self.by_tokens[a], self.by_tokens[b]
+        return max(0.0, ca + (cb - ca) * (tokens - a) / (b - a))
+
+
+class RowPolicy:
+    """One row's acceptance, its step count and when it next drafts one token while decoding plainly."""
+
+    def __init__(self, k_max: int):
+        self.steps, self.acceptance = 0, Acceptance(k_max)
+        self.explore, self.next_try = EXPLORE_STEPS, None
+
+    def due(self) -> bool:
+        """Whether the row's next step times the target alone: its 2nd, then every :data:`CALIBRATE_EVERY`-th."""
+        return (self.steps + 1) % CALIBRATE_EVERY == 2
+
+    def k(self, k_max: int, rate) -> int:
+        """Drafted tokens for the row's next step; ``rate(k)``: the tokens per second drafting ``k`` would make
+        (None: a pass of that size has no measured or predicted cost yet)."""
+        self.steps += 1
+        plain = rate(0)
+        if plain is None:
+            return 1  # nothing timed yet: draft one (the row's 2nd step times the target alone)
+        best, best_rate = 0, plain * MARGIN
+        for k in range(1, k_max + 1):
+            r = rate(k)
+            if r is None:
+                if k == 1:
+                    return 1  # a pass one token longer never timed: measure it
+                break  # larger passes are measured one count at a time
+            if r > best_rate:
+                best, best_rate = k, r
+        if best:
+            self.explore, self.next_try = EXPLORE_STEPS, None
+            return best
+        if self.next_try is None:
+            self.next_try = self.steps + self.explore
+        if self.steps < self.next_try:
+            return 0
+        self.explore = min(2 * self.explore, MAX_EXPLORE_STEPS)
+        self.next_try = self.steps + self.explore
+        return 1  # measure the row's acceptance again
