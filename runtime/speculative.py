@@ -17,8 +17,9 @@ accepted drafts and one token of the target's own come out, and both caches are 
 
 All draws use the request's own generator, so a seed gives the same tokens again (not the tokens of plain
 sampling with that seed: the draws are different ones); a seeded sampled row drafts the same k at every step for
-that (:func:`fixed_k`), where an unseeded one's k follows measured time. ``stats`` (live, in the engine's info) counts steps,
-drafted and accepted tokens, the acceptance rate and, once a step of the target alone was timed, the speedup.
+that (:func:`fixed_k`), where an unseeded one's k follows measured time. ``stats`` (live, in the engine's info)
+counts steps, drafted and accepted tokens, the acceptance rate and, once a step of the target alone was timed, the
+speedup.
 
 Drafters: :class:`DraftModel`, prompt lookup, and an EAGLE draft head over the target's own hidden states
 (:mod:`prunus.runtime.eagle_drafter`). :meth:`Speculator.step_rows` steps several rows at once, their drafts checked
@@ -69,7 +70,8 @@ class Speculator:
     def step_rows(self, rows: list[int], seqs: list[list[int]], samplings: list[RowSampling],
                   remaining: list[int]) -> list[list[int]]:
         """:meth:`step` for several rows, their drafts checked in one pass of the target (``verify_rows``). Adaptive,
-        a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them."""
+        a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them (but a
+        seeded sampled row's fixed k)."""
         start = time.perf_counter()
         policies = [self.rows.setdefault(row, RowPolicy(self.k)) for row in rows]
         plain = self.adaptive and any(p.due() for p in policies)
@@ -94,7 +96,8 @@ class Speculator:
         if tokens == len(rows):  # the target alone: plain decoding's cost a row at this many rows
             self._plain_s = per_token
         out = []
-        for policy, row, seq, sampling, (drafts, q), logits in zip(policies, rows, seqs, samplings, drafted, logits_rows):
+        for policy, row, seq, sampling, (drafts, q), logits in zip(policies, rows, seqs, samplings, drafted,
+                                                                    logits_rows):
             if is_greedy(sampling):
                 accepted, extra = accept_greedy(drafts, logits)
             else:
@@ -116,7 +119,9 @@ class Speculator:
         if not k:
             return n / plain
         before, after = self.costs.at(tokens), self.costs.at(tokens + k)
-        if before is None or after is None:
+        if before is None:  # the pass is already longer than any measured: no row adds to it to measure more
+            return 0.0
+        if after is None:
             return None
         seconds = plain / n + max(0.0, after - before) + k * self.costs.draft_s
         return (1 + policy.acceptance.expected(k, self.pooled)) / seconds

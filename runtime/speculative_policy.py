@@ -5,21 +5,24 @@ Drafting ``k`` tokens makes ``1 + E(k)`` tokens a step, ``E(k) = a1 + a1 a2 + ..
 often the row's i-th drafted token is accepted once those before it were (:class:`Acceptance`: decayed counts, the
 row's own over a prior of every row's). It costs the row its share of a plain pass of as many rows, ``c(n) / n``, the
 ``k`` more tokens the pass checks, ``c(T + k) - c(T)``, and ``k`` drafted tokens at the drafter's measured cost
-(:class:`PassCosts`: ``c(T)`` the seconds of the target's passes by the tokens they checked, kept per count and
-interpolated between counts). The row drafts the ``k`` of the highest rate, or none where no ``k`` beats plain
+(:class:`PassCosts`: ``c(T)`` the seconds of the target's passes by the tokens they checked, the median of recent
+ones per count, interpolated between counts). The row drafts the ``k`` of the highest rate, or none where no ``k`` beats plain
 decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with every row's tokens),
 drafts where acceptance pays for it, and the choice moves with the row's acceptance as its text changes; a verify
 pass's cost is measured over every pass, not one row's few noisy steps.
 
 A pass of one token more than any measured is predicted on the line through the last two measured counts (and so
 tried where that pays, then measured); beyond it nothing is predicted, so a row drafts more only once the count
-before was measured. A pass one token longer than the only one measured is tried to measure it. A row decoding plainly drafts one token now and then to measure its acceptance
-again (after :data:`EXPLORE_STEPS` steps, twice as many each time it still loses, up to :data:`MAX_EXPLORE_STEPS`).
-Every :data:`CALIBRATE_EVERY`-th step of a row (the 2nd first) is a pass where no row drafts: it times plain
+before was measured. A pass one token longer than the only one measured is tried to measure it. A row decoding
+plainly drafts one token now and then to measure its acceptance again (after :data:`EXPLORE_STEPS` steps, twice as
+many each time it still loses, up to :data:`MAX_EXPLORE_STEPS`). Every :data:`CALIBRATE_EVERY`-th step of a row (the 2nd first) is a pass where no row drafts: it times plain
 decoding at this many rows.
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 CALIBRATE_EVERY = 64  # a row's steps between passes that time the target alone (no row of the pass drafts); first: 2
 DECAY = 0.95  # what a row's drafts count for one step later
@@ -27,7 +30,8 @@ PRIOR = 2.0  # drafts' worth of every row's acceptance in a row's estimate (a ne
 MARGIN = 1.02  # drafting must beat plain decoding's rate by this much
 EXPLORE_STEPS = 32  # steps a row decodes plainly before it drafts one token again; doubled while it still loses
 MAX_EXPLORE_STEPS = 1024
-COST_DECAY = 0.8  # the weight of a pass size's earlier timings against each new one
+COST_SAMPLES = 15  # a pass size's cost: the median of its last timings (a stall elsewhere moves one sample only)
+COST_DECAY = 0.8  # the weight of a drafted token's earlier timings against each new one
 
 
 class Acceptance:
@@ -62,15 +66,18 @@ class Acceptance:
 
 
 class PassCosts:
-    """Seconds of the target's passes by the tokens they checked (decayed per count), and of a drafted token."""
+    """Seconds of the target's passes by the tokens they checked (the median of recent timings per count), and of a
+    drafted token."""
 
     def __init__(self):
         self.by_tokens: dict[int, float] = {}
+        self.samples: dict[int, deque] = {}
         self.draft_s = 0.0
 
     def observe(self, tokens: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0) -> None:
-        old = self.by_tokens.get(tokens)
-        self.by_tokens[tokens] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        recent = self.samples.setdefault(tokens, deque(maxlen=COST_SAMPLES))
+        recent.append(seconds)
+        self.by_tokens[tokens] = statistics.median(recent)
         if drafted:
             per = draft_seconds / drafted
             self.draft_s = per if not self.draft_s else COST_DECAY * self.draft_s + (1 - COST_DECAY) * per

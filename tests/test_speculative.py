@@ -276,6 +276,24 @@ def test_a_row_drafts_the_k_its_acceptance_and_the_pass_costs_make_fastest(monke
     assert later[20:40].count(0) > 10 and later[-20:] == [3] * 20
 
 
+def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
+    """A pass's cost: as measured; between measured counts on the line through them; one count above the largest on
+    the line through the last two (so it is tried, then measured); nothing further, nor from a single count."""
+    from prunus.runtime.speculative_policy import Acceptance, PassCosts
+
+    costs = PassCosts()
+    costs.observe(8, 0.080)
+    assert costs.at(8) == 0.080 and costs.at(9) is None  # one count: nothing predicted
+    costs.observe(10, 0.100, drafted=2, draft_seconds=0.004)
+    assert costs.at(9) == pytest.approx(0.090) and costs.at(11) == pytest.approx(0.110) and costs.at(12) is None
+    assert costs.at(7) == pytest.approx(0.070) and costs.draft_s == pytest.approx(0.002)
+    acc = Acceptance(3)
+    for step in range(20):
+        acc.record(3, 1, step)  # the first drafted token always accepted, the second never
+    assert acc.rate(0) > 0.9 and acc.rate(1) < 0.1 and acc.judged[2] == 0 and acc.rate(2) == 0.5
+    assert acc.expected(3) == pytest.approx(acc.rate(0) * (1 + acc.rate(1) * (1 + acc.rate(2))))
+
+
 def test_at_batch_speculation_is_measured_against_plain_passes_of_as_many_rows(monkeypatch):
     """A pass's rows share its time. Adaptive, every CALIBRATE_EVERY-th pass drafts nothing and times the target
     alone at this many rows: where a verify pass costs per row checked (a compute-bound batch) and drafts are
