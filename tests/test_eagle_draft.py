@@ -159,6 +159,25 @@ def test_the_native_drafts_whole_pass_matches_its_torch_pass_over_the_same_int8_
             assert torch.allclose(f_n, f_t, atol=2e-4, rtol=1e-3) and torch.allclose(l_n, l_t, atol=2e-3, rtol=1e-3)
 
 
+def test_a_draft_the_kernels_do_not_mirror_runs_its_linear_layers_natively_and_the_rest_in_torch(dirs, monkeypatch):
+    """Where the native kernels cannot run the draft's block whole (q/k norms, post-norms, other gates), the backend
+    keeps the torch block over native int8 linear layers: greedy tokens are still plain decoding's."""
+    from prunus.runtime import eagle_native
+    from prunus.runtime.eagle_drafter import TorchDraft
+
+    def refuse(*args, **kwargs):
+        raise PrunusError("the EAGLE draft: the native decoder cannot run this model dir: it has q/k norms")
+
+    with Engine.load(dirs["export"], max_batch=2, threads=1, native=True) as plain:
+        want = _greedy(plain)
+    monkeypatch.setattr(eagle_native, "NativeDraft", refuse)
+    with Engine.load(dirs["export"], max_batch=2, threads=1, native=True, draft=dirs["draft"], draft_tokens=3) as e:
+        runner = e.speculator.drafter.runner
+        assert isinstance(runner, TorchDraft) and isinstance(runner.draft.fc, eagle_native.NativeLinear)
+        e.speculator.adaptive = False
+        assert _greedy(e) == want and e.info["speculative"]["drafted"] > 0
+
+
 @pytest.mark.parametrize("where", ["target", "export"])
 def test_a_row_with_logits_processing_decodes_plainly_beside_speculative_rows(dirs, where):
     from prunus.serve.logits_processors import LogitsSettings
