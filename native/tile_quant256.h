@@ -73,7 +73,10 @@ static KERNEL_TARGET void KERNEL(q8_rows_store)(const GemmTask *g, int t, int m,
         store4(g, m + r, t, _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), z[r]));
 }
 
-static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
+/* rows m .. m + n - 1 (n: 3 or 4, a constant where it is inlined), each block's |w| shared by the rows; prefetch: ahead
+ * in the tile as the single-row kernel does (three rows: decode steps that check two drafted tokens) */
+static inline __attribute__((always_inline)) KERNEL_TARGET void KERNEL(q8_rows)(const GemmTask *g, int t, int m,
+                                                                                 const int n, const int prefetch) {
     const Linear *L = g->L;
     const int kb = L->k / 32;
     const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
@@ -81,36 +84,23 @@ static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) {
     const int8_t *x0 = g->xq + (size_t)m * L->k;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int b = 0; b < kb; b++) {
+        if (prefetch) {
+            _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
+        }
         Q8_QUAD_BLOCK();
         Q8_QUAD_ROW(0, a0);
         Q8_QUAD_ROW(1, a1);
         Q8_QUAD_ROW(2, a2);
-        Q8_QUAD_ROW(3, a3);
+        if (n > 3) Q8_QUAD_ROW(3, a3);
     }
     const __m256 acc[4] = {a0, a1, a2, a3};
-    KERNEL(q8_rows_store)(g, t, m, 4, acc);
+    KERNEL(q8_rows_store)(g, t, m, n, acc);
 }
 
-/* rows m .. m + 2 (decode steps that check drafted tokens): the four-row kernel's block math for three rows, one
- * pass over the tile where a pair and a row made two, prefetching ahead in it as the single-row kernel does */
-static KERNEL_TARGET void KERNEL(q8_three)(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 128;
-    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
-    const int8_t *x0 = g->xq + (size_t)m * L->k;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
-    for (int b = 0; b < kb; b++) {
-        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + (size_t)b * 128 + 2048 + 64, _MM_HINT_T0);
-        Q8_QUAD_BLOCK();
-        Q8_QUAD_ROW(0, a0);
-        Q8_QUAD_ROW(1, a1);
-        Q8_QUAD_ROW(2, a2);
-    }
-    const __m256 acc[3] = {a0, a1, a2};
-    KERNEL(q8_rows_store)(g, t, m, 3, acc);
-}
+static KERNEL_TARGET void KERNEL(q8_quad)(const GemmTask *g, int t, int m) { KERNEL(q8_rows)(g, t, m, 4, 0); }
+
+static KERNEL_TARGET void KERNEL(q8_three)(const GemmTask *g, int t, int m) { KERNEL(q8_rows)(g, t, m, 3, 1); }
 
 /* row r's four outputs of q4 block b: the activation block's halves broadcast to both 128-bit lanes (no permute),
  * two outputs' low and high nibbles to one DOT_BUS2 each, the two results' lanes paired by one
@@ -144,7 +134,9 @@ static KERNEL_TARGET void KERNEL(q4_rows_store)(const GemmTask *g, int t, int m,
     }
 }
 
-static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
+/* rows m .. m + n - 1 of a q4 layer (n: 3 or 4, a constant where it is inlined), each block's nibbles shared */
+static inline __attribute__((always_inline)) KERNEL_TARGET void KERNEL(q4_rows)(const GemmTask *g, int t, int m,
+                                                                                 const int n) {
     const Linear *L = g->L;
     const int kb = L->k / 32;
     const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
@@ -158,31 +150,15 @@ static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) {
         Q4_QUAD_ROW(0, a0);
         Q4_QUAD_ROW(1, a1);
         Q4_QUAD_ROW(2, a2);
-        Q4_QUAD_ROW(3, a3);
+        if (n > 3) Q4_QUAD_ROW(3, a3);
     }
     const __m256 acc[4] = {a0, a1, a2, a3};
-    KERNEL(q4_rows_store)(g, t, m, 4, acc);
+    KERNEL(q4_rows_store)(g, t, m, n, acc);
 }
 
-/* rows m .. m + 2 of a q4 layer: q4_quad's block math for three rows in one pass over the tile */
-static KERNEL_TARGET void KERNEL(q4_three)(const GemmTask *g, int t, int m) {
-    const Linear *L = g->L;
-    const int kb = L->k / 32;
-    const uint8_t *w = (const uint8_t *)L->w + (size_t)t * kb * 64;
-    const float *s = L->s + (size_t)t * kb * 4, *d0 = g->xd + (size_t)m * kb;
-    const int8_t *x0 = g->xq + (size_t)m * L->k;
-    const __m256i low = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
-    for (int b = 0; b < kb; b++) {
-        _mm_prefetch((const char *)w + (size_t)b * 64 + 2048, _MM_HINT_T0);
-        Q4_QUAD_BLOCK();
-        Q4_QUAD_ROW(0, a0);
-        Q4_QUAD_ROW(1, a1);
-        Q4_QUAD_ROW(2, a2);
-    }
-    const __m256 acc[3] = {a0, a1, a2};
-    KERNEL(q4_rows_store)(g, t, m, 3, acc);
-}
+static KERNEL_TARGET void KERNEL(q4_quad)(const GemmTask *g, int t, int m) { KERNEL(q4_rows)(g, t, m, 4); }
+
+static KERNEL_TARGET void KERNEL(q4_three)(const GemmTask *g, int t, int m) { KERNEL(q4_rows)(g, t, m, 3); }
 
 /* Decode steps (passes of fewer than 16 rows) run the four-row kernels' block math one or two rows at a time, so a
  * row's float sums run in the same order as in a prompt: a row's four outputs summed in integers first, then one
