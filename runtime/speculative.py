@@ -73,7 +73,7 @@ class Speculator:
         a pass where any row is due to time the target alone (:meth:`RowPolicy.due`) drafts for none of them (but a
         seeded sampled row's fixed k)."""
         start = time.perf_counter()
-        policies = [self.rows.setdefault(row, RowPolicy(self.k)) for row in rows]
+        policies = [self.rows.get(row) or self.rows.setdefault(row, RowPolicy(self.k)) for row in rows]
         plain = self.adaptive and any(p.due() for p in policies)
         if plain:
             for p in policies:
