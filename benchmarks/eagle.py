@@ -9,6 +9,8 @@ untimed call of each:
 
 * ``plain``: one decode pass per token;
 * ``ngram kK``: prompt-lookup drafting (no model);
+* ``eagle+ngram V kK``: the same draft and prompt lookup as two sources, each step of a row drafting from the one
+  likelier to pay (``--speculative DIR+ngram``); its draft cost counts the EAGLE drafts only;
 * ``eagle V kK``: the draft with its head cut to (or widened to) the ``V`` most frequent tokens, ``--vocab``: the
   trained block with the target's head rows of the first ``V`` ids of its frequency ranking (the trained draft's
   own ranking continued by the target's remaining ids, in id order), at most ``K`` drafted tokens per step (each row
@@ -40,6 +42,7 @@ lookup, llama.cpp plain's), the lookup/plain ratio and the ratio to prunus plain
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -146,6 +149,7 @@ def engines_for(target: Path, drafts: dict[int, Path], ks: list[int], threads: i
     for vocab, d in drafts.items():
         for k in ks:
             engines[f"eagle {vocab} k{k}"] = Engine.load(target, draft=d, draft_tokens=k, **common)
+            engines[f"eagle+ngram {vocab} k{k}"] = Engine.load(target, draft=f"{d}+ngram", draft_tokens=k, **common)
     for e in engines.values():
         if e.speculator is not None:
             e.speculator.adaptive = not fixed  # fixed: every step drafts k tokens, whatever it measures
@@ -166,7 +170,7 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
     from benchmarks.harness import alternating_rounds
 
     tokens: dict[str, list[int]] = {}
-    timers = {k: Timed(e.speculator.drafter) for k, e in engines.items() if k.startswith("eagle")}
+    timers = {k: Timed(e.speculator.drafter.drafters[0]) for k, e in engines.items() if k.startswith("eagle")}
 
     def contender(name):
         def go():
@@ -183,7 +187,7 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
     contenders = {**{k: contender(k) for k in engines}, **(peer or {})}
     for go in contenders.values():  # one untimed call each first: the first round ran slower for every contender
         go()
-    before = {k: dict(e.info.get("speculative", {})) for k, e in engines.items()}
+    before = {k: copy.deepcopy(e.info.get("speculative", {})) for k, e in engines.items()}
     for t in timers.values():
         t.seconds, t.tokens = 0.0, 0
     got = alternating_rounds(contenders, rounds)
@@ -198,7 +202,7 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
             drafted, accepted = s["drafted"] - b.get("drafted", 0), s["accepted"] - b.get("accepted", 0)
             steps = s["steps"] - b.get("steps", 0)
             fig.update(acceptance=accepted / drafted if drafted else 0.0,
-                       per_step=(accepted + steps) / steps if steps else 0.0)
+                       per_step=(accepted + steps) / steps if steps else 0.0, sources=source_counts(s, b))
         if name in timers and timers[name].tokens:
             fig["draft_s_per_token"] = timers[name].seconds / timers[name].tokens
         out[name] = fig
@@ -206,6 +210,13 @@ def measure(engines: dict, prompt: str, new_tokens: int, rounds: int, peer: dict
         t.drafter.propose = t.inner
     out["plain"]["tokens"] = tokens["plain"]
     return out
+
+
+def source_counts(now: dict, before: dict) -> dict:
+    """{draft source: [drafted, accepted]} between two of a speculator's stats."""
+    was = before.get("sources", {})
+    return {src: [c[key] - was.get(src, {}).get(key, 0) for key in ("drafted", "accepted")]
+            for src, c in now.get("sources", {}).items()}
 
 
 def peer_figures(figures: dict, llama: LlamaCppRows) -> None:
@@ -235,6 +246,9 @@ def report(label: str, n_prompt: int, figures: dict) -> None:
                      f"{'yes' if f['same'] else 'no'}, ratio to plain {median(f['speeds']) / plain:.2f}")
         if "draft_s_per_token" in f:
             line += f", draft cost per token {f['draft_s_per_token'] * plain:.2f} of the target's"
+        if len(f.get("sources", {})) > 1:
+            line += ", drafted / accepted by source: " + ", ".join(
+                f"{src} {d}/{a}" for src, (d, a) in sorted(f["sources"].items()) if d)
         print(line)
 
 
@@ -266,7 +280,7 @@ def plot(results: dict, path: str, k: int, fixed: bool = False, batch: int = 1) 
     for (threads, label), figures in results.items():
         plain = median(figures["plain"]["speeds"])
         points = sorted((int(n.split()[1]), median(f["speeds"]) / plain) for n, f in figures.items()
-                        if n.startswith("eagle") and n.endswith(f" k{k}"))
+                        if n.startswith("eagle ") and n.endswith(f" k{k}"))
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{label}, {threads} thread(s)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)

@@ -29,6 +29,7 @@ import torch
 from prunus.models.eagle_draft import EagleDraft
 
 from .batch_cache import BatchKVCache
+from .drafter import LOOKUP, Drafter, split_draft
 from .sampling import RowSampling, sampling_probs
 
 
@@ -56,7 +57,7 @@ class TorchDraft:
         pass
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, runner, embed, n_slots: int):
@@ -100,6 +101,11 @@ class EagleDrafter:
         q = torch.zeros(vocab)
         q[ids] = q_small
         return int(ids[i]), q
+
+    def offers(self, row: int, seq: list[int], k: int) -> list[tuple[str, int]]:
+        """A draft of up to ``k`` tokens once the target's states of ``seq`` (but its last token) are all here."""
+        ready = self.pending[row] is not None and self._expected(row) == len(seq) - 1
+        return [(self.name, k)] if ready else []
 
     def propose(self, row: int, seq: list[int], k: int, sampling: RowSampling | None):
         """Up to ``k`` draft tokens after ``seq`` (whose last token the target has not computed yet) and, when
@@ -229,8 +235,9 @@ def is_eagle_dir(path: Path) -> bool:
 
 def check_draft(target_path, target_config: dict, draft) -> None:
     """Before the target loads: an EAGLE draft dir that does not fit the target is refused in one line."""
-    if draft is not None and str(draft) != "ngram" and is_eagle_dir(Path(draft)):
-        check_eagle_draft(Path(target_path), target_config, Path(draft))
+    folder = split_draft(draft)[0] if draft is not None else None
+    if folder is not None and is_eagle_dir(Path(folder)):
+        check_eagle_draft(Path(target_path), target_config, Path(folder))
 
 
 AUTO = "auto"
@@ -239,7 +246,8 @@ MAX_SIBLINGS = 256  # entries of the target's folder looked at by draft="auto"
 
 def find_draft(target) -> str:
     """``draft="auto"``: an EAGLE draft dir beside ``target`` (in the same folder) trained for it or for the model
-    dir it came from (the most recently written one), else "ngram" (prompt lookup, no model)."""
+    dir it came from (the most recently written one) with prompt lookup beside it ("DIR+ngram"), else "ngram"
+    (prompt lookup alone, no model)."""
     import itertools
 
     from prunus.models.model_dir_manifest import read_config_json
@@ -252,4 +260,4 @@ def find_draft(target) -> str:
             continue
         if (read_config_json(entry).get("eagle") or {}).get("target_hash") in hashes:
             found.append((entry.stat().st_mtime, str(entry)))
-    return max(found)[1] if found else "ngram"
+    return f"{max(found)[1]}+{LOOKUP}" if found else LOOKUP

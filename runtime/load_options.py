@@ -35,11 +35,12 @@ class ServingFeatures:
                 "ONNX Runtime genai export with or without --native): a "
                 "prompt that starts like an earlier one runs only its new tokens. Default: off."})
     draft: str | None = field(default=None, metadata={
-        "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|ngram|auto",
-        "help": "Speculative decoding (a model dir on torch, or a genai export on the native kernels; a lone "
-                "decoding request): an EAGLE draft dir (prunus compress --distill eagle), a draft model dir with "
-                "the same tokenizer, ngram (drafts copied from the prompt), or auto (an EAGLE draft dir trained for "
-                "the target in the target's folder, else ngram). Default: off."})
+        "flag": "--speculative", "type": str, "metavar": "DRAFT_DIR|DRAFT_DIR+ngram|ngram|auto",
+        "help": "Speculative decoding (a model dir on torch, or a genai export on the native kernels): an EAGLE "
+                "draft dir (prunus compress --distill eagle), a draft model dir with the same tokenizer, ngram "
+                "(drafts copied from the prompt), a dir and ngram together (DIR+ngram: each step takes the draft "
+                "likelier to pay), or auto (an EAGLE draft dir trained for the target in the target's folder, "
+                "with ngram; else ngram alone). Default: off."})
     draft_tokens: int = field(default=4, metadata={
         "flag": "--draft-tokens", "type": int,
         "help": f"With --speculative: tokens drafted per step, checked in one pass of the model (1 to {MAX_DRAFT_TOKENS})."})
@@ -55,7 +56,8 @@ class ServingFeatures:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise PrunusError(f"draft_tokens={k!r} must be an integer from 1 to {MAX_DRAFT_TOKENS} (--draft-tokens)")
         if self.draft is not None and (not isinstance(self.draft, (str, PurePath)) or not str(self.draft)):
-            raise PrunusError(f"draft={self.draft!r} must be a draft model dir or 'ngram' (--speculative)")
+            raise PrunusError(f"draft={self.draft!r} must be a draft dir, 'ngram', 'DIR+ngram' or 'auto' "
+                              "(--speculative)")
 
 
 @dataclass(frozen=True)

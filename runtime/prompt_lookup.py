@@ -9,37 +9,49 @@ the target accepts a drafted token with its own probability of it.
 
 from __future__ import annotations
 
+from .drafter import Drafter
+
 MAX_NGRAM = 3
 
 
 def lookup(seq: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest tail n-gram of ``seq``
     (``max_ngram`` down to 1 tokens); empty when no tail occurred before."""
+    return match(seq, k, max_ngram)[1]
+
+
+def match(seq: list[int], k: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list[int]]:
+    """(n, the tokens :func:`lookup` drafts): ``n`` the length of the tail that matched (0: none did)."""
     n_seq = len(seq)
     for n in range(min(max_ngram, n_seq - 1), 0, -1):
         tail, last = seq[-n:], seq[-1]
         for start in range(n_seq - n - 1, -1, -1):  # an occurrence ending before the tail itself
             if seq[start + n - 1] == last and seq[start:start + n] == tail:
-                return seq[start + n:start + n + k]
-    return []
+                return n, seq[start + n:start + n + k]  # at least one token: the occurrence ends before the tail
+    return 0, []
 
 
-class PromptLookup:
-    """A drafter (see :class:`prunus.runtime.speculative.Speculator`) with no state of its own."""
+class PromptLookup(Drafter):
+    """A drafter (see :class:`prunus.runtime.speculative.Speculator`) with no state of its own. Its offers are
+    named by the length of the tail that matched (``ngram3``, ``ngram2``, ``ngram1``), so that the policy learns how
+    often each kind of match is right: a three-token match is, more often than a one-token one."""
 
     name = "ngram"
 
     def __init__(self, max_ngram: int = MAX_NGRAM):
         self.max_ngram = max_ngram
+        self.found: dict[int, tuple[int, list[int]]] = {}  # the row's last lookup: (its length of seq, the tokens)
+
+    def offers(self, row: int, seq: list[int], k: int) -> list[tuple[str, int]]:
+        n, found = match(seq, k, self.max_ngram)
+        self.found[row] = len(seq), found
+        return [(f"ngram{n}", len(found))] if n else []
 
     def propose(self, row: int, seq: list[int], k: int, sampling):
-        return lookup(seq, k, self.max_ngram), None  # a point mass: no draft distribution
-
-    def rollback(self, row: int, length: int) -> None:
-        pass
+        length, found = self.found.pop(row, (None, []))
+        if length != len(seq) or len(found) < k:
+            found = lookup(seq, k, self.max_ngram)
+        return found[:k], None  # a point mass: no draft distribution
 
     def release(self, row: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        self.found.pop(row, None)

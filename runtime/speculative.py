@@ -22,10 +22,13 @@ counts steps, drafted and accepted tokens, the acceptance rate and, once a step 
 speedup.
 
 Drafters: :class:`DraftModel`, prompt lookup, and an EAGLE draft head over the target's own hidden states
-(:mod:`prunus.runtime.eagle_drafter`). :meth:`Speculator.step_rows` steps several rows at once, their drafts checked
-in one ``verify_rows`` pass (the continuous batch, :mod:`prunus.serve.scheduler`). With ``adaptive`` each row drafts
-the number of tokens that makes tokens fastest by its acceptance and the measured cost of the target's passes, and
-none where no number beats plain decoding (:mod:`prunus.runtime.speculative_policy`).
+(:mod:`prunus.runtime.eagle_drafter`), alone or several as sources of one speculator
+(:class:`prunus.runtime.drafter.DraftSources`: ``DIR+ngram``). :meth:`Speculator.step_rows` steps several rows at
+once, their drafts checked in one ``verify_rows`` pass (the continuous batch, :mod:`prunus.serve.scheduler`). With
+``adaptive`` each row drafts from the source and the number of tokens that make tokens fastest by its acceptance of
+that source's drafts and the measured cost of the target's passes and of the source's drafting, and none where
+nothing beats plain decoding (:mod:`prunus.runtime.speculative_policy`); otherwise the first source that offers
+drafts ``k``. ``stats["sources"]`` counts drafted and accepted tokens by source.
 """
 
 from __future__ import annotations
@@ -38,21 +41,24 @@ import torch
 from prunus.artifacts.errors import PrunusError
 from prunus.models.generate import greedy_next
 
+from .drafter import Drafter, DraftSources, split_draft
 from .sampling import RowSampling, is_greedy, sampling_probs
 from .speculative_policy import Acceptance, PassCosts, RowPolicy
 
 
 class Speculator:
     def __init__(self, target, drafter, k: int, adaptive: bool = False):
-        """``k``: the most tokens drafted per step; ``adaptive``: each row's own k from its acceptance and the
-        measured cost of the target's passes, none where drafting would not beat plain decoding
-        (:mod:`prunus.runtime.speculative_policy`)."""
-        self.target, self.drafter, self.k, self.adaptive = target, drafter, k, adaptive
-        self.stats = {"draft": drafter.name, "draft_tokens": k, "adaptive": adaptive, "steps": 0, "drafted": 0,
-                      "accepted": 0, "acceptance_rate": 0.0, "tokens_per_step": 0.0, "speedup": None}
+        """``drafter``: a :class:`prunus.runtime.drafter.Drafter` or several as a
+        :class:`prunus.runtime.drafter.DraftSources`; ``k``: the most tokens drafted per step; ``adaptive``: each
+        row's own source and k from its acceptance and the measured cost of the target's passes, none where drafting
+        would not beat plain decoding (:mod:`prunus.runtime.speculative_policy`)."""
+        self.target, self.k, self.adaptive = target, k, adaptive
+        self.drafter = drafter if isinstance(drafter, DraftSources) else DraftSources([drafter])
+        self.stats = {"draft": self.drafter.name, "draft_tokens": k, "adaptive": adaptive, "steps": 0, "drafted": 0,
+                      "accepted": 0, "acceptance_rate": 0.0, "tokens_per_step": 0.0, "speedup": None, "sources": {}}
         self._made, self._seconds, self._plain_s = 0, 0.0, None
         self.costs = PassCosts()
-        self.pooled = Acceptance(k)  # every row's drafts: a new row's prior
+        self.pooled: dict[str, Acceptance] = {}  # every row's drafts by source: a new row's prior
         self.rows: dict[int, RowPolicy] = {}
 
     def release(self, row: int) -> None:
@@ -83,36 +89,46 @@ class Speculator:
         for policy, row, seq, sampling, left in zip(policies, rows, seqs, samplings, remaining):
             room = min(left - 1, cap if not plain or fixed_k(sampling) else 0)
             drafted.append(self._draft(policy, row, seq, sampling, room, len(rows), tokens))
-            tokens += len(drafted[-1][0])
+            tokens += len(drafted[-1][1])
         checked = time.perf_counter()
-        pieces = [[seq[-1]] + d for seq, (d, _) in zip(seqs, drafted)]
+        pieces = [[seq[-1]] + d for seq, (_, d, _) in zip(seqs, drafted)]
         if len(rows) == 1:
             logits_rows = [self.target.verify(rows[0], pieces[0])]
         else:
             logits_rows = self.target.verify_rows(rows, pieces)
         done = time.perf_counter()
-        self.costs.observe(tokens, done - checked, tokens - len(rows), checked - start)
+        self.costs.observe(tokens, done - checked)
         per_token = (done - start) / tokens  # a row's share: its tokens in the pass
         if tokens == len(rows):  # the target alone: plain decoding's cost a row at this many rows
             self._plain_s = per_token
-        out = []
-        for policy, row, seq, sampling, (drafts, q), logits in zip(policies, rows, seqs, samplings, drafted,
-                                                                    logits_rows):
-            if is_greedy(sampling):
-                accepted, extra = accept_greedy(drafts, logits)
-            else:
-                accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
-            self.target.truncate(row, len(seq) + accepted)
-            self.drafter.rollback(row, len(seq) + accepted)
-            policy.acceptance.record(len(drafts), accepted, policy.steps)
-            self.pooled.record(len(drafts), accepted, self.stats["steps"])
-            self._count(len(drafts), accepted, per_token * (1 + len(drafts)))
-            out.append(drafts[:accepted] + [extra])
-        return out
+        return [self._accept(policy, row, seq, sampling, d, logits, per_token)
+                for policy, row, seq, sampling, d, logits in zip(policies, rows, seqs, samplings, drafted, logits_rows)]
 
-    def _rate(self, policy: RowPolicy, n: int, tokens: int, k: int) -> float | None:
-        """Tokens per second a row of a pass of ``n`` rows (``tokens`` checked so far) makes drafting ``k``: its
-        expected tokens over its share of a plain pass, the ``k`` more the pass checks and their drafting."""
+    def _accept(self, policy: RowPolicy, row: int, seq: list[int], sampling: RowSampling, drafted, logits,
+                per_token: float) -> list[int]:
+        """The row's tokens of this step: its accepted drafts and the target's own after them; the caches kept to
+        them, the counts of the draft's source updated."""
+        source, drafts, q = drafted
+        if is_greedy(sampling):
+            accepted, extra = accept_greedy(drafts, logits)
+        else:
+            accepted, extra = accept_sampled(drafts, q, sampling_probs(logits, sampling).cpu(), sampling.generator)
+        self.target.truncate(row, len(seq) + accepted)
+        self.drafter.rollback(row, len(seq) + accepted)
+        if source is not None:
+            policy.acceptance(source).record(len(drafts), accepted, policy.steps)
+            pooled = self.pooled.get(source) or self.pooled.setdefault(source, Acceptance(self.k))
+            pooled.record(len(drafts), accepted, self.stats["steps"])
+            counts = self.stats["sources"].setdefault(source, {"drafted": 0, "accepted": 0})
+            counts["drafted"] += len(drafts)
+            counts["accepted"] += accepted
+        self._count(len(drafts), accepted, per_token * (1 + len(drafts)))
+        return drafts[:accepted] + [extra]
+
+    def _rate(self, policy: RowPolicy, n: int, tokens: int, source: str | None, k: int) -> float | None:
+        """Tokens per second a row of a pass of ``n`` rows (``tokens`` checked so far) makes drafting ``k`` of
+        ``source``: its expected tokens over its share of a plain pass, the ``k`` more the pass checks and their
+        drafting."""
         plain = self.costs.at(n)
         if plain is None:
             return None
@@ -123,19 +139,26 @@ class Speculator:
             return 0.0
         if after is None:
             return None
-        seconds = plain / n + max(0.0, after - before) + k * self.costs.draft_s
-        return (1 + policy.acceptance.expected(k, self.pooled)) / seconds
+        seconds = plain / n + max(0.0, after - before) + k * self.costs.draft_s.get(source, 0.0)
+        return (1 + policy.acceptance(source).expected(k, self.pooled.get(source))) / seconds
 
     def _draft(self, policy: RowPolicy, row: int, seq: list[int], sampling: RowSampling, room: int, n: int,
                tokens: int):
-        """(drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its request or
-        the cache, the row's own k (``policy``) when adaptive."""
+        """(source, drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its
+        request or the cache, the row's own source and k (``policy``) when adaptive."""
+        start = time.perf_counter()
         k = max(0, min(self.k, room))
+        offers = self.drafter.offers(row, seq, k) if k else []
         if self.adaptive and k and not fixed_k(sampling):
-            k = policy.k(k, lambda j: self._rate(policy, n, tokens, j))
+            source, k = policy.choose(offers, lambda src, j: self._rate(policy, n, tokens, src, j))
+        else:
+            source, k = (offers[0][0], min(k, offers[0][1])) if offers else (None, 0)
         if not k:
-            return [], None
-        return self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling)
+            return None, [], None
+        drafts, q = self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling, source)
+        if drafts:
+            self.costs.observe_draft(source, len(drafts), time.perf_counter() - start)
+        return source, drafts, q
 
     def _count(self, drafted: int, accepted: int, seconds: float) -> None:
         s = self.stats
@@ -184,7 +207,7 @@ def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor,
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """A draft model dir on its own torch backend, one cache row per target row; each row remembers how much of
     its request's sequence it holds and catches up on what it has not seen (prompt, plain steps) before drafting."""
 
@@ -220,7 +243,9 @@ class DraftModel:
         return drafts, (torch.stack(qs) if qs else None)
 
     def rollback(self, row: int, length: int) -> None:
-        held = min(self.held.get(row, 0), length)
+        if row not in self.held:  # another source drafted for a row this draft never read
+            return
+        held = min(self.held[row], length)
         self.held[row] = held
         self.backend.truncate(row, held)
 
@@ -234,18 +259,22 @@ class DraftModel:
 
 def load_speculator(target_path, backend, draft, k: int, adaptive: bool = True) -> Speculator:
     """The speculator ``Engine.load(draft=..., draft_tokens=k)`` asks for over the loaded target ``backend``: prompt
-    lookup ("ngram"), an EAGLE draft dir (:mod:`prunus.runtime.eagle_drafter`) or a draft model dir."""
+    lookup ("ngram"), an EAGLE draft dir (:mod:`prunus.runtime.eagle_drafter`) or a draft model dir, or a dir and
+    prompt lookup together ("DIR+ngram": each step of a row takes the offer of the highest expected rate)."""
     if not backend.capabilities.verify:
         raise PrunusError(f"draft: the {backend.name} backend cannot check draft tokens; drop --speculative")
-    if str(draft) == "ngram":
-        from .prompt_lookup import PromptLookup
-
-        return Speculator(backend, PromptLookup(), k, adaptive)
     from .eagle_drafter import is_eagle_dir, load_eagle_drafter
+    from .prompt_lookup import PromptLookup
 
-    if is_eagle_dir(Path(draft)):
-        return Speculator(backend, load_eagle_drafter(Path(draft), backend), k, adaptive)
-    return Speculator(backend, load_draft_model(Path(target_path), Path(draft), backend), k, adaptive)
+    folder, lookup = split_draft(draft)
+    drafters = []
+    if folder is not None and is_eagle_dir(Path(folder)):
+        drafters.append(load_eagle_drafter(Path(folder), backend))
+    elif folder is not None:
+        drafters.append(load_draft_model(Path(target_path), Path(folder), backend))
+    if lookup:
+        drafters.append(PromptLookup())
+    return Speculator(backend, DraftSources(drafters), k, adaptive)
 
 
 def load_draft_model(target: Path, draft: Path, backend) -> DraftModel:

@@ -6,8 +6,11 @@ often the row's i-th drafted token is accepted once those before it were (:class
 row's own over a prior of every row's). It costs the row its share of a plain pass of as many rows, ``c(n) / n``, the
 ``k`` more tokens the pass checks, ``c(T + k) - c(T)``, and ``k`` drafted tokens at the drafter's measured cost
 (:class:`PassCosts`: ``c(T)`` the seconds of the target's passes by the tokens they checked, the median of recent
-ones per count, interpolated between counts). The row drafts the ``k`` of the highest rate, or none where no ``k`` beats plain
-decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with every row's tokens),
+ones per count, interpolated between counts). With several draft sources (an EAGLE head and prompt lookup,
+:class:`prunus.runtime.drafter.DraftSources`) each source's acceptance and drafting cost are its own: a prompt-lookup
+match costs next to nothing, and how often it is right depends on the length of the match (``ngram3`` .. ``ngram1``).
+The row drafts the source and ``k`` of the highest rate among those offered this step, or none where nothing beats
+plain decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with every row's tokens),
 drafts where acceptance pays for it, and the choice moves with the row's acceptance as its text changes; a verify
 pass's cost is measured over every pass, not one row's few noisy steps.
 
@@ -67,20 +70,22 @@ class Acceptance:
 
 class PassCosts:
     """Seconds of the target's passes by the tokens they checked (the median of recent timings per count), and of a
-    drafted token."""
+    drafted token by the draft's source."""
 
     def __init__(self):
         self.by_tokens: dict[int, float] = {}
         self.samples: dict[int, deque] = {}
-        self.draft_s = 0.0
+        self.draft_s: dict[str, float] = {}
 
-    def observe(self, tokens: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         recent = self.samples.setdefault(tokens, deque(maxlen=COST_SAMPLES))
         recent.append(seconds)
         self.by_tokens[tokens] = statistics.median(recent)
-        if drafted:
-            per = draft_seconds / drafted
-            self.draft_s = per if not self.draft_s else COST_DECAY * self.draft_s + (1 - COST_DECAY) * per
+
+    def observe_draft(self, source: str, drafted: int, seconds: float) -> None:
+        """``drafted`` tokens of ``source`` took ``seconds`` to make (its offer and proposal)."""
+        per, before = seconds / drafted, self.draft_s.get(source)
+        self.draft_s[source] = per if before is None else COST_DECAY * before + (1 - COST_DECAY) * per
 
     def at(self, tokens: int) -> float | None:
         """A pass of ``tokens``: as measured, else on the line through the nearest measured counts (one each side,
@@ -98,39 +103,53 @@ class PassCosts:
 
 
 class RowPolicy:
-    """One row's acceptance, its step count and when it next drafts one token while decoding plainly."""
+    """One row's acceptance per draft source, its step count and when it next drafts one token while decoding
+    plainly."""
 
     def __init__(self, k_max: int):
-        self.steps, self.acceptance = 0, Acceptance(k_max)
+        self.k_max, self.steps, self.by_source = k_max, 0, {}
         self.explore, self.next_try = EXPLORE_STEPS, None
+
+    def acceptance(self, source: str) -> Acceptance:
+        return self.by_source.get(source) or self.by_source.setdefault(source, Acceptance(self.k_max))
 
     def due(self) -> bool:
         """Whether the row's next step times the target alone: its 2nd, then every :data:`CALIBRATE_EVERY`-th."""
         return (self.steps + 1) % CALIBRATE_EVERY == 2
 
-    def k(self, k_max: int, rate) -> int:
-        """Drafted tokens for the row's next step; ``rate(k)``: the tokens per second drafting ``k`` would make
-        (None: a pass of that size has no measured or predicted cost yet)."""
+    def choose(self, offers: list[tuple[str, int]], rate) -> tuple[str | None, int]:
+        """(source, tokens) the row drafts at its next step, of ``offers`` ((source, the most it drafts) each);
+        ``rate(source, k)``: the tokens per second drafting ``k`` of ``source`` would make, ``rate(None, 0)`` plain
+        decoding's (None: a pass of that size has no measured or predicted cost yet)."""
         self.steps += 1
-        plain = rate(0)
+        if not offers:
+            return None, 0
+        plain = rate(None, 0)
         if plain is None:
-            return 1  # nothing timed yet: draft one (the row's 2nd step times the target alone)
-        best, best_rate = 0, plain * MARGIN
-        for k in range(1, k_max + 1):
-            r = rate(k)
-            if r is None:
-                if k == 1:
-                    return 1  # a pass one token longer never timed: measure it
-                break  # larger passes are measured one count at a time
-            if r > best_rate:
-                best, best_rate = k, r
-        if best:
+            return offers[0][0], 1  # nothing timed yet: draft one (the row's 2nd step times the target alone)
+        best, best_rate, first = (None, 0), plain * MARGIN, (offers[0][0], -1.0)
+        for source, most in offers:
+            for k in range(1, most + 1):
+                r = rate(source, k)
+                if r is None:
+                    if k == 1:
+                        return source, 1  # a pass one token longer never timed: measure it
+                    break  # larger passes are measured one count at a time
+                if k == 1 and r > first[1]:
+                    first = source, r
+                if r > best_rate:
+                    best, best_rate = (source, k), r
+        if best[1]:
             self.explore, self.next_try = EXPLORE_STEPS, None
             return best
+        return self._explore(first[0])
+
+    def _explore(self, source: str) -> tuple[str | None, int]:
+        """No draft pays: plain decoding, but one token of ``source`` (the likeliest) now and then."""
         if self.next_try is None:
             self.next_try = self.steps + self.explore
         if self.steps < self.next_try:
-            return 0
+            return None, 0
         self.explore = min(2 * self.explore, MAX_EXPLORE_STEPS)
         self.next_try = self.steps + self.explore
-        return 1  # measure the row's acceptance again
+        return source, 1  # measure the row's acceptance again

@@ -6,7 +6,9 @@
 * ``prunus_tokens_generated_total``, ``prunus_queue_depth``, ``prunus_active_requests``: read from the engine's
   scheduler at each scrape; with speculative decoding also ``prunus_speculative_steps_total``,
   ``prunus_speculative_drafted_tokens_total``, ``prunus_speculative_accepted_tokens_total`` and
-  ``prunus_speculative_speedup`` (once a step of the target alone was timed).
+  ``prunus_speculative_speedup`` (once a step of the target alone was timed), and per draft source (``eagle``,
+  ``ngram3`` .. ``ngram1`` by the length of the prompt-lookup match, ``model``)
+  ``prunus_speculative_source_drafted_tokens_total{source}`` and ``..._source_accepted_tokens_total{source}``.
 """
 
 from __future__ import annotations
@@ -38,9 +40,19 @@ class _SchedulerCollector:
             yield CounterMetricFamily("prunus_speculative_drafted_tokens", "Tokens drafted.", value=st["drafted"])
             yield CounterMetricFamily("prunus_speculative_accepted_tokens", "Drafted tokens the target accepted.",
                                       value=st["accepted"])
+            yield from _by_source(st["sources"])
             if st["speedup"] is not None:
                 yield GaugeMetricFamily("prunus_speculative_speedup", "Tokens per second of speculative steps over "
                                         "plain decoding's (timed on steps of the target alone).", value=st["speedup"])
+
+
+def _by_source(sources: dict):
+    for key, what in (("drafted", "Tokens drafted"), ("accepted", "Drafted tokens the target accepted")):
+        family = CounterMetricFamily(f"prunus_speculative_source_{key}_tokens", f"{what}, by draft source.",
+                                     labels=["source"])
+        for source, counts in sorted(sources.items()):
+            family.add_metric([source], counts[key])
+        yield family
 
 
 class Metrics:

@@ -123,16 +123,20 @@ def _greedy(engine):
     return [engine.generate(p, max_new_tokens=N_NEW, ignore_eos=True).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("where", ["target", "native", "export"])
-def test_greedy_tokens_are_plain_decodings(dirs, where):
+@pytest.mark.parametrize("where, lookup", [("target", False), ("native", False), ("export", False), ("target", True),
+                                           ("export", True)])
+def test_greedy_tokens_are_plain_decodings(dirs, where, lookup):
+    """Alone, and with prompt lookup as a second source (``DIR+ngram``: each step drafts from either)."""
     extra = _extra(where)
     with Engine.load(dirs[where], max_batch=2, threads=1, **extra) as plain:
         want = _greedy(plain)
-    with Engine.load(dirs[where], max_batch=2, threads=1, draft=dirs["draft"], draft_tokens=3, **extra) as e:
+    draft = f"{dirs['draft']}+ngram" if lookup else dirs["draft"]
+    with Engine.load(dirs[where], max_batch=2, threads=1, draft=draft, draft_tokens=3, **extra) as e:
         assert e.info["runtime"] == ("torch" if where == "target" else "native")
         assert _greedy(e) == want
         stats = e.info["speculative"]
-        assert stats["draft"] == "eagle" and stats["drafted"] > 0 and stats["steps"] > 0
+        assert stats["draft"] == ("eagle+ngram" if lookup else "eagle") and stats["steps"] > 0
+        assert stats["drafted"] == sum(c["drafted"] for c in stats["sources"].values()) > 0
         together = [r.token_ids for r in e.generate(PROMPTS[:2], max_new_tokens=N_NEW, ignore_eos=True)]
         assert together == want[:2]  # two rows decode plainly (their hidden states still reach the drafter)
         assert _greedy(e) == want
@@ -147,7 +151,7 @@ def test_the_native_drafts_whole_pass_matches_its_torch_pass_over_the_same_int8_
     from prunus.runtime.eagle_native import NativeDraft, native_linears
 
     with Engine.load(dirs["export"], max_batch=2, threads=1, native=True, draft=dirs["draft"], draft_tokens=2) as e:
-        runner, backend = e.speculator.drafter.runner, e.backend
+        runner, backend = e.speculator.drafter.drafters[0].runner, e.backend
         assert isinstance(runner, NativeDraft)
         twin = TorchDraft(native_linears(load_eagle_draft(dirs["draft"])[0], backend.decoder), 2, backend.max_len)
         torch.manual_seed(0)
@@ -172,7 +176,7 @@ def test_a_draft_the_kernels_do_not_mirror_runs_its_linear_layers_natively_and_t
         want = _greedy(plain)
     monkeypatch.setattr(eagle_native, "NativeDraft", refuse)
     with Engine.load(dirs["export"], max_batch=2, threads=1, native=True, draft=dirs["draft"], draft_tokens=3) as e:
-        runner = e.speculator.drafter.runner
+        runner = e.speculator.drafter.drafters[0].runner
         assert isinstance(runner, TorchDraft) and isinstance(runner.draft.fc, eagle_native.NativeLinear)
         e.speculator.adaptive = False
         assert _greedy(e) == want and e.info["speculative"]["drafted"] > 0
@@ -212,7 +216,7 @@ def test_a_row_decoding_plainly_keeps_only_the_states_its_next_draft_reads(dirs)
     from prunus.runtime.eagle_drafter import MAX_CATCH_UP
 
     with Engine.load(dirs["target"], max_batch=1, threads=1, draft=dirs["draft"], draft_tokens=2, backend="torch") as e:
-        d, dim = e.speculator.drafter, e.backend.model.config.dim
+        d, dim = e.speculator.drafter.drafters[0], e.backend.model.config.dim
         d.take_hidden(0, 0, torch.randn(40, dim))  # a prompt of 40
         for i in range(300):  # plain steps
             d.take_hidden(0, 40 + i, torch.randn(1, dim))
@@ -334,12 +338,15 @@ def test_auto_finds_the_draft_beside_the_target_and_metrics_count_it(dirs, tmp_p
         assert e.info["draft"] == "ngram"  # nothing trained for it beside it: prompt lookup
     shutil.copytree(dirs["draft"], tmp_path / "model-eagle")
     with Engine.load(tmp_path / "model", max_batch=1, threads=1, draft="auto", draft_tokens=3) as e:
-        assert e.info["draft"] == str(tmp_path / "model-eagle")
+        assert e.info["draft"] == f"{tmp_path / 'model-eagle'}+ngram"  # the draft, prompt lookup beside it
         e.generate(PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True)
         text = Metrics(e.scheduler).render().decode()
         stats = e.info["speculative"]
     assert f"prunus_speculative_drafted_tokens_total {float(stats['drafted'])}" in text
     assert f"prunus_speculative_accepted_tokens_total {float(stats['accepted'])}" in text
+    for source, counts in stats["sources"].items():  # the draft and prompt lookup, counted apart
+        assert f'prunus_speculative_source_drafted_tokens_total{{source="{source}"}} {float(counts["drafted"])}' in text
+    assert "eagle" in stats["sources"]
     assert stats["drafted"] > 0 and stats["adaptive"] is True
 
 
@@ -369,7 +376,7 @@ def test_a_model_dir_speculates_on_the_native_kernels_with_no_export(dirs, tmp_p
                      draft_tokens=3) as e:
         assert e.info["runtime"] == "native" and "directly" in e.info["prepared"]["skipped"]
         assert not (tmp_path / "cache" / "prepared").exists()
-        assert e.info["draft"] == str(tmp_path / "model-eagle")
+        assert e.info["draft"] == f"{tmp_path / 'model-eagle'}+ngram"  # the draft, prompt lookup beside it
         assert _greedy(e) == want
         assert e.info["speculative"]["drafted"] > 0
     model_draft = LoadOptions(features=ServingFeatures(draft=str(dirs["target"])))

@@ -13,6 +13,7 @@ import torch
 
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, get_preset, sample_next, save_model
+from prunus.runtime.drafter import Drafter, DraftSources, split_draft
 from prunus.runtime.prompt_lookup import PromptLookup, lookup
 from prunus.runtime.sampling import RowSampling, sampling_probs
 from prunus.runtime.speculative import DraftModel, Speculator
@@ -111,9 +112,20 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
 
 
-@pytest.mark.parametrize("drafting", ["model", "ngram"])
+class _EveryOther(PromptLookup):
+    """Prompt lookup that offers at every other step only."""
+
+    calls = 0
+
+    def offers(self, row, seq, k):
+        self.calls += 1
+        return super().offers(row, seq, k) if self.calls % 2 else []
+
+
+@pytest.mark.parametrize("drafting", ["model", "ngram", "ngram+model"])
 def test_sampled_tokens_follow_the_targets_distribution(drafting):
-    """The first two tokens of 1,500 draws against their exact distribution, p(a) p(b | a)."""
+    """The first two tokens of 1,500 draws against their exact distribution, p(a) p(b | a); with prompt lookup and
+    the model as two sources, lookup (point masses) offering at every other step, the model drafting the others."""
     vocab, n = 3, 1500
     g = torch.Generator().manual_seed(0)
     p_table, q_table = torch.randn(vocab, vocab, generator=g), torch.randn(vocab, vocab, generator=g)
@@ -122,7 +134,9 @@ def test_sampled_tokens_follow_the_targets_distribution(drafting):
     target.prefill([0], [prompt[:-1]])
     p = p_table.softmax(-1)
     exact = p[prompt[-1]][:, None] * p
-    drafter = DraftModel(Bigram(q_table)) if drafting == "model" else PromptLookup()
+    drafters = {"model": [DraftModel(Bigram(q_table))], "ngram": [PromptLookup()],
+                "ngram+model": [_EveryOther(), DraftModel(Bigram(q_table))]}[drafting]
+    drafter = DraftSources(drafters)
     spec = Speculator(target, drafter, k=2)
     sampling = RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(1))
     counts = torch.zeros(vocab, vocab)
@@ -136,6 +150,9 @@ def test_sampled_tokens_follow_the_targets_distribution(drafting):
         drafter.rollback(0, len(prompt) - 1)
     assert 0.05 < spec.stats["acceptance_rate"] < 0.95  # both acceptance and rejection were exercised
     assert _chi2(counts, exact) < 26.1  # 8 degrees of freedom, p = 0.001
+    if drafting == "ngram+model":
+        assert {"ngram2", "model"} <= set(spec.stats["sources"])  # both sources drafted
+        return
     q = q_table.softmax(-1)
     wrong = (q[prompt[-1]][:, None] * q) if drafting == "model" else torch.full((vocab, vocab), 1 / vocab ** 2)
     assert _chi2(counts, wrong) > 200  # the test tells another distribution (the draft's own) from the target's
@@ -168,6 +185,12 @@ def test_prompt_lookup_copies_what_followed_the_tail():
     assert lookup([1, 2, 3, 9, 4, 1, 2], 2) == [3, 9]
     assert lookup([1, 2, 3, 2, 5, 7, 2], 3) == [5, 7, 2]  # the most recent earlier occurrence
     assert lookup([1, 2, 3], 4) == []
+    drafter = PromptLookup()  # offers named by the matched tail's length: their acceptance is learned apart
+    assert drafter.offers(0, [1, 2, 3, 9, 4, 1, 2], 4) == [("ngram2", 4)]
+    assert drafter.offers(0, [5, 9, 4, 1, 9], 4) == [("ngram1", 3)] and drafter.offers(0, [1, 2, 3], 4) == []
+    assert drafter.propose(0, [5, 9, 4, 1, 9], 2, None) == ([4, 1], None)
+    assert split_draft("ngram") == (None, True) and split_draft("d+ngram") == ("d", True)
+    assert split_draft("d") == ("d", False)
 
 
 def test_drafts_it_cannot_use_are_refused_in_one_line(dirs, tmp_path):
@@ -221,7 +244,7 @@ class _ClockTarget:
         pass
 
 
-class _ScriptedDrafter:
+class _ScriptedDrafter(Drafter):
     """Drafts k tokens, all right (1) where ``right(step)`` says so at the run's step, else all wrong (2)."""
 
     name = "test"
@@ -276,6 +299,42 @@ def test_a_row_drafts_the_k_its_acceptance_and_the_pass_costs_make_fastest(monke
     assert later[20:40].count(0) > 10 and later[-20:] == [3] * 20
 
 
+def test_a_row_drafts_from_the_source_whose_drafts_pay(monkeypatch):
+    """Two sources offering every step (an always wrong one first, an always right one second): a row learns each
+    one's acceptance apart and drafts from the right one; where the right one stops offering, it decodes plainly."""
+    from types import SimpleNamespace
+
+    import prunus.runtime.speculative as spec
+    from prunus.runtime.sampling import RowSampling
+
+    clock = [0.0]
+    monkeypatch.setattr(spec, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Source(Drafter):
+        def __init__(self, name, right):
+            self.name, self.right, self.offering = name, right, True
+
+        def offers(self, row, seq, k):
+            return [(self.name, k)] if self.offering else []
+
+        def propose(self, row, seq, k, sampling):
+            return [1 if self.right else 2] * k, None
+
+    bad, good = Source("bad", False), Source("good", True)
+    s = spec.Speculator(_ClockTarget(clock, lambda t: 0.010 + 0.002 * t), DraftSources([bad, good]), k=3,
+                        adaptive=True)
+    assert s.stats["draft"] == "bad+good"
+    per_step = []
+    for step in range(80):
+        good.offering = step < 60
+        before = {name: dict(c) for name, c in s.stats["sources"].items()}
+        s.step(0, [0] * 10, RowSampling(), 1000)
+        per_step.append({name: c["drafted"] - before.get(name, {"drafted": 0})["drafted"]
+                         for name, c in s.stats["sources"].items()})
+    assert all(d.get("good") == 3 and not d.get("bad") for d in per_step[40:60])
+    assert sum(d.get("bad", 0) for d in per_step[65:]) <= 1  # at most one exploring token
+
+
 def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
     """A pass's cost: as measured; between measured counts on the line through them; one count above the largest on
     the line through the last two (so it is tried, then measured); nothing further, nor from a single count."""
@@ -284,9 +343,10 @@ def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
     costs = PassCosts()
     costs.observe(8, 0.080)
     assert costs.at(8) == 0.080 and costs.at(9) is None  # one count: nothing predicted
-    costs.observe(10, 0.100, drafted=2, draft_seconds=0.004)
+    costs.observe(10, 0.100)
+    costs.observe_draft("eagle", 2, 0.004)
     assert costs.at(9) == pytest.approx(0.090) and costs.at(11) == pytest.approx(0.110) and costs.at(12) is None
-    assert costs.at(7) == pytest.approx(0.070) and costs.draft_s == pytest.approx(0.002)
+    assert costs.at(7) == pytest.approx(0.070) and costs.draft_s == {"eagle": pytest.approx(0.002)}
     acc = Acceptance(3)
     for step in range(20):
         acc.record(3, 1, step)  # the first drafted token always accepted, the second never
@@ -320,7 +380,7 @@ def test_at_batch_speculation_is_measured_against_plain_passes_of_as_many_rows(m
         def truncate(self, row, n):
             pass
 
-    class Drafter:
+    class Scripted(Drafter):
         name = "test"
 
         def __init__(self, every: bool):
@@ -336,7 +396,7 @@ def test_at_batch_speculation_is_measured_against_plain_passes_of_as_many_rows(m
 
     def run(per_row: bool, every: bool, passes: int = 40) -> list[int]:
         """Drafted tokens per pass; four rows for three passes, then eight (rows that started at other times)."""
-        s = spec.Speculator(Target(per_row), Drafter(every), k=3, adaptive=True)
+        s = spec.Speculator(Target(per_row), Scripted(every), k=3, adaptive=True)
         drafted = []
         for i in range(passes):
             n = 4 if i < 3 else 8
