@@ -16,10 +16,12 @@ pass's cost is measured over every pass, not one row's few noisy steps.
 
 A pass of one token more than any measured is predicted on the line through the last two measured counts (and so
 tried where that pays, then measured); beyond it nothing is predicted, so a row drafts more only once the count
-before was measured. A pass one token longer than the only one measured is tried to measure it. A row decoding
-plainly drafts one token now and then to measure its acceptance again (after :data:`EXPLORE_STEPS` steps, twice as
-many each time it still loses, up to :data:`MAX_EXPLORE_STEPS`). Every :data:`CALIBRATE_EVERY`-th step of a row (the 2nd first) is a pass where no row drafts: it times plain
-decoding at this many rows.
+before was measured. A pass one token longer than the only one measured is tried to measure it. A source that does
+not pay (for a row decoding plainly, or beside the source it drafts from) drafts one token now and then to measure
+its acceptance again (after :data:`EXPLORE_STEPS` steps offered, twice as many each time it still loses, up to
+:data:`MAX_EXPLORE_STEPS`): a source judged on one unlucky draft is not lost to the row. Every
+:data:`CALIBRATE_EVERY`-th step of a row (the 2nd first) is a pass where no row drafts: it times plain decoding at
+this many rows.
 """
 
 from __future__ import annotations
@@ -103,12 +105,13 @@ class PassCosts:
 
 
 class RowPolicy:
-    """One row's acceptance per draft source, its step count and when it next drafts one token while decoding
-    plainly."""
+    """One row's acceptance per draft source, its step count and, per source, when it next drafts one token to
+    measure that source's acceptance again."""
 
     def __init__(self, k_max: int):
         self.k_max, self.steps, self.by_source = k_max, 0, {}
-        self.explore, self.next_try = EXPLORE_STEPS, None
+        self.explore: dict[str, int] = {}  # steps between tries of a source that does not pay, doubled each time
+        self.next_try: dict[str, int] = {}
 
     def acceptance(self, source: str) -> Acceptance:
         return self.by_source.get(source) or self.by_source.setdefault(source, Acceptance(self.k_max))
@@ -127,7 +130,7 @@ class RowPolicy:
         plain = rate(None, 0)
         if plain is None:
             return offers[0][0], 1  # nothing timed yet: draft one (the row's 2nd step times the target alone)
-        best, best_rate, first = (None, 0), plain * MARGIN, (offers[0][0], -1.0)
+        best, best_rate = (None, 0), plain * MARGIN
         for source, most in offers:
             for k in range(1, most + 1):
                 r = rate(source, k)
@@ -135,21 +138,22 @@ class RowPolicy:
                     if k == 1:
                         return source, 1  # a pass one token longer never timed: measure it
                     break  # larger passes are measured one count at a time
-                if k == 1 and r > first[1]:
-                    first = source, r
                 if r > best_rate:
                     best, best_rate = (source, k), r
         if best[1]:
-            self.explore, self.next_try = EXPLORE_STEPS, None
-            return best
-        return self._explore(first[0])
+            self.explore.pop(best[0], None)
+            self.next_try.pop(best[0], None)
+        return self._explore([source for source, _ in offers if source != best[0]]) or best
 
-    def _explore(self, source: str) -> tuple[str | None, int]:
-        """No draft pays: plain decoding, but one token of ``source`` (the likeliest) now and then."""
-        if self.next_try is None:
-            self.next_try = self.steps + self.explore
-        if self.steps < self.next_try:
-            return None, 0
-        self.explore = min(2 * self.explore, MAX_EXPLORE_STEPS)
-        self.next_try = self.steps + self.explore
-        return source, 1  # measure the row's acceptance again
+    def _explore(self, losing: list[str]) -> tuple[str, int] | None:
+        """One token of a source that does not pay now and then (after :data:`EXPLORE_STEPS` steps offered without
+        paying, twice as many after each try that still loses): a source judged on a few drafts is measured again."""
+        for source in losing:
+            if source not in self.next_try:
+                self.explore[source] = EXPLORE_STEPS
+                self.next_try[source] = self.steps + EXPLORE_STEPS
+            elif self.steps >= self.next_try[source]:
+                self.explore[source] = min(2 * self.explore[source], MAX_EXPLORE_STEPS)
+                self.next_try[source] = self.steps + self.explore[source]
+                return source, 1
+        return None
