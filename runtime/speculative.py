@@ -43,7 +43,7 @@ from prunus.models.generate import greedy_next
 
 from .drafter import Drafter, DraftSources, split_draft
 from .sampling import RowSampling, is_greedy, sampling_probs
-from .speculative_policy import Acceptance, PassCosts, RowPolicy
+from .speculative_policy import POOLED_DECAY, Acceptance, PassCosts, RowPolicy
 
 
 class Speculator:
@@ -117,7 +117,7 @@ class Speculator:
         self.drafter.rollback(row, len(seq) + accepted)
         if source is not None:
             policy.acceptance(source).record(len(drafts), accepted, policy.steps)
-            pooled = self.pooled.get(source) or self.pooled.setdefault(source, Acceptance(self.k))
+            pooled = self.pooled.get(source) or self.pooled.setdefault(source, Acceptance(self.k, POOLED_DECAY))
             pooled.record(len(drafts), accepted, self.stats["steps"])
             counts = self.stats["sources"].setdefault(source, {"drafted": 0, "accepted": 0})
             counts["drafted"] += len(drafts)
@@ -146,7 +146,6 @@ class Speculator:
                tokens: int):
         """(source, drafts, their distributions or None) for one row: up to k tokens, fewer near the end of its
         request or the cache, the row's own source and k (``policy``) when adaptive."""
-        start = time.perf_counter()
         k = max(0, min(self.k, room))
         offers = self.drafter.offers(row, seq, k) if k else []
         if self.adaptive and k and not fixed_k(sampling):
@@ -155,6 +154,7 @@ class Speculator:
             source, k = (offers[0][0], min(k, offers[0][1])) if offers else (None, 0)
         if not k:
             return None, [], None
+        start = time.perf_counter()
         drafts, q = self.drafter.propose(row, seq, k, None if is_greedy(sampling) else sampling, source)
         if drafts:
             self.costs.observe_draft(source, len(drafts), time.perf_counter() - start)

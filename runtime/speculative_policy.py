@@ -31,6 +31,7 @@ from collections import deque
 
 CALIBRATE_EVERY = 64  # a row's steps between passes that time the target alone (no row of the pass drafts); first: 2
 DECAY = 0.95  # what a row's drafts count for one step later
+POOLED_DECAY = 0.999  # the same for every row's drafts of a source: the prior a row's own counts fade back to
 PRIOR = 2.0  # drafts' worth of every row's acceptance in a row's estimate (a new row starts from it)
 MARGIN = 1.02  # drafting must beat plain decoding's rate by this much
 EXPLORE_STEPS = 32  # steps a row decodes plainly before it drafts one token again; doubled while it still loses
@@ -41,14 +42,17 @@ COST_DECAY = 0.8  # the weight of a drafted token's earlier timings against each
 
 class Acceptance:
     """Counts, per position i, of drafted tokens judged there (those before all accepted) and accepted, fading by
-    :data:`DECAY` a step: what a row drafted long ago (before it decoded plainly a while) counts for little."""
+    :data:`DECAY` a step: what a row drafted long ago (before it decoded plainly a while) counts for little, and its
+    estimate returns to the prior, every row's counts of the source fading by :data:`POOLED_DECAY` (an EAGLE draft
+    right 80% of the time is expected to be so again, not judged a coin's toss, when a row has not drafted with it
+    for a while)."""
 
-    def __init__(self, k_max: int):
-        self.judged, self.taken, self.step = [0.0] * k_max, [0.0] * k_max, 0
+    def __init__(self, k_max: int, decay: float = DECAY):
+        self.judged, self.taken, self.step, self.decay = [0.0] * k_max, [0.0] * k_max, 0, decay
 
     def record(self, drafted: int, accepted: int, step: int) -> None:
         """The outcome of ``drafted`` tokens at ``step`` (a count of steps that only grows)."""
-        fade, self.step = DECAY ** max(0, step - self.step), step
+        fade, self.step = self.decay ** max(0, step - self.step), step
         self.judged = [fade * j for j in self.judged]
         self.taken = [fade * t for t in self.taken]
         for i in range(min(drafted, accepted + 1, len(self.judged))):
