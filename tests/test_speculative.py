@@ -338,7 +338,7 @@ def test_a_row_drafts_from_the_source_whose_drafts_pay(monkeypatch):
 def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
     """A pass's cost: as measured; between measured counts on the line through them; one count above the largest on
     the line through the last two (so it is tried, then measured); nothing further, nor from a single count."""
-    from prunus.runtime.speculative_policy import Acceptance, PassCosts
+    from prunus.runtime.speculative_policy import POOLED_DECAY, Acceptance, PassCosts
 
     costs = PassCosts()
     costs.observe(8, 0.080)
@@ -352,6 +352,12 @@ def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
         acc.record(3, 1, step)  # the first drafted token always accepted, the second never
     assert acc.rate(0) > 0.9 and acc.rate(1) < 0.1 and acc.judged[2] == 0 and acc.rate(2) == 0.5
     assert acc.expected(3) == pytest.approx(acc.rate(0) * (1 + acc.rate(1) * (1 + acc.rate(2))))
+    row, pooled = Acceptance(3), Acceptance(3, POOLED_DECAY)  # a source right 90% of the time, then unused a while
+    for step in range(40):
+        row.record(1, int(step % 10 != 0), step)
+        pooled.record(1, int(step % 10 != 0), step)
+    row.record(0, 0, 200)  # 160 steps later: the row's own counts have faded, the prior has not
+    assert row.judged[0] < 0.01 and row.rate(0, pooled) == pytest.approx(pooled.rate(0), abs=1e-3) and pooled.rate(0) > 0.8
 
 
 def test_at_batch_speculation_is_measured_against_plain_passes_of_as_many_rows(monkeypatch):
