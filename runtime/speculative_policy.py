@@ -3,16 +3,16 @@ the target's passes (:class:`prunus.runtime.speculative.Speculator` asks at ever
 
 Drafting ``k`` tokens makes ``1 + E(k)`` tokens a step, ``E(k) = a1 + a1 a2 + ... + a1 ... ak`` where ``ai`` is how
 often the row's i-th drafted token is accepted once those before it were (:class:`Acceptance`: decayed counts, the
-row's own over a prior of every row's). It costs the row its share of a plain pass of as many rows, ``c(n) / n``, the
-``k`` more tokens the pass checks, ``c(T + k) - c(T)``, and ``k`` drafted tokens at the drafter's measured cost
+row's own over a prior of every row's). It costs the row its share of a plain pass of as many rows, ``c(n) / n``,
+the ``k`` more tokens the pass checks, ``c(T + k) - c(T)``, and ``k`` drafted tokens at the drafter's measured cost
 (:class:`PassCosts`: ``c(T)`` the seconds of the target's passes by the tokens they checked, the median of recent
 ones per count, interpolated between counts). With several draft sources (an EAGLE head and prompt lookup,
-:class:`prunus.runtime.drafter.DraftSources`) each source's acceptance and drafting cost are its own: a prompt-lookup
-match costs next to nothing, and how often it is right depends on the length of the match (``ngram3`` .. ``ngram1``).
-The row drafts the source and ``k`` of the highest rate among those offered this step, or none where nothing beats
-plain decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with every row's tokens),
-drafts where acceptance pays for it, and the choice moves with the row's acceptance as its text changes; a verify
-pass's cost is measured over every pass, not one row's few noisy steps.
+:class:`prunus.runtime.drafter.DraftSources`) each source's acceptance and drafting cost are its own: a
+prompt-lookup match costs next to nothing, and how often it is right depends on the length of the match (``ngram3``
+.. ``ngram1``). The row drafts the source and ``k`` of the highest rate among those offered this step, or none where
+nothing beats plain decoding by :data:`MARGIN`. So a CPU, where checking more tokens costs more (and at batch, with
+every row's tokens), drafts where acceptance pays for it, and the choice moves with the row's acceptance as its text
+changes; a verify pass's cost is measured over every pass, not one row's few noisy steps.
 
 A pass of one token more than any measured is predicted on the line through the last two measured counts (and so
 tried where that pays, then measured); beyond it nothing is predicted, so a row drafts more only once the count
