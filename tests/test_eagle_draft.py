@@ -316,7 +316,8 @@ def test_drafts_that_do_not_fit_are_refused_before_the_target_loads(dirs, tmp_pa
         raise AssertionError("the target was loaded")
 
     monkeypatch.setattr(native_choice, "load_chosen", never)
-    for draft, needle in ((other, "trained for another model"), (wide, "dim"), (retok, "tokenizer")):
+    for draft, needle in ((other, "trained for another model"), (wide, "dim"), (retok, "tokenizer"),
+                          (f"{other}+ngram", "trained for another model")):
         with pytest.raises(PrunusError, match=needle) as e:
             Engine.load(dirs["target"], draft=draft)
         assert "\n" not in str(e.value)
