@@ -100,13 +100,16 @@ def shipped_recipes() -> list[str]:
 
 
 def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) -> None:
-    """``--distill eagle[:vocab=N][,passes=P]``: train an EAGLE draft head for MODEL_DIR (prunus.compress.eagle_draft)."""
+    """``--distill eagle[:vocab=N][,passes=P][,nproc=R]``: train an EAGLE draft head for MODEL_DIR
+    (prunus.compress.eagle_draft)."""
     from prunus.compress.eagle_draft import parse_eagle, train_eagle
 
     if other:
         raise PrunusError(f"--distill {spec} writes a draft head, not a compressed model; drop --recipe, --quantize and "
                           "--prune (run them in another prunus compress)")
     result = train_eagle(model_dir, **parse_eagle(spec), **distill_args, **options)
+    if "seconds" not in result:  # a rank of a process group other than the first: the first reports
+        return
     click.echo(f"{result['seconds']:.1f} s; draft head over {result['vocab']:,} tokens, {result['train_tokens']:,} "
                f"training tokens of {result['corpus']}; held-out first-token agreement with the target "
                f"{100 * result['heldout_first_token_agreement']:.1f}%")
@@ -122,8 +125,9 @@ def eagle_command(model_dir, spec: str, distill_args: dict, other, **options) ->
 @click.option("--prune", default=None, metavar="METHOD[:AMOUNT]",
               help="magnitude[:S], wanda[:S], 2:4, 2:4-magnitude, heads:F, channels:F or blocks:N.")
 @click.option("--distill", default=None, metavar="STUDENT", help="keep-every:K, depth:N (N blocks spread from the first to the last), width:F or a preset name; "
-              "or eagle[:vocab=N][,passes=P]: an EAGLE draft head for speculative decoding (--out is then the draft "
-              "dir; passes=P trains on each batch P times, its teacher pass made once).")
+              "or eagle[:vocab=N][,passes=P][,nproc=R]: an EAGLE draft head for speculative decoding (--out is then "
+              "the draft dir; passes=P trains on each batch P times, its teacher pass made once; nproc=R on R local "
+              "processes, each its share of every batch).")
 @click.option("--distill-steps", type=int, default=None, help="With --distill: optimizer steps of the distillation. "
               "Default: the distill pass's.")
 @click.option("--distill-batch-size", type=int, default=None, help="With --distill: sequences per step. Default: the distill pass's.")

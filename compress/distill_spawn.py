@@ -10,8 +10,6 @@ losses and metrics to ``result.json``; the consolidated student is read back fro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch.distributed as dist
 from prunus.artifacts.errors import PrunusError
 from prunus.models import Transformer, load_model, save_model
 from prunus.train_parallel import TrainConfig, train
-from prunus.train_parallel.launch.launch import LAUNCHED
+from prunus.train_parallel.launch.launch import run_module_ranks
 
 from .distill_loss import DistillObjective
 
@@ -36,11 +34,7 @@ def spawn(ctx, student: Transformer, cfg: TrainConfig, work: Path, loss_args: di
             "loss": loss_args, "channels": channels.tolist() if channels is not None else None,
             "result": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "prunus.compress.distill_spawn", str(work / "spec.json")]
-    rc = subprocess.call(cmd, env=env)
+    rc = run_module_ranks(nproc, "prunus.compress.distill_spawn", [str(work / "spec.json")])
     if rc != 0 or not (work / "result.json").is_file():
         raise PrunusError(f"distill: the {nproc}-process run failed (exit code {rc}); its output above says why")
     out = json.loads((work / "result.json").read_text())

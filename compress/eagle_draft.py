@@ -14,6 +14,13 @@ made once and kept (the target's forward pass, not the draft's step, is most of 
 on two cores, 2.3 s against 0.5 s for 4 windows of 256 tokens), so a run of S steps makes S / P teacher passes.
 Step s trains on batch s mod ceil(S / P); the kept states are bounded by :data:`MAX_KEPT_BYTES`.
 
+``nproc=R`` (``--distill eagle:...,nproc=R``, or every rank of a torchrun / Slurm job calling it): data parallel
+over R processes (``prunus.compress.eagle_spawn`` starts them locally with the engine's launcher): each rank runs
+the teacher and the draft on its share of every batch (``get_batch``'s rows for rank r of R, so the shares make up
+the one-process batch) and the draft's gradients are averaged before each step, so the R ranks train the draft one
+process would, to rounding (a test), with the teacher's passes, most of a step, split R ways. Rank 0 saves the
+state and writes the draft dir.
+
 Start: ``fc`` passes the token's embedding through (``[0 | I]``), the block is a copy of the target's first block,
 the norm the target's final norm, and the head the target's output rows of the ``vocab`` tokens most frequent in the
 training corpus (frozen). AdamW with a warmup of a twentieth of the steps and a cosine down to lr / 10.
@@ -39,22 +46,22 @@ from prunus.artifacts.errors import PrunusError
 
 DEFAULT_VOCAB = 16384
 DEFAULTS = {"steps": 200, "batch_size": 4, "lr": 1e-3, "seq_len": 256}
-MAX_VOCAB_SPEC = "eagle[:vocab=N][,passes=P]"
+MAX_VOCAB_SPEC = "eagle[:vocab=N][,passes=P][,nproc=R]"
 MAX_KEPT_BYTES = 8 << 30  # the teacher states a run with passes > 1 keeps in memory
 
 
 def parse_eagle(spec: str) -> dict:
-    """``eagle``, ``eagle:vocab=N``, ``eagle:passes=P`` or ``eagle:vocab=N,passes=P`` -> {"vocab": N or None,
-    "passes": P or None}; one PrunusError line otherwise."""
+    """``eagle`` with any of ``vocab=N``, ``passes=P``, ``nproc=R`` after a colon, joined by commas -> {"vocab": N
+    or None, "passes": P or None, "nproc": R or None}; one PrunusError line otherwise."""
     name, _, rest = spec.partition(":")
     if name != "eagle":
         raise PrunusError(f"--distill {spec}: not an EAGLE draft; write {MAX_VOCAB_SPEC}")
-    parsed = {"vocab": None, "passes": None}
+    parsed = {"vocab": None, "passes": None, "nproc": None}
     for item in rest.split(",") if rest else []:
         key, _, value = item.partition("=")
         if key not in parsed or parsed[key] is not None or not value.isdigit() or int(value) < 1:
-            raise PrunusError(f"--distill {spec}: write {MAX_VOCAB_SPEC} with N and P positive whole numbers, each at "
-                              "most once (e.g. eagle:vocab=16384 or eagle:vocab=4096,passes=3)")
+            raise PrunusError(f"--distill {spec}: write {MAX_VOCAB_SPEC} with N, P and R positive whole numbers, each "
+                              "at most once (e.g. eagle:vocab=16384 or eagle:vocab=4096,passes=3,nproc=2)")
         parsed[key] = int(value)
     return parsed
 
@@ -182,55 +189,116 @@ def check_kept(settings: dict, dim: int) -> None:
 
 def run_steps(target, draft, opt, tokens: np.ndarray, settings: dict, first: int, state_dir: Path, meta: dict,
               log) -> dict:
-    """Steps ``first`` .. ``settings["steps"]`` of the run; the last step's figures."""
+    """Steps ``first`` .. ``settings["steps"]`` of the run; the last step's figures. In a process group of R ranks
+    each rank takes its share of every batch (the rows :func:`prunus.data.batches.get_batch` gives rank r of R, so
+    the R shares are the one-process batch), and the draft's gradients are averaged before each step: every rank
+    keeps the same draft, the one a single process would train (a test)."""
     from prunus.data.batches import get_batch
     from prunus.data.evaluate import final_hidden
     from prunus.models.eagle_draft import target_embeds
 
+    rank, world = group()
     steps, save_every, n_batches = settings["steps"], settings["save_every"], batches(settings)
     figures, start, kept = {}, time.perf_counter(), {}
     for step in range(first, steps):
         b = step % n_batches
         if b not in kept:
-            x, _ = get_batch(tokens, seed=settings["seed"], step=b, micro_batch=settings["batch_size"],
-                             seq_len=settings["seq_len"])
+            x, _ = get_batch(tokens, seed=settings["seed"], step=b, micro_batch=settings["batch_size"] // world,
+                             seq_len=settings["seq_len"], rank=rank, world=world)
             with torch.no_grad():
                 kept[b] = final_hidden(target, x), target_embeds(target, x)
         h, embeds = kept[b] if settings["passes"] > 1 else kept.pop(b)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, settings["lr"])
+        for group_ in opt.param_groups:
+            group_["lr"] = lr_at(step, steps, settings["lr"])
         loss, figures = eagle_loss(draft, h, embeds)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        figures = averaged(draft, figures, world)
         torch.nn.utils.clip_grad_norm_(trainable(draft), 1.0)
         opt.step()
         done = step + 1
         if done % save_every == 0 or done == steps:
-            save_state(state_dir, draft, opt, done, meta)
-        if log is not None and (done % max(1, steps // 20) == 0 or done == steps):
+            if rank == 0:
+                save_state(state_dir, draft, opt, done, meta)
+            barrier(world)
+        if log is not None and rank == 0 and (done % max(1, steps // 20) == 0 or done == steps):
             rate = (done - first) * settings["batch_size"] * settings["seq_len"] / (time.perf_counter() - start)
             log(f"step {done}/{steps}: kl {figures['kl']:.3f}, feature loss {figures['reg']:.4f}, "
                 f"top-1 agreement {figures['agree']:.3f}, {rate:.0f} tokens/s")
     return figures
 
 
-def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None = None, data=None,
-                steps: int | None = None,
-                batch_size: int | None = None, lr: float | None = None, seq_len: int | None = None, seed: int = 0,
-                max_corpus_bytes: int | None = 16 << 20, overwrite: bool = False, save_every: int = 25,
-                log=print, command: str | None = None) -> dict:
+def group() -> tuple[int, int]:
+    """(rank, ranks) of the process group this run is in; (0, 1) alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def averaged(draft, figures: dict, world: int) -> dict:
+    """Every rank's gradients of the draft averaged in place (each rank's loss is its share's mean, the shares of
+    equal size); the step's figures averaged the same way."""
+    if world == 1:
+        return figures
+    import torch.distributed as dist
+
+    grads = [p.grad for p in trainable(draft)]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([figures[k] for k in ("kl", "reg", "agree")])])
+    dist.all_reduce(flat)
+    flat /= world
+    at = 0
+    for g in grads:
+        g.copy_(flat[at:at + g.numel()].view_as(g))
+        at += g.numel()
+    return dict(zip(("kl", "reg", "agree"), flat[at:].tolist()))
+
+
+def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None = None, nproc: int | None = None,
+                data=None, steps: int | None = None, batch_size: int | None = None, lr: float | None = None,
+                seq_len: int | None = None, seed: int = 0, max_corpus_bytes: int | None = 16 << 20,
+                overwrite: bool = False, save_every: int = 25, log=print, command: str | None = None) -> dict:
     """Train an EAGLE draft for the model dir ``target_dir`` and write it to ``out`` (see the module docstring);
-    returns the draft's figures (held-out first-token agreement, seconds)."""
-    from prunus.data.corpus import load_corpus
-    from prunus.models import load_model, load_model_tokenizer
-    from prunus.models.eagle_draft import save_eagle_draft
-    from prunus.models.model_dir import parent_entry
+    returns the draft's figures (held-out first-token agreement, seconds). ``nproc`` > 1 outside a process group:
+    the run goes to that many local processes (torchrun), each its share of every batch; in a group (torchrun,
+    Slurm) every rank calls it."""
+    from prunus.train_parallel.launch.launch import env_ranks, init_distributed
 
     target_dir, out = Path(target_dir), Path(out)
     if out.resolve() == target_dir.resolve():
         raise PrunusError(f"--out {out}: is the target model dir; the draft never overwrites its input")
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
+    ranks = env_ranks()[1]
+    if (nproc or 1) > 1 and ranks == 1:
+        from .eagle_spawn import spawn
+
+        keywords = dict(vocab=vocab, passes=passes, nproc=nproc, data=None if data is None else str(data), steps=steps,
+                        batch_size=batch_size, lr=lr, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
+                        overwrite=overwrite, save_every=save_every, command=command)
+        return spawn(str(target_dir), str(out), keywords, nproc)
+    if ranks > 1 and nproc not in (None, ranks):
+        raise PrunusError(f"eagle: nproc={nproc} inside a group of {ranks} processes; drop nproc or launch {nproc}")
+    init_distributed()
+    return _train(target_dir, out, vocab, passes, data, steps, batch_size, lr, seq_len, seed, max_corpus_bytes,
+                  overwrite, save_every, log, command)
+
+
+def _train(target_dir: Path, out: Path, vocab, passes, data, steps, batch_size, lr, seq_len, seed, max_corpus_bytes,
+           overwrite, save_every, log, command) -> dict:
+    from prunus.data.corpus import load_corpus
+    from prunus.models import load_model, load_model_tokenizer
+    from prunus.models.eagle_draft import save_eagle_draft
+    from prunus.models.model_dir import parent_entry
+
     t0 = time.perf_counter()
     target = load_model(target_dir).eval()
     for p in target.parameters():
@@ -244,7 +312,11 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
         if isinstance(settings[key], bool) or not isinstance(settings[key], int) or settings[key] < 1:
             raise PrunusError(f"eagle: {key}={settings[key]!r} must be a positive whole number (--distill-{key.replace('_', '-')})")
     settings.update(seed=seed, save_every=save_every, passes=passes or 1)
-    check_kept(settings, target.config.dim)
+    rank, world = group()
+    if settings["batch_size"] % world:
+        raise PrunusError(f"eagle: batch size {settings['batch_size']} is not divisible by the {world} processes "
+                          "(--distill-batch-size)")
+    check_kept({**settings, "batch_size": settings["batch_size"] // world}, target.config.dim)
     n_vocab = min(vocab or DEFAULT_VOCAB, target.config.vocab_size)
     token_ids = frequency_ranked(corpus.train, target.config.vocab_size, n_vocab)
     torch.manual_seed(seed)
@@ -257,14 +329,16 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
     if log is not None and first:
         log(f"resuming from step {first} ({state_dir})")
     figures = run_steps(target, draft, opt, corpus.train, settings, first, state_dir, meta, log)
-    agree = agreement(target, draft.eval(), corpus.val, settings["seq_len"])
-    seconds = round(time.perf_counter() - t0, 1)
     record = {"corpus": corpus.name, "steps": settings["steps"], "batch_size": settings["batch_size"],
               "seq_len": settings["seq_len"], "lr": settings["lr"], "seed": seed, "passes": settings["passes"],
-              "train_tokens": batches(settings) * settings["batch_size"] * settings["seq_len"]}
-    metrics = {"heldout_first_token_agreement": round(agree, 4), "train_kl": round(figures.get("kl", 0.0), 4),
-               "seconds": seconds}
-    save_eagle_draft(draft, out, target=target_dir, tokenizer=tokenizer, record=record, metrics=metrics,
-                     overwrite=overwrite, command=command)
-    shutil.rmtree(state_dir, ignore_errors=True)
+              "train_tokens": batches(settings) * settings["batch_size"] * settings["seq_len"], "processes": world}
+    metrics = {"train_kl": round(figures.get("kl", 0.0), 4)}
+    if rank == 0:
+        metrics["heldout_first_token_agreement"] = round(agreement(target, draft.eval(), corpus.val,
+                                                                   settings["seq_len"]), 4)
+        metrics["seconds"] = round(time.perf_counter() - t0, 1)
+        save_eagle_draft(draft, out, target=target_dir, tokenizer=tokenizer, record=record, metrics=metrics,
+                         overwrite=overwrite, command=command)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    barrier(world)
     return {"out": str(out), "vocab": n_vocab, **record, **metrics}

@@ -89,6 +89,24 @@ def test_a_stopped_run_resumes_to_the_same_draft(dirs, tmp_path):
         train_eagle(dirs["target"], tmp_path / "again", log=None, **common)
 
 
+def test_two_processes_train_the_draft_one_process_trains(dirs, tmp_path):
+    """nproc=2 (two local ranks, each half of every batch, gradients averaged) against one process: the same draft
+    to rounding, the lineage and figures written once by rank 0."""
+    from safetensors.torch import load_file
+
+    from prunus.compress.eagle_draft import train_eagle
+
+    common = dict(vocab=50, steps=3, batch_size=4, seq_len=32, max_corpus_bytes=200_000, log=None)
+    one = train_eagle(dirs["target"], tmp_path / "one", **common)
+    two = train_eagle(dirs["target"], tmp_path / "two", nproc=2, **common)
+    assert two["processes"] == 2 and one["processes"] == 1 and two["train_tokens"] == one["train_tokens"]
+    assert two["train_kl"] == pytest.approx(one["train_kl"], rel=1e-4)
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < 1e-5  # 2.3e-7 measured
+    assert read_manifest(tmp_path / "two")["parent"]["hash"] == dir_hash(read_manifest(dirs["target"])["files"])
+    assert not (tmp_path / "two.eagle-state").exists()
+
+
 def test_passes_train_on_each_batch_p_times_with_one_teacher_pass(dirs, tmp_path, monkeypatch):
     """passes=2 over 4 steps: batches 0, 1, 0, 1, the target run twice, the weights those of a run that recomputes
     the teacher each step (its states are the same)."""
@@ -97,7 +115,8 @@ def test_passes_train_on_each_batch_p_times_with_one_teacher_pass(dirs, tmp_path
     from prunus.compress import eagle_draft
 
     evaluate = importlib.import_module("prunus.data.evaluate")
-    assert eagle_draft.parse_eagle("eagle:vocab=64,passes=3") == {"vocab": 64, "passes": 3}
+    assert eagle_draft.parse_eagle("eagle:vocab=64,passes=3") == {"vocab": 64, "passes": 3, "nproc": None}
+    assert eagle_draft.parse_eagle("eagle:nproc=2") == {"vocab": None, "passes": None, "nproc": 2}
     for bad in ("eagle:passes=0", "eagle:vocab=4,vocab=5", "eagle:passes=x"):
         with pytest.raises(PrunusError, match="positive whole numbers"):
             eagle_draft.parse_eagle(bad)

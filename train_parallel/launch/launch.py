@@ -116,6 +116,17 @@ def launch_local(cfg, argv: list[str]) -> int:
     return launch_ranks(cfg.nproc, argv)
 
 
+def run_module_ranks(nproc: int, module: str, args: list[str]) -> int:
+    """``python -m MODULE ARGS`` on ``nproc`` local processes under ``torchrun --standalone`` (a stage that spawns
+    its own ranks: distillation, an EAGLE draft), each with its share of the cores; the job's exit code."""
+    import subprocess
+
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={nproc}", "-m", module, *args], env=env)
+
+
 def launch_ranks(nproc: int, argv: list[str], agent: list[str] | None = None) -> int:
     """Run ``prunus <argv>`` in ``nproc`` processes on this host under torchrun's agent (see :func:`launch_local`;
     the caller has checked the settings ``argv`` gives, as a generic module's run does its own). ``agent``:
