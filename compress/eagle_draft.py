@@ -278,9 +278,10 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
     if out.exists() and not overwrite:
         raise PrunusError(f"{out}: already exists; choose another output path or pass --overwrite")
     ranks = env_ranks()[1]
+    if (batch_size or DEFAULTS["batch_size"]) % max(nproc or 1, ranks):
+        raise PrunusError(f"eagle: batch size {batch_size or DEFAULTS['batch_size']} is not divisible by the "
+                          f"{max(nproc or 1, ranks)} processes; give --distill-batch-size a multiple of them")
     if (nproc or 1) > 1 and ranks == 1:
-        from .eagle_spawn import spawn
-
         keywords = dict(vocab=vocab, passes=passes, nproc=nproc, data=None if data is None else str(data), steps=steps,
                         batch_size=batch_size, lr=lr, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         overwrite=overwrite, save_every=save_every, command=command)
@@ -290,6 +291,22 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
     init_distributed()
     return _train(target_dir, out, vocab, passes, data, steps, batch_size, lr, seq_len, seed, max_corpus_bytes,
                   overwrite, save_every, log, command)
+
+
+def spawn(target_dir: str, out: str, keywords: dict, nproc: int) -> dict:
+    """The figures of a run of ``train_eagle(target_dir, out, **keywords)`` on ``nproc`` local processes."""
+    import json
+    import tempfile
+
+    from prunus.train_parallel.launch.launch import run_module_ranks
+
+    with tempfile.TemporaryDirectory(prefix="prunus-eagle-") as work:
+        spec, result = Path(work) / "spec.json", Path(work) / "result.json"
+        spec.write_text(json.dumps({"target": target_dir, "out": out, "keywords": keywords, "result": str(result)}))
+        rc = run_module_ranks(nproc, "prunus.compress.eagle_spawn", [str(spec)])
+        if rc != 0 or not result.is_file():
+            raise PrunusError(f"eagle: the {nproc}-process run failed (exit code {rc}); its output above says why")
+        return json.loads(result.read_text())
 
 
 def _train(target_dir: Path, out: Path, vocab, passes, data, steps, batch_size, lr, seq_len, seed, max_corpus_bytes,
@@ -313,9 +330,6 @@ def _train(target_dir: Path, out: Path, vocab, passes, data, steps, batch_size, 
             raise PrunusError(f"eagle: {key}={settings[key]!r} must be a positive whole number (--distill-{key.replace('_', '-')})")
     settings.update(seed=seed, save_every=save_every, passes=passes or 1)
     rank, world = group()
-    if settings["batch_size"] % world:
-        raise PrunusError(f"eagle: batch size {settings['batch_size']} is not divisible by the {world} processes "
-                          "(--distill-batch-size)")
     check_kept({**settings, "batch_size": settings["batch_size"] // world}, target.config.dim)
     n_vocab = min(vocab or DEFAULT_VOCAB, target.config.vocab_size)
     token_ids = frequency_ranked(corpus.train, target.config.vocab_size, n_vocab)

@@ -117,6 +117,8 @@ def test_passes_train_on_each_batch_p_times_with_one_teacher_pass(dirs, tmp_path
     evaluate = importlib.import_module("prunus.data.evaluate")
     assert eagle_draft.parse_eagle("eagle:vocab=64,passes=3") == {"vocab": 64, "passes": 3, "nproc": None}
     assert eagle_draft.parse_eagle("eagle:nproc=2") == {"vocab": None, "passes": None, "nproc": 2}
+    with pytest.raises(PrunusError, match="not divisible by the 3 processes"):  # before any process starts
+        eagle_draft.train_eagle(dirs["target"], tmp_path / "three", nproc=3, batch_size=4, log=None)
     for bad in ("eagle:passes=0", "eagle:vocab=4,vocab=5", "eagle:passes=x"):
         with pytest.raises(PrunusError, match="positive whole numbers"):
             eagle_draft.parse_eagle(bad)
