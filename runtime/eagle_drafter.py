@@ -33,7 +33,7 @@ from .drafter import LOOKUP, Drafter, split_draft
 from .sampling import RowSampling, sampling_probs
 
 
-MAX_CATCH_UP = 8  # unread target states a row keeps, the most the draft reads before drafting (see the docstring)
+MAX_CATCH_UP = 4  # unread target states a row keeps, the most the draft reads before drafting (see the docstring)
 
 
 class TorchDraft:

@@ -36,8 +36,7 @@ PRIOR = 2.0  # drafts' worth of every row's acceptance in a row's estimate (a ne
 MARGIN = 1.02  # drafting must beat plain decoding's rate by this much
 EXPLORE_STEPS = 32  # steps a row decodes plainly before it drafts one token again; doubled while it still loses
 MAX_EXPLORE_STEPS = 1024
-COST_SAMPLES = 15  # a pass size's cost: the median of its last timings (a stall elsewhere moves one sample only)
-COST_DECAY = 0.8  # the weight of a drafted token's earlier timings against each new one
+COST_SAMPLES = 15  # a pass size's cost, a source's per token: the median of its last timings (a stall moves one)
 
 
 class Acceptance:
@@ -82,6 +81,7 @@ class PassCosts:
         self.by_tokens: dict[int, float] = {}
         self.samples: dict[int, deque] = {}
         self.draft_s: dict[str, float] = {}
+        self.draft_samples: dict[str, deque] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
         recent = self.samples.setdefault(tokens, deque(maxlen=COST_SAMPLES))
@@ -89,23 +89,30 @@ class PassCosts:
         self.by_tokens[tokens] = statistics.median(recent)
 
     def observe_draft(self, source: str, drafted: int, seconds: float) -> None:
-        """``drafted`` tokens of ``source`` took ``seconds`` to make (its offer and proposal)."""
-        per, before = seconds / drafted, self.draft_s.get(source)
-        self.draft_s[source] = per if before is None else COST_DECAY * before + (1 - COST_DECAY) * per
+        """``drafted`` tokens of ``source`` took ``seconds`` to make: its cost per token, the median of its recent
+        proposals (one slow proposal, a first pass or a stall, moves one sample only)."""
+        recent = self.draft_samples.setdefault(source, deque(maxlen=COST_SAMPLES))
+        recent.append(seconds / drafted)
+        self.draft_s[source] = statistics.median(recent)
 
     def at(self, tokens: int) -> float | None:
         """A pass of ``tokens``: as measured, else on the line through the nearest measured counts (one each side,
         or the two nearest); above the largest measured count only for the next count, so that larger passes are
-        measured one count at a time, not predicted from far below. None where it cannot say."""
+        measured one count at a time, not predicted from far below. None where it cannot say. A count's cost is
+        never above a larger measured count's (a pass of fewer tokens does not cost more: a rarely measured count
+        with a slow sample is bounded by the counts above it)."""
         if tokens in self.by_tokens:
-            return self.by_tokens[tokens]
+            return self._bounded(tokens)
         measured = sorted(self.by_tokens)
         if len(measured) < 2 or tokens > measured[-1] + 1:
             return None
         below, above = [t for t in measured if t < tokens], [t for t in measured if t > tokens]
         a, b = (below[-1], above[0]) if below and above else (measured[-2], measured[-1]) if below else measured[:2]
-        ca, cb = self.by_tokens[a], self.by_tokens[b]
+        ca, cb = self._bounded(a), self._bounded(b)
         return max(0.0, ca + (cb - ca) * (tokens - a) / (b - a))
+
+    def _bounded(self, tokens: int) -> float:
+        return min(cost for t, cost in self.by_tokens.items() if t >= tokens)
 
 
 class RowPolicy:
