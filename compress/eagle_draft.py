@@ -285,7 +285,7 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
         keywords = dict(vocab=vocab, passes=passes, nproc=nproc, data=None if data is None else str(data), steps=steps,
                         batch_size=batch_size, lr=lr, seq_len=seq_len, seed=seed, max_corpus_bytes=max_corpus_bytes,
                         overwrite=overwrite, save_every=save_every, command=command)
-        return spawn(str(target_dir), str(out), keywords, nproc)
+        return spawn(str(target_dir), str(out), keywords, nproc, progress=log is not None)
     if ranks > 1 and nproc not in (None, ranks):
         raise PrunusError(f"eagle: nproc={nproc} inside a group of {ranks} processes; drop nproc or launch {nproc}")
     init_distributed()
@@ -293,8 +293,9 @@ def train_eagle(target_dir, out, *, vocab: int | None = None, passes: int | None
                   overwrite, save_every, log, command)
 
 
-def spawn(target_dir: str, out: str, keywords: dict, nproc: int) -> dict:
-    """The figures of a run of ``train_eagle(target_dir, out, **keywords)`` on ``nproc`` local processes."""
+def spawn(target_dir: str, out: str, keywords: dict, nproc: int, progress: bool = True) -> dict:
+    """The figures of a run of ``train_eagle(target_dir, out, **keywords)`` on ``nproc`` local processes (rank 0
+    printing its progress when ``progress``)."""
     import json
     import tempfile
 
@@ -302,7 +303,8 @@ def spawn(target_dir: str, out: str, keywords: dict, nproc: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="prunus-eagle-") as work:
         spec, result = Path(work) / "spec.json", Path(work) / "result.json"
-        spec.write_text(json.dumps({"target": target_dir, "out": out, "keywords": keywords, "result": str(result)}))
+        spec.write_text(json.dumps({"target": target_dir, "out": out, "keywords": keywords, "result": str(result),
+                                    "progress": progress}))
         rc = run_module_ranks(nproc, "prunus.compress.eagle_spawn", [str(spec)])
         if rc != 0 or not result.is_file():
             raise PrunusError(f"eagle: the {nproc}-process run failed (exit code {rc}); its output above says why")

@@ -23,7 +23,7 @@ def run_spec(spec_path: str) -> None:
     from .eagle_draft import group, train_eagle
 
     spec = json.loads(Path(spec_path).read_text())
-    figures = train_eagle(spec["target"], spec["out"], **spec["keywords"])
+    figures = train_eagle(spec["target"], spec["out"], **spec["keywords"], log=print if spec["progress"] else None)
     if group()[0] == 0:
         Path(spec["result"]).write_text(json.dumps(figures))
     if dist.is_initialized():
