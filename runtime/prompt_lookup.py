@@ -32,9 +32,9 @@ def match(seq: list[int], k: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list
 
 
 class PromptLookup(Drafter):
-    """A drafter (see :class:`prunus.runtime.speculative.Speculator`) with no state of its own. Its offers are
-    named by the length of the tail that matched (``ngram3``, ``ngram2``, ``ngram1``), so that the policy learns how
-    often each kind of match is right: a three-token match is, more often than a one-token one."""
+    """A drafter (see :class:`prunus.runtime.speculative.Speculator`) keeping only each row's last lookup. Its
+    offers are named by the length of the tail that matched (``ngram3``, ``ngram2``, ``ngram1``), so that the policy
+    learns how often each kind of match is right: a three-token match is, more often than a one-token one."""
 
     name = "ngram"
 
