@@ -26,6 +26,7 @@ this many rows.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 
@@ -78,7 +79,9 @@ class PassCosts:
     drafted token by the draft's source."""
 
     def __init__(self):
-        self.by_tokens: dict[int, float] = {}
+        self.by_tokens: dict[int, float] = {}  # the median of each count's recent timings
+        self.bounded: dict[int, float] = {}  # the same, never above a larger count's
+        self.measured: list[int] = []  # the counts timed, ascending
         self.samples: dict[int, deque] = {}
         self.draft_s: dict[str, float] = {}
         self.draft_samples: dict[str, deque] = {}
@@ -87,6 +90,10 @@ class PassCosts:
         recent = self.samples.setdefault(tokens, deque(maxlen=COST_SAMPLES))
         recent.append(seconds)
         self.by_tokens[tokens] = statistics.median(recent)
+        self.measured = sorted(self.by_tokens)  # and each count's cost bounded by the larger counts' (see at)
+        low, self.bounded = float("inf"), {}
+        for t in reversed(self.measured):
+            low = self.bounded[t] = min(low, self.by_tokens[t])
 
     def observe_draft(self, source: str, drafted: int, seconds: float) -> None:
         """``drafted`` tokens of ``source`` took ``seconds`` to make: its cost per token, the median of its recent
@@ -101,18 +108,16 @@ class PassCosts:
         measured one count at a time, not predicted from far below. None where it cannot say. A count's cost is
         never above a larger measured count's (a pass of fewer tokens does not cost more: a rarely measured count
         with a slow sample is bounded by the counts above it)."""
-        if tokens in self.by_tokens:
-            return self._bounded(tokens)
-        measured = sorted(self.by_tokens)
+        if tokens in self.bounded:
+            return self.bounded[tokens]
+        measured = self.measured
         if len(measured) < 2 or tokens > measured[-1] + 1:
             return None
-        below, above = [t for t in measured if t < tokens], [t for t in measured if t > tokens]
-        a, b = (below[-1], above[0]) if below and above else (measured[-2], measured[-1]) if below else measured[:2]
-        ca, cb = self._bounded(a), self._bounded(b)
+        i = bisect.bisect(measured, tokens)  # the first measured count above ``tokens``
+        a, b = (measured[i - 1], measured[i]) if 0 < i < len(measured) else (
+            (measured[-2], measured[-1]) if i else (measured[0], measured[1]))
+        ca, cb = self.bounded[a], self.bounded[b]
         return max(0.0, ca + (cb - ca) * (tokens - a) / (b - a))
-
-    def _bounded(self, tokens: int) -> float:
-        return min(cost for t, cost in self.by_tokens.items() if t >= tokens)
 
 
 class RowPolicy:

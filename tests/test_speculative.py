@@ -189,6 +189,19 @@ def test_prompt_lookup_copies_what_followed_the_tail():
     assert drafter.offers(0, [1, 2, 3, 9, 4, 1, 2], 4) == [("ngram2", 4)]
     assert drafter.offers(0, [5, 9, 4, 1, 9], 4) == [("ngram1", 3)] and drafter.offers(0, [1, 2, 3], 4) == []
     assert drafter.propose(0, [5, 9, 4, 1, 9], 2, None) == ([4, 1], None)
+    import random
+
+    from prunus.runtime.prompt_lookup import match
+
+    rng = random.Random(0)  # a row's index, grown step by step, answers as the scan does; a new request starts afresh
+    for vocab in (3, 20, 300):
+        seq, drafter = [rng.randrange(vocab) for _ in range(3)], PromptLookup()
+        for _ in range(80):
+            k = rng.randrange(1, 7)
+            assert drafter._match(0, seq, k) == match(seq, k)
+            seq = seq + [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+        other = [vocab + 1, vocab + 2, vocab + 1]
+        assert drafter._match(0, other, 2) == match(other, 2) == (1, [vocab + 2, vocab + 1])
     assert split_draft("ngram") == (None, True) and split_draft("d+ngram") == ("d", True)
     assert split_draft("d") == ("d", False)
 
