@@ -117,7 +117,8 @@ class PassCosts:
         a, b = (measured[i - 1], measured[i]) if 0 < i < len(measured) else (
             (measured[-2], measured[-1]) if i else (measured[0], measured[1]))
         ca, cb = self.bounded[a], self.bounded[b]
-        return max(0.0, ca + (cb - ca) * (tokens - a) / (b - a))
+        line = ca + (cb - ca) * (tokens - a) / (b - a)
+        return line if line > 0 else None  # a line steep enough to reach zero below the counts measured says nothing
 
 
 class RowPolicy:

@@ -360,6 +360,10 @@ def test_pass_costs_are_measured_per_count_and_predicted_only_one_count_ahead():
     costs.observe_draft("eagle", 2, 0.004)
     assert costs.at(9) == pytest.approx(0.090) and costs.at(11) == pytest.approx(0.110) and costs.at(12) is None
     assert costs.at(7) == pytest.approx(0.070) and costs.draft_s == {"eagle": pytest.approx(0.002)}
+    steep = PassCosts()  # first timed at 9 and 16 tokens (a batch's rows with drafts): no cost, not 0 s, at 8
+    steep.observe(9, 0.010)
+    steep.observe(16, 0.100)
+    assert steep.at(8) is None and steep.at(12) == pytest.approx(0.010 + 0.090 * 3 / 7)
     acc = Acceptance(3)
     for step in range(20):
         acc.record(3, 1, step)  # the first drafted token always accepted, the second never
